@@ -1,0 +1,252 @@
+"""Registration's one streaming pass: block layout, base block hashes, and expert delta statistics.
+
+Reads with `os.preadv` into reused buffers at offsets from the headers, one (expert, tensor) unit
+per worker thread; the numeric work runs in numba/numpy with the GIL released. Peak memory is a
+few blocks per worker plus one float32 |Δ| buffer of the largest tensor (needed for the exact
+top-k thresholds). Produces plain Python/numpy rows; the catalog module stores them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from . import stats
+from .checkpoint import Checkpoint
+from .errors import AlignmentError
+from .tensorfile import DTYPES, TensorInfo, as_float32, pread_into
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of the family layout: rows [row_start, row_end) of tensor `tensor_idx`."""
+
+    tensor_idx: int
+    block_idx: int
+    row_start: int
+    row_end: int
+    byte_start: int  # relative to the tensor's data start
+    nbytes: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class FamilyTensor:
+    """A tensor of a family, as the base defines it."""
+
+    tensor_idx: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    nbytes: int
+    row_bytes: int
+    mergeable: bool
+    blocks: tuple[Block, ...]
+
+
+def layout(base: Checkpoint, block_size: int) -> list[FamilyTensor]:
+    """Split every tensor of `base` into blocks of about `block_size` bytes of whole dim-0 rows."""
+    out = []
+    for idx, (_, t) in enumerate(base.tensors):
+        rows = t.shape[0] if len(t.shape) >= 2 else 1
+        row_bytes = t.row_bytes if len(t.shape) >= 2 else t.nbytes
+        per_row = t.numel // rows if rows else 0
+        rows_per_block = max(1, block_size // row_bytes) if row_bytes and len(t.shape) >= 2 else max(rows, 1)
+        blocks = []
+        for b, r0 in enumerate(range(0, max(rows, 1), rows_per_block)):
+            r1 = min(rows, r0 + rows_per_block)
+            blocks.append(Block(idx, b, r0, r1, r0 * row_bytes, (r1 - r0) * row_bytes, (r1 - r0) * per_row))
+        out.append(
+            FamilyTensor(idx, t.name, t.dtype, t.shape, t.numel, t.nbytes, row_bytes, t.is_float, tuple(blocks))
+        )
+    return out
+
+
+def check_aligned(base: Checkpoint, expert: Checkpoint) -> None:
+    """Refuse an expert whose tensors differ from the base's in names, shapes or dtypes."""
+    b = {t.name: t for _, t in base.tensors}
+    e = {t.name: t for _, t in expert.tensors}
+    problems = [f"missing tensor {n!r}" for n in b if n not in e]
+    problems += [f"extra tensor {n!r}" for n in e if n not in b]
+    problems += [
+        f"tensor {n!r} is {e[n].dtype}{list(e[n].shape)} in the expert but {t.dtype}{list(t.shape)} in the base"
+        for n, t in b.items()
+        if n in e and (e[n].shape != t.shape or e[n].dtype != t.dtype)
+    ]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise AlignmentError(
+            f"expert {expert.name!r} ({expert.path}) does not align with base {base.name!r}: "
+            + "; ".join(problems[:5]) + more
+            + ". Register it against the base it was fine-tuned from (--base-model NAME)."
+        )
+
+
+@dataclass
+class ExpertStats:
+    """Everything registration learns about one expert, ready to be stored."""
+
+    blocks: list[tuple] = field(default_factory=list)  # rows for expert_blocks (see catalog)
+    tensors: list[tuple] = field(default_factory=list)  # rows for expert_tensors
+    content_hash: str = ""
+
+
+class _Files:
+    """Open file descriptors of a checkpoint, indexed by file index."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.paths = [ckpt.root / f.relpath for f in ckpt.files]
+        self.fds = [os.open(p, os.O_RDONLY) for p in self.paths]
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+@contextmanager
+def _opened(ckpt: Checkpoint) -> Iterator[_Files]:
+    files = _Files(ckpt)
+    try:
+        yield files
+    finally:
+        files.close()
+
+
+def _where(ckpt: Checkpoint) -> dict[str, tuple[int, TensorInfo]]:
+    return {t.name: (fi, t) for fi, t in ckpt.tensors}
+
+
+class _Scratch(threading.local):
+    """Per-thread reusable buffers (fresh large allocations cost page faults on every call)."""
+
+    def get(self, name: str, nbytes: int) -> np.ndarray:
+        bufs: dict[str, np.ndarray] = self.__dict__.setdefault("bufs", {})
+        buf = bufs.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = bufs[name] = np.empty(max(nbytes, 1), np.uint8)
+        return buf[:nbytes]
+
+
+def hash_base(base: Checkpoint, family: list[FamilyTensor], threads: int, progress: Progress | None) -> list[str]:
+    """xxh3-128 of every block of the base, in (tensor, block) order."""
+    where = _where(base)
+    scratch = _Scratch()
+
+    def one(ft: FamilyTensor) -> list[str]:
+        fi, t = where[ft.name]
+        hashes = []
+        for blk in ft.blocks:
+            buf = scratch.get("raw", blk.nbytes)
+            pread_into(files.fds[fi], memoryview(buf), t.start + blk.byte_start, files.paths[fi])
+            hashes.append(xxhash.xxh3_128_hexdigest(buf))
+            if progress:
+                progress(blk.nbytes)
+        return hashes
+
+    with _opened(base) as files, ThreadPoolExecutor(threads) as pool:
+        return [h for hs in pool.map(one, family) for h in hs]
+
+
+def scan_expert(
+    base: Checkpoint,
+    expert: Checkpoint,
+    family: list[FamilyTensor],
+    base_hashes: dict[tuple[int, int], str],
+    sketch_dim: int,
+    threads: int = 2,
+    progress: Progress | None = None,
+) -> ExpertStats:
+    """Read `expert` (and the base blocks it needs) once; exact delta statistics per block and tensor."""
+    check_aligned(base, expert)
+    bwhere, ewhere = _where(base), _where(expert)
+    scratch = _Scratch()
+
+    def one(ft: FamilyTensor) -> tuple[list[tuple], tuple | None, list[str]]:
+        bfi, bt = bwhere[ft.name]
+        efi, et = ewhere[ft.name]
+        os.posix_fadvise(efiles.fds[efi], et.start, et.nbytes, os.POSIX_FADV_WILLNEED)
+        raw_dtype = np.dtype(DTYPES[ft.dtype][1])
+        rows: list[tuple] = []
+        hashes: list[str] = []
+        abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32) if ft.mergeable else None
+        summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+        all_identical = True
+        for blk in ft.blocks:
+            eraw = scratch.get("e", blk.nbytes)
+            braw = scratch.get("b", blk.nbytes)
+            pread_into(efiles.fds[efi], memoryview(eraw), et.start + blk.byte_start, efiles.paths[efi])
+            pread_into(bfiles.fds[bfi], memoryview(braw), bt.start + blk.byte_start, bfiles.paths[bfi])
+            identical = bool(np.array_equal(eraw, braw))
+            key = (ft.tensor_idx, blk.block_idx)
+            chash = base_hashes[key] if identical else xxhash.xxh3_128_hexdigest(eraw)
+            hashes.append(chash)
+            if progress:
+                progress(blk.nbytes)
+            if not ft.mergeable:
+                continue
+            n0 = element_offset(ft, blk)
+            seg = abs_delta[n0 : n0 + blk.numel]
+            if identical:
+                seg[:] = 0
+                summary[0] += blk.numel
+                rows.append(_zero_row(ft.tensor_idx, blk.block_idx, chash, sketch_dim))
+                continue
+            all_identical = False
+            ef = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", blk.numel * 4).view(np.float32))
+            bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
+            s = stats.block_stats(ef, bf, seg, stats.sketch_key(ft.name, blk.block_idx), summary, sketch_dim)
+            rows.append((
+                ft.tensor_idx, blk.block_idx, False, s.norm, s.max_abs, s.nnz, s.nonfinite, chash,
+                s.hist_lo, stats.hist_hi(s.hist_lo), s.hist_count, s.hist_sum, s.hist_sumsq, s.sketch,
+            ))
+        if not ft.mergeable:
+            return rows, None, hashes
+        if all_identical:
+            thresholds = np.zeros(len(stats.DENSITY_GRID), np.float32)
+        else:
+            thresholds = stats.grid_thresholds(abs_delta, summary)
+        codes, counts = stats.summary_bins(summary)
+        return rows, (ft.tensor_idx, all_identical, thresholds, codes, counts), hashes
+
+    out = ExpertStats()
+    all_hashes: list[str] = []
+    with _opened(base) as bfiles, _opened(expert) as efiles, ThreadPoolExecutor(threads) as pool:
+        for rows, trow, hashes in pool.map(one, family):
+            out.blocks.extend(rows)
+            if trow is not None:
+                out.tensors.append(trow)
+            all_hashes.extend(hashes)
+    out.content_hash = content_hash(all_hashes)
+    return out
+
+
+def content_hash(block_hashes: list[str]) -> str:
+    """A checkpoint's content hash: xxh3-128 over its block hashes in (tensor, block) order."""
+    h = xxhash.xxh3_128()
+    for hx in block_hashes:
+        h.update(hx.encode())
+    return h.hexdigest()
+
+
+def _zero_row(tensor_idx: int, block_idx: int, chash: str, dim: int) -> tuple:
+    empty_f = np.zeros(0, np.float32)
+    return (
+        tensor_idx, block_idx, True, 0.0, 0.0, 0, 0, chash,
+        empty_f, empty_f, np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(dim, np.float32),
+    )
+
+
+def element_offset(ft: FamilyTensor, blk: Block) -> int:
+    """Index of the block's first element in the flattened tensor."""
+    return blk.row_start * (ft.numel // ft.shape[0]) if len(ft.shape) >= 2 and ft.shape[0] else 0
+

@@ -1,0 +1,204 @@
+"""Exact statistics of a delta Δ = expert − base, computed block by block in one fused pass.
+
+Pure numeric code (numpy + numba); nothing here knows of files or catalogs.
+
+Definitions (the planner, the executor and the tests all use these):
+- Δ is computed in float32 from the decoded expert and base values; norms accumulate in float64.
+- A block histogram bins |Δ| by the top 10 bits of its float32 pattern (exponent plus one mantissa
+  bit): bin edges are 2^e and 1.5·2^e, so each bin spans a factor of 1.5 or 4/3.
+- A tensor's magnitude summary bins |Δ| by the top 15 bits (relative width 2^-6): it gives the
+  exact count above every bin edge, hence any top-k threshold within 0.8% (bin's geometric mid).
+- A linear sketch is a CountSketch: element i of block b of tensor t goes to bucket h(i) with sign
+  s(i), both from a 64-bit hash of (key(t, b), i) — never of the checkpoint, so
+  sketch(θ_k) − sketch(θ_0) = sketch(Δ_k) and E⟨S a, S b⟩ = ⟨a, b⟩.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+HIST_SHIFT = 22  # block histogram: top 10 bits of |Δ|'s float32 pattern
+HIST_BINS = 1 << (32 - HIST_SHIFT - 1)  # sign bit is always 0 for |Δ|: 512 bins
+SUMMARY_SHIFT = 17  # tensor magnitude summary: top 15 bits (relative bin width 2^-6)
+SUMMARY_BINS = 1 << (32 - SUMMARY_SHIFT - 1)  # 16384
+DEFAULT_SKETCH_DIM = 64
+
+# Density grid with exact thresholds: every 0.1% up to 10%, then every 1% up to 100%.
+DENSITY_GRID = np.array(
+    [round(i / 1000, 3) for i in range(1, 101)] + [round(i / 100, 2) for i in range(11, 101)]
+)
+
+
+def kth_count(density: float, n: int) -> int:
+    """How many elements a top-`density` trim keeps: k = max(1, int(density·n)) (mergekit's rule)."""
+    return max(1, int(density * n))
+
+
+def sketch_key(tensor: str, block: int) -> np.uint64:
+    """The sketch's hash key for block `block` of tensor `tensor` (independent of any checkpoint)."""
+    digest = hashlib.sha256(f"mergedb-sketch\0{tensor}\0{block}".encode()).digest()
+    return np.uint64(int.from_bytes(digest[:8], "little"))
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """Exact statistics of one block's delta."""
+
+    norm: float  # ‖Δ‖₂, float64 accumulation
+    max_abs: float
+    nnz: int
+    nonfinite: int
+    hist_lo: np.ndarray  # (B,) float32 lower bin edges of the non-empty bins, ascending
+    hist_count: np.ndarray  # (B,) int64
+    hist_sum: np.ndarray  # (B,) float64 Σ|Δ| per bin
+    hist_sumsq: np.ndarray  # (B,) float64 ΣΔ² per bin
+    sketch: np.ndarray  # (D,) float32
+
+
+@numba.njit(nogil=True, cache=True)
+def _hash_bucket(key, i, dim):  # pragma: no cover - compiled
+    z = (key + np.uint64(i)) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(32))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = z ^ (z >> np.uint64(29))
+    j = ((z & np.uint64(0xFFFFFFFF)) * np.uint64(dim)) >> np.uint64(32)
+    sign = 1.0 - 2.0 * np.float64(z >> np.uint64(63))
+    return np.int64(j), sign
+
+
+@numba.njit(nogil=True, cache=True)
+def _delta_pass(e, b, abs_out, abs_bits, key, hcount, hsum, hsq, summary, sk):  # pragma: no cover
+    # e, b: (n,) float32 decoded values; abs_out: (n,) float32 receives |Δ| (abs_bits: same memory as uint32)
+    dim = sk.shape[0]
+    mx = np.float32(0.0)
+    nnz = 0
+    nonfinite = 0
+    ss = 0.0
+    for i in range(e.shape[0]):
+        dv = e[i] - b[i]
+        av = abs(dv)
+        abs_out[i] = av
+        nnz += dv != 0
+        if not av <= np.float32(3.4028234663852886e38):
+            nonfinite += 1
+            continue
+        mx = max(mx, av)
+        d64 = np.float64(dv)
+        q = d64 * d64
+        ss += q
+        bits = abs_bits[i]
+        hb = bits >> 22
+        hcount[hb] += 1
+        hsum[hb] += av
+        hsq[hb] += q
+        summary[bits >> 17] += 1
+        j, sign = _hash_bucket(key, i, dim)
+        sk[j] += sign * d64
+    return mx, nnz, nonfinite, ss
+
+
+@numba.njit(nogil=True, cache=True)
+def _sketch(x, key, sk):  # pragma: no cover - compiled
+    dim = sk.shape[0]
+    for i in range(x.shape[0]):
+        j, sign = _hash_bucket(key, i, dim)
+        sk[j] += sign * np.float64(x[i])
+
+
+def sketch(x: np.ndarray, key: np.uint64, dim: int = DEFAULT_SKETCH_DIM) -> np.ndarray:
+    """CountSketch of the flat float array `x` under `key`: (dim,) float64."""
+    out = np.zeros(dim)
+    _sketch(np.ascontiguousarray(x).reshape(-1), np.uint64(key), out)
+    return out
+
+
+def block_stats(
+    e: np.ndarray, b: np.ndarray, abs_out: np.ndarray, key: np.uint64, summary: np.ndarray, dim: int
+) -> BlockStats:
+    """Statistics of Δ = e − b (float32, flat); writes |Δ| into `abs_out` and adds to `summary`."""
+    hcount = np.zeros(HIST_BINS, np.int64)
+    hsum = np.zeros(HIST_BINS)
+    hsq = np.zeros(HIST_BINS)
+    sk = np.zeros(dim)
+    mx, nnz, nonfinite, ss = _delta_pass(
+        e, b, abs_out, abs_out.view(np.uint32), np.uint64(key), hcount, hsum, hsq, summary, sk
+    )
+    nz = np.flatnonzero(hcount)
+    lo = (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32)
+    norm = float(np.sqrt(ss)) if nonfinite == 0 else float("nan")
+    return BlockStats(norm, float(mx), int(nnz), int(nonfinite), lo, hcount[nz], hsum[nz], hsq[nz], sk.astype(np.float32))
+
+
+def hist_hi(lo: np.ndarray) -> np.ndarray:
+    """Upper edges of histogram bins given their lower edges."""
+    codes = np.asarray(lo, np.float32).view(np.uint32) >> np.uint32(HIST_SHIFT)
+    return ((codes + np.uint32(1)) << np.uint32(HIST_SHIFT)).view(np.float32)
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather(abs_bits, wanted, out, shift):  # pragma: no cover - compiled
+    m = 0
+    for i in range(abs_bits.shape[0]):
+        if wanted[abs_bits[i] >> shift]:
+            out[m] = abs_bits[i]
+            m += 1
+    return m
+
+
+def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray) -> np.ndarray:
+    """Exact k-th largest |Δ| for every density of DENSITY_GRID: (G,) float32.
+
+    `summary` is the tensor's magnitude summary of |Δ| (from block_stats). Only the elements in the
+    bins holding a wanted rank are gathered and sorted, so this is one pass, not a full sort.
+    """
+    n = abs_delta.size
+    if n == 0:
+        return np.zeros(len(DENSITY_GRID), np.float32)
+    # above[c] = number of elements in bins > c; ranks are 1-based from the top
+    desc = summary[::-1]
+    above_desc = np.concatenate(([0], np.cumsum(desc)[:-1]))
+    ks = np.array([kth_count(d, n) for d in DENSITY_GRID])
+    cum_desc = np.cumsum(desc)
+    pos = np.searchsorted(cum_desc, ks, side="left")  # descending-bin index holding rank k
+    codes = (len(summary) - 1 - pos).astype(np.int64)
+    valid = pos < len(summary)  # ranks past the finite elements (non-finite Δ) have no threshold
+    wanted = np.zeros(len(summary), np.bool_)
+    wanted[codes[valid]] = True
+    buf = np.empty(int(summary[wanted].sum()), np.uint32)
+    m = _gather(abs_delta.view(np.uint32).reshape(-1), wanted, buf, SUMMARY_SHIFT)
+    cand = np.sort(buf[:m])[::-1]  # descending bit patterns == descending values (all ≥ 0)
+    cand_codes = cand >> np.uint32(SUMMARY_SHIFT)
+    # candidates of bin c start after the candidates of wanted bins above it
+    out = np.empty(len(ks), np.uint32)
+    for i, (k, c, p) in enumerate(zip(ks, codes, pos)):
+        if p >= len(summary):
+            out[i] = 0x7FC00000  # NaN
+            continue
+        first = np.searchsorted(-cand_codes.astype(np.int64), -c, side="left")
+        out[i] = cand[first + (k - 1 - above_desc[p])]
+    return out.view(np.float32)
+
+
+def summary_bins(summary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sparse form of a magnitude summary: (codes ascending uint16, counts int64)."""
+    nz = np.flatnonzero(summary)
+    return nz.astype(np.uint16), summary[nz].astype(np.int64)
+
+
+def threshold_from_summary(codes: np.ndarray, counts: np.ndarray, n: int, density: float) -> float:
+    """The k-th largest |Δ| for any density, within 0.8% (the summary's bin width) of the exact value."""
+    k = kth_count(density, n)
+    order = np.argsort(codes)[::-1]
+    cum = np.cumsum(np.asarray(counts)[order])
+    i = int(np.searchsorted(cum, k, side="left"))
+    if i >= len(order):
+        return 0.0
+    code = int(np.asarray(codes)[order][i])
+    if code == 0:
+        return 0.0  # zero (or a denormal below 2^-126): nothing meaningful to trim at
+    lo = np.array([code << SUMMARY_SHIFT], np.uint32).view(np.float32)[0]
+    hi = np.array([(code + 1) << SUMMARY_SHIFT], np.uint32).view(np.float32)[0]
+    return float(np.sqrt(np.float64(lo) * np.float64(hi)))  # geometric mid: error ≤ half a bin

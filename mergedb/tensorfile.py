@@ -1,0 +1,289 @@
+"""Safetensors files at the byte level: a strict header parser, ranged reads, a streaming writer.
+
+Layout (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
+N bytes of JSON (`{name: {dtype, shape, data_offsets: [start, end]}, "__metadata__": {...}}`),
+then the data; offsets are relative to byte 8 + N and tensors are row-major.
+
+This module knows bytes, headers and dtypes; nothing of catalogs or plans. It never trusts a
+header beyond what it can check against the file: every claimed size is checked before any
+allocation that depends on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from .errors import FormatError, MergeDBError
+
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+
+# dtype name -> (bytes per element, numpy dtype of the raw bytes, mergeable float?)
+DTYPES: dict[str, tuple[int, str, bool]] = {
+    "F64": (8, "<f8", True),
+    "F32": (4, "<f4", True),
+    "F16": (2, "<f2", True),
+    "BF16": (2, "<u2", True),  # numpy has no bfloat16: raw uint16, widened by shifting
+    "I64": (8, "<i8", False),
+    "I32": (4, "<i4", False),
+    "I16": (2, "<i2", False),
+    "I8": (1, "i1", False),
+    "U64": (8, "<u8", False),
+    "U32": (4, "<u4", False),
+    "U16": (2, "<u2", False),
+    "U8": (1, "u1", False),
+    "BOOL": (1, "u1", False),
+    "F8_E4M3": (1, "u1", False),
+    "F8_E5M2": (1, "u1", False),
+}
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # the dtypes mergedb merges; F64 and the rest pass through
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a safetensors header; `start`/`end` are absolute file offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one dim-0 row (the whole tensor for 0-d and 1-d tensors)."""
+        if len(self.shape) <= 1:
+            return self.nbytes
+        return math.prod(self.shape[1:]) * self.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed, validated header: tensors in file order, plus the free-form metadata."""
+
+    path: Path
+    header_len: int
+    file_size: int
+    sha256: str
+    tensors: tuple[TensorInfo, ...]
+    metadata: dict[str, str]
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Parse and validate the header of the safetensors file at `path`."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            return _parse(f, path, size)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise FormatError(f"{path}: is a folder, expected a .safetensors file") from None
+    except PermissionError as e:
+        raise FormatError(f"{path}: cannot be read ({e.strerror}); check its permissions") from None
+
+
+def _parse(f: BinaryIO, path: Path, size: int) -> Header:
+    bad = f"{path}: not a valid safetensors file"
+    if size < 8:
+        raise FormatError(f"{bad}: {size} bytes is too short for the 8-byte header length (truncated?)")
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > MAX_HEADER_BYTES:
+        raise FormatError(f"{bad}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + n > size:
+        raise FormatError(f"{bad}: header length {n} runs past the end of the {size}-byte file (truncated?)")
+    raw = f.read(n)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{bad}: header is not valid JSON ({e})") from None
+    except RecursionError:
+        raise FormatError(f"{bad}: header JSON nests too deeply") from None
+    if not isinstance(doc, dict):
+        raise FormatError(f"{bad}: header must be a JSON object, got {type(doc).__name__}")
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise FormatError(f"{bad}: __metadata__ must map strings to strings")
+    data_start = 8 + n
+    tensors = [_entry(bad, name, spec, data_start) for name, spec in doc.items()]
+    tensors.sort(key=lambda t: (t.start, t.end, t.name))
+    cursor = data_start
+    for t in tensors:
+        if t.start != cursor:
+            what = "overlaps the previous tensor" if t.start < cursor else "leaves a gap before it"
+            raise FormatError(f"{bad}: tensor {t.name!r} at data offset {t.start - data_start} {what}")
+        cursor = t.end
+    if cursor != size:
+        if cursor > size:
+            raise FormatError(
+                f"{bad}: tensor data runs to byte {cursor} but the file has {size} bytes (truncated?)"
+            )
+        raise FormatError(f"{bad}: {size - cursor} bytes after the last tensor are not described by the header")
+    return Header(path, n, size, hashlib.sha256(raw).hexdigest(), tuple(tensors), dict(metadata))
+
+
+def _entry(bad: str, name: Any, spec: Any, data_start: int) -> TensorInfo:
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise FormatError(f"{bad}: tensor name {name!r} is empty or contains NUL")
+    if not isinstance(spec, dict):
+        raise FormatError(f"{bad}: entry for tensor {name!r} must be an object")
+    dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+    if dtype not in DTYPES:
+        raise FormatError(
+            f"{bad}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(DTYPES)}"
+        )
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 16:
+        raise FormatError(f"{bad}: tensor {name!r} has invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int and 0 <= o for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise FormatError(f"{bad}: tensor {name!r} has invalid data_offsets {offsets!r}")
+    expected = math.prod(shape) * DTYPES[dtype][0]
+    if offsets[1] - offsets[0] != expected:
+        raise FormatError(
+            f"{bad}: tensor {name!r} of shape {shape} and dtype {dtype} needs {expected} bytes "
+            f"but data_offsets {offsets} span {offsets[1] - offsets[0]}"
+        )
+    return TensorInfo(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def pread_into(fd: int, buf: memoryview, offset: int, path: str | os.PathLike[str] = "") -> None:
+    """Fill `buf` with the bytes at `offset`; short reads are retried, EOF is an error."""
+    done, total = 0, len(buf)
+    while done < total:
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got == 0:
+            raise FormatError(f"{path}: file ended at byte {offset + done}, expected {total - done} more (truncated?)")
+        done += got
+
+
+def as_float32(raw: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
+    """Decode raw element bytes (viewed with DTYPES' numpy dtype) into the float32 buffer `out`."""
+    if dtype == "BF16":
+        np.left_shift(raw, 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        out[...] = raw
+    return out
+
+
+def float32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 bits (uint16), round-to-nearest-even; NaN stays NaN."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def encode(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32/float64 array -> array whose bytes are `dtype`'s on-disk representation."""
+    if dtype == "BF16":
+        return float32_to_bf16(np.asarray(x, dtype=np.float32))
+    return np.ascontiguousarray(x, dtype=DTYPES[dtype][1])
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file tensor by tensor: header first, then data in header order.
+
+    Usage: `with SafetensorsWriter(path, entries) as w: w.write(name, buffer) ...` where entries are
+    `(name, dtype, shape)` in the order they will be written. Closing fsyncs; a missing or
+    mis-sized tensor raises instead of leaving a file that looks complete.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        entries: list[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        self._expected: list[tuple[str, int]] = []
+        offset = 0
+        for name, dtype, shape in entries:
+            if dtype not in DTYPES:
+                raise MergeDBError(f"cannot write tensor {name!r}: unknown dtype {dtype!r}")
+            nbytes = math.prod(shape) * DTYPES[dtype][0]
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._expected.append((name, nbytes))
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes, as safetensors does
+        self.total_size = offset
+        self._next = 0
+        self._file = open(self.path, "wb")
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+
+    def write(self, name: str, data: bytes | memoryview | np.ndarray) -> None:
+        if self._next >= len(self._expected) or self._expected[self._next][0] != name:
+            want = self._expected[self._next][0] if self._next < len(self._expected) else "nothing"
+            raise MergeDBError(f"{self.path}: wrote tensor {name!r} out of order, expected {want!r}")
+        view = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+        if view.nbytes != self._expected[self._next][1]:
+            raise MergeDBError(
+                f"{self.path}: tensor {name!r} has {view.nbytes} bytes, header says {self._expected[self._next][1]}"
+            )
+        self._file.write(view)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        try:
+            if self._next != len(self._expected):
+                missing = self._expected[self._next][0]
+                raise MergeDBError(f"{self.path}: closed before tensor {missing!r} was written")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+    def abort(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

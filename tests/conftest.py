@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mergedb import synth
+from mergedb.catalog import Catalog
+
+# (dtype, shard_size): bf16 single file, fp16 sharded, fp32 single file with small blocks
+FAMILIES = {
+    "bf16": ("bf16", 10**9),
+    "fp16-sharded": ("fp16", 700_000),
+    "fp32": ("fp32", 10**9),
+}
+BLOCK_SIZE = {"bf16": 64 * 1024, "fp16-sharded": 100_000, "fp32": 200_000}
+
+
+@pytest.fixture(scope="session", params=list(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, Path, Catalog]:
+    """A registered tiny family of 3 experts: (kind, folder, catalog)."""
+    kind = request.param
+    dtype, shard = FAMILIES[kind]
+    root = tmp_path_factory.mktemp(f"fam-{kind}")
+    synth.make_family(root / "family", experts=3, size="tiny", dtype=dtype, seed=7, shard_size=shard)
+    cat = Catalog(root / "catalog.duckdb")
+    cat.register([root / "family"], base_model="base", block_size=BLOCK_SIZE[kind])
+    return kind, root / "family", cat
+
+
+@pytest.fixture
+def tiny_family(tmp_path) -> Path:
+    """A fresh, unregistered tiny bf16 family of 2 experts under tmp_path."""
+    return synth.make_family(tmp_path / "family", experts=2, size="tiny", seed=3)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-import numpy as np
 import pyarrow as pa
 
 from . import scan, stats
@@ -245,9 +244,12 @@ class Catalog:
             raise MergeDBError(f"two checkpoints would be named {dupes[0]!r}; register them separately with --name")
 
         with self.connect(write=True) as con:
-            existing = {r[0]: r for r in con.execute(
-                "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size FROM checkpoints"
-            ).fetchall()}
+            existing = {
+                r[0]: r
+                for r in con.execute(
+                    "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size FROM checkpoints"
+                ).fetchall()
+            }
             base_names = {r[1]: r[0] for r in existing.values() if r[2] == "base"}
             dim = self._sketch_dim or stats.DEFAULT_SKETCH_DIM
 
@@ -259,8 +261,11 @@ class Catalog:
                 if len(base_names) != 1:
                     raise MergeDBError(
                         "which base were these experts fine-tuned from? pass --base-model NAME "
-                        + (f"(registered bases: {', '.join(sorted(base_names.values()))})" if base_names
-                           else "or register the base first with --base")
+                        + (
+                            f"(registered bases: {', '.join(sorted(base_names.values()))})"
+                            if base_names
+                            else "or register the base first with --base"
+                        )
                     )
                 base_ckpt_name = next(iter(base_names.values()))
             in_paths = [c for c in found if c.name == base_ckpt_name]
@@ -282,7 +287,9 @@ class Catalog:
             if row is not None:
                 if row[2] != role:
                     raise CatalogError(f"{c.name!r} is already registered as a {row[2]}, not a {role}")
-                if row[4] == c.fingerprint and (role == "base" or existing.get(base_ckpt_name or "", (0, -1))[1] == row[3]):
+                if row[4] == c.fingerprint and (
+                    role == "base" or existing.get(base_ckpt_name or "", (0, -1))[1] == row[3]
+                ):
                     unchanged.append(c.name)
                     continue
                 if not refresh:
@@ -297,7 +304,7 @@ class Catalog:
                     )
             (todo_bases if role == "base" else todo_experts).append(c)
 
-        total = sum(c.bytes for c in todo_bases) + sum(c.bytes * 2 for c in todo_experts)
+        total = sum(_tensor_bytes(c) for c in todo_bases) + sum(2 * _tensor_bytes(c) for c in todo_experts)
         if on_total:
             on_total(total)
         read = 0
@@ -355,11 +362,13 @@ class Catalog:
             cid, path, fp = row
             tensors = con.execute(
                 "SELECT tensor_idx, name, dtype, shape, numel, nbytes, row_bytes, mergeable "
-                "FROM family_tensors WHERE base_id = ? ORDER BY tensor_idx", [cid]
+                "FROM family_tensors WHERE base_id = ? ORDER BY tensor_idx",
+                [cid],
             ).fetchall()
             blocks = con.execute(
                 "SELECT tensor_idx, block_idx, row_start, row_end, byte_start, nbytes, numel, base_hash "
-                "FROM blocks WHERE base_id = ? ORDER BY tensor_idx, block_idx", [cid]
+                "FROM blocks WHERE base_id = ? ORDER BY tensor_idx, block_idx",
+                [cid],
             ).fetchall()
         ckpt = open_checkpoint(path, name=base_name)
         if ckpt.fingerprint != fp:
@@ -376,39 +385,61 @@ class Catalog:
         return ckpt, fam, [b[7] for b in blocks]
 
     def _insert_checkpoint(
-        self, con: duckdb.DuckDBPyConnection, c: Checkpoint, role: str, base_id: int | None, chash: str,
+        self,
+        con: duckdb.DuckDBPyConnection,
+        c: Checkpoint,
+        role: str,
+        base_id: int | None,
+        chash: str,
         block_size: int | None,
     ) -> int:
         cid = int(_one(con, "SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints")[0])
         con.execute(
             "INSERT INTO checkpoints (checkpoint_id, name, path, root, role, base_id, architecture, dtype, "
             "n_tensors, bytes, fingerprint, content_hash, block_size) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            [cid, c.name, str(c.path.resolve()), str(c.root.resolve()), role, base_id, c.architecture, c.dtype,
-             len(c.tensors), c.bytes, c.fingerprint, chash, block_size],
+            [
+                cid,
+                c.name,
+                str(c.path.resolve()),
+                str(c.root.resolve()),
+                role,
+                base_id,
+                c.architecture,
+                c.dtype,
+                len(c.tensors),
+                c.bytes,
+                c.fingerprint,
+                chash,
+                block_size,
+            ],
         )
-        files = pa.table({
-            "checkpoint_id": pa.array([cid] * len(c.files), pa.int32()),
-            "file_idx": pa.array(range(len(c.files)), pa.int32()),
-            "relpath": [f.relpath for f in c.files],
-            "bytes": pa.array([f.size for f in c.files], pa.int64()),
-            "mtime_ns": pa.array([f.mtime_ns for f in c.files], pa.int64()),
-            "header_len": pa.array([f.header.header_len for f in c.files], pa.int64()),
-            "header_sha256": [f.header.sha256 for f in c.files],
-        })
+        files = pa.table(
+            {
+                "checkpoint_id": pa.array([cid] * len(c.files), pa.int32()),
+                "file_idx": pa.array(range(len(c.files)), pa.int32()),
+                "relpath": [f.relpath for f in c.files],
+                "bytes": pa.array([f.size for f in c.files], pa.int64()),
+                "mtime_ns": pa.array([f.mtime_ns for f in c.files], pa.int64()),
+                "header_len": pa.array([f.header.header_len for f in c.files], pa.int64()),
+                "header_sha256": [f.header.sha256 for f in c.files],
+            }
+        )
         _append(con, "files", files)
         order = {t.name: i for i, (_, t) in enumerate(c.tensors)}
         if role == "expert":  # tensor_idx follows the base's order; the base's layout is already stored
-            base_order = dict(con.execute(
-                "SELECT name, tensor_idx FROM family_tensors WHERE base_id = ?", [base_id]
-            ).fetchall())
+            base_order = dict(
+                con.execute("SELECT name, tensor_idx FROM family_tensors WHERE base_id = ?", [base_id]).fetchall()
+            )
             order = {n: base_order[n] for n in order}
-        tensors = pa.table({
-            "checkpoint_id": pa.array([cid] * len(c.tensors), pa.int32()),
-            "tensor_idx": pa.array([order[t.name] for _, t in c.tensors], pa.int32()),
-            "file_idx": pa.array([fi for fi, _ in c.tensors], pa.int32()),
-            "data_start": pa.array([t.start for _, t in c.tensors], pa.int64()),
-            "data_end": pa.array([t.end for _, t in c.tensors], pa.int64()),
-        })
+        tensors = pa.table(
+            {
+                "checkpoint_id": pa.array([cid] * len(c.tensors), pa.int32()),
+                "tensor_idx": pa.array([order[t.name] for _, t in c.tensors], pa.int32()),
+                "file_idx": pa.array([fi for fi, _ in c.tensors], pa.int32()),
+                "data_start": pa.array([t.start for _, t in c.tensors], pa.int64()),
+                "data_end": pa.array([t.end for _, t in c.tensors], pa.int64()),
+            }
+        )
         _append(con, "tensors", tensors)
         return cid
 
@@ -417,6 +448,10 @@ def _one(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] | None 
     """The first row of a query, fully fetched (DuckDB 2 streams: an unfetched result blocks the connection)."""
     rows = con.execute(sql, list(params or [])).fetchall()
     return rows[0] if rows else None
+
+
+def _tensor_bytes(c: Checkpoint) -> int:
+    return sum(t.nbytes for _, t in c.tensors)
 
 
 def _renamed(c: Checkpoint, name: str) -> Checkpoint:
@@ -437,39 +472,62 @@ def _append(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> None:
         con.unregister("_mergedb_rows")
 
 
-def _insert_family(con: duckdb.DuckDBPyConnection, base_id: int, fam: list[scan.FamilyTensor], hashes: list[str]) -> None:
-    _append(con, "family_tensors", pa.table({
-        "base_id": pa.array([base_id] * len(fam), pa.int32()),
-        "tensor_idx": pa.array([f.tensor_idx for f in fam], pa.int32()),
-        "name": [f.name for f in fam],
-        "dtype": [f.dtype for f in fam],
-        "shape": pa.array([list(f.shape) for f in fam], pa.list_(pa.int64())),
-        "numel": pa.array([f.numel for f in fam], pa.int64()),
-        "nbytes": pa.array([f.nbytes for f in fam], pa.int64()),
-        "row_bytes": pa.array([f.row_bytes for f in fam], pa.int64()),
-        "mergeable": [f.mergeable for f in fam],
-        "n_blocks": pa.array([len(f.blocks) for f in fam], pa.int32()),
-    }))
+def _insert_family(
+    con: duckdb.DuckDBPyConnection, base_id: int, fam: list[scan.FamilyTensor], hashes: list[str]
+) -> None:
+    _append(
+        con,
+        "family_tensors",
+        pa.table(
+            {
+                "base_id": pa.array([base_id] * len(fam), pa.int32()),
+                "tensor_idx": pa.array([f.tensor_idx for f in fam], pa.int32()),
+                "name": [f.name for f in fam],
+                "dtype": [f.dtype for f in fam],
+                "shape": pa.array([list(f.shape) for f in fam], pa.list_(pa.int64())),
+                "numel": pa.array([f.numel for f in fam], pa.int64()),
+                "nbytes": pa.array([f.nbytes for f in fam], pa.int64()),
+                "row_bytes": pa.array([f.row_bytes for f in fam], pa.int64()),
+                "mergeable": [f.mergeable for f in fam],
+                "n_blocks": pa.array([len(f.blocks) for f in fam], pa.int32()),
+            }
+        ),
+    )
     blocks = list(_all_blocks(fam))
-    _append(con, "blocks", pa.table({
-        "base_id": pa.array([base_id] * len(blocks), pa.int32()),
-        "tensor_idx": pa.array([b.tensor_idx for b in blocks], pa.int32()),
-        "block_idx": pa.array([b.block_idx for b in blocks], pa.int32()),
-        "row_start": pa.array([b.row_start for b in blocks], pa.int64()),
-        "row_end": pa.array([b.row_end for b in blocks], pa.int64()),
-        "byte_start": pa.array([b.byte_start for b in blocks], pa.int64()),
-        "nbytes": pa.array([b.nbytes for b in blocks], pa.int64()),
-        "numel": pa.array([b.numel for b in blocks], pa.int64()),
-        "base_hash": hashes,
-    }))
+    _append(
+        con,
+        "blocks",
+        pa.table(
+            {
+                "base_id": pa.array([base_id] * len(blocks), pa.int32()),
+                "tensor_idx": pa.array([b.tensor_idx for b in blocks], pa.int32()),
+                "block_idx": pa.array([b.block_idx for b in blocks], pa.int32()),
+                "row_start": pa.array([b.row_start for b in blocks], pa.int64()),
+                "row_end": pa.array([b.row_end for b in blocks], pa.int64()),
+                "byte_start": pa.array([b.byte_start for b in blocks], pa.int64()),
+                "nbytes": pa.array([b.nbytes for b in blocks], pa.int64()),
+                "numel": pa.array([b.numel for b in blocks], pa.int64()),
+                "base_hash": hashes,
+            }
+        ),
+    )
 
 
 _BLOCK_COLS = [
-    ("tensor_idx", pa.int32()), ("block_idx", pa.int32()), ("identical", pa.bool_()),
-    ("delta_norm", pa.float64()), ("max_abs", pa.float32()), ("nnz", pa.int64()), ("nonfinite", pa.int64()),
-    ("content_hash", pa.string()), ("hist_lo", pa.list_(pa.float32())), ("hist_hi", pa.list_(pa.float32())),
-    ("hist_count", pa.list_(pa.int64())), ("hist_sum", pa.list_(pa.float64())),
-    ("hist_sumsq", pa.list_(pa.float64())), ("sketch", pa.list_(pa.float32())),
+    ("tensor_idx", pa.int32()),
+    ("block_idx", pa.int32()),
+    ("identical", pa.bool_()),
+    ("delta_norm", pa.float64()),
+    ("max_abs", pa.float32()),
+    ("nnz", pa.int64()),
+    ("nonfinite", pa.int64()),
+    ("content_hash", pa.string()),
+    ("hist_lo", pa.list_(pa.float32())),
+    ("hist_hi", pa.list_(pa.float32())),
+    ("hist_count", pa.list_(pa.int64())),
+    ("hist_sum", pa.list_(pa.float64())),
+    ("hist_sumsq", pa.list_(pa.float64())),
+    ("sketch", pa.list_(pa.float32())),
 ]
 
 
@@ -479,14 +537,20 @@ def _insert_stats(con: duckdb.DuckDBPyConnection, cid: int, st: scan.ExpertStats
     for (name, typ), values in zip(_BLOCK_COLS, cols):
         data[name] = pa.array(list(values), typ)
     _append(con, "expert_blocks", pa.table(data))
-    _append(con, "expert_tensors", pa.table({
-        "checkpoint_id": pa.array([cid] * len(st.tensors), pa.int32()),
-        "tensor_idx": pa.array([t[0] for t in st.tensors], pa.int32()),
-        "identical": [t[1] for t in st.tensors],
-        "grid_threshold": pa.array([t[2] for t in st.tensors], pa.list_(pa.float32())),
-        "summary_code": pa.array([t[3] for t in st.tensors], pa.list_(pa.uint16())),
-        "summary_count": pa.array([t[4] for t in st.tensors], pa.list_(pa.int64())),
-    }))
+    _append(
+        con,
+        "expert_tensors",
+        pa.table(
+            {
+                "checkpoint_id": pa.array([cid] * len(st.tensors), pa.int32()),
+                "tensor_idx": pa.array([t[0] for t in st.tensors], pa.int32()),
+                "identical": [t[1] for t in st.tensors],
+                "grid_threshold": pa.array([t[2] for t in st.tensors], pa.list_(pa.float32())),
+                "summary_code": pa.array([t[3] for t in st.tensors], pa.list_(pa.uint16())),
+                "summary_count": pa.array([t[4] for t in st.tensors], pa.list_(pa.int64())),
+            }
+        ),
+    )
 
 
 def _delete_checkpoint(con: duckdb.DuckDBPyConnection, cid: int) -> None:

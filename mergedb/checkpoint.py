@@ -152,9 +152,7 @@ def _check_index_covers(folder: Path, files: tuple[FileInfo, ...]) -> None:
             if where is None:
                 raise FormatError(f"{folder / INDEX}: tensor {t.name!r} of {f.relpath} is missing from weight_map")
             if os.path.normpath(where) != os.path.normpath(f.relpath):
-                raise FormatError(
-                    f"{folder / INDEX}: weight_map puts {t.name!r} in {where!r} but it is in {f.relpath}"
-                )
+                raise FormatError(f"{folder / INDEX}: weight_map puts {t.name!r} in {where!r} but it is in {f.relpath}")
     present = {t.name for f in files for t in f.header.tensors}
     missing = [n for n in weight_map if n not in present]
     if missing:
@@ -191,6 +189,7 @@ def side_files(root: Path) -> list[str]:
     """Files copied through to a merged model: config, generation config, tokenizer files."""
     skip = {INDEX}
     return sorted(
-        p.name for p in root.iterdir()
+        p.name
+        for p in root.iterdir()
         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in skip and not p.name.startswith(".")
     )

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pyarrow as pa
 import typer
@@ -42,14 +42,20 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
 
-CatalogOpt = typer.Option(None, "--catalog", "-c", envvar="MERGEDB_CATALOG", help="Catalog file [default: ./mergedb.duckdb].")
+
+def _out() -> Console:
+    return Console()  # built per call so COLUMNS and redirections are honoured
+
+
+CatalogOpt = typer.Option(
+    None, "--catalog", "-c", envvar="MERGEDB_CATALOG", help="Catalog file [default: ./mergedb.duckdb]."
+)
 WaitOpt = typer.Option(0.0, "--wait", help="Seconds to wait for a catalog locked by another process.")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 
 
-def _catalog(path: Optional[Path], wait: float = 0.0) -> Catalog:
+def _catalog(path: Path | None, wait: float = 0.0) -> Catalog:
     return Catalog(path or default_path(), wait=wait)
 
 
@@ -60,8 +66,13 @@ def _progress(quiet: bool, label: str) -> Iterator[tuple[Any, Any]]:
         yield None, None
         return
     with Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeRemainingColumn(), console=Console(stderr=True), transient=True,
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
     ) as bar:
         task = bar.add_task(label, total=None)
         yield (lambda n: bar.advance(task, n)), (lambda total: bar.update(task, total=total))
@@ -70,7 +81,7 @@ def _progress(quiet: bool, label: str) -> Iterator[tuple[Any, Any]]:
 def _print_table(table: pa.Table, fmt: str = "table", title: str | None = None) -> None:
     rows = table.to_pylist()
     if fmt == "json":
-        out.print_json(json.dumps(rows, default=str))
+        _out().print_json(json.dumps(rows, default=str))
     elif fmt == "csv":
         buf = io.StringIO()
         w = csv.writer(buf)
@@ -83,7 +94,7 @@ def _print_table(table: pa.Table, fmt: str = "table", title: str | None = None) 
             t.add_column(c, overflow="fold")
         for r in rows:
             t.add_row(*[_cell(r[c]) for c in table.column_names])
-        out.print(t)
+        _out().print(t)
 
 
 def _cell(v: Any) -> str:
@@ -98,12 +109,12 @@ def _cell(v: Any) -> str:
 def register(
     paths: list[Path] = typer.Argument(..., help="Model folders, .safetensors files, or folders of them."),
     base: bool = typer.Option(False, "--base", help="Register PATHS as base models."),
-    base_model: Optional[str] = typer.Option(None, "--base-model", help="Name of the base the experts share."),
-    name: Optional[str] = typer.Option(None, "--name", help="Name for a single checkpoint [default: folder name]."),
+    base_model: str | None = typer.Option(None, "--base-model", help="Name of the base the experts share."),
+    name: str | None = typer.Option(None, "--name", help="Name for a single checkpoint [default: folder name]."),
     block_size: str = typer.Option("4MiB", "--block-size", help="Target block size of a new base's layout."),
     refresh: bool = typer.Option(False, "--refresh", help="Re-scan experts whose files changed."),
     threads: int = typer.Option(2, "--threads", help="Worker threads."),
-    catalog: Optional[Path] = CatalogOpt,
+    catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
     quiet: bool = QuietOpt,
 ) -> None:
@@ -113,12 +124,19 @@ def register(
     """
     with _progress(quiet, "register") as (advance, set_total):
         r = _catalog(catalog, wait).register(
-            paths, base=base, base_model=base_model, name=name, block_size=block_size, refresh=refresh,
-            threads=threads, progress=advance, on_total=set_total,
+            paths,
+            base=base,
+            base_model=base_model,
+            name=name,
+            block_size=block_size,
+            refresh=refresh,
+            threads=threads,
+            progress=advance,
+            on_total=set_total,
         )
     if not quiet:
         rate = r.bytes_read / r.seconds / 1e6 if r.seconds else 0.0
-        out.print(
+        _out().print(
             f"registered {len(r.registered)} ({', '.join(r.registered) or '-'}), unchanged {len(r.unchanged)}; "
             f"read {format_size(r.bytes_read)} in {r.seconds:.2f}s ({rate:.0f} MB/s)"
         )
@@ -140,14 +158,14 @@ def synth_cmd(
     from .units import parse_size
 
     synth.make_family(out_dir, experts, size, dtype, seed, parse_size(shard_size, what="shard size"))
-    out.print(f"wrote {out_dir}/base and {experts} experts")
+    _out().print(f"wrote {out_dir}/base and {experts} experts")
 
 
 @app.command()
 def sql(
     query: str = typer.Argument(..., help="One SQL statement."),
     fmt: str = typer.Option("table", "--format", "-f", help="table | csv | json."),
-    catalog: Optional[Path] = CatalogOpt,
+    catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
 ) -> None:
     """Run SQL against the catalog (read-only).
@@ -160,7 +178,7 @@ def sql(
 
 
 @app.command("ls")
-def ls_cmd(catalog: Optional[Path] = CatalogOpt, wait: float = WaitOpt) -> None:
+def ls_cmd(catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
     """List registered checkpoints.
 
     Example: mergedb ls
@@ -171,19 +189,19 @@ def ls_cmd(catalog: Optional[Path] = CatalogOpt, wait: float = WaitOpt) -> None:
         t.add_column(c)
     for r in rows:
         t.add_row(r.name, r.role, r.base or "", r.dtype, str(r.n_tensors), format_size(r.bytes), r.path)
-    out.print(t)
+    _out().print(t)
 
 
 @app.command()
-def show(name: str, catalog: Optional[Path] = CatalogOpt, wait: float = WaitOpt) -> None:
+def show(name: str, catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
     """Show one checkpoint: its files and, for an expert, what it changed per tensor.
 
     Example: mergedb show expert_00
     """
     cat = _catalog(catalog, wait)
     row = cat.checkpoint(name)
-    out.print(f"[bold]{row.name}[/] ({row.role}{', base ' + row.base if row.base else ''}) {row.path}")
-    out.print(f"{row.n_tensors} tensors, {row.dtype}, {format_size(row.bytes)}, fingerprint {row.fingerprint[:16]}")
+    _out().print(f"[bold]{row.name}[/] ({row.role}{', base ' + row.base if row.base else ''}) {row.path}")
+    _out().print(f"{row.n_tensors} tensors, {row.dtype}, {format_size(row.bytes)}, fingerprint {row.fingerprint[:16]}")
     if row.role == "expert":
         _print_table(cat.tensor_summary(name), title="per-tensor delta")
 

@@ -66,9 +66,7 @@ def layout(base: Checkpoint, block_size: int) -> list[FamilyTensor]:
         for b, r0 in enumerate(range(0, max(rows, 1), rows_per_block)):
             r1 = min(rows, r0 + rows_per_block)
             blocks.append(Block(idx, b, r0, r1, r0 * row_bytes, (r1 - r0) * row_bytes, (r1 - r0) * per_row))
-        out.append(
-            FamilyTensor(idx, t.name, t.dtype, t.shape, t.numel, t.nbytes, row_bytes, t.is_float, tuple(blocks))
-        )
+        out.append(FamilyTensor(idx, t.name, t.dtype, t.shape, t.numel, t.nbytes, row_bytes, t.is_float, tuple(blocks)))
     return out
 
 
@@ -87,7 +85,8 @@ def check_aligned(base: Checkpoint, expert: Checkpoint) -> None:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise AlignmentError(
             f"expert {expert.name!r} ({expert.path}) does not align with base {base.name!r}: "
-            + "; ".join(problems[:5]) + more
+            + "; ".join(problems[:5])
+            + more
             + ". Register it against the base it was fine-tuned from (--base-model NAME)."
         )
 
@@ -191,7 +190,7 @@ def scan_expert(
             chash = base_hashes[key] if identical else xxhash.xxh3_128_hexdigest(eraw)
             hashes.append(chash)
             if progress:
-                progress(blk.nbytes)
+                progress(2 * blk.nbytes)  # the expert's block and the base's
             if not ft.mergeable:
                 continue
             n0 = element_offset(ft, blk)
@@ -205,10 +204,24 @@ def scan_expert(
             ef = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", blk.numel * 4).view(np.float32))
             bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
             s = stats.block_stats(ef, bf, seg, stats.sketch_key(ft.name, blk.block_idx), summary, sketch_dim)
-            rows.append((
-                ft.tensor_idx, blk.block_idx, False, s.norm, s.max_abs, s.nnz, s.nonfinite, chash,
-                s.hist_lo, stats.hist_hi(s.hist_lo), s.hist_count, s.hist_sum, s.hist_sumsq, s.sketch,
-            ))
+            rows.append(
+                (
+                    ft.tensor_idx,
+                    blk.block_idx,
+                    False,
+                    s.norm,
+                    s.max_abs,
+                    s.nnz,
+                    s.nonfinite,
+                    chash,
+                    s.hist_lo,
+                    stats.hist_hi(s.hist_lo),
+                    s.hist_count,
+                    s.hist_sum,
+                    s.hist_sumsq,
+                    s.sketch,
+                )
+            )
         if not ft.mergeable:
             return rows, None, hashes
         if all_identical:
@@ -241,12 +254,23 @@ def content_hash(block_hashes: list[str]) -> str:
 def _zero_row(tensor_idx: int, block_idx: int, chash: str, dim: int) -> tuple:
     empty_f = np.zeros(0, np.float32)
     return (
-        tensor_idx, block_idx, True, 0.0, 0.0, 0, 0, chash,
-        empty_f, empty_f, np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(dim, np.float32),
+        tensor_idx,
+        block_idx,
+        True,
+        0.0,
+        0.0,
+        0,
+        0,
+        chash,
+        empty_f,
+        empty_f,
+        np.zeros(0, np.int64),
+        np.zeros(0),
+        np.zeros(0),
+        np.zeros(dim, np.float32),
     )
 
 
 def element_offset(ft: FamilyTensor, blk: Block) -> int:
     """Index of the block's first element in the flattened tensor."""
     return blk.row_start * (ft.numel // ft.shape[0]) if len(ft.shape) >= 2 and ft.shape[0] else 0
-

@@ -28,9 +28,7 @@ SUMMARY_BINS = 1 << (32 - SUMMARY_SHIFT - 1)  # 16384
 DEFAULT_SKETCH_DIM = 64
 
 # Density grid with exact thresholds: every 0.1% up to 10%, then every 1% up to 100%.
-DENSITY_GRID = np.array(
-    [round(i / 1000, 3) for i in range(1, 101)] + [round(i / 100, 2) for i in range(11, 101)]
-)
+DENSITY_GRID = np.array([round(i / 1000, 3) for i in range(1, 101)] + [round(i / 100, 2) for i in range(11, 101)])
 
 
 def kth_count(density: float, n: int) -> int:
@@ -129,7 +127,9 @@ def block_stats(
     nz = np.flatnonzero(hcount)
     lo = (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32)
     norm = float(np.sqrt(ss)) if nonfinite == 0 else float("nan")
-    return BlockStats(norm, float(mx), int(nnz), int(nonfinite), lo, hcount[nz], hsum[nz], hsq[nz], sk.astype(np.float32))
+    return BlockStats(
+        norm, float(mx), int(nnz), int(nonfinite), lo, hcount[nz], hsum[nz], hsq[nz], sk.astype(np.float32)
+    )
 
 
 def hist_hi(lo: np.ndarray) -> np.ndarray:

@@ -115,9 +115,11 @@ def _write_model(
             used = 0
         shards[-1].append((name, arr, dt))
         used += nbytes
-    names = [SINGLE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]
+    names = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map: dict[str, str] = {}
     total = 0
     for fname, shard in zip(names, shards):
@@ -131,10 +133,17 @@ def _write_model(
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     torch_dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[dtype]
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": size.hidden,
-        "intermediate_size": size.intermediate, "num_hidden_layers": size.layers,
-        "num_attention_heads": size.heads, "num_key_value_heads": size.kv_heads,
-        "vocab_size": size.vocab, "rms_norm_eps": 1e-5, "torch_dtype": torch_dtype, "tie_word_embeddings": False,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": size.hidden,
+        "intermediate_size": size.intermediate,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "num_key_value_heads": size.kv_heads,
+        "vocab_size": size.vocab,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": torch_dtype,
+        "tie_word_embeddings": False,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=2))

@@ -146,9 +146,7 @@ def _parse(f: BinaryIO, path: Path, size: int) -> Header:
         cursor = t.end
     if cursor != size:
         if cursor > size:
-            raise FormatError(
-                f"{bad}: tensor data runs to byte {cursor} but the file has {size} bytes (truncated?)"
-            )
+            raise FormatError(f"{bad}: tensor data runs to byte {cursor} but the file has {size} bytes (truncated?)")
         raise FormatError(f"{bad}: {size - cursor} bytes after the last tensor are not described by the header")
     return Header(path, n, size, hashlib.sha256(raw).hexdigest(), tuple(tensors), dict(metadata))
 
@@ -160,9 +158,7 @@ def _entry(bad: str, name: Any, spec: Any, data_start: int) -> TensorInfo:
         raise FormatError(f"{bad}: entry for tensor {name!r} must be an object")
     dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
     if dtype not in DTYPES:
-        raise FormatError(
-            f"{bad}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(DTYPES)}"
-        )
+        raise FormatError(f"{bad}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 16:
         raise FormatError(f"{bad}: tensor {name!r} has invalid shape {shape!r}")
     if (

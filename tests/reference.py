@@ -16,9 +16,19 @@ from safetensors.torch import load_file
 def load_model(folder: Path) -> dict[str, np.ndarray]:
     """name -> float32 (or raw integer) numpy array, from a model folder or a .safetensors file."""
     folder = Path(folder)
-    files = [folder] if folder.is_file() else (
-        sorted({folder / f for f in json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()})
-        if (folder / "model.safetensors.index.json").exists() else [folder / "model.safetensors"]
+    files = (
+        [folder]
+        if folder.is_file()
+        else (
+            sorted(
+                {
+                    folder / f
+                    for f in json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()
+                }
+            )
+            if (folder / "model.safetensors.index.json").exists()
+            else [folder / "model.safetensors"]
+        )
     )
     out = {}
     for f in files:

@@ -176,8 +176,11 @@ def test_expert_costs_view(family, models):
     rows = {r["expert"]: r for r in cat.sql("SELECT * FROM expert_costs").to_pylist()}
     assert set(rows) == set(EXPERTS)
     for e in EXPERTS:
-        total = sum(np.linalg.norm((models[e][n] - models["base"][n]).astype(np.float32).astype(np.float64)) ** 2
-                    for n in models[e] if models[e][n].dtype.kind == "f")
+        total = sum(
+            np.linalg.norm((models[e][n] - models["base"][n]).astype(np.float32).astype(np.float64)) ** 2
+            for n in models[e]
+            if models[e][n].dtype.kind == "f"
+        )
         np.testing.assert_allclose(rows[e]["delta_norm"], np.sqrt(total), rtol=1e-9)
         assert rows[e]["changed_bytes"] < rows[e]["total_bytes"]
 

@@ -1,0 +1,324 @@
+"""Each bad input: a MergeDBError naming the file/tensor and the fix, non-zero exit, catalog unchanged."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mergedb import synth
+from mergedb.catalog import Catalog
+from mergedb.cli import app
+from mergedb.errors import AlignmentError, CatalogError, FormatError, MergeDBError
+from mergedb.tensorfile import read_header
+
+TABLES = ["checkpoints", "files", "family_tensors", "tensors", "blocks", "expert_blocks", "expert_tensors"]
+
+
+def snapshot(cat: Catalog) -> dict:
+    return {t: sorted(map(str, cat.sql(f"SELECT * FROM {t}").to_pylist())) for t in TABLES}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """A catalog holding a registered base, and a folder for bad experts."""
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=5)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base"], base=True, block_size="64KiB")
+    return fam, cat, tmp_path
+
+
+def raw_file(path: Path, header: dict, data: bytes, header_len: int | None = None) -> Path:
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob) if header_len is None else header_len) + blob + data)
+    return path
+
+
+def register_fails(cat, path, exc, *needles, **kw):
+    before = snapshot(cat)
+    with pytest.raises(exc) as info:
+        cat.register([path], base_model="base", **kw)
+    msg = str(info.value)
+    for n in needles:
+        assert n in msg, msg
+    assert snapshot(cat) == before
+    # and through the CLI: one clear line, exit code 1, no traceback
+    res = CliRunner().invoke(app, ["register", str(path), "--base-model", "base", "-c", str(cat.path), "-q"])
+    assert res.exit_code == 1, res.output
+    assert "Error:" in res.output and "Traceback" not in res.output
+    assert snapshot(cat) == before
+    return msg
+
+
+def test_not_a_safetensors_file(setup):
+    fam, cat, tmp = setup
+    p = tmp / "notes.safetensors"
+    p.write_text("hello, this is not a model" * 10)
+    register_fails(cat, p, FormatError, str(p), "header length")
+
+
+def test_truncated_file(setup):
+    fam, cat, tmp = setup
+    p = tmp / "trunc.safetensors"
+    data = (fam / "expert_00" / "model.safetensors").read_bytes()
+    p.write_bytes(data[: len(data) - 1000])
+    register_fails(cat, p, FormatError, str(p), "truncated")
+
+
+def test_file_shorter_than_length_prefix(setup):
+    fam, cat, tmp = setup
+    p = tmp / "short.safetensors"
+    p.write_bytes(b"\x01\x02")
+    register_fails(cat, p, FormatError, "too short")
+
+
+def test_header_longer_than_file(setup):
+    fam, cat, tmp = setup
+    p = raw_file(tmp / "long.safetensors", {}, b"", header_len=5000)
+    register_fails(cat, p, FormatError, "runs past the end")
+
+
+def test_absurd_header_length(setup):
+    fam, cat, tmp = setup
+    p = raw_file(tmp / "absurd.safetensors", {}, b"", header_len=2**62)
+    register_fails(cat, p, FormatError, "exceeds")
+
+
+def test_header_not_json(setup):
+    fam, cat, tmp = setup
+    p = tmp / "nojson.safetensors"
+    p.write_bytes(struct.pack("<Q", 5) + b"{abc]")
+    register_fails(cat, p, FormatError, "not valid JSON")
+
+
+def test_offsets_out_of_range(setup):
+    fam, cat, tmp = setup
+    p = raw_file(tmp / "oor.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8)
+    register_fails(cat, p, FormatError, "truncated")
+
+
+def test_overlapping_offsets(setup):
+    fam, cat, tmp = setup
+    h = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    p = raw_file(tmp / "overlap.safetensors", h, b"\0" * 12)
+    register_fails(cat, p, FormatError, "overlaps", "'b'")
+
+
+def test_gap_between_tensors(setup):
+    fam, cat, tmp = setup
+    h = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]},
+    }
+    p = raw_file(tmp / "gap.safetensors", h, b"\0" * 20)
+    register_fails(cat, p, FormatError, "gap", "'b'")
+
+
+def test_unknown_dtype(setup):
+    fam, cat, tmp = setup
+    p = raw_file(tmp / "dt.safetensors", {"w": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, b"\0" * 16)
+    register_fails(cat, p, FormatError, "unknown dtype", "'F128'")
+
+
+def test_shape_times_dtype_mismatch(setup):
+    fam, cat, tmp = setup
+    p = raw_file(tmp / "sz.safetensors", {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, b"\0" * 16)
+    register_fails(cat, p, FormatError, "needs 12 bytes", "'w'")
+
+
+def _sharded_expert(fam: Path, tmp: Path, name: str) -> Path:
+    d = tmp / name
+    synth.make_family(tmp / f"{name}-src", experts=1, size="tiny", seed=5, shard_size=700_000)
+    shutil.copytree(tmp / f"{name}-src" / "expert_00", d)
+    return d
+
+
+def test_index_path_traversal(setup):
+    fam, cat, tmp = setup
+    d = _sharded_expert(fam, tmp, "trav")
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    first = next(iter(idx["weight_map"]))
+    shutil.copy(d / idx["weight_map"][first], tmp / "outside.safetensors")
+    idx["weight_map"][first] = "../outside.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    register_fails(cat, d, FormatError, "outside the checkpoint folder", first)
+
+
+def test_index_symlink_out_of_folder(setup):
+    fam, cat, tmp = setup
+    d = _sharded_expert(fam, tmp, "link")
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = sorted(set(idx["weight_map"].values()))[0]
+    shutil.move(d / shard, tmp / "elsewhere.safetensors")
+    (d / shard).symlink_to(tmp / "elsewhere.safetensors")
+    register_fails(cat, d, FormatError, "outside the checkpoint folder")
+
+
+def test_index_missing_shard(setup):
+    fam, cat, tmp = setup
+    d = _sharded_expert(fam, tmp, "miss")
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = sorted(set(idx["weight_map"].values()))[-1]
+    (d / shard).unlink()
+    register_fails(cat, d, FormatError, "missing shard", shard)
+
+
+def test_tensor_in_two_shards(setup):
+    fam, cat, tmp = setup
+    d = _sharded_expert(fam, tmp, "dup")
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    s1, s2 = sorted(set(idx["weight_map"].values()))[:2]
+    h1, h2 = read_header(d / s1), read_header(d / s2)
+    # rewrite shard 2 with shard 1's first tensor added
+    from mergedb.tensorfile import SafetensorsWriter
+
+    extra = h1.tensors[0]
+    with open(d / s1, "rb") as f:
+        f.seek(extra.start)
+        extra_bytes = f.read(extra.nbytes)
+    entries = [(t.name, t.dtype, t.shape) for t in h2.tensors] + [(extra.name, extra.dtype, extra.shape)]
+    datas = []
+    with open(d / s2, "rb") as f:
+        for t in h2.tensors:
+            f.seek(t.start)
+            datas.append(f.read(t.nbytes))
+    with SafetensorsWriter(d / s2, entries) as w:
+        for (n, _, _), b in zip(entries, datas + [extra_bytes]):
+            w.write(n, b)
+    register_fails(cat, d, FormatError, extra.name, "remove one copy")
+
+
+def _variant(fam: Path, tmp: Path, name: str, change) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    d = tmp / name
+    shutil.copytree(fam / "expert_00", d)
+    tensors = load_file(str(d / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def test_expert_shape_mismatch(setup):
+    fam, cat, tmp = setup
+    d = _variant(fam, tmp, "shape", lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"][:-1].clone()))
+    register_fails(cat, d, AlignmentError, "model.norm.weight", "--base-model")
+
+
+def test_expert_dtype_mismatch(setup):
+    import torch
+
+    fam, cat, tmp = setup
+    d = _variant(
+        fam, tmp, "dtype", lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].to(torch.float16))
+    )
+    register_fails(cat, d, AlignmentError, "model.norm.weight", "F16")
+
+
+def test_expert_missing_tensor(setup):
+    fam, cat, tmp = setup
+    d = _variant(fam, tmp, "missing", lambda t: t.pop("lm_head.weight"))
+    register_fails(cat, d, AlignmentError, "missing tensor 'lm_head.weight'")
+
+
+def test_nonfinite_expert_recorded(setup):
+    import torch
+
+    fam, cat, tmp = setup
+
+    def poison(t):
+        w = t["model.layers.0.mlp.up_proj.weight"].clone()
+        w[3, 5] = float("nan")
+        w[7, 1] = float("inf")
+        t["model.layers.0.mlp.up_proj.weight"] = w.to(torch.bfloat16)
+
+    d = _variant(fam, tmp, "poison", poison)
+    cat.register([d], base_model="base")
+    row = cat.sql("SELECT nonfinite FROM expert_costs WHERE expert = 'poison'").to_pylist()
+    assert row == [{"nonfinite": 2}]
+    blk = cat.sql(
+        "SELECT ft.name, eb.nonfinite FROM expert_blocks eb JOIN family_tensors ft USING (tensor_idx) "
+        "WHERE eb.nonfinite > 0"
+    ).to_pylist()
+    assert blk == [{"name": "model.layers.0.mlp.up_proj.weight", "nonfinite": 2}]
+
+
+def test_unknown_base_model(setup):
+    fam, cat, tmp = setup
+    before = snapshot(cat)
+    with pytest.raises(CatalogError, match="unknown --base-model 'nope'.*registered bases: base"):
+        cat.register([fam / "expert_00"], base_model="nope")
+    assert snapshot(cat) == before
+
+
+def test_catalog_locked_by_another_process(setup):
+    fam, cat, tmp = setup
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
+            import duckdb, sys, time
+            con = duckdb.connect({str(cat.path)!r})
+            print("locked", flush=True)
+            time.sleep(30)
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.monotonic()
+        with pytest.raises(CatalogError, match=rf"locked by process {holder.pid}.*--wait"):
+            Catalog(cat.path, wait=0.5).register([fam / "expert_00"], base_model="base")
+        assert time.monotonic() - t0 >= 0.5
+        res = CliRunner().invoke(app, ["ls", "-c", str(cat.path)])
+        assert res.exit_code == 1 and "locked" in res.output and "Traceback" not in res.output
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cat.checkpoints()[0].name == "base"
+
+
+def test_newer_schema_refused(setup):
+    import duckdb
+
+    fam, cat, tmp = setup
+    con = duckdb.connect(str(cat.path))
+    con.execute("INSERT INTO schema_version VALUES (999, '999_future', current_timestamp)")
+    con.close()
+    with pytest.raises(CatalogError, match="newer mergedb"):
+        cat.checkpoints()
+    with pytest.raises(CatalogError, match="newer mergedb"):
+        cat.register([fam / "expert_00"], base_model="base")
+
+
+def test_bad_block_size_and_names(setup):
+    fam, cat, tmp = setup
+    with pytest.raises(MergeDBError, match="e.g. 4MiB"):
+        cat.register([fam / "expert_00"], base_model="base", block_size="lots")
+    with pytest.raises(MergeDBError, match="one checkpoint"):
+        cat.register([fam], base_model="base", name="x")
+
+
+def test_nan_name_rejected(tmp_path):
+    p = raw_file(
+        tmp_path / "nul.safetensors",
+        {"a\u0000b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+        np.zeros(1, np.float32).tobytes(),
+    )
+    with pytest.raises(FormatError, match="NUL"):
+        read_header(p)

@@ -1,0 +1,109 @@
+"""Registration semantics: idempotent, incremental, atomic, change detection."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from mergedb import synth
+from mergedb.catalog import Catalog, connect
+from mergedb.errors import ChangedFileError, MergeDBError
+from tests.test_bad_input import snapshot
+
+
+def test_idempotent_and_incremental(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="tiny", seed=11)
+    cat = Catalog(tmp_path / "c.duckdb")
+    r1 = cat.register([fam / "base", fam / "expert_00", fam / "expert_01"], base_model="base")
+    assert r1.registered == ("base", "expert_00", "expert_01")
+    before = snapshot(cat)
+    r2 = cat.register([fam / "base", fam / "expert_00", fam / "expert_01"], base_model="base")
+    assert r2.registered == () and r2.bytes_read == 0
+    assert set(r2.unchanged) == {"base", "expert_00", "expert_01"}
+    assert snapshot(cat) == before
+    # expert K+1: reads only it and the base blocks it needs
+    e2_bytes = sum(t.nbytes for _, t in __import__("mergedb").checkpoint.open_checkpoint(fam / "expert_02").tensors)
+    r3 = cat.register([fam], base_model="base")
+    assert r3.registered == ("expert_02",)
+    assert r3.bytes_read == 2 * e2_bytes
+    assert [c.name for c in cat.checkpoints()] == ["base", "expert_00", "expert_01", "expert_02"]
+
+
+def test_changed_file_refused_then_refresh(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=12)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    norm_before = cat.sql("SELECT delta_norm FROM expert_costs WHERE expert = 'expert_00'").column(0)[0].as_py()
+    # replace expert_00 by expert_01's weights (same layout, different content)
+    shutil.copy(fam / "expert_01" / "model.safetensors", fam / "expert_00" / "model.safetensors")
+    before = snapshot(cat)
+    with pytest.raises(ChangedFileError, match="expert_00.*--refresh"):
+        cat.register([fam], base_model="base")
+    assert snapshot(cat) == before
+    r = cat.register([fam], base_model="base", refresh=True)
+    assert r.registered == ("expert_00",)
+    norms = {r["expert"]: r["delta_norm"] for r in cat.sql("SELECT * FROM expert_costs").to_pylist()}
+    assert norms["expert_00"] == norms["expert_01"] != norm_before
+
+
+def test_changed_base_refused(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=13)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base"], base=True)
+    os.utime(fam / "base" / "model.safetensors", ns=(1, 1))
+    with pytest.raises(ChangedFileError, match="base 'base'"):
+        cat.register([fam / "expert_00"], base_model="base")
+
+
+def test_failed_registration_leaves_catalog_unchanged(tmp_path, monkeypatch):
+    """One transaction: a failure while writing the rows rolls everything back."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=14)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base", fam / "expert_00"], base_model="base")
+    before = snapshot(cat)
+    import mergedb.catalog as catalog_mod
+
+    def boom(*a, **k):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(catalog_mod, "_insert_stats", boom)
+    with pytest.raises(OSError):
+        cat.register([fam], base_model="base")
+    assert snapshot(cat) == before
+
+
+def test_env_var_default_catalog(tmp_path, monkeypatch):
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=15)
+    monkeypatch.setenv("MERGEDB_CATALOG", str(tmp_path / "env.duckdb"))
+    connect().register([fam], base_model="base")
+    assert (tmp_path / "env.duckdb").exists()
+    assert [c.name for c in connect(tmp_path / "env.duckdb").checkpoints()] == ["base", "expert_00"]
+
+
+def test_single_file_checkpoints_and_sketch_dim(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=16)
+    files = tmp_path / "files"
+    files.mkdir()
+    shutil.copy(fam / "base" / "model.safetensors", files / "b.safetensors")
+    shutil.copy(fam / "expert_00" / "model.safetensors", files / "e.safetensors")
+    cat = Catalog(tmp_path / "c.duckdb", sketch_dim=16)
+    cat.register([files / "b.safetensors"], base=True)
+    cat.register([files / "e.safetensors"], base_model="b")
+    lens = cat.sql("SELECT DISTINCT len(sketch) AS n FROM expert_blocks").column(0).to_pylist()
+    assert lens == [16]
+    with pytest.raises(MergeDBError, match="dimension 16"):
+        Catalog(tmp_path / "c.duckdb", sketch_dim=64).register([files / "e.safetensors"], base_model="b")
+
+
+def test_missing_catalog_is_clear(tmp_path):
+    with pytest.raises(MergeDBError, match="no catalog at .*mergedb register"):
+        Catalog(tmp_path / "none.duckdb").sql("SELECT 1")
+
+
+def test_ambiguous_base_needs_base_model(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=17)
+    cat = Catalog(tmp_path / "c.duckdb")
+    with pytest.raises(MergeDBError, match="--base-model"):
+        cat.register([fam / "expert_00"])

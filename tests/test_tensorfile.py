@@ -1,0 +1,149 @@
+"""The safetensors reader/writer: golden bytes, round trips, and property tests on corrupt headers."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import load_file
+
+from mergedb.errors import FormatError
+from mergedb.tensorfile import DTYPES, SafetensorsWriter, float32_to_bf16, read_header
+
+
+def test_writer_golden_bytes(tmp_path):
+    p = tmp_path / "g.safetensors"
+    with SafetensorsWriter(p, [("a", "F32", (2,)), ("b", "U8", (3,))]) as w:
+        w.write("a", np.array([1.0, -2.0], np.float32))
+        w.write("b", np.array([7, 8, 9], np.uint8))
+    header = (
+        b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[3],"data_offsets":[8,11]}}'
+    )
+    header += b" " * (-len(header) % 8)
+    expected = struct.pack("<Q", len(header)) + header + np.array([1.0, -2.0], np.float32).tobytes() + bytes([7, 8, 9])
+    assert p.read_bytes() == expected
+    loaded = load_file(str(p))  # the reference library reads it
+    assert loaded["a"].tolist() == [1.0, -2.0] and loaded["b"].tolist() == [7, 8, 9]
+
+
+def test_writer_refuses_out_of_order_and_short(tmp_path):
+    with pytest.raises(Exception, match="out of order"):
+        with SafetensorsWriter(tmp_path / "x.safetensors", [("a", "F32", (1,)), ("b", "F32", (1,))]) as w:
+            w.write("b", np.zeros(1, np.float32))
+    w = SafetensorsWriter(tmp_path / "y.safetensors", [("a", "F32", (1,))])
+    with pytest.raises(Exception, match="closed before"):
+        w.close()
+
+
+def test_bf16_rounding_matches_torch():
+    import torch
+
+    x = np.random.default_rng(0).standard_normal(10000).astype(np.float32) * 10
+    x[:4] = [np.inf, -np.inf, np.nan, 0.0]
+    ours = float32_to_bf16(x)
+    theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    finite = np.isfinite(x)
+    assert np.array_equal(ours[finite], theirs[finite])
+    assert np.array_equal(ours[:2], theirs[:2])
+    assert (ours[2] & 0x7F80) == 0x7F80 and (ours[2] & 0x7F) != 0  # NaN stays NaN
+
+
+_dtype = st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "BOOL"])
+_shape = st.lists(st.integers(0, 5), min_size=0, max_size=3)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.text(min_size=1, max_size=8).filter(lambda s: "\0" not in s and s != "__metadata__"), _dtype, _shape
+        ),
+        max_size=6,
+        unique_by=lambda t: t[0],
+    )
+)
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+def test_round_trip_random_valid_headers(tmp_path, entries):
+    p = tmp_path / "r.safetensors"
+    rng = np.random.default_rng(0)
+    datas = []
+    with SafetensorsWriter(p, [(n, d, tuple(s)) for n, d, s in entries]) as w:
+        for n, d, s in entries:
+            b = rng.integers(0, 256, int(np.prod(s)) * DTYPES[d][0], dtype=np.uint8).tobytes()
+            datas.append(b)
+            w.write(n, b)
+    h = read_header(p)
+    by_name = {t.name: t for t in h.tensors}
+    raw = p.read_bytes()
+    for (n, d, s), b in zip(entries, datas):
+        t = by_name[n]
+        assert (t.dtype, list(t.shape)) == (d, s)
+        assert raw[t.start : t.end] == b
+
+
+@pytest.fixture(scope="module")
+def valid_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("v") / "v.safetensors"
+    with SafetensorsWriter(p, [("w", "F32", (4, 3)), ("b", "BF16", (3,)), ("i", "I64", (2,))], {"k": "v"}) as w:
+        w.write("w", np.arange(12, dtype=np.float32))
+        w.write("b", np.zeros(3, np.uint16))
+        w.write("i", np.arange(2, dtype=np.int64))
+    return p.read_bytes()
+
+
+@given(st.data())
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+def test_corrupted_headers_fail_cleanly(tmp_path, valid_file, data):
+    """Random byte flips, truncations and insertions: FormatError or a consistent parse, nothing else."""
+    buf = bytearray(valid_file)
+    n_header = struct.unpack("<Q", buf[:8])[0]
+    kind = data.draw(st.sampled_from(["flip", "truncate", "insert", "length"]))
+    if kind == "flip":
+        for _ in range(data.draw(st.integers(1, 4))):
+            i = data.draw(st.integers(0, 8 + n_header - 1))
+            buf[i] = data.draw(st.integers(0, 255))
+    elif kind == "truncate":
+        buf = buf[: data.draw(st.integers(0, len(buf) - 1))]
+    elif kind == "insert":
+        i = data.draw(st.integers(8, 8 + n_header))
+        buf[i:i] = data.draw(st.binary(min_size=1, max_size=8))
+    else:
+        buf[:8] = struct.pack("<Q", data.draw(st.integers(0, 2**64 - 1)))
+    p = tmp_path / "c.safetensors"
+    p.write_bytes(bytes(buf))
+    try:
+        h = read_header(p)
+    except FormatError:
+        return
+    # accepted: every tensor lies inside the file, tiles the data section, and matches its shape
+    cursor = h.data_start
+    for t in h.tensors:
+        assert t.start == cursor and t.end - t.start == t.numel * DTYPES[t.dtype][0]
+        cursor = t.end
+    assert cursor == len(buf)
+
+
+@given(
+    st.dictionaries(
+        st.text(max_size=5),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=4),
+            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3),
+            max_leaves=8,
+        ),
+        max_size=4,
+    )
+)
+@settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+def test_random_json_headers_fail_cleanly(tmp_path, doc):
+    blob = json.dumps(doc).encode()
+    p = tmp_path / "j.safetensors"
+    p.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    try:
+        h = read_header(p)
+    except FormatError:
+        return
+    assert all(t.nbytes == 0 for t in h.tensors)

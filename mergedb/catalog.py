@@ -7,19 +7,21 @@ scan or merge: registration reads the files first, then writes everything in one
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
-from . import scan, stats
+from . import planner, scan, stats
 from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .units import parse_size
@@ -561,3 +563,150 @@ def _delete_checkpoint(con: duckdb.DuckDBPyConnection, cid: int) -> None:
 def connect(path: str | os.PathLike[str] | None = None, *, wait: float = 0.0) -> Catalog:
     """The catalog at `path` (default: $MERGEDB_CATALOG or ./mergedb.duckdb)."""
     return Catalog(path, wait=wait)
+
+
+# -- plans ---------------------------------------------------------------------------------------
+
+def _plan_methods() -> None:
+    """Attach the planning calls to Catalog (kept apart from registration for reading)."""
+
+    def plan(self: Catalog, request: planner.PlanRequest, explain: bool = False) -> planner.PlanSummary:
+        """Plan a merge from the catalog alone (no weights are read) and store it; one transaction."""
+        with self.connect(write=True) as con:
+            con.execute("BEGIN")
+            try:
+                plan_id = planner.make_plan(con, request, query, explain=explain)
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            summary = _load_plan(con, plan_id)
+        return replace(summary, explain=planner.explain_steps(plan_id))
+
+    def plans(self: Catalog) -> list[planner.PlanSummary]:
+        """Every stored plan, oldest first."""
+        with self.connect() as con:
+            ids = [r[0] for r in con.execute("SELECT plan_id FROM plans ORDER BY plan_id").fetchall()]
+            return [_load_plan(con, i) for i in ids]
+
+    def get_plan(self: Catalog, plan: int | str) -> planner.PlanSummary:
+        """A stored plan by id, name, or plan-hash prefix."""
+        with self.connect() as con:
+            return _load_plan(con, _resolve_plan(con, plan))
+
+    Catalog.plan = plan  # type: ignore[attr-defined]
+    Catalog.plans = plans  # type: ignore[attr-defined]
+    Catalog.get_plan = get_plan  # type: ignore[attr-defined]
+
+
+def _resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str) -> int:
+    text = str(plan)
+    rows = con.execute(
+        "SELECT plan_id FROM plans WHERE CAST(plan_id AS VARCHAR) = ? OR name = ? OR plan_hash LIKE ? || '%'",
+        [text, text, text if len(text) >= 6 else "\x00"],
+    ).fetchall()
+    if len(rows) != 1:
+        what = "no plan" if not rows else "several plans"
+        raise CatalogError(f"{what} matching {text!r}; `mergedb plans` lists them")
+    return int(rows[0][0])
+
+
+def _load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> planner.PlanSummary:
+    p = con.execute(
+        "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
+        "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
+        "p.bound_blockwise, p.est_error, p.planning_seconds, b.name FROM plans p "
+        "JOIN checkpoints b ON b.checkpoint_id = p.base_id WHERE p.plan_id = ?", [plan_id]
+    ).fetchall()[0]
+    experts = tuple(
+        planner.ExpertSummary(*r)
+        for r in con.execute(
+            "SELECT c.name, pe.weight, pe.coef, pe.full_bytes, pe.selected_bytes, pe.bound_sum, pe.bound_blockwise "
+            "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? ORDER BY pe.position",
+            [plan_id],
+        ).fetchall()
+    )
+    return planner.PlanSummary(
+        plan_id=p[0], plan_hash=p[1], name=p[2], method=p[3], params=json.loads(p[4]), seed=p[5], budget_spec=p[6],
+        budget_bytes=p[7], full_bytes=p[8], selected_bytes=p[9], base_bytes=p[10], n_candidates=p[11],
+        n_selected=p[12], free_blocks=p[13], bound_sum=p[14], bound_blockwise=p[15], est_error=p[16],
+        planning_seconds=p[17], base=p[18], experts=experts,
+    )
+
+
+_plan_methods()
+
+
+def simulate(
+    cat: Catalog,
+    experts: int,
+    tensors: int,
+    blocks_per_tensor: int,
+    *,
+    block_bytes: int | list[int] = 4 * 2**20,
+    identical_fraction: float = 0.1,
+    seed: int = 0,
+) -> None:
+    """Write a synthetic family's rows straight into the catalog (no checkpoint files).
+
+    For planner tests and benchmarks at sizes no disk here could hold: `experts × tensors ×
+    blocks_per_tensor` expert-block rows with lognormal delta norms, random identical blocks and
+    random sketches. Files point nowhere; only planning works on such a family.
+    """
+    rng = np.random.default_rng(seed)
+    dim = cat._sketch_dim or stats.DEFAULT_SKETCH_DIM
+    with cat.connect(write=True) as con:
+        con.execute("BEGIN")
+        base_id = int(_one(con, "SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints")[0])
+        nb = tensors * blocks_per_tensor
+        sizes = np.broadcast_to(np.asarray(block_bytes, np.int64), (nb,)).reshape(tensors, blocks_per_tensor)
+        for k in range(experts + 1):
+            con.execute(
+                "INSERT INTO checkpoints (checkpoint_id, name, path, root, role, base_id, architecture, dtype, "
+                "n_tensors, bytes, fingerprint, content_hash, block_size) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                [base_id + k, f"sim{base_id}_base" if k == 0 else f"sim{base_id}_e{k - 1:03d}", "/nonexistent",
+                 "/nonexistent", "base" if k == 0 else "expert", None if k == 0 else base_id, "Simulated", "BF16",
+                 tensors, int(sizes.sum()), f"sim-{seed}-{k}", f"sim-{seed}-{k}", None],
+            )
+        _append(con, "family_tensors", pa.table({
+            "base_id": pa.array([base_id] * tensors, pa.int32()),
+            "tensor_idx": pa.array(range(tensors), pa.int32()),
+            "name": [f"t{t}" for t in range(tensors)],
+            "dtype": ["BF16"] * tensors,
+            "shape": pa.array([[int(sizes[t].sum()) // 2] for t in range(tensors)], pa.list_(pa.int64())),
+            "numel": pa.array(sizes.sum(axis=1) // 2, pa.int64()),
+            "nbytes": pa.array(sizes.sum(axis=1), pa.int64()),
+            "row_bytes": pa.array([2] * tensors, pa.int64()),
+            "mergeable": [True] * tensors,
+            "n_blocks": pa.array([blocks_per_tensor] * tensors, pa.int32()),
+        }))
+        t_idx = np.repeat(np.arange(tensors, dtype=np.int32), blocks_per_tensor)
+        b_idx = np.tile(np.arange(blocks_per_tensor, dtype=np.int32), tensors)
+        starts = np.concatenate([np.r_[0, np.cumsum(s)[:-1]] for s in sizes])
+        _append(con, "blocks", pa.table({
+            "base_id": pa.array(np.full(nb, base_id, np.int32)), "tensor_idx": pa.array(t_idx),
+            "block_idx": pa.array(b_idx), "row_start": pa.array(starts // 2), "row_end": pa.array((starts + sizes.reshape(-1)) // 2),
+            "byte_start": pa.array(starts), "nbytes": pa.array(sizes.reshape(-1)), "numel": pa.array(sizes.reshape(-1) // 2),
+            "base_hash": pa.array(["0"] * nb),
+        }))
+        empty_f = pa.array([[]] * nb, pa.list_(pa.float32()))
+        for k in range(experts):
+            ident = rng.random(nb) < identical_fraction
+            norm = np.where(ident, 0.0, np.exp(rng.normal(0, 2, nb)))
+            sk = (rng.standard_normal((nb, dim)) * (norm[:, None] / np.sqrt(dim))).astype(np.float32)
+            lo = (norm / 100).astype(np.float32)
+            _append(con, "expert_blocks", pa.table({
+                "checkpoint_id": pa.array(np.full(nb, base_id + 1 + k, np.int32)),
+                "tensor_idx": pa.array(t_idx), "block_idx": pa.array(b_idx), "identical": pa.array(ident),
+                "delta_norm": pa.array(norm), "max_abs": pa.array((norm / 10).astype(np.float32)),
+                "nnz": pa.array(np.where(ident, 0, sizes.reshape(-1) // 2)), "nonfinite": pa.array(np.zeros(nb, np.int64)),
+                "content_hash": pa.array(["0"] * nb),
+                "hist_lo": pa.FixedSizeListArray.from_arrays(lo, 1).cast(pa.list_(pa.float32())),
+                "hist_hi": pa.FixedSizeListArray.from_arrays(lo * 2, 1).cast(pa.list_(pa.float32())),
+                "hist_count": pa.FixedSizeListArray.from_arrays(sizes.reshape(-1) // 2, 1).cast(pa.list_(pa.int64())),
+                "hist_sum": pa.FixedSizeListArray.from_arrays(norm, 1).cast(pa.list_(pa.float64())),
+                "hist_sumsq": pa.FixedSizeListArray.from_arrays(norm**2, 1).cast(pa.list_(pa.float64())),
+                "sketch": pa.FixedSizeListArray.from_arrays(sk.reshape(-1), dim).cast(pa.list_(pa.float32())),
+            }))
+        del empty_f
+        con.execute("COMMIT")

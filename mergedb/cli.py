@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 from . import synth
 from .catalog import Catalog, default_path
 from .errors import MergeDBError
+from .planner import PlanRequest, PlanSummary
 from .units import format_size
 
 
@@ -204,6 +205,102 @@ def show(name: str, catalog: Path | None = CatalogOpt, wait: float = WaitOpt) ->
     _out().print(f"{row.n_tensors} tensors, {row.dtype}, {format_size(row.bytes)}, fingerprint {row.fingerprint[:16]}")
     if row.role == "expert":
         _print_table(cat.tensor_summary(name), title="per-tensor delta")
+
+
+@app.command()
+def plan(
+    base: str = typer.Option(..., "--base", help="Name of the registered base."),
+    experts: str | None = typer.Option(None, "--experts", help="Comma-separated expert names, in order."),
+    all_experts: bool = typer.Option(False, "--all", help="Every expert of the base."),
+    method: str = typer.Option(..., "--method", "-m", help="linear, task_arithmetic, ties, dare_linear, dare_ties, "
+                               "breadcrumbs, breadcrumbs_ties, della, della_linear, model_stock."),
+    budget: str = typer.Option("all", "--budget", "-b", help="Expert bytes to read: 500MB, 2GiB, 25%, all, 0."),
+    weights: str | None = typer.Option(None, "--weights", help="Comma-separated weights, one per expert."),
+    density: float | None = typer.Option(None, "--density", help="Fraction of each delta kept (trimming/DARE)."),
+    lam: float | None = typer.Option(None, "--lambda", help="Scale of the merged delta."),
+    gamma: float | None = typer.Option(None, "--gamma", help="Breadcrumbs: fraction of largest deltas dropped."),
+    epsilon: float | None = typer.Option(None, "--epsilon", help="DELLA: spread of keep probabilities."),
+    normalize: bool | None = typer.Option(None, "--normalize/--no-normalize", help="Divide by the weights' sum."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random drops (DARE, DELLA)."),
+    name: str | None = typer.Option(None, "--name", help="A name to refer to the plan by."),
+    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Leave NaN/Inf blocks out instead of refusing."),
+    explain: bool = typer.Option(False, "--explain", help="Print the SQL steps that ran, with row counts."),
+    catalog: Path | None = CatalogOpt,
+    wait: float = WaitOpt,
+) -> None:
+    """Plan a merge under a byte budget, from the catalog alone.
+
+    Example: mergedb plan --base base --all --method ties --density 0.2 --budget 25%
+    """
+    if (experts is None) == (not all_experts):
+        raise MergeDBError("name the experts with --experts a,b,c or pass --all")
+    names = tuple(e.strip() for e in experts.split(",") if e.strip()) if experts else None
+    try:
+        w = tuple(float(x) for x in weights.split(",")) if weights else None
+    except ValueError:
+        raise MergeDBError(f"--weights {weights!r}: give comma-separated numbers, e.g. --weights 1,0.5,0.5") from None
+    params = {k: v for k, v in {"density": density, "lambda": lam, "gamma": gamma, "epsilon": epsilon,
+                                "normalize": normalize}.items() if v is not None}
+    req = PlanRequest(base, names, method, budget, w, params, seed, name, allow_nonfinite)
+    summary = _catalog(catalog, wait).plan(req, explain=explain)
+    if explain:
+        for step, sql_text, rows in summary.explain:
+            _out().print(f"[bold]-- {step}: {rows} rows[/]")
+            _out().print(sql_text.strip(), highlight=False, markup=False)
+    _print_plan(summary)
+
+
+@app.command()
+def plans(catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
+    """List stored plans.
+
+    Example: mergedb plans
+    """
+    t = Table()
+    for c in ("id", "name", "method", "experts", "budget", "selected", "of full", "bound", "hash"):
+        t.add_column(c)
+    for p in _catalog(catalog, wait).plans():
+        t.add_row(str(p.plan_id), p.name or "", p.method, str(len(p.experts)), p.budget_spec,
+                  format_size(p.selected_bytes), f"{_pct(p.selected_bytes, p.full_bytes)}",
+                  _cell(p.bound_blockwise), p.plan_hash[:12])
+    _out().print(t)
+
+
+@app.command("show-plan")
+def show_plan(plan_ref: str = typer.Argument(..., metavar="PLAN", help="Plan id, name or hash prefix."),
+              catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
+    """Show one plan: budget, coverage per expert, error bounds.
+
+    Example: mergedb show-plan 1
+    """
+    _print_plan(_catalog(catalog, wait).get_plan(plan_ref))
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{100 * a / b:.1f}%" if b else "-"
+
+
+def _print_plan(p: PlanSummary) -> None:
+    o = _out()
+    o.print(f"[bold]plan {p.plan_id}[/]{' (' + p.name + ')' if p.name else ''}  {p.method} {p.params}  "
+            f"hash {p.plan_hash[:16]}")
+    o.print(f"expert bytes: {format_size(p.selected_bytes)} selected of {format_size(p.full_bytes)} full read "
+            f"({_pct(p.selected_bytes, p.full_bytes)}), budget {p.budget_spec} = {format_size(p.budget_bytes)}")
+    o.print(f"blocks: {p.n_selected} selected of {p.n_candidates}; {p.free_blocks} free (identical to base, "
+            f"never read, zero error); base read {format_size(p.base_bytes)} (not budgeted)")
+    if p.bound_sum is not None:
+        o.print(f"error bound ‖θ_B − θ_F‖ ≤ {p.bound_blockwise:.6g} (block-wise), ≤ {p.bound_sum:.6g} (sum); "
+                f"sketch estimate {p.est_error:.6g}")
+    else:
+        o.print("error bound: not applicable (the method is not a fixed-coefficient sum of deltas)")
+    t = Table()
+    for c in ("expert", "weight", "coef", "selected", "full", "coverage", "bound"):
+        t.add_column(c)
+    for e in p.experts:
+        t.add_row(e.name, _cell(e.weight), _cell(e.coef), format_size(e.selected_bytes), format_size(e.full_bytes),
+                  f"{100 * e.coverage:.1f}%", _cell(e.bound_blockwise))
+    o.print(t)
+    o.print(f"planned in {p.planning_seconds:.3f}s")
 
 
 def main() -> None:

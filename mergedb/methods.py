@@ -1,0 +1,102 @@
+"""Merge methods: their parameters (validated at plan time) and how the planner scores them.
+
+One table of settings, not a class per variant: ties / dare_ties / breadcrumbs_ties differ only in
+how they sparsify and whether signs are elected. Parameter names follow mergekit where the
+concept is the same (`weight`, `density`, `lambda`, `gamma`, `epsilon`, `normalize`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import PlanError
+
+
+@dataclass(frozen=True)
+class Method:
+    """How a method sparsifies, combines, and is scored by the planner."""
+
+    name: str
+    sparsify: str  # none | magnitude | random | band | della
+    consensus: bool  # TIES sign election with the disjoint mean
+    score: str  # additive: |c|·‖Δ‖ ; trimmed: |c|·‖Δ surviving the trim‖ (from histograms)
+    bound: bool  # the omitted-update error bound holds exactly (deterministic, fixed coefficients)
+    defaults: dict[str, Any]
+
+
+METHODS: dict[str, Method] = {m.name: m for m in [
+    Method("linear", "none", False, "additive", True, {"normalize": True}),
+    Method("task_arithmetic", "none", False, "additive", True, {"lambda": 1.0}),
+    Method("ties", "magnitude", True, "trimmed", False, {"density": 0.2, "lambda": 1.0, "normalize": True}),
+    Method("dare_linear", "random", False, "additive", False, {"density": 0.5, "lambda": 1.0}),
+    Method("dare_ties", "random", True, "additive", False, {"density": 0.5, "lambda": 1.0, "normalize": True}),
+    Method("breadcrumbs", "band", False, "trimmed", False, {"density": 0.9, "gamma": 0.01, "lambda": 1.0}),
+    Method("breadcrumbs_ties", "band", True, "trimmed", False,
+           {"density": 0.9, "gamma": 0.01, "lambda": 1.0, "normalize": True}),
+    Method("della", "della", True, "additive", False,
+           {"density": 0.7, "epsilon": 0.15, "lambda": 1.0, "normalize": True}),
+    Method("della_linear", "della", False, "additive", False, {"density": 0.7, "epsilon": 0.15, "lambda": 1.0}),
+    Method("model_stock", "none", False, "additive", False, {}),
+]}
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise PlanError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def validate(method: str, params: dict[str, Any], weights: list[float], n_experts: int) -> dict[str, Any]:
+    """Fill defaults and check every parameter; returns the full, canonical parameter dict."""
+    m = get_method(method)
+    unknown = sorted(set(params) - set(m.defaults))
+    if unknown:
+        allowed = ", ".join(m.defaults) or "none"
+        raise PlanError(f"method {method} has no parameter {unknown[0]!r} (its parameters: {allowed})")
+    p = {**m.defaults, **{k: v for k, v in params.items() if v is not None}}
+    for k, v in p.items():
+        if k == "normalize":
+            if not isinstance(v, bool):
+                raise PlanError(f"normalize must be true or false, got {v!r}")
+            continue
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            raise PlanError(f"{k} must be a number, got {v!r}") from None
+        if not math.isfinite(v):
+            raise PlanError(f"{k} must be finite, got {v}")
+        p[k] = v
+    if "density" in p and not 0 < p["density"] <= 1:
+        raise PlanError(f"density must be in (0, 1], got {p['density']}; e.g. --density 0.2")
+    if "gamma" in p and not (0 <= p["gamma"] < 1 and p["gamma"] + p["density"] <= 1):
+        raise PlanError(f"gamma must be in [0, 1) with gamma + density ≤ 1, got gamma={p['gamma']}")
+    if "epsilon" in p and not (0 <= p["epsilon"] and 0 < p["density"] - p["epsilon"] and p["density"] + p["epsilon"] <= 1):
+        raise PlanError(f"epsilon must keep density ± epsilon inside (0, 1], got epsilon={p['epsilon']}")
+    if n_experts < 1:
+        raise PlanError("a plan needs at least one expert")
+    if method == "model_stock" and n_experts < 2:
+        raise PlanError("model_stock needs at least two experts")
+    if len(weights) != n_experts:
+        raise PlanError(f"{len(weights)} weights for {n_experts} experts; give one weight per expert, in order")
+    if not all(math.isfinite(w) for w in weights):
+        raise PlanError(f"weights must be finite numbers, got {weights}")
+    if method == "linear" and p["normalize"] and abs(sum(weights)) < 1e-12:
+        raise PlanError("linear with normalize needs weights that do not sum to zero")
+    return p
+
+
+def coefficients(method: str, params: dict[str, Any], weights: list[float]) -> list[float]:
+    """The fixed coefficient c_k on expert k's delta in the merged model (before any trimming).
+
+    linear: w_k / Σw (or w_k); task_arithmetic and sparsifying methods: λ·w_k (TIES-style methods
+    divide by agreeing weights per element, so |c_k| is the planner's scale, not an exact factor);
+    model_stock: 1/K (its data-dependent t ≤ 1 is applied by the executor).
+    """
+    if method == "linear":
+        total = sum(weights) if params["normalize"] else 1.0
+        return [w / total for w in weights]
+    if method == "model_stock":
+        return [1.0 / len(weights)] * len(weights)
+    return [params.get("lambda", 1.0) * w for w in weights]

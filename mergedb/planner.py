@@ -1,0 +1,325 @@
+"""The budget planner: SQL window queries over the catalog choose which (expert, block) deltas to read.
+
+`make_plan` runs inside the catalog's transaction with the connection the catalog hands it; the
+ranking, the cut and the bounds are the SQL files in `queries/` (see each file's header).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from . import methods, stats
+from .errors import PlanError
+from .units import parse_size
+
+MAX_FILL_PASSES = 256
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to merge and how much of the experts may be read."""
+
+    base: str
+    experts: tuple[str, ...] | None  # None: every expert of the base
+    method: str
+    budget: str = "all"
+    weights: tuple[float, ...] | None = None  # one per expert; default 1.0 each
+    params: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    name: str | None = None
+    allow_nonfinite: bool = False  # exclude non-finite blocks instead of refusing the expert
+
+
+@dataclass(frozen=True)
+class ExpertSummary:
+    name: str
+    weight: float
+    coef: float
+    full_bytes: int
+    selected_bytes: int
+    bound_sum: float | None
+    bound_blockwise: float | None
+
+    @property
+    def coverage(self) -> float:
+        return self.selected_bytes / self.full_bytes if self.full_bytes else 1.0
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """A stored plan, as `mergedb plan` and `mergedb show-plan` report it."""
+
+    plan_id: int
+    plan_hash: str
+    name: str | None
+    method: str
+    params: dict[str, Any]
+    seed: int
+    budget_spec: str
+    budget_bytes: int
+    full_bytes: int
+    selected_bytes: int
+    base_bytes: int
+    n_candidates: int
+    n_selected: int
+    free_blocks: int
+    bound_sum: float | None
+    bound_blockwise: float | None
+    est_error: float | None
+    planning_seconds: float
+    base: str
+    experts: tuple[ExpertSummary, ...]
+    explain: tuple[tuple[str, str, int], ...] = ()
+
+
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def parse_budget(spec: str, full_bytes: int) -> int:
+    """Budget bytes from `500MB`, `2GiB`, `25%`, `all` or `0`."""
+    text = str(spec).strip()
+    example = "write a size with a unit (500MB, 2GiB), a percentage of the full read (25%), or all"
+    if text.lower() == "all":
+        return full_bytes
+    m = _PERCENT.match(text)
+    if m:
+        pct = float(m.group(1))
+        if pct > 100:
+            raise PlanError(f"budget {spec!r} is over 100%; {example}")
+        return int(full_bytes * pct / 100)
+    if text.startswith("-"):
+        raise PlanError(f"budget {spec!r} is negative; {example}")
+    if re.fullmatch(r"\d+", text) and int(text) != 0:
+        raise PlanError(f"budget {spec!r} has no unit; {example}")
+    try:
+        return parse_size(text, what="budget")
+    except Exception:
+        raise PlanError(f"cannot read budget {spec!r}; {example}") from None
+
+
+def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None) -> list[tuple]:
+    return con.execute(sql, params or []).fetchall()
+
+
+def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest, load_query: Any, explain: bool = False) -> int:
+    """Build and store a plan; returns its plan_id. The caller owns the transaction."""
+    t0 = time.perf_counter()
+    steps: list[tuple[str, str, int]] = []
+    base = _rows(con, "SELECT checkpoint_id, fingerprint, content_hash, role FROM checkpoints WHERE name = ?", [req.base])
+    if not base or base[0][3] != "base":
+        known = [r[0] for r in _rows(con, "SELECT name FROM checkpoints WHERE role = 'base' ORDER BY name")]
+        raise PlanError(f"no base named {req.base!r} in the catalog (bases: {', '.join(known) or 'none'})")
+    base_id, base_fp, base_content, _ = base[0]
+    experts = _rows(
+        con,
+        "SELECT name, checkpoint_id, fingerprint, content_hash, base_id FROM checkpoints WHERE role = 'expert' ORDER BY name",
+    )
+    by_name = {r[0]: r for r in experts}
+    names = list(req.experts) if req.experts is not None else [r[0] for r in experts if r[4] == base_id]
+    if len(set(names)) != len(names):
+        raise PlanError(f"an expert is listed twice in {names}")
+    for n in names:
+        if n not in by_name:
+            raise PlanError(f"no expert named {n!r} in the catalog; `mergedb ls` lists them")
+        if by_name[n][4] != base_id:
+            raise PlanError(f"expert {n!r} was registered against another base, not {req.base!r}")
+    weights = list(req.weights) if req.weights is not None else [1.0] * len(names)
+    params = methods.validate(req.method, req.params, weights, len(names))
+    method = methods.get_method(req.method)
+    coefs = methods.coefficients(req.method, params, weights)
+    ids = [by_name[n][1] for n in names]
+
+    bad = _rows(
+        con,
+        "SELECT c.name, ft.name, CAST(sum(eb.nonfinite) AS BIGINT) FROM expert_blocks eb "
+        "JOIN checkpoints c USING (checkpoint_id) JOIN family_tensors ft ON ft.base_id = c.base_id "
+        "AND ft.tensor_idx = eb.tensor_idx WHERE eb.nonfinite > 0 AND list_contains(?, eb.checkpoint_id) "
+        "GROUP BY ALL ORDER BY 1, 2",
+        [ids],
+    )
+    if bad and not req.allow_nonfinite:
+        e, t, n = bad[0]
+        raise PlanError(
+            f"expert {e!r} has {n} NaN/Inf values in tensor {t!r}; fix or drop that checkpoint, or pass "
+            "--allow-nonfinite to leave its non-finite blocks out of the merge"
+        )
+
+    con.register("_plan_experts", pa.table({
+        "checkpoint_id": pa.array(ids, pa.int32()),
+        "position": pa.array(range(len(ids)), pa.int32()),
+        "coef": pa.array(coefs, pa.float64()),
+    }))
+    trim = _thresholds(con, req.method, params, ids)
+    con.register("_plan_trim", trim)
+    _run(con, steps, "candidates", load_query("plan_candidates"), [base_id, method.score == "trimmed"],
+         "SELECT count(*) FROM plan_candidates")
+    if req.allow_nonfinite and bad:
+        con.execute("DELETE FROM plan_candidates WHERE (checkpoint_id, tensor_idx, block_idx) IN "
+                    "(SELECT (checkpoint_id, tensor_idx, block_idx) FROM expert_blocks WHERE nonfinite > 0)")
+    full_bytes, n_cand, n_free = _rows(
+        con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT), count(*), count(*) FILTER (WHERE free) FROM plan_candidates"
+    )[0]
+    budget = parse_budget(req.budget, full_bytes)
+    _run(con, steps, "prefix", load_query("plan_prefix"), [budget],
+         "SELECT count(*) FROM plan_ranked WHERE selected")
+    fill = load_query("plan_fill")
+    for _ in range(MAX_FILL_PASSES):
+        used = _rows(con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM plan_ranked WHERE selected")[0][0]
+        added = con.execute(fill, [budget - used]).fetchall()[0][0]
+        steps.append(("fill", fill, int(added)))
+        if added == 0:
+            break
+    bounds = _rows(con, load_query("plan_bounds"))
+    steps.append(("bounds", load_query("plan_bounds"), len(bounds)))
+    per_expert = {r[0]: r for r in bounds if r[0] is not None}
+    total = next(r for r in bounds if r[0] is None)
+    selected_bytes = int(total[3] or 0)
+    if selected_bytes > budget:  # cannot happen by construction; never store a plan that breaks it
+        raise PlanError(f"internal error: selected {selected_bytes} bytes over the {budget}-byte budget")
+    est = _sketch_estimate(con, coefs) if method.bound else None
+    mask_digest = _mask_digest(con)
+    base_bytes = _rows(
+        con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM family_tensors WHERE base_id = ?", [base_id]
+    )[0][0]
+    description = {
+        "method": req.method, "params": params, "seed": req.seed, "budget_bytes": budget,
+        "base": {"fingerprint": base_fp, "content": base_content},
+        "experts": [{"fingerprint": by_name[n][2], "content": by_name[n][3], "weight": w} for n, w in zip(names, weights)],
+        "thresholds": hashlib.sha256(_canonical_table(trim)).hexdigest(),
+        "mask": mask_digest,
+    }
+    plan_hash = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+    if req.name is not None and _rows(con, "SELECT 1 FROM plans WHERE name = ?", [req.name]):
+        raise PlanError(f"a plan named {req.name!r} exists already; choose another --name")
+    plan_id = int(_rows(con, "SELECT coalesce(max(plan_id), 0) + 1 FROM plans")[0][0])
+    additive = method.bound
+    con.execute(
+        "INSERT INTO plans VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, current_timestamp)",
+        [plan_id, req.name, plan_hash, req.method, json.dumps(params, sort_keys=True), req.seed, str(req.budget),
+         budget, base_id, base_fp, base_content, full_bytes, selected_bytes, base_bytes, n_cand,
+         steps_selected(con), n_free, total[1] if additive else None, total[2] if additive else None, est,
+         time.perf_counter() - t0],
+    )
+    full_by_pos = dict(_rows(con, "SELECT position, CAST(sum(nbytes) AS BIGINT) FROM plan_candidates GROUP BY 1"))
+    for pos, (n, w, c) in enumerate(zip(names, weights, coefs)):
+        b = per_expert.get(pos)
+        con.execute(
+            "INSERT INTO plan_experts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [plan_id, pos, by_name[n][1], w, c, by_name[n][2], by_name[n][3], int(full_by_pos.get(pos, 0)),
+             int(b[3]) if b else 0, (b[1] if b else 0.0) if additive else None,
+             (b[2] if b else 0.0) if additive else None],
+        )
+    con.execute(
+        "INSERT INTO plan_thresholds SELECT ?, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim", [plan_id]
+    )
+    con.execute(
+        "INSERT INTO plan_mask SELECT ?, c.checkpoint_id, c.tensor_idx, c.block_idx, coalesce(r.selected, false), "
+        "c.free, c.score, c.value, c.nbytes FROM plan_candidates c LEFT JOIN plan_ranked r "
+        "USING (position, tensor_idx, block_idx)", [plan_id]
+    )
+    con.execute("UPDATE plans SET planning_seconds = ? WHERE plan_id = ?", [time.perf_counter() - t0, plan_id])
+    if explain:
+        _EXPLAIN[plan_id] = tuple(steps)
+    for t in ("_plan_experts", "_plan_trim"):
+        con.unregister(t)
+    return plan_id
+
+
+_EXPLAIN: dict[int, tuple[tuple[str, str, int], ...]] = {}
+
+
+def explain_steps(plan_id: int) -> tuple[tuple[str, str, int], ...]:
+    """The SQL steps of a plan made in this process with explain=True: (step, sql, rows)."""
+    return _EXPLAIN.get(plan_id, ())
+
+
+def steps_selected(con: duckdb.DuckDBPyConnection) -> int:
+    return int(_rows(con, "SELECT count(*) FROM plan_ranked WHERE selected")[0][0])
+
+
+def _run(con: duckdb.DuckDBPyConnection, steps: list, name: str, sql: str, params: list[Any], count_sql: str) -> None:
+    con.execute(sql, params).fetchall()
+    steps.append((name, sql, int(_rows(con, count_sql)[0][0])))
+
+
+def _thresholds(con: duckdb.DuckDBPyConnection, method_name: str, params: dict[str, Any], ids: list[int]) -> pa.Table:
+    """Per (expert, tensor) trim thresholds: exact from the density grid when the density is on it."""
+    m = methods.get_method(method_name)
+    cols: dict[str, list[Any]] = {"checkpoint_id": [], "tensor_idx": [], "t_lo": [], "t_hi": [], "exact": []}
+    if m.sparsify in ("magnitude", "band"):
+        gamma = params.get("gamma", 0.0) if m.sparsify == "band" else 0.0
+        rows = _rows(
+            con,
+            "SELECT et.checkpoint_id, et.tensor_idx, et.grid_threshold, et.summary_code, et.summary_count, ft.numel "
+            "FROM expert_tensors et JOIN checkpoints c USING (checkpoint_id) JOIN family_tensors ft "
+            "ON ft.base_id = c.base_id AND ft.tensor_idx = et.tensor_idx WHERE list_contains(?, et.checkpoint_id) "
+            "ORDER BY 1, 2",
+            [ids],
+        )
+        for cid, tidx, grid, codes, counts, numel in rows:
+            lo, lo_exact = _threshold_at(gamma + params["density"], grid, codes, counts, numel)
+            hi, hi_exact = (None, True)
+            if gamma > 0 and int(gamma * numel) >= 1:
+                hi, hi_exact = _threshold_at(gamma, grid, codes, counts, numel)
+            for k, v in zip(cols, (cid, tidx, lo, hi, lo_exact and hi_exact)):
+                cols[k].append(v)
+    return pa.table({
+        "checkpoint_id": pa.array(cols["checkpoint_id"], pa.int32()),
+        "tensor_idx": pa.array(cols["tensor_idx"], pa.int32()),
+        "t_lo": pa.array(cols["t_lo"], pa.float32()),
+        "t_hi": pa.array(cols["t_hi"], pa.float32()),
+        "exact": pa.array(cols["exact"], pa.bool_()),
+    })
+
+
+def _threshold_at(density: float, grid: list[float], codes: list[int], counts: list[int], numel: int) -> tuple[float, bool]:
+    hit = np.flatnonzero(np.abs(stats.DENSITY_GRID - density) < 1e-12)
+    if len(hit):
+        return float(grid[int(hit[0])]), True
+    return stats.threshold_from_summary(np.asarray(codes), np.asarray(counts), numel, density), False
+
+
+def _sketch_estimate(con: duckdb.DuckDBPyConnection, coefs: list[float]) -> float:
+    """‖Σ_omitted c_k Δ_kb‖ estimated per block: exact diagonal c_k²‖Δ_kb‖² plus sketched cross terms."""
+    tbl = con.sql(
+        "SELECT r.tensor_idx, r.block_idx, r.position, eb.delta_norm, eb.sketch FROM plan_ranked r "
+        "JOIN expert_blocks eb USING (checkpoint_id, tensor_idx, block_idx) WHERE NOT r.selected "
+        "ORDER BY r.tensor_idx, r.block_idx, r.position"
+    ).to_arrow_table()
+    if tbl.num_rows == 0:
+        return 0.0
+    c = np.asarray(coefs)[tbl.column("position").to_numpy()]
+    norms = tbl.column("delta_norm").to_numpy()
+    sk = tbl.column("sketch").combine_chunks()
+    dim = len(sk[0]) if len(sk) else 0
+    s = sk.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float64) * c[:, None]
+    key = tbl.column("tensor_idx").to_numpy().astype(np.int64) << 32 | tbl.column("block_idx").to_numpy()
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    summed = np.add.reduceat(s, starts, axis=0)  # (blocks, D) sketch of Σ_k c_k Δ_kb
+    cross = (summed**2).sum(axis=1) - np.add.reduceat((s**2).sum(axis=1), starts)
+    diag = np.add.reduceat((c * norms) ** 2, starts)
+    return float(math.sqrt(np.maximum(diag + cross, 0.0).sum()))
+
+
+def _mask_digest(con: duckdb.DuckDBPyConnection) -> str:
+    sel = con.sql(
+        "SELECT position, tensor_idx, block_idx FROM plan_ranked WHERE selected ORDER BY position, tensor_idx, block_idx"
+    ).to_arrow_table()
+    h = hashlib.sha256()
+    for col in sel.columns:
+        h.update(col.to_numpy().astype("<i8").tobytes())
+    return h.hexdigest()
+
+
+def _canonical_table(t: pa.Table) -> bytes:
+    return json.dumps(t.to_pylist(), sort_keys=True, default=str).encode()

@@ -1,0 +1,215 @@
+"""The SQL planner against independent references: numpy greedy, exact top sets, whole-tensor errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mergedb.catalog import Catalog, simulate
+from mergedb.errors import PlanError
+from mergedb.planner import PlanRequest, parse_budget
+from tests.reference import load_model
+
+
+def mask(cat, plan_id):
+    return cat.sql(
+        "SELECT pe.position, m.tensor_idx, m.block_idx, m.selected, m.free, m.score, m.nbytes FROM plan_mask m "
+        "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
+        "WHERE m.plan_id = ? ORDER BY 1, 2, 3", [plan_id]
+    ).to_pylist()
+
+
+def numpy_greedy(rows, budget):
+    """Textbook greedy: best score first (ties by key), take a block whenever it still fits."""
+    cands = sorted((r for r in rows if not r["free"]),
+                   key=lambda r: (-r["score"], r["position"], r["tensor_idx"], r["block_idx"]))
+    left, chosen = budget, set()
+    for r in cands:
+        if r["nbytes"] <= left:
+            chosen.add((r["position"], r["tensor_idx"], r["block_idx"]))
+            left -= r["nbytes"]
+    return chosen
+
+
+def selected(rows):
+    return {(r["position"], r["tensor_idx"], r["block_idx"]) for r in rows if r["selected"]}
+
+
+@given(
+    experts=st.integers(1, 4), tensors=st.integers(1, 3), blocks=st.integers(1, 5),
+    equal=st.booleans(), seed=st.integers(0, 10**6), frac=st.floats(0, 1.2),
+)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_budget_properties_on_random_catalogs(tmp_path_factory, experts, tensors, blocks, equal, seed, frac):
+    cat = Catalog(tmp_path_factory.mktemp("p") / "c.duckdb")
+    rng = np.random.default_rng(seed)
+    sizes = 1000 if equal else list(rng.integers(1, 5000, tensors * blocks))
+    simulate(cat, experts, tensors, blocks, block_bytes=sizes, identical_fraction=0.2, seed=seed)
+    base = cat.checkpoints()[0].name
+    full = sum(r["nbytes"] for r in cat.sql("SELECT nbytes FROM blocks").to_pylist()) * experts
+    budget = int(full * frac)
+    p = cat.plan(PlanRequest(base, None, "task_arithmetic", f"{budget}B"))
+    rows = mask(cat, p.plan_id)
+    sel = selected(rows)
+    # soundness
+    assert p.selected_bytes == sum(r["nbytes"] for r in rows if r["selected"]) <= budget
+    # the SQL cut equals an independent greedy on the same scores
+    assert sel == numpy_greedy(rows, budget)
+    # free blocks are never selected
+    assert not any(r["free"] and r["selected"] for r in rows)
+    if budget >= full:
+        assert sel == {(r["position"], r["tensor_idx"], r["block_idx"]) for r in rows if not r["free"]}
+    if equal:  # equal sizes: exactly the top-by-value set
+        cands = sorted((r for r in rows if not r["free"]), key=lambda r: (-r["score"], r["position"], r["tensor_idx"], r["block_idx"]))
+        m = budget // 1000
+        assert sel == {(r["position"], r["tensor_idx"], r["block_idx"]) for r in cands[:m]}
+    # determinism: same inputs, same mask and hash
+    p2 = cat.plan(PlanRequest(base, None, "task_arithmetic", f"{budget}B"))
+    assert p2.plan_hash == p.plan_hash and selected(mask(cat, p2.plan_id)) == sel
+    zero = cat.plan(PlanRequest(base, None, "task_arithmetic", "0"))
+    assert zero.selected_bytes == 0 and not selected(mask(cat, zero.plan_id))
+
+
+def test_hash_changes_with_any_input(tmp_path):
+    cat = Catalog(tmp_path / "c.duckdb")
+    simulate(cat, 3, 2, 4, seed=1)
+    base = cat.checkpoints()[0].name
+    ref = cat.plan(PlanRequest(base, None, "task_arithmetic", "50%")).plan_hash
+    variants = [
+        PlanRequest(base, None, "task_arithmetic", "40%"),
+        PlanRequest(base, None, "linear", "50%"),
+        PlanRequest(base, None, "task_arithmetic", "50%", weights=(1, 1, 2)),
+        PlanRequest(base, None, "task_arithmetic", "50%", params={"lambda": 0.5}),
+        PlanRequest(base, None, "task_arithmetic", "50%", seed=1),
+    ]
+    hashes = {cat.plan(v).plan_hash for v in variants}
+    assert ref not in hashes and len(hashes) == len(variants)
+
+
+@pytest.mark.parametrize("spec,expected", [("all", 1000), ("25%", 250), ("12.5%", 125), ("0", 0), ("1KiB", 1024),
+                                           ("500B", 500), ("2kb", 2000)])
+def test_parse_budget(spec, expected):
+    assert parse_budget(spec, 1000) == expected
+
+
+@pytest.mark.parametrize("spec", ["-5MB", "100", "lots", "150%", "5 parsecs", ""])
+def test_bad_budgets_refused_with_example(spec):
+    with pytest.raises(PlanError, match="2GiB"):
+        parse_budget(spec, 1000)
+
+
+@pytest.mark.parametrize("method,params,match", [
+    ("nonsense", {}, "unknown method"),
+    ("ties", {"gamma": 0.1}, "no parameter 'gamma'"),
+    ("ties", {"density": 1.5}, "density must be in"),
+    ("ties", {"density": 0}, "density must be in"),
+    ("breadcrumbs", {"density": 0.9, "gamma": 0.2}, "gamma"),
+    ("della", {"density": 0.5, "epsilon": 0.6}, "epsilon"),
+    ("task_arithmetic", {"lambda": float("nan")}, "finite"),
+    ("linear", {"normalize": "yes"}, "normalize"),
+])
+def test_bad_methods_and_parameters_refused_before_writing(tmp_path, method, params, match):
+    cat = Catalog(tmp_path / "c.duckdb")
+    simulate(cat, 2, 1, 2)
+    base = cat.checkpoints()[0].name
+    with pytest.raises(PlanError, match=match):
+        cat.plan(PlanRequest(base, None, method, "all", params=params))
+    assert cat.plans() == []
+
+
+def test_unknown_expert_and_weights(tmp_path):
+    cat = Catalog(tmp_path / "c.duckdb")
+    simulate(cat, 2, 1, 2)
+    base = cat.checkpoints()[0].name
+    with pytest.raises(PlanError, match="no expert named 'zz'"):
+        cat.plan(PlanRequest(base, ("zz",), "linear"))
+    with pytest.raises(PlanError, match="one weight per expert"):
+        cat.plan(PlanRequest(base, None, "linear", weights=(1.0,)))
+    with pytest.raises(PlanError, match="no base named"):
+        cat.plan(PlanRequest("nobase", None, "linear"))
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory):
+    from mergedb import synth
+
+    root = tmp_path_factory.mktemp("bound")
+    fam = synth.make_family(root / "fam", experts=4, size="tiny", dtype="fp32", seed=9)
+    cat = Catalog(root / "c.duckdb")
+    cat.register([fam], base_model="base", block_size="16KiB")
+    models = {n: load_model(fam / n) for n in ["base", "expert_00", "expert_01", "expert_02", "expert_03"]}
+    return cat, models
+
+
+@pytest.mark.parametrize("method,weights,params", [
+    ("task_arithmetic", (1.0, 0.5, -0.7, 2.0), {"lambda": 0.8}),
+    ("linear", (1.0, 2.0, 3.0, 4.0), {}),
+])
+@pytest.mark.parametrize("budget", ["0", "10%", "33%", "50%", "90%", "all"])
+def test_bounds_hold_against_whole_tensor_errors(registered, method, weights, params, budget):
+    cat, models = registered
+    p = cat.plan(PlanRequest("base", None, method, budget, weights, params))
+    rows = cat.sql(
+        "SELECT pe.position, pe.coef, ft.name, bl.row_start, bl.row_end, m.selected FROM plan_mask m "
+        "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
+        "JOIN family_tensors ft ON ft.base_id = 1 AND ft.tensor_idx = m.tensor_idx "
+        "JOIN blocks bl ON bl.base_id = 1 AND bl.tensor_idx = m.tensor_idx AND bl.block_idx = m.block_idx "
+        "WHERE m.plan_id = ?", [p.plan_id]
+    ).to_pylist()
+    names = ["expert_00", "expert_01", "expert_02", "expert_03"]
+    # θ_B − θ_F = −Σ_{omitted} c_k Δ_kb, computed from whole tensors
+    err = {}
+    for r in rows:
+        if r["selected"]:
+            continue
+        b = models["base"][r["name"]]
+        d = (models[names[r["position"]]][r["name"]].astype(np.float64) - b).reshape(b.shape[0] if b.ndim > 1 else 1, -1)
+        acc = err.setdefault(r["name"], np.zeros_like(d))
+        acc[r["row_start"] : r["row_end"]] += r["coef"] * d[r["row_start"] : r["row_end"]]
+    actual = np.sqrt(sum(float((e**2).sum()) for e in err.values()))
+    assert actual <= p.bound_blockwise * (1 + 1e-9) + 1e-12
+    assert p.bound_blockwise <= p.bound_sum * (1 + 1e-9) + 1e-12
+    if budget == "all":
+        assert actual == 0 and p.bound_sum == 0
+    if actual > 0:  # the sketch estimate is an estimate: same order of magnitude
+        assert 0.5 * actual <= p.est_error <= 2.0 * actual
+
+
+def test_trimmed_scores_and_thresholds_exact_on_grid(registered):
+    cat, models = registered
+    p = cat.plan(PlanRequest("base", None, "ties", "50%", params={"density": 0.2}))
+    th = cat.sql("SELECT bool_and(exact) AS e, count(*) AS n FROM plan_thresholds WHERE plan_id = ?", [p.plan_id]).to_pylist()
+    assert th[0]["e"] and th[0]["n"] > 0
+    off = cat.plan(PlanRequest("base", None, "ties", "50%", params={"density": 0.2345}))
+    th = cat.sql("SELECT bool_or(exact) AS e FROM plan_thresholds WHERE plan_id = ?", [off.plan_id]).to_pylist()
+    assert th[0]["e"] is False
+    assert p.selected_bytes <= p.budget_bytes and p.bound_sum is None
+
+
+def test_nonfinite_expert_refused_then_allowed(tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from mergedb import synth
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=2)
+    shutil.copytree(fam / "expert_00", fam / "bad")
+    t = load_file(str(fam / "bad" / "model.safetensors"))
+    w = t["lm_head.weight"].clone()
+    w[0, 0] = float("inf")
+    t["lm_head.weight"] = w.to(torch.bfloat16)
+    save_file(t, str(fam / "bad" / "model.safetensors"))
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    with pytest.raises(PlanError, match="'bad' has 1 NaN/Inf values in tensor 'lm_head.weight'.*--allow-nonfinite"):
+        cat.plan(PlanRequest("base", None, "linear"))
+    p = cat.plan(PlanRequest("base", None, "linear", allow_nonfinite=True))
+    bad = cat.sql(
+        "SELECT count(*) AS n FROM plan_mask m JOIN expert_blocks eb USING (checkpoint_id, tensor_idx, block_idx) "
+        "WHERE m.plan_id = ? AND eb.nonfinite > 0", [p.plan_id]
+    ).to_pylist()
+    assert bad == [{"n": 0}]

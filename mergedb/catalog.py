@@ -710,3 +710,77 @@ def simulate(
             }))
         del empty_f
         con.execute("COMMIT")
+
+
+# -- execution -----------------------------------------------------------------------------------
+
+def _execution_methods() -> None:
+    from . import executor
+
+    def execution_plan(self: Catalog, plan: int | str) -> executor.ExecutionPlan:
+        """Everything the executor needs for a stored plan, read in one short connection."""
+        with self.connect() as con:
+            pid = _resolve_plan(con, plan)
+            p = con.execute(
+                "SELECT p.plan_hash, p.method, p.params, p.seed, p.budget_bytes, b.name, b.path, b.fingerprint, "
+                "b.content_hash, p.base_id FROM plans p JOIN checkpoints b ON b.checkpoint_id = p.base_id "
+                "WHERE p.plan_id = ?", [pid]).fetchall()[0]
+            experts = con.execute(
+                "SELECT c.name, c.path, c.fingerprint, c.content_hash, pe.weight, pe.coef, pe.checkpoint_id "
+                "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? "
+                "ORDER BY pe.position", [pid]).fetchall()
+            for name, _, fp, _, _, _, cid in experts:
+                if _one(con, "SELECT fingerprint FROM checkpoints WHERE checkpoint_id = ?", [cid])[0] != fp:
+                    raise ChangedFileError(f"expert {name!r} was re-registered after this plan was made; plan again")
+            tensors = con.execute(
+                "SELECT ft.tensor_idx, ft.name, ft.dtype, ft.shape, ft.mergeable, "
+                "list(row_start ORDER BY block_idx), list(row_end ORDER BY block_idx), list(base_hash ORDER BY block_idx) "
+                "FROM family_tensors ft JOIN blocks bl USING (base_id, tensor_idx) WHERE ft.base_id = ? "
+                "GROUP BY ALL ORDER BY ft.tensor_idx", [p[9]]).fetchall()
+            mask = con.sql(
+                "SELECT pe.position, m.tensor_idx, m.block_idx, eb.content_hash FROM plan_mask m "
+                "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
+                "JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id AND eb.tensor_idx = m.tensor_idx "
+                "AND eb.block_idx = m.block_idx WHERE m.plan_id = $1 AND m.selected "
+                "ORDER BY 1, 2, 3", params=[pid]).to_arrow_table()
+            della = json.loads(p[2]).get("epsilon") is not None
+            trims = con.sql(
+                "SELECT pe.position, t.tensor_idx, t.t_lo, t.t_hi, "
+                + ("et.summary_code AS rank_codes, et.summary_count AS rank_counts " if della else "NULL AS rank_codes, NULL AS rank_counts ")
+                + "FROM plan_experts pe JOIN expert_tensors et ON et.checkpoint_id = pe.checkpoint_id "
+                "LEFT JOIN plan_thresholds t ON t.plan_id = pe.plan_id AND t.checkpoint_id = pe.checkpoint_id "
+                "AND t.tensor_idx = et.tensor_idx WHERE pe.plan_id = $1 "
+                + ("" if della else "AND t.tensor_idx IS NOT NULL ") + "ORDER BY 1, 2", params=[pid]).to_arrow_table()
+            if della:
+                trims = trims.set_column(1, "tensor_idx", con.sql(
+                    "SELECT et.tensor_idx FROM plan_experts pe JOIN expert_tensors et ON "
+                    "et.checkpoint_id = pe.checkpoint_id WHERE pe.plan_id = $1 ORDER BY pe.position, et.tensor_idx",
+                    params=[pid]).to_arrow_table().column(0))
+        return executor.ExecutionPlan(
+            plan_id=pid, plan_hash=p[0], method=p[1], params=json.loads(p[2]), seed=p[3],
+            base=executor.Source(p[5], p[6], p[7], p[8]),
+            experts=tuple(executor.Source(n, path, fp, ch, w, c) for n, path, fp, ch, w, c, _ in experts),
+            tensors=tuple(executor.TensorLayout(n, d, tuple(s), m, tuple(zip(r0, r1)), tuple(h))
+                          for _, n, d, s, m, r0, r1, h in tensors),
+            mask=mask, trims=trims, budget_bytes=p[4],
+        )
+
+    def record_run(self: Catalog, plan_id: int, out: str, result: Any = None, error: str | None = None) -> int:
+        """Store one execution (ok with its result, or failed with its error)."""
+        with self.connect(write=True) as con:
+            rid = int(_one(con, "SELECT coalesce(max(run_id), 0) + 1 FROM runs")[0])
+            r = result
+            con.execute(
+                "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, current_timestamp)",
+                [rid, plan_id, out, "ok" if r is not None else "failed", error,
+                 r.manifest["content_hash"] if r else None, r.seconds if r else None, r.expert_bytes if r else None,
+                 r.physical_bytes if r else None, r.base_bytes if r else None, r.bytes_written if r else None,
+                 r.peak_rss if r else None],
+            )
+        return rid
+
+    Catalog.execution_plan = execution_plan  # type: ignore[attr-defined]
+    Catalog.record_run = record_run  # type: ignore[attr-defined]
+
+
+_execution_methods()

@@ -303,6 +303,80 @@ def _print_plan(p: PlanSummary) -> None:
     o.print(f"planned in {p.planning_seconds:.3f}s")
 
 
+@app.command()
+def execute(
+    plan_ref: str = typer.Argument(..., metavar="PLAN", help="Plan id, name or hash prefix."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Output folder (created; must not exist or be empty)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard."),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 [default: the base's]."),
+    verify: bool = typer.Option(False, "--verify", help="Re-hash every block read against the catalog."),
+    force: bool = typer.Option(False, "--force", help="Replace a previous mergedb output in --out."),
+    catalog: Path | None = CatalogOpt,
+    wait: float = WaitOpt,
+    quiet: bool = QuietOpt,
+) -> None:
+    """Merge a plan into a Hugging-Face folder, reading only the planned expert bytes.
+
+    Example: mergedb execute 1 --out ./merged
+    """
+    from . import executor
+    from .units import parse_size
+
+    cat = _catalog(catalog, wait)
+    xp = cat.execution_plan(plan_ref)  # the catalog is closed again before any weight is read
+    try:
+        res = executor.execute(xp, out_dir, max_shard_size=parse_size(max_shard_size, what="shard size"),
+                               dtype=dtype, verify=verify, force=force)
+    except MergeDBError as e:
+        cat.record_run(xp.plan_id, str(out_dir), error=str(e))
+        raise
+    cat.record_run(xp.plan_id, str(out_dir), res)
+    if not quiet:
+        _out().print(
+            f"wrote {out_dir}: expert bytes {format_size(res.expert_bytes)} (budget {format_size(xp.budget_bytes)}), "
+            f"base {format_size(res.base_bytes)}, physical reads {format_size(res.physical_bytes)}, "
+            f"{res.seconds:.2f}s, peak RSS {format_size(res.peak_rss)}"
+        )
+
+
+@app.command()
+def replay(
+    manifest: Path = typer.Argument(..., help="An output's mergedb_manifest.json."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Folder to re-create the model in."),
+    force: bool = typer.Option(False, "--force", help="Replace a previous mergedb output in --out."),
+) -> None:
+    """Re-execute a merge from its manifest and mask alone, and verify every tensor hash.
+
+    Example: mergedb replay ./merged/mergedb_manifest.json --out ./merged-again
+    """
+    from . import executor
+
+    res = executor.replay(manifest, out_dir, force=force)
+    _out().print(f"replayed into {out_dir}: {len(res.manifest['tensor_hashes'])} tensors identical to the original")
+
+
+@app.command()
+def demo(
+    workdir: Path = typer.Option(Path("mergedb-demo"), "--dir", help="Working folder (replaced)."),
+    experts: int = typer.Option(6, "--experts", "-k"),
+    size: str = typer.Option("small", "--size", help="tiny | small | bench."),
+) -> None:
+    """Generate a family, register it, merge at 100/50/10% budgets, and compare.
+
+    Example: mergedb demo
+    """
+    from .demo import run_demo
+
+    rows = run_demo(workdir, experts, size)
+    t = Table(title=f"task_arithmetic over {experts} experts ({size} family in {workdir})")
+    for c in ("budget", "expert bytes", "physical", "time", "speed-up", "‖θB−θF‖/‖θF‖", "‖θB−θF‖/‖θF−θ0‖", "bound"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r.budget, format_size(r.expert_bytes), format_size(r.physical_bytes), f"{r.seconds:.2f}s",
+                  f"{r.speedup:.1f}x", f"{r.rel_to_model:.2e}", f"{r.rel_to_update:.2e}", f"{r.bound_rel:.2e}")
+    _out().print(t)
+
+
 def main() -> None:
     app()
 

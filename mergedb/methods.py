@@ -100,3 +100,111 @@ def coefficients(method: str, params: dict[str, Any], weights: list[float]) -> l
     if method == "model_stock":
         return [1.0 / len(weights)] * len(weights)
     return [params.get("lambda", 1.0) * w for w in weights]
+
+
+# -- operators: pure tensor math on float32 numpy arrays -----------------------------------------
+#
+# Every operator sees an expert's delta block by block (rows [r0, r1) of a tensor, flattened
+# element offset `offset`) and folds it into per-tensor running sums, so memory does not grow
+# with the number of experts. Omitted blocks contribute nothing; coefficients never change.
+# Order of operations is fixed (experts in plan order, float32), so results repeat bit for bit.
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+@numba.njit(nogil=True, cache=True)
+def _uniform(key, offset, n):  # pragma: no cover - compiled
+    # counter-based: u_i depends only on (key, offset + i), so blocks equal whole tensors
+    out = np.empty(n, np.float64)
+    for i in range(n):
+        z = (key + np.uint64(offset + i)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+        out[i] = np.float64(z >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+    return out
+
+
+def uniform(key: int, offset: int, n: int) -> np.ndarray:
+    """Uniform [0, 1) draws for elements offset … offset+n−1 of the stream `key` (float64)."""
+    return _uniform(np.uint64(key), offset, n)
+
+
+def rng_key(seed: int, expert: str, tensor: str) -> int:
+    """The DARE/DELLA stream key of (seed, expert name, tensor name): independent of the block layout."""
+    import hashlib
+
+    d = hashlib.sha256(f"mergedb-drop\0{seed}\0{expert}\0{tensor}".encode()).digest()
+    return int.from_bytes(d[:8], "little")
+
+
+@dataclass(frozen=True)
+class Trim:
+    """What `sparsify` needs for one (expert, tensor)."""
+
+    t_lo: float = 0.0  # magnitude / band: keep |Δ| ≥ t_lo
+    t_hi: float | None = None  # band: and |Δ| < t_hi
+    key: int = 0  # random / della: stream key
+    rank: Any = None  # della: callable |Δ| -> rank fraction in [0, 1] (0 = smallest)
+
+
+def sparsify(m: Method, params: dict[str, Any], delta: np.ndarray, offset: int, trim: Trim) -> np.ndarray:
+    """Δ' for one block of one expert (float32, same shape)."""
+    if m.sparsify == "none":
+        return delta
+    a = np.abs(delta)
+    if m.sparsify == "magnitude":
+        return np.where(a >= np.float32(trim.t_lo), delta, np.float32(0))
+    if m.sparsify == "band":
+        keep = a >= np.float32(trim.t_lo)
+        if trim.t_hi is not None:
+            keep &= a < np.float32(trim.t_hi)
+        return np.where(keep, delta, np.float32(0))
+    u = uniform(trim.key, offset, delta.size).reshape(delta.shape)
+    if m.sparsify == "random":
+        p = params["density"]
+        return np.where(u < p, delta / np.float32(p), np.float32(0)).astype(np.float32)
+    # della: keep probability rises linearly with magnitude rank from density−ε to density+ε
+    p = (params["density"] - params["epsilon"] + 2 * params["epsilon"] * trim.rank(a)).astype(np.float32)
+    return np.where(u < p, delta / p, np.float32(0)).astype(np.float32)
+
+
+class Accumulator:
+    """Running sums of one tensor's merge: plain weighted sums, or TIES-style sign consensus."""
+
+    def __init__(self, m: Method, params: dict[str, Any], n: int) -> None:
+        self.m, self.params = m, params
+        self.total = np.zeros(n, np.float32)  # Σ c_k Δ'_k (additive) / Σ w_k Δ'_k (consensus)
+        if m.consensus:
+            self.pos = np.zeros(n, np.float32)
+            self.neg = np.zeros(n, np.float32)
+            self.pos_w = np.zeros(n, np.float32)
+            self.neg_w = np.zeros(n, np.float32)
+
+    def add(self, coef: float, weight: float, lo: int, d: np.ndarray) -> None:
+        """Fold Δ'_k for flat elements [lo, lo + d.size) into the sums."""
+        hi = lo + d.size
+        if not self.m.consensus:
+            self.total[lo:hi] += np.float32(coef) * d
+            return
+        w = np.float32(weight)
+        wd = w * d
+        self.total[lo:hi] += wd
+        pos, neg = d > 0, d < 0
+        self.pos[lo:hi] += np.where(pos, wd, np.float32(0))
+        self.neg[lo:hi] += np.where(neg, wd, np.float32(0))
+        self.pos_w[lo:hi] += np.where(pos, w, np.float32(0))
+        self.neg_w[lo:hi] += np.where(neg, w, np.float32(0))
+
+    def merged_delta(self) -> np.ndarray:
+        """The merged update added to the base (float32)."""
+        if not self.m.consensus:
+            return self.total
+        up = self.total >= 0  # elected sign, +1 on zero (mergekit)
+        num = np.where(up, self.pos, self.neg)
+        if self.params.get("normalize", True):
+            den = np.where(up, self.pos_w, self.neg_w)
+            den = np.where(np.abs(den) < 1e-8, np.float32(1), den)
+            num = num / den
+        return np.float32(self.params.get("lambda", 1.0)) * num

@@ -62,3 +62,66 @@ def block_rows(shape: tuple[int, ...], itemsize: int, block_size: int) -> list[t
     row_bytes = int(np.prod(shape[1:])) * itemsize
     per = max(1, block_size // row_bytes)
     return [(r, min(shape[0], r + per)) for r in range(0, shape[0], per)]
+
+
+def ref_merge(method: str, params: dict, weights: list[float], coefs: list[float], base: np.ndarray,
+              experts: list[np.ndarray], seed_keys: list[int] | None = None) -> np.ndarray:
+    """Whole-tensor merge with torch, float32, experts in plan order (the textbook formulas).
+
+    linear / task_arithmetic: θ0 + Σ_k c_k Δ_k.  TIES: trim each Δ_k to |Δ| ≥ its k-th largest
+    (k = max(1, int(density·n))), elect sign(Σ w_k Δ'_k) with +1 on zero, average the agreeing
+    w_k Δ'_k by Σ agreeing w_k, scale by λ.  DARE: keep each element with probability density
+    (the counter-based stream u_i of mergedb.methods.uniform, the documented definition of the
+    random draws) and rescale by 1/density. Breadcrumbs: keep ranks after the top γ, within γ+density.
+    """
+    import torch
+
+    from mergedb.methods import uniform
+
+    b = torch.from_numpy(base.astype(np.float32).reshape(-1))
+    deltas = []
+    for i, e in enumerate(experts):
+        d = torch.from_numpy(e.astype(np.float32).reshape(-1)) - b
+        a = d.abs()
+        if method in ("ties",):
+            t = float(kth_largest(a.numpy(), params["density"]))
+            d = torch.where(a >= t, d, torch.zeros_like(d))
+        elif method in ("breadcrumbs", "breadcrumbs_ties"):
+            lo = float(kth_largest(a.numpy(), params["gamma"] + params["density"]))
+            keep = a >= lo
+            if int(params["gamma"] * a.numel()) >= 1:
+                keep &= a < float(kth_largest(a.numpy(), params["gamma"]))
+            d = torch.where(keep, d, torch.zeros_like(d))
+        elif method in ("dare_linear", "dare_ties"):
+            u = torch.from_numpy(uniform(seed_keys[i], 0, d.numel()))
+            p = params["density"]
+            d = torch.where(u < p, d / p, torch.zeros_like(d))
+        deltas.append(d)
+    if method in ("linear", "task_arithmetic", "dare_linear", "breadcrumbs"):
+        total = torch.zeros_like(b)
+        for c, d in zip(coefs, deltas):
+            total += torch.tensor(c, dtype=torch.float32) * d
+        return (b + total).numpy().reshape(base.shape)
+    w = [torch.tensor(x, dtype=torch.float32) for x in weights]
+    total = torch.zeros_like(b)
+    for wk, d in zip(w, deltas):
+        total += wk * d
+    up = total >= 0
+    num = torch.zeros_like(b)
+    den = torch.zeros_like(b)
+    for wk, d in zip(w, deltas):
+        agree = torch.where(up, d > 0, d < 0)
+        num += torch.where(agree, wk * d, torch.zeros_like(d))
+        den += torch.where(agree, wk.expand_as(d), torch.zeros_like(d))
+    if params.get("normalize", True):
+        den = torch.where(den.abs() < 1e-8, torch.ones_like(den), den)
+        num = num / den
+    return (b + torch.tensor(params.get("lambda", 1.0), dtype=torch.float32) * num).numpy().reshape(base.shape)
+
+
+def cast_like(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float32 to the family dtype with torch (round-to-nearest-even), back as float32."""
+    import torch
+
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(tdt).float().numpy()

@@ -1,0 +1,474 @@
+"""The executor: merge a plan into a Hugging-Face folder, reading only the planned expert bytes.
+
+An `ExecutionPlan` is a plain value (parameters, file locations, the mask as an Arrow table): it
+needs no database, so the same code runs here or on remote workers. The merge is a stream of
+(name, tensor) pieces produced by independent units of work (the tensors bound for one output
+shard); writing safetensors is one consumer of that stream, `merge_to_dict` another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+
+from . import methods
+from .checkpoint import INDEX, open_checkpoint, side_files
+from .errors import ChangedFileError, MergeDBError
+from .tensorfile import DTYPES, SafetensorsWriter, TensorInfo, as_float32, encode, pread_into
+
+MANIFEST = "mergedb_manifest.json"
+MASK = "mask.parquet"
+FORMAT = "mergedb-manifest/1"
+OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """A checkpoint the merge reads."""
+
+    name: str
+    path: str
+    fingerprint: str
+    content_hash: str
+    weight: float = 0.0
+    coef: float = 0.0
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """A tensor of the family and its blocks (dim-0 row ranges)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    mergeable: bool
+    rows: tuple[tuple[int, int], ...]
+    base_hashes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """Everything a merge needs, without a catalog. `mask` lists the selected (position,
+    tensor_idx, block_idx, content_hash); `trims` the per-(position, tensor_idx) thresholds."""
+
+    plan_id: int
+    plan_hash: str
+    method: str
+    params: dict[str, Any]
+    seed: int
+    base: Source
+    experts: tuple[Source, ...]
+    tensors: tuple[TensorLayout, ...]
+    mask: pa.Table
+    trims: pa.Table
+    budget_bytes: int = 0
+
+    def selected(self) -> dict[int, list[tuple[int, int, str]]]:
+        """tensor_idx -> [(position, block_idx, content_hash)] in expert order."""
+        out: dict[int, list[tuple[int, int, str]]] = {}
+        cols = [self.mask.column(c).to_pylist() for c in ("position", "tensor_idx", "block_idx", "content_hash")]
+        for pos, t, b, h in sorted(zip(*cols)):
+            out.setdefault(t, []).append((pos, b, h))
+        return out
+
+
+@dataclass(frozen=True)
+class ExecuteResult:
+    out: Path
+    manifest: dict[str, Any]
+    seconds: float
+    expert_bytes: int  # logical: bytes requested from expert files
+    physical_bytes: int  # /proc/self/io read_bytes during the run (experts and base)
+    base_bytes: int
+    bytes_written: int
+    peak_rss: int
+
+
+@dataclass
+class _Counters:
+    expert: int = 0
+    base: int = 0
+
+
+def _read_bytes() -> int:
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class _Inputs:
+    """Open files of every source, checked against their fingerprints."""
+
+    def __init__(self, xp: ExecutionPlan) -> None:
+        self.fds: list[int] = []
+        self.where: list[dict[str, tuple[int, TensorInfo, str]]] = []
+        for i, src in enumerate((xp.base, *xp.experts)):
+            ckpt = open_checkpoint(src.path, name=src.name)
+            if ckpt.fingerprint != src.fingerprint:
+                raise ChangedFileError(
+                    f"{src.name} ({src.path}) changed since it was registered; re-register it with "
+                    "`mergedb register --refresh` and plan again"
+                )
+            fds = []
+            for f in ckpt.files:
+                fd = os.open(ckpt.root / f.relpath, os.O_RDONLY)
+                if i > 0:  # experts: no kernel readahead past the ranges we ask for
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                fds.append(fd)
+                self.fds.append(fd)
+            self.where.append({t.name: (fds[fi], t, str(ckpt.root / ckpt.files[fi].relpath)) for fi, t in ckpt.tensors})
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+def _row_elems(t: TensorLayout) -> int:
+    return int(np.prod(t.shape[1:])) if len(t.shape) >= 2 else int(np.prod(t.shape))
+
+
+def units(xp: ExecutionPlan, max_shard_size: int, dtype: str | None = None) -> list[list[int]]:
+    """Tensor indices grouped into output shards of at most `max_shard_size` bytes (in order)."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, t in enumerate(xp.tensors):
+        nbytes = int(np.prod(t.shape)) * DTYPES[_out_dtype(t, dtype)][0]
+        if groups[-1] and used + nbytes > max_shard_size:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += nbytes
+    return groups
+
+
+def _out_dtype(t: TensorLayout, dtype: str | None) -> str:
+    return (dtype or t.dtype) if t.mergeable else t.dtype
+
+
+class Merger:
+    """Produces merged tensors of a plan; one per process (or worker), fed tensor indices."""
+
+    def __init__(self, xp: ExecutionPlan, dtype: str | None = None, verify: bool = False) -> None:
+        self.xp, self.verify = xp, verify
+        self.dtype = OUT_DTYPES.get(dtype, dtype) if dtype else None
+        self.method = methods.get_method(xp.method)
+        if xp.method == "model_stock":
+            raise MergeDBError("executing model_stock plans is not implemented yet; plan another method")
+        self.sel = xp.selected()
+        self.trims = {
+            (p, t): r for p, t, r in zip(
+                xp.trims.column("position").to_pylist(), xp.trims.column("tensor_idx").to_pylist(),
+                xp.trims.to_pylist())
+        }
+        self.inputs = _Inputs(xp)
+        self.count = _Counters()
+        self.pool = ThreadPoolExecutor(2)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.inputs.close()
+
+    def _load(self, ti: int) -> tuple[bytes | np.ndarray, list[tuple[int, int, np.ndarray]]]:
+        t = self.xp.tensors[ti]
+        fd, info, path = self.inputs.where[0][t.name]
+        base = np.empty(info.nbytes, np.uint8)
+        pread_into(fd, memoryview(base), info.start, path)
+        self.count.base += info.nbytes
+        row_bytes = info.nbytes // max(1, t.shape[0] if len(t.shape) >= 2 else 1)
+        blocks = []
+        for pos, b, h in self.sel.get(ti, []):
+            efd, einfo, epath = self.inputs.where[pos + 1][t.name]
+            r0, r1 = t.rows[b]
+            raw = np.empty((r1 - r0) * row_bytes, np.uint8)
+            pread_into(efd, memoryview(raw), einfo.start + r0 * row_bytes, epath)
+            self.count.expert += raw.nbytes
+            if self.verify and xxhash.xxh3_128_hexdigest(raw) != h:
+                raise ChangedFileError(
+                    f"{epath}: block {b} of {t.name!r} does not match its registered hash; the file changed "
+                    "since registration: re-register it with --refresh and plan again"
+                )
+            blocks.append((pos, b, raw))
+        if self.verify:
+            for b, (r0, r1) in enumerate(t.rows):
+                if t.base_hashes and xxhash.xxh3_128_hexdigest(base[r0 * row_bytes : r1 * row_bytes]) != t.base_hashes[b]:
+                    raise ChangedFileError(f"{path}: block {b} of {t.name!r} changed since registration")
+        return base, blocks
+
+    def tensors(self, indices: list[int]) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
+        """(name, dtype, shape, bytes as uint8 array) of each merged tensor, reading one tensor ahead."""
+        ahead = self.pool.submit(self._load, indices[0]) if indices else None
+        for n, ti in enumerate(indices):
+            base, blocks = ahead.result()  # type: ignore[union-attr]
+            if n + 1 < len(indices):
+                ahead = self.pool.submit(self._load, indices[n + 1])
+            yield self._merge(ti, base, blocks)
+
+    def _merge(self, ti: int, base_raw: np.ndarray, blocks: list) -> tuple[str, str, tuple[int, ...], np.ndarray]:
+        t = self.xp.tensors[ti]
+        out_dtype = _out_dtype(t, self.dtype)
+        if not t.mergeable or (not blocks and out_dtype == t.dtype):
+            return t.name, t.dtype, t.shape, base_raw  # copied from the base without decoding
+        raw_dt = np.dtype(DTYPES[t.dtype][1])
+        base = as_float32(base_raw.view(raw_dt), t.dtype, np.empty(base_raw.nbytes // raw_dt.itemsize, np.float32))
+        acc = methods.Accumulator(self.method, self.xp.params, base.size)
+        per_row = _row_elems(t)
+        for pos, b, raw in blocks:
+            r0, r1 = t.rows[b]
+            lo = r0 * per_row
+            e = as_float32(raw.view(raw_dt), t.dtype, np.empty(raw.nbytes // raw_dt.itemsize, np.float32))
+            d = e - base[lo : lo + e.size]  # (block elements,) float32
+            src = self.xp.experts[pos]
+            d = methods.sparsify(self.method, self.xp.params, d, lo, self._trim(pos, ti, t, src))
+            acc.add(src.coef, src.weight, lo, d)
+        merged = base + acc.merged_delta()
+        return t.name, out_dtype, t.shape, encode(merged, out_dtype).view(np.uint8)
+
+    def _trim(self, pos: int, ti: int, t: TensorLayout, src: Source) -> methods.Trim:
+        r = self.trims.get((pos, ti))
+        key = methods.rng_key(self.xp.seed, src.name, t.name)
+        if r is None:
+            return methods.Trim(key=key)
+        rank = None
+        if r.get("rank_codes") is not None:
+            codes = np.asarray(r["rank_codes"], np.int64)
+            counts = np.asarray(r["rank_counts"], np.float64)
+            below = np.zeros(1 << 15)
+            np.add.at(below, codes, counts)
+            cum = (np.cumsum(below) - below / 2) / max(1.0, counts.sum())
+
+            def rank(a: np.ndarray, cum: np.ndarray = cum) -> np.ndarray:
+                return cum[np.asarray(a, np.float32).view(np.uint32) >> 17]
+
+        return methods.Trim(r["t_lo"] or 0.0, r["t_hi"], key, rank)
+
+
+def merge_to_dict(xp: ExecutionPlan, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """The merged model in memory: name -> float32 (mergeable) or raw-typed array. For embedding."""
+    m = Merger(xp, dtype)
+    try:
+        out = {}
+        for name, dt, shape, data in m.tensors(list(range(len(xp.tensors)))):
+            arr = data.view(np.dtype(DTYPES[dt][1])).reshape(shape)
+            out[name] = (arr.astype(np.uint32) << 16).view(np.float32) if dt == "BF16" else arr
+        return out
+    finally:
+        m.close()
+
+
+def execute(
+    xp: ExecutionPlan,
+    out: str | os.PathLike[str],
+    *,
+    max_shard_size: int = 5 * 10**9,
+    dtype: str | None = None,
+    verify: bool = False,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ExecuteResult:
+    """Merge into `out` (a new folder, or an old mergedb output with force=True), atomically."""
+    out = Path(out)
+    out_dt = OUT_DTYPES.get(dtype, dtype) if dtype else None
+    if out_dt is not None and out_dt not in OUT_DTYPES.values():
+        raise MergeDBError(f"unknown --dtype {dtype!r}; use bf16, fp16 or fp32")
+    _check_out(out, force)
+    t0, phys0 = time.perf_counter(), _read_bytes()
+    tmp = out.parent / f".{out.name}.mergedb-tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    merger = None
+    try:
+        merger = Merger(xp, out_dt, verify)
+        groups = units(xp, max_shard_size, out_dt)
+        names = ["model.safetensors"] if len(groups) == 1 else [
+            f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        hashes: dict[str, str] = {}
+        weight_map: dict[str, str] = {}
+        written = 0
+        for fname, group in zip(names, groups):
+            entries = [(xp.tensors[i].name, _out_dtype(xp.tensors[i], out_dt), xp.tensors[i].shape) for i in group]
+            with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
+                for name, _, _, data in merger.tensors(group):
+                    w.write(name, data)
+                    hashes[name] = xxhash.xxh3_128_hexdigest(data)
+                    weight_map[name] = fname
+                    if progress:
+                        progress(1)
+            written += w.total_size
+        if len(groups) > 1:
+            _write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
+        base_root = open_checkpoint(xp.base.path).root
+        for f in side_files(base_root):
+            shutil.copyfile(base_root / f, tmp / f)
+        pq.write_table(mask_table(xp), tmp / MASK)
+        manifest = build_manifest(xp, out_dt, hashes)
+        run = {
+            "seconds": time.perf_counter() - t0,
+            "expert_bytes_logical": merger.count.expert,
+            "physical_read_bytes": _read_bytes() - phys0,
+            "base_bytes": merger.count.base,
+            "bytes_written": written,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
+        }
+        _write_json(tmp / MANIFEST, {**manifest, "run": run})
+        _fsync_dir(tmp)
+        _install(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MergeDBError(f"writing {out} failed: {e.strerror or e}; nothing was left behind, free space and retry") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if merger is not None:
+            merger.close()
+    return ExecuteResult(out, manifest, run["seconds"], run["expert_bytes_logical"], run["physical_read_bytes"],
+                         run["base_bytes"], written, run["peak_rss_bytes"])
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not force:
+            raise MergeDBError(f"{out} exists and is not empty; choose another --out or pass --force to replace a "
+                               "previous mergedb output")
+        if not (out / MANIFEST).is_file():
+            raise MergeDBError(f"{out} holds files mergedb did not create (no {MANIFEST}); refusing to touch it "
+                               "even with --force; choose another --out")
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished folder into place; with an old mergedb output there, replace only its files."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+        os.rename(tmp, out)
+        return
+    old = json.loads((out / MANIFEST).read_text()).get("run", {}).get("files", [])
+    (out / MANIFEST).unlink()  # first: a crash below leaves no manifest, so no complete-looking output
+    for f in old:
+        if f != MANIFEST and (out / f).is_file():
+            (out / f).unlink()
+    for p in sorted(tmp.iterdir(), key=lambda p: p.name == MANIFEST):  # the manifest last
+        os.replace(p, out / p.name)
+    tmp.rmdir()
+    _fsync_dir(out)
+
+
+def _fsync_dir(d: Path) -> None:
+    for p in d.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def mask_table(xp: ExecutionPlan) -> pa.Table:
+    """The replayable mask: selected blocks with their row ranges and content hashes."""
+    pos = xp.mask.column("position").to_pylist()
+    tix = xp.mask.column("tensor_idx").to_pylist()
+    bix = xp.mask.column("block_idx").to_pylist()
+    return pa.table({
+        "expert": [xp.experts[p].name for p in pos],
+        "position": pa.array(pos, pa.int32()),
+        "tensor": [xp.tensors[t].name for t in tix],
+        "tensor_idx": pa.array(tix, pa.int32()),
+        "block_idx": pa.array(bix, pa.int32()),
+        "row_start": pa.array([xp.tensors[t].rows[b][0] for t, b in zip(tix, bix)], pa.int64()),
+        "row_end": pa.array([xp.tensors[t].rows[b][1] for t, b in zip(tix, bix)], pa.int64()),
+        "content_hash": xp.mask.column("content_hash"),
+    }).sort_by([("position", "ascending"), ("tensor_idx", "ascending"), ("block_idx", "ascending")])
+
+
+def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str, str]) -> dict[str, Any]:
+    """The deterministic part of the manifest, with a content hash over all of it."""
+    mask = mask_table(xp)
+    digest = hashlib.sha256()
+    for c in ("position", "tensor_idx", "block_idx"):
+        digest.update(mask.column(c).to_numpy().astype("<i8").tobytes())
+    doc: dict[str, Any] = {
+        "format": FORMAT,
+        "plan_hash": xp.plan_hash,
+        "method": xp.method,
+        "params": xp.params,
+        "seed": xp.seed,
+        "dtype": dtype,
+        "budget_bytes": xp.budget_bytes,
+        "base": _source_doc(xp.base),
+        "experts": [_source_doc(e) for e in xp.experts],
+        "layout": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "mergeable": t.mergeable,
+                    "rows": [list(r) for r in t.rows], "base_hashes": list(t.base_hashes)} for t in xp.tensors],
+        "trims": xp.trims.to_pylist(),
+        "mask_digest": digest.hexdigest(),
+        "tensor_hashes": tensor_hashes,
+    }
+    doc["content_hash"] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    return doc
+
+
+def _source_doc(s: Source) -> dict[str, Any]:
+    return {"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "content_hash": s.content_hash,
+            "weight": s.weight, "coef": s.coef}
+
+
+def plan_from_manifest(manifest_path: str | os.PathLike[str]) -> tuple[ExecutionPlan, dict[str, Any]]:
+    """Rebuild the ExecutionPlan of an output from its manifest and mask alone (no catalog)."""
+    path = Path(manifest_path)
+    try:
+        doc = json.loads(path.read_text())
+        mask = pq.read_table(path.parent / MASK)
+    except (OSError, ValueError) as e:
+        raise MergeDBError(f"cannot read {path} or its {MASK}: {e}") from None
+    if doc.get("format") != FORMAT:
+        raise MergeDBError(f"{path}: not a {FORMAT} manifest")
+    tensors = tuple(TensorLayout(t["name"], t["dtype"], tuple(t["shape"]), t["mergeable"],
+                                 tuple(tuple(r) for r in t["rows"]), tuple(t["base_hashes"])) for t in doc["layout"])
+    trims = pa.Table.from_pylist(doc["trims"]) if doc["trims"] else _empty_trims()
+    xp = ExecutionPlan(0, doc["plan_hash"], doc["method"], doc["params"], doc["seed"], Source(**doc["base"]),
+                       tuple(Source(**e) for e in doc["experts"]), tensors,
+                       mask.select(["position", "tensor_idx", "block_idx", "content_hash"]), trims, doc["budget_bytes"])
+    return xp, doc
+
+
+def _empty_trims() -> pa.Table:
+    return pa.table({"position": pa.array([], pa.int32()), "tensor_idx": pa.array([], pa.int32()),
+                     "t_lo": pa.array([], pa.float32()), "t_hi": pa.array([], pa.float32())})
+
+
+def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *, force: bool = False) -> ExecuteResult:
+    """Re-execute an output from its manifest and mask, and check every tensor hash matches."""
+    xp, doc = plan_from_manifest(manifest_path)
+    res = execute(xp, out, dtype=doc["dtype"], force=force)
+    if res.manifest["tensor_hashes"] != doc["tensor_hashes"]:
+        bad = [n for n, h in doc["tensor_hashes"].items() if res.manifest["tensor_hashes"].get(n) != h]
+        raise MergeDBError(f"replay into {out} differs from the original in tensors {bad[:5]}")
+    return res
+
+

@@ -1,0 +1,190 @@
+"""The executor against whole-tensor references, byte accounting, replay, crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from mergedb import executor, methods, synth
+from mergedb.catalog import Catalog
+from mergedb.planner import PlanRequest
+from tests.conftest import FAMILIES
+from tests.reference import cast_like, load_model, ref_merge
+
+EXPERTS = ["expert_00", "expert_01", "expert_02"]
+WEIGHTS = (1.0, 0.6, 0.3)
+CASES = [
+    ("linear", {}),
+    ("task_arithmetic", {"lambda": 0.7}),
+    ("ties", {"density": 0.2, "lambda": 1.0}),
+    ("dare_linear", {"density": 0.5}),
+    ("dare_ties", {"density": 0.3}),
+    ("breadcrumbs", {"density": 0.8, "gamma": 0.05}),
+    ("breadcrumbs_ties", {"density": 0.7, "gamma": 0.01}),
+]
+
+
+@pytest.fixture(scope="module")
+def loaded(family):
+    kind, folder, cat = family
+    return {n: load_model(folder / n) for n in ["base", *EXPERTS]}
+
+
+@pytest.mark.parametrize("method,params", CASES)
+def test_full_budget_equals_reference_bit_for_bit(family, loaded, tmp_path, method, params):
+    kind, folder, cat = family
+    plan = cat.plan(PlanRequest("base", tuple(EXPERTS), method, "all", WEIGHTS, params, seed=5))
+    xp = cat.execution_plan(plan.plan_id)
+    res = executor.execute(xp, tmp_path / "out")
+    assert res.expert_bytes == plan.selected_bytes <= plan.budget_bytes
+    got = load_model(tmp_path / "out")
+    checked = 0
+    for name, b in loaded["base"].items():
+        if b.dtype.kind != "f":
+            assert np.array_equal(got[name], b)
+            continue
+        seed_keys = [methods.rng_key(5, e.name, name) for e in xp.experts]
+        full = ref_merge(method, xp.params, list(WEIGHTS), [e.coef for e in xp.experts], b,
+                         [loaded[e][name] for e in EXPERTS], seed_keys)
+        want = cast_like(full, FAMILIES[kind][0])
+        assert np.array_equal(got[name], want), (method, name, np.abs(got[name] - want).max())
+        checked += 1
+    assert checked > 10
+
+
+def test_dare_blockwise_equals_whole_tensor_and_seeds(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=8)
+    outs = {}
+    for bs in ("8KiB", "64MiB"):  # many blocks per tensor vs one block per tensor
+        cat = Catalog(tmp_path / f"c{bs}.duckdb")
+        cat.register([fam], base_model="base", block_size=bs)
+        for seed in (1, 2):
+            p = cat.plan(PlanRequest("base", None, "dare_ties", "all", params={"density": 0.4}, seed=seed))
+            out = tmp_path / f"o-{bs}-{seed}"
+            executor.execute(cat.execution_plan(p.plan_id), out)
+            outs[(bs, seed)] = (out / "model.safetensors").read_bytes()
+    assert outs[("8KiB", 1)] == outs[("64MiB", 1)]
+    assert outs[("8KiB", 2)] == outs[("64MiB", 2)]
+    assert outs[("8KiB", 1)] != outs[("8KiB", 2)]
+
+
+@pytest.mark.parametrize("budget", ["10%", "50%", "80%"])
+def test_partial_budget_error_within_bound(family, loaded, tmp_path, budget):
+    kind, folder, cat = family
+    plan = cat.plan(PlanRequest("base", tuple(EXPERTS), "task_arithmetic", budget, WEIGHTS, {"lambda": 0.9}))
+    full = cat.plan(PlanRequest("base", tuple(EXPERTS), "task_arithmetic", "all", WEIGHTS, {"lambda": 0.9}))
+    r = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "b", dtype="fp32")
+    executor.execute(cat.execution_plan(full.plan_id), tmp_path / "f", dtype="fp32")
+    assert r.expert_bytes == plan.selected_bytes <= plan.budget_bytes
+    a, f = load_model(tmp_path / "b"), load_model(tmp_path / "f")
+    err = np.sqrt(sum(np.sum((a[n].astype(np.float64) - f[n]) ** 2) for n in a if a[n].dtype.kind == "f"))
+    # float32 accumulation adds rounding far below the bound's scale
+    assert err <= plan.bound_blockwise * (1 + 1e-4) + 1e-6
+    if plan.selected_bytes < full.selected_bytes:
+        assert err > 0
+    else:
+        assert err == 0 and plan.bound_blockwise == 0
+
+
+def test_replay_and_output_format(family, tmp_path):
+    kind, folder, cat = family
+    plan = cat.plan(PlanRequest("base", tuple(EXPERTS), "ties", "40%", params={"density": 0.3}))
+    xp = cat.execution_plan(plan.plan_id)
+    res = executor.execute(xp, tmp_path / "out", max_shard_size=400_000)
+    out = tmp_path / "out"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    names = {t.name for t in xp.tensors}
+    assert set(index["weight_map"]) == names
+    assert index["metadata"]["total_size"] == res.bytes_written
+    for name, shard in index["weight_map"].items():
+        with safe_open(str(out / shard), "np" if not name else "pt") as f:
+            assert name in f.keys()
+    for side in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / side).is_file()
+    again = executor.execute(xp, tmp_path / "again", max_shard_size=400_000)
+    assert again.manifest == res.manifest  # deterministic part identical
+    rep = executor.replay(out / "mergedb_manifest.json", tmp_path / "replayed")
+    assert rep.manifest["tensor_hashes"] == res.manifest["tensor_hashes"]
+    for shard in set(index["weight_map"].values()):
+        assert (out / shard).read_bytes() == (tmp_path / "again" / shard).read_bytes()
+    # refuses a non-empty folder; --force replaces only a previous mergedb output
+    with pytest.raises(Exception, match="--force"):
+        executor.execute(xp, out)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    with pytest.raises(Exception, match="did not create"):
+        executor.execute(xp, tmp_path / "foreign", force=True)
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
+    executor.execute(xp, out, force=True, max_shard_size=400_000)
+    assert json.loads((out / "mergedb_manifest.json").read_text())["content_hash"] == res.manifest["content_hash"]
+
+
+def _evict(paths):
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def test_cold_cache_physical_reads_match_logical(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=4)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic", "20%"))
+    xp = cat.execution_plan(plan.plan_id)
+    base_files = list((fam / "base").glob("*.safetensors"))
+    for f in base_files:
+        f.read_bytes()  # base warm: physical reads are then the experts' alone
+    os.sync()
+    _evict([p for e in EXPERTS for p in (fam / e).glob("*.safetensors")])
+    res = executor.execute(xp, tmp_path / "out")
+    assert res.expert_bytes == plan.selected_bytes <= plan.budget_bytes
+    if res.physical_bytes == 0:
+        pytest.skip("this filesystem does not report read_bytes")
+    assert res.physical_bytes <= 1.05 * res.expert_bytes + 128 * 1024
+    assert res.physical_bytes >= 0.5 * res.expert_bytes
+
+
+def test_killed_execute_leaves_no_complete_output(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=6)
+    db = tmp_path / "c.duckdb"
+    cat = Catalog(db)
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "ties", "all"))
+    out = tmp_path / "out"
+    for delay in (0.3, 0.8, 1.5):
+        proc = subprocess.Popen([sys.executable, "-m", "mergedb.cli", "execute", str(plan.plan_id), "--out", str(out),
+                                 "-c", str(db), "-q"])
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if out.exists():  # finished before the kill: complete, with its manifest
+            assert (out / "mergedb_manifest.json").is_file()
+            break
+        assert not (out / "mergedb_manifest.json").exists()
+    res = subprocess.run([sys.executable, "-m", "mergedb.cli", "execute", str(plan.plan_id), "--out", str(out),
+                          "-c", str(db), "-q", "--force"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    ref = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "ref")
+    assert json.loads((out / "mergedb_manifest.json").read_text())["content_hash"] == ref.manifest["content_hash"]
+
+
+def test_changed_input_refused(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=7)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "linear"))
+    xp = cat.execution_plan(plan.plan_id)
+    os.utime(fam / "expert_00" / "model.safetensors", ns=(5, 5))
+    with pytest.raises(Exception, match="changed since it was registered"):
+        executor.execute(xp, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if "mergedb-tmp" in p.name]

@@ -60,3 +60,20 @@ def test_console_script_subprocess(tmp_path):
     assert out.returncode == 0, out.stderr
     out = subprocess.run([exe, "show", "nope", "-c", str(tmp_path / "c.duckdb")], capture_output=True, text=True)
     assert out.returncode == 1 and "no checkpoint named 'nope'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_demo_runs_and_reports(tmp_path):
+    res = runner.invoke(app, ["demo", "--dir", str(tmp_path / "d"), "--size", "tiny", "--experts", "3"])
+    assert res.exit_code == 0, res.output
+    assert "100%" in res.output and "10%" in res.output
+
+
+def test_readme_library_example_runs(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"## Library quickstart\n\n```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    assert (tmp_path / "merged" / "mergedb_manifest.json").is_file()

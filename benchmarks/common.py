@@ -1,0 +1,60 @@
+"""Helpers shared by the benchmarks: cold-cache eviction, timing, machine description, results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+CACHE = Path(__file__).parent / "cache"
+
+
+def evict(paths) -> None:
+    """Drop files from the page cache (no root needed) so the next read is cold."""
+    os.sync()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def sequential_read(paths, chunk: int = 16 * 2**20) -> tuple[int, float]:
+    """Plain sequential read of `paths` (cold): (bytes, seconds)."""
+    evict(paths)
+    buf = bytearray(chunk)
+    t0, n = time.perf_counter(), 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while got := f.readinto(buf):
+                n += got
+    return n, time.perf_counter() - t0
+
+
+def machine() -> dict:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpus": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "python": platform.python_version(),
+            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d")}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def save(name: str, doc: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **doc}, indent=2) + "\n")
+    return path

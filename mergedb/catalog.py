@@ -7,7 +7,6 @@ scan or merge: registration reads the files first, then writes everything in one
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -21,7 +20,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import planner, scan, stats
+from . import executor, planner, scan, stats
 from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .units import parse_size
@@ -446,6 +445,53 @@ class Catalog:
         return cid
 
 
+    # -- plans and runs ----------------------------------------------------------------------
+
+    def plan(self, request: planner.PlanRequest, explain: bool = False) -> planner.PlanSummary:
+        """Plan a merge from the catalog alone (no weights are read) and store it; one transaction."""
+        with self.connect(write=True) as con:
+            con.execute("BEGIN")
+            try:
+                plan_id, steps = planner.make_plan(con, request, query)
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            summary = planner.load_plan(con, plan_id)
+        return replace(summary, explain=tuple(steps) if explain else ())
+
+    def plans(self) -> list[planner.PlanSummary]:
+        """Every stored plan, oldest first."""
+        with self.connect() as con:
+            ids = [r[0] for r in con.execute("SELECT plan_id FROM plans ORDER BY plan_id").fetchall()]
+            return [planner.load_plan(con, i) for i in ids]
+
+    def get_plan(self, plan: int | str) -> planner.PlanSummary:
+        """A stored plan by id, name, or plan-hash prefix (at least 6 characters)."""
+        with self.connect() as con:
+            return planner.load_plan(con, planner.resolve_plan(con, plan))
+
+    def execution_plan(self, plan: int | str) -> executor.ExecutionPlan:
+        """Everything the executor needs for a stored plan, read in one short connection."""
+        with self.connect() as con:
+            return planner.execution_plan(con, planner.resolve_plan(con, plan))
+
+    def record_run(self, plan_id: int, out: str, result: executor.ExecuteResult | None = None,
+                   error: str | None = None) -> int:
+        """Store one execution: ok with its measurements, or failed with its error."""
+        r = result
+        with self.connect(write=True) as con:
+            rid = int(_one(con, "SELECT coalesce(max(run_id), 0) + 1 FROM runs")[0])
+            con.execute(
+                "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, current_timestamp)",
+                [rid, plan_id, out, "ok" if r is not None else "failed", error,
+                 r.manifest["content_hash"] if r else None, r.seconds if r else None, r.expert_bytes if r else None,
+                 r.physical_bytes if r else None, r.base_bytes if r else None, r.bytes_written if r else None,
+                 r.peak_rss if r else None],
+            )
+        return rid
+
+
 def _one(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] | None = None) -> Any:
     """The first row of a query, fully fetched (DuckDB 2 streams: an unfetched result blocks the connection)."""
     rows = con.execute(sql, list(params or [])).fetchall()
@@ -565,78 +611,6 @@ def connect(path: str | os.PathLike[str] | None = None, *, wait: float = 0.0) ->
     return Catalog(path, wait=wait)
 
 
-# -- plans ---------------------------------------------------------------------------------------
-
-def _plan_methods() -> None:
-    """Attach the planning calls to Catalog (kept apart from registration for reading)."""
-
-    def plan(self: Catalog, request: planner.PlanRequest, explain: bool = False) -> planner.PlanSummary:
-        """Plan a merge from the catalog alone (no weights are read) and store it; one transaction."""
-        with self.connect(write=True) as con:
-            con.execute("BEGIN")
-            try:
-                plan_id = planner.make_plan(con, request, query, explain=explain)
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
-            summary = _load_plan(con, plan_id)
-        return replace(summary, explain=planner.explain_steps(plan_id))
-
-    def plans(self: Catalog) -> list[planner.PlanSummary]:
-        """Every stored plan, oldest first."""
-        with self.connect() as con:
-            ids = [r[0] for r in con.execute("SELECT plan_id FROM plans ORDER BY plan_id").fetchall()]
-            return [_load_plan(con, i) for i in ids]
-
-    def get_plan(self: Catalog, plan: int | str) -> planner.PlanSummary:
-        """A stored plan by id, name, or plan-hash prefix."""
-        with self.connect() as con:
-            return _load_plan(con, _resolve_plan(con, plan))
-
-    Catalog.plan = plan  # type: ignore[attr-defined]
-    Catalog.plans = plans  # type: ignore[attr-defined]
-    Catalog.get_plan = get_plan  # type: ignore[attr-defined]
-
-
-def _resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str) -> int:
-    text = str(plan)
-    rows = con.execute(
-        "SELECT plan_id FROM plans WHERE CAST(plan_id AS VARCHAR) = ? OR name = ? OR plan_hash LIKE ? || '%'",
-        [text, text, text if len(text) >= 6 else "\x00"],
-    ).fetchall()
-    if len(rows) != 1:
-        what = "no plan" if not rows else "several plans"
-        raise CatalogError(f"{what} matching {text!r}; `mergedb plans` lists them")
-    return int(rows[0][0])
-
-
-def _load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> planner.PlanSummary:
-    p = con.execute(
-        "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
-        "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
-        "p.bound_blockwise, p.est_error, p.planning_seconds, b.name FROM plans p "
-        "JOIN checkpoints b ON b.checkpoint_id = p.base_id WHERE p.plan_id = ?", [plan_id]
-    ).fetchall()[0]
-    experts = tuple(
-        planner.ExpertSummary(*r)
-        for r in con.execute(
-            "SELECT c.name, pe.weight, pe.coef, pe.full_bytes, pe.selected_bytes, pe.bound_sum, pe.bound_blockwise "
-            "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? ORDER BY pe.position",
-            [plan_id],
-        ).fetchall()
-    )
-    return planner.PlanSummary(
-        plan_id=p[0], plan_hash=p[1], name=p[2], method=p[3], params=json.loads(p[4]), seed=p[5], budget_spec=p[6],
-        budget_bytes=p[7], full_bytes=p[8], selected_bytes=p[9], base_bytes=p[10], n_candidates=p[11],
-        n_selected=p[12], free_blocks=p[13], bound_sum=p[14], bound_blockwise=p[15], est_error=p[16],
-        planning_seconds=p[17], base=p[18], experts=experts,
-    )
-
-
-_plan_methods()
-
-
 def simulate(
     cat: Catalog,
     experts: int,
@@ -710,77 +684,3 @@ def simulate(
             }))
         del empty_f
         con.execute("COMMIT")
-
-
-# -- execution -----------------------------------------------------------------------------------
-
-def _execution_methods() -> None:
-    from . import executor
-
-    def execution_plan(self: Catalog, plan: int | str) -> executor.ExecutionPlan:
-        """Everything the executor needs for a stored plan, read in one short connection."""
-        with self.connect() as con:
-            pid = _resolve_plan(con, plan)
-            p = con.execute(
-                "SELECT p.plan_hash, p.method, p.params, p.seed, p.budget_bytes, b.name, b.path, b.fingerprint, "
-                "b.content_hash, p.base_id FROM plans p JOIN checkpoints b ON b.checkpoint_id = p.base_id "
-                "WHERE p.plan_id = ?", [pid]).fetchall()[0]
-            experts = con.execute(
-                "SELECT c.name, c.path, c.fingerprint, c.content_hash, pe.weight, pe.coef, pe.checkpoint_id "
-                "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? "
-                "ORDER BY pe.position", [pid]).fetchall()
-            for name, _, fp, _, _, _, cid in experts:
-                if _one(con, "SELECT fingerprint FROM checkpoints WHERE checkpoint_id = ?", [cid])[0] != fp:
-                    raise ChangedFileError(f"expert {name!r} was re-registered after this plan was made; plan again")
-            tensors = con.execute(
-                "SELECT ft.tensor_idx, ft.name, ft.dtype, ft.shape, ft.mergeable, "
-                "list(row_start ORDER BY block_idx), list(row_end ORDER BY block_idx), list(base_hash ORDER BY block_idx) "
-                "FROM family_tensors ft JOIN blocks bl USING (base_id, tensor_idx) WHERE ft.base_id = ? "
-                "GROUP BY ALL ORDER BY ft.tensor_idx", [p[9]]).fetchall()
-            mask = con.sql(
-                "SELECT pe.position, m.tensor_idx, m.block_idx, eb.content_hash FROM plan_mask m "
-                "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
-                "JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id AND eb.tensor_idx = m.tensor_idx "
-                "AND eb.block_idx = m.block_idx WHERE m.plan_id = $1 AND m.selected "
-                "ORDER BY 1, 2, 3", params=[pid]).to_arrow_table()
-            della = json.loads(p[2]).get("epsilon") is not None
-            trims = con.sql(
-                "SELECT pe.position, t.tensor_idx, t.t_lo, t.t_hi, "
-                + ("et.summary_code AS rank_codes, et.summary_count AS rank_counts " if della else "NULL AS rank_codes, NULL AS rank_counts ")
-                + "FROM plan_experts pe JOIN expert_tensors et ON et.checkpoint_id = pe.checkpoint_id "
-                "LEFT JOIN plan_thresholds t ON t.plan_id = pe.plan_id AND t.checkpoint_id = pe.checkpoint_id "
-                "AND t.tensor_idx = et.tensor_idx WHERE pe.plan_id = $1 "
-                + ("" if della else "AND t.tensor_idx IS NOT NULL ") + "ORDER BY 1, 2", params=[pid]).to_arrow_table()
-            if della:
-                trims = trims.set_column(1, "tensor_idx", con.sql(
-                    "SELECT et.tensor_idx FROM plan_experts pe JOIN expert_tensors et ON "
-                    "et.checkpoint_id = pe.checkpoint_id WHERE pe.plan_id = $1 ORDER BY pe.position, et.tensor_idx",
-                    params=[pid]).to_arrow_table().column(0))
-        return executor.ExecutionPlan(
-            plan_id=pid, plan_hash=p[0], method=p[1], params=json.loads(p[2]), seed=p[3],
-            base=executor.Source(p[5], p[6], p[7], p[8]),
-            experts=tuple(executor.Source(n, path, fp, ch, w, c) for n, path, fp, ch, w, c, _ in experts),
-            tensors=tuple(executor.TensorLayout(n, d, tuple(s), m, tuple(zip(r0, r1)), tuple(h))
-                          for _, n, d, s, m, r0, r1, h in tensors),
-            mask=mask, trims=trims, budget_bytes=p[4],
-        )
-
-    def record_run(self: Catalog, plan_id: int, out: str, result: Any = None, error: str | None = None) -> int:
-        """Store one execution (ok with its result, or failed with its error)."""
-        with self.connect(write=True) as con:
-            rid = int(_one(con, "SELECT coalesce(max(run_id), 0) + 1 FROM runs")[0])
-            r = result
-            con.execute(
-                "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, current_timestamp)",
-                [rid, plan_id, out, "ok" if r is not None else "failed", error,
-                 r.manifest["content_hash"] if r else None, r.seconds if r else None, r.expert_bytes if r else None,
-                 r.physical_bytes if r else None, r.base_bytes if r else None, r.bytes_written if r else None,
-                 r.peak_rss if r else None],
-            )
-        return rid
-
-    Catalog.execution_plan = execution_plan  # type: ignore[attr-defined]
-    Catalog.record_run = record_run  # type: ignore[attr-defined]
-
-
-_execution_methods()

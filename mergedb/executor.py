@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import xxhash
 
@@ -77,13 +78,15 @@ class ExecutionPlan:
     mask: pa.Table
     trims: pa.Table
     budget_bytes: int = 0
+    stock: pa.Table | None = None  # model_stock: (tensor_idx, j, k, dot) over blocks not both read,
+    # from sketches, with j == k rows holding the exact ‖Δ_k‖² of the whole tensor
 
-    def selected(self) -> dict[int, list[tuple[int, int, str]]]:
-        """tensor_idx -> [(position, block_idx, content_hash)] in expert order."""
-        out: dict[int, list[tuple[int, int, str]]] = {}
+    def selected(self) -> dict[int, dict[int, list[tuple[int, str]]]]:
+        """tensor_idx -> block_idx -> [(position, content_hash)] in plan order."""
+        out: dict[int, dict[int, list[tuple[int, str]]]] = {}
         cols = [self.mask.column(c).to_pylist() for c in ("position", "tensor_idx", "block_idx", "content_hash")]
         for pos, t, b, h in sorted(zip(*cols)):
-            out.setdefault(t, []).append((pos, b, h))
+            out.setdefault(t, {}).setdefault(b, []).append((pos, h))
         return out
 
 
@@ -171,8 +174,6 @@ class Merger:
         self.xp, self.verify = xp, verify
         self.dtype = OUT_DTYPES.get(dtype, dtype) if dtype else None
         self.method = methods.get_method(xp.method)
-        if xp.method == "model_stock":
-            raise MergeDBError("executing model_stock plans is not implemented yet; plan another method")
         self.sel = xp.selected()
         self.trims = {
             (p, t): r for p, t, r in zip(
@@ -187,59 +188,82 @@ class Merger:
         self.pool.shutdown()
         self.inputs.close()
 
-    def _load(self, ti: int) -> tuple[bytes | np.ndarray, list[tuple[int, int, np.ndarray]]]:
+    def _read_base(self, ti: int) -> np.ndarray:
+        """The base's bytes of tensor `ti` (streamed in full, unbudgeted)."""
         t = self.xp.tensors[ti]
         fd, info, path = self.inputs.where[0][t.name]
         base = np.empty(info.nbytes, np.uint8)
         pread_into(fd, memoryview(base), info.start, path)
         self.count.base += info.nbytes
-        row_bytes = info.nbytes // max(1, t.shape[0] if len(t.shape) >= 2 else 1)
-        blocks = []
-        for pos, b, h in self.sel.get(ti, []):
-            efd, einfo, epath = self.inputs.where[pos + 1][t.name]
-            r0, r1 = t.rows[b]
+        if self.verify and t.base_hashes:
+            row_bytes = info.nbytes // max(1, t.shape[0] if len(t.shape) >= 2 else 1)
+            for b, (r0, r1) in enumerate(t.rows):
+                if xxhash.xxh3_128_hexdigest(base[r0 * row_bytes : r1 * row_bytes]) != t.base_hashes[b]:
+                    raise ChangedFileError(
+                        f"{path}: block {b} of {t.name!r} changed since registration; register the base again"
+                    )
+        return base
+
+    def _read_block(self, ti: int, b: int) -> list[tuple[int, np.ndarray]]:
+        """The selected experts' bytes of block `b` of tensor `ti`, in plan order."""
+        t = self.xp.tensors[ti]
+        r0, r1 = t.rows[b]
+        out = []
+        for pos, h in self.sel[ti][b]:
+            fd, info, path = self.inputs.where[pos + 1][t.name]
+            row_bytes = info.nbytes // max(1, t.shape[0] if len(t.shape) >= 2 else 1)
             raw = np.empty((r1 - r0) * row_bytes, np.uint8)
-            pread_into(efd, memoryview(raw), einfo.start + r0 * row_bytes, epath)
+            pread_into(fd, memoryview(raw), info.start + r0 * row_bytes, path)
             self.count.expert += raw.nbytes
             if self.verify and xxhash.xxh3_128_hexdigest(raw) != h:
                 raise ChangedFileError(
-                    f"{epath}: block {b} of {t.name!r} does not match its registered hash; the file changed "
+                    f"{path}: block {b} of {t.name!r} does not match its registered hash; the file changed "
                     "since registration: re-register it with --refresh and plan again"
                 )
-            blocks.append((pos, b, raw))
-        if self.verify:
-            for b, (r0, r1) in enumerate(t.rows):
-                if t.base_hashes and xxhash.xxh3_128_hexdigest(base[r0 * row_bytes : r1 * row_bytes]) != t.base_hashes[b]:
-                    raise ChangedFileError(f"{path}: block {b} of {t.name!r} changed since registration")
-        return base, blocks
+            out.append((pos, raw))
+        return out
 
     def tensors(self, indices: list[int]) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
-        """(name, dtype, shape, bytes as uint8 array) of each merged tensor, reading one tensor ahead."""
-        ahead = self.pool.submit(self._load, indices[0]) if indices else None
+        """(name, dtype, shape, bytes as uint8 array) of each merged tensor; the next base is read ahead."""
+        ahead = self.pool.submit(self._read_base, indices[0]) if indices else None
         for n, ti in enumerate(indices):
-            base, blocks = ahead.result()  # type: ignore[union-attr]
+            base = ahead.result()  # type: ignore[union-attr]
             if n + 1 < len(indices):
-                ahead = self.pool.submit(self._load, indices[n + 1])
-            yield self._merge(ti, base, blocks)
+                ahead = self.pool.submit(self._read_base, indices[n + 1])
+            yield self._merge(ti, base)
 
-    def _merge(self, ti: int, base_raw: np.ndarray, blocks: list) -> tuple[str, str, tuple[int, ...], np.ndarray]:
+    def _merge(self, ti: int, base_raw: np.ndarray) -> tuple[str, str, tuple[int, ...], np.ndarray]:
         t = self.xp.tensors[ti]
         out_dtype = _out_dtype(t, self.dtype)
+        blocks = sorted(self.sel.get(ti, {}))
         if not t.mergeable or (not blocks and out_dtype == t.dtype):
             return t.name, t.dtype, t.shape, base_raw  # copied from the base without decoding
         raw_dt = np.dtype(DTYPES[t.dtype][1])
         base = as_float32(base_raw.view(raw_dt), t.dtype, np.empty(base_raw.nbytes // raw_dt.itemsize, np.float32))
         acc = methods.Accumulator(self.method, self.xp.params, base.size)
+        stock = _StockDots(self.xp, ti) if self.xp.method == "model_stock" else None
         per_row = _row_elems(t)
-        for pos, b, raw in blocks:
-            r0, r1 = t.rows[b]
-            lo = r0 * per_row
-            e = as_float32(raw.view(raw_dt), t.dtype, np.empty(raw.nbytes // raw_dt.itemsize, np.float32))
-            d = e - base[lo : lo + e.size]  # (block elements,) float32
-            src = self.xp.experts[pos]
-            d = methods.sparsify(self.method, self.xp.params, d, lo, self._trim(pos, ti, t, src))
-            acc.add(src.coef, src.weight, lo, d)
-        merged = base + acc.merged_delta()
+        ahead = self.pool.submit(self._read_block, ti, blocks[0]) if blocks else None
+        for i, b in enumerate(blocks):  # expert blocks are read one block ahead of the arithmetic
+            experts = ahead.result()  # type: ignore[union-attr]
+            if i + 1 < len(blocks):
+                ahead = self.pool.submit(self._read_block, ti, blocks[i + 1])
+            lo = t.rows[b][0] * per_row
+            deltas = []
+            for pos, raw in experts:
+                e = as_float32(raw.view(raw_dt), t.dtype, np.empty(raw.nbytes // raw_dt.itemsize, np.float32))
+                d = e - base[lo : lo + e.size]  # (block elements,) float32
+                src = self.xp.experts[pos]
+                d = methods.sparsify(self.method, self.xp.params, d, lo, self._trim(pos, ti, t, src))
+                acc.add(src.coef, src.weight, lo, d)
+                if stock is not None:
+                    deltas.append((pos, d))
+            if stock is not None:
+                stock.add_block(deltas)
+        update = acc.merged_delta()
+        if stock is not None:
+            update = np.float32(stock.t()) * update
+        merged = base + update
         return t.name, out_dtype, t.shape, encode(merged, out_dtype).view(np.uint8)
 
     def _trim(self, pos: int, ti: int, t: TensorLayout, src: Source) -> methods.Trim:
@@ -259,6 +283,41 @@ class Merger:
                 return cum[np.asarray(a, np.float32).view(np.uint32) >> 17]
 
         return methods.Trim(r["t_lo"] or 0.0, r["t_hi"], key, rank)
+
+
+class _StockDots:
+    """model_stock's per-tensor t from the mean pairwise cosine of the task vectors.
+
+    ⟨Δ_j, Δ_k⟩ is exact over blocks where both were read and estimated from the catalog's
+    sketches elsewhere; ‖Δ_k‖² is exact (from the catalog).
+    """
+
+    def __init__(self, xp: ExecutionPlan, ti: int) -> None:
+        self.k = len(xp.experts)
+        self.dots = np.zeros((self.k, self.k))
+        self.norm2 = np.zeros(self.k)
+        if xp.stock is not None:
+            rows = xp.stock.filter(pa.compute.equal(xp.stock.column("tensor_idx"), ti)).to_pylist()
+            for r in rows:
+                if r["j"] == r["k"]:
+                    self.norm2[r["j"]] = r["dot"]
+                else:
+                    self.dots[r["j"], r["k"]] += r["dot"]
+
+    def add_block(self, deltas: list[tuple[int, np.ndarray]]) -> None:
+        for a in range(len(deltas)):
+            for b in range(a + 1, len(deltas)):
+                (j, dj), (k, dk) = deltas[a], deltas[b]
+                self.dots[min(j, k), max(j, k)] += float(np.dot(dj.astype(np.float64), dk.astype(np.float64)))
+
+    def t(self) -> float:
+        cos = []
+        for j in range(self.k):
+            for k in range(j + 1, self.k):
+                den = np.sqrt(self.norm2[j] * self.norm2[k])
+                cos.append(self.dots[j, k] / den if den > 0 else 0.0)
+        c = float(np.mean(cos)) if cos else 0.0
+        return self.k * c / (1 + (self.k - 1) * c) if 1 + (self.k - 1) * c != 0 else 0.0
 
 
 def merge_to_dict(xp: ExecutionPlan, dtype: str | None = None) -> dict[str, np.ndarray]:
@@ -426,6 +485,7 @@ def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str
         "layout": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "mergeable": t.mergeable,
                     "rows": [list(r) for r in t.rows], "base_hashes": list(t.base_hashes)} for t in xp.tensors],
         "trims": xp.trims.to_pylist(),
+        "stock": xp.stock.to_pylist() if xp.stock is not None else None,
         "mask_digest": digest.hexdigest(),
         "tensor_hashes": tensor_hashes,
     }
@@ -453,7 +513,8 @@ def plan_from_manifest(manifest_path: str | os.PathLike[str]) -> tuple[Execution
     trims = pa.Table.from_pylist(doc["trims"]) if doc["trims"] else _empty_trims()
     xp = ExecutionPlan(0, doc["plan_hash"], doc["method"], doc["params"], doc["seed"], Source(**doc["base"]),
                        tuple(Source(**e) for e in doc["experts"]), tensors,
-                       mask.select(["position", "tensor_idx", "block_idx", "content_hash"]), trims, doc["budget_bytes"])
+                       mask.select(["position", "tensor_idx", "block_idx", "content_hash"]), trims, doc["budget_bytes"],
+                       pa.Table.from_pylist(doc["stock"]) if doc.get("stock") else None)
     return xp, doc
 
 

@@ -125,3 +125,22 @@ def cast_like(x: np.ndarray, dtype: str) -> np.ndarray:
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(tdt).float().numpy()
+
+
+def ref_model_stock(base: np.ndarray, experts: list[np.ndarray]) -> np.ndarray:
+    """θ0 + t·Σ_k Δ_k/K with t = K·cos / (1 + (K−1)·cos), cos the mean pairwise cosine of the Δ_k."""
+    import itertools
+
+    b = base.astype(np.float32).reshape(-1)
+    deltas = [e.astype(np.float32).reshape(-1) - b for e in experts]
+    cos = []
+    for x, y in itertools.combinations(deltas, 2):
+        nx, ny = np.linalg.norm(x.astype(np.float64)), np.linalg.norm(y.astype(np.float64))
+        cos.append(float(np.dot(x.astype(np.float64), y.astype(np.float64)) / (nx * ny)) if nx * ny > 0 else 0.0)
+    k = len(deltas)
+    c = float(np.mean(cos))
+    t = k * c / (1 + (k - 1) * c) if 1 + (k - 1) * c != 0 else 0.0
+    acc = np.zeros_like(b)
+    for d in deltas:
+        acc += np.float32(1.0 / k) * d
+    return (b + np.float32(t) * acc).reshape(base.shape)

@@ -188,3 +188,46 @@ def test_changed_input_refused(tmp_path):
         executor.execute(xp, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if "mergedb-tmp" in p.name]
+
+
+def test_model_stock_full_equals_reference_and_partial_uses_sketches(family, loaded, tmp_path):
+    from tests.reference import ref_model_stock
+
+    kind, folder, cat = family
+    plan = cat.plan(PlanRequest("base", tuple(EXPERTS), "model_stock", "all"))
+    executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "full")
+    got = load_model(tmp_path / "full")
+    for name, b in loaded["base"].items():
+        if b.dtype.kind != "f":
+            continue
+        want = cast_like(ref_model_stock(b, [loaded[e][name] for e in EXPERTS]), FAMILIES[kind][0])
+        np.testing.assert_array_max_ulp(got[name], want, maxulp=1)
+    half = cat.plan(PlanRequest("base", tuple(EXPERTS), "model_stock", "50%"))
+    xp = cat.execution_plan(half.plan_id)
+    assert xp.stock is not None and xp.stock.num_rows > 0
+    res = executor.execute(xp, tmp_path / "half")
+    assert res.expert_bytes == half.selected_bytes <= half.budget_bytes
+    rep = executor.replay(tmp_path / "half" / "mergedb_manifest.json", tmp_path / "half2")
+    assert rep.manifest["tensor_hashes"] == res.manifest["tensor_hashes"]
+
+
+def test_della_keeps_by_magnitude_rank(tmp_path):
+    """DELLA keeps about `density` of the changed elements, larger |Δ| more often, rescaled by 1/p."""
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", dtype="fp32", seed=12)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "della_linear", "all", params={"density": 0.5, "epsilon": 0.3}, seed=3))
+    got = executor.merge_to_dict(cat.execution_plan(plan.plan_id), dtype="fp32")
+    base, exp = load_model(fam / "base"), load_model(fam / "expert_00")
+    name = "lm_head.weight"
+    d = (exp[name] - base[name]).reshape(-1)
+    dp = (got[name] - base[name]).reshape(-1)
+    changed = d != 0
+    kept = changed & (dp != 0)
+    assert abs(kept.sum() / changed.sum() - 0.5) < 0.02
+    a = np.abs(d[changed])
+    k = kept[changed]
+    lo, hi = np.quantile(a, [0.25, 0.75])
+    assert k[a >= hi].mean() > k[a <= lo].mean() + 0.3  # keep probability rises with rank (0.2 → 0.8)
+    ratio = dp[kept] / d[kept]  # 1/p with p in [0.2, 0.8]
+    assert ratio.min() >= 1 / 0.8 - 1e-3 and ratio.max() <= 1 / 0.2 + 1e-3

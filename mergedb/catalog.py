@@ -296,7 +296,7 @@ class Catalog:
                 if not refresh:
                     raise ChangedFileError(
                         f"{c.name!r} ({c.path}) changed since it was registered; "
-                        "pass --refresh to re-scan it (plans made from the old statistics stay as they were)"
+                        "pass --refresh to re-scan it (plans made before then will ask to be made again)"
                     )
                 if role == "base":
                     raise ChangedFileError(
@@ -331,30 +331,55 @@ class Catalog:
             keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
             results.append((e, scan.scan_expert(b, e, fam, keyed, dim, threads, tick)))
 
-        # Phase 2: one transaction.
+        # Phase 2: one transaction. Another process may have registered some of these meanwhile:
+        # identical ones are skipped, conflicting ones refused (nothing is written then).
+        done: list[str] = []
         with self.connect(write=True) as con:
             con.execute("BEGIN")
             try:
+                now = {r[0]: r for r in con.execute(
+                    "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size FROM checkpoints"
+                ).fetchall()}
                 ids = {}
                 for b in todo_bases:
                     _, fam, hashes = families[b.name]
+                    if b.name in now:
+                        if now[b.name][4] != b.fingerprint or now[b.name][5] != block_bytes:
+                            raise CatalogError(
+                                f"base {b.name!r} was registered by another process meanwhile with other "
+                                "contents or block size; nothing was written: run the command again"
+                            )
+                        ids[b.name] = now[b.name][1]
+                        unchanged.append(b.name)
+                        continue
                     ids[b.name] = self._insert_checkpoint(con, b, "base", None, scan.content_hash(hashes), block_bytes)
                     _insert_family(con, ids[b.name], fam, hashes)
+                    done.append(b.name)
                 for e, st in results:
                     if base_ckpt_name in ids:
                         base_id = ids[base_ckpt_name]
                     else:
                         base_id = _one(con, "SELECT checkpoint_id FROM checkpoints WHERE name = ?", [base_ckpt_name])[0]
-                    if e.name in existing:
-                        _delete_checkpoint(con, existing[e.name][1])
-                    cid = self._insert_checkpoint(con, e, "expert", base_id, st.content_hash, None)
+                    if e.name in now:
+                        row = now[e.name]
+                        if e.name not in existing or row[4] != existing[e.name][4]:  # someone else's write
+                            if row[4] == e.fingerprint and row[3] == base_id:
+                                unchanged.append(e.name)
+                                continue
+                            raise CatalogError(
+                                f"{e.name!r} was registered by another process meanwhile with other contents; "
+                                "nothing was written: run the command again"
+                            )
+                        _delete_checkpoint(con, row[1])  # --refresh: same id, so old plans see the change
+                    cid = self._insert_checkpoint(con, e, "expert", base_id, st.content_hash, None,
+                                                  now[e.name][1] if e.name in now else None)
                     _insert_stats(con, cid, st)
+                    done.append(e.name)
                 con.execute("COMMIT")
             except BaseException:
                 con.execute("ROLLBACK")
                 raise
-        done = tuple(c.name for c in todo_bases + todo_experts)
-        return RegisterResult(done, tuple(unchanged), read, time.perf_counter() - t0)
+        return RegisterResult(tuple(done), tuple(unchanged), read, time.perf_counter() - t0)
 
     def _load_family(self, base_name: str) -> tuple[Checkpoint, list[scan.FamilyTensor], list[str]]:
         """A registered base's checkpoint, layout and block hashes, after checking its files are unchanged."""
@@ -392,9 +417,10 @@ class Catalog:
         role: str,
         base_id: int | None,
         chash: str,
-        block_size: int | None,
+        block_size: int | None, cid: int | None = None,
     ) -> int:
-        cid = int(_one(con, "SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints")[0])
+        if cid is None:
+            cid = int(_one(con, "SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints")[0])
         con.execute(
             "INSERT INTO checkpoints (checkpoint_id, name, path, root, role, base_id, architecture, dtype, "
             "n_tensors, bytes, fingerprint, content_hash, block_size) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",

@@ -364,11 +364,11 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> executor.Executi
         "b.content_hash, p.base_id FROM plans p JOIN checkpoints b ON b.checkpoint_id = p.base_id "
         "WHERE p.plan_id = ?", [pid]).fetchall()[0]
     experts = con.execute(
-        "SELECT c.name, c.path, c.fingerprint, c.content_hash, pe.weight, pe.coef, pe.checkpoint_id "
+        "SELECT c.name, c.path, pe.fingerprint, pe.content_hash, pe.weight, pe.coef, c.fingerprint "
         "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? "
         "ORDER BY pe.position", [pid]).fetchall()
-    for name, _, fp, _, _, _, cid in experts:
-        if _rows(con, "SELECT fingerprint FROM checkpoints WHERE checkpoint_id = ?", [cid])[0][0] != fp:
+    for name, _, planned, _, _, _, current in experts:
+        if planned != current:
             raise ChangedFileError(f"expert {name!r} was re-registered after this plan was made; plan again")
     tensors = con.execute(
         "SELECT ft.tensor_idx, ft.name, ft.dtype, ft.shape, ft.mergeable, "

@@ -138,47 +138,78 @@ def hist_hi(lo: np.ndarray) -> np.ndarray:
     return ((codes + np.uint32(1)) << np.uint32(HIST_SHIFT)).view(np.float32)
 
 
+SUB_SHIFT = SUMMARY_SHIFT - 8  # second radix level: 256 sub-bins per summary bin
+
+
 @numba.njit(nogil=True, cache=True)
-def _gather(abs_bits, wanted, out, shift):  # pragma: no cover - compiled
+def _sub_histogram(abs_bits, slot_of, sub):  # pragma: no cover - compiled
+    # sub[slot, s]: elements of each wanted summary bin by their next 8 bits. Unwanted bins map to
+    # a dummy last row: no data-dependent branch (mispredictions cost more than the counting).
+    for i in range(abs_bits.shape[0]):
+        bits = abs_bits[i]
+        sub[slot_of[bits >> 17], (bits >> 9) & 255] += 1
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather(abs_bits, slot_of, want, out):  # pragma: no cover - compiled
+    # bit patterns of the non-zero elements in wanted (bin, sub-bin) pairs; branch-free compaction
     m = 0
     for i in range(abs_bits.shape[0]):
-        if wanted[abs_bits[i] >> shift]:
-            out[m] = abs_bits[i]
-            m += 1
+        bits = abs_bits[i]
+        out[m] = bits
+        m += want[slot_of[bits >> 17], (bits >> 9) & 255] & (bits != 0)
     return m
 
 
 def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray) -> np.ndarray:
     """Exact k-th largest |Δ| for every density of DENSITY_GRID: (G,) float32.
 
-    `summary` is the tensor's magnitude summary of |Δ| (from block_stats). Only the elements in the
-    bins holding a wanted rank are gathered and sorted, so this is one pass, not a full sort.
+    A two-level radix select: `summary` (the tensor's magnitude summary from block_stats) locates
+    the bin of every wanted rank; one pass histograms those bins by their next 8 bits; a second
+    pass gathers only the elements of the sub-bins holding a wanted rank, which are sorted. Exact
+    zeros are counted, never gathered.
     """
     n = abs_delta.size
     if n == 0:
         return np.zeros(len(DENSITY_GRID), np.float32)
-    # above[c] = number of elements in bins > c; ranks are 1-based from the top
+    assert SUMMARY_SHIFT == 17 and SUB_SHIFT == 9  # the kernels hard-code these shifts
+    bits = abs_delta.view(np.uint32).reshape(-1)
+    ks = np.array([kth_count(d, n) for d in DENSITY_GRID], np.int64)
     desc = summary[::-1]
-    above_desc = np.concatenate(([0], np.cumsum(desc)[:-1]))
-    ks = np.array([kth_count(d, n) for d in DENSITY_GRID])
     cum_desc = np.cumsum(desc)
-    pos = np.searchsorted(cum_desc, ks, side="left")  # descending-bin index holding rank k
-    codes = (len(summary) - 1 - pos).astype(np.int64)
+    pos = np.searchsorted(cum_desc, ks, side="left")  # index (descending-code order) of rank k's bin
     valid = pos < len(summary)  # ranks past the finite elements (non-finite Δ) have no threshold
-    wanted = np.zeros(len(summary), np.bool_)
-    wanted[codes[valid]] = True
-    buf = np.empty(int(summary[wanted].sum()), np.uint32)
-    m = _gather(abs_delta.view(np.uint32).reshape(-1), wanted, buf, SUMMARY_SHIFT)
+    pos_v = np.minimum(pos, len(summary) - 1)
+    codes = len(summary) - 1 - pos_v
+    rank = ks - 1 - (cum_desc[pos_v] - desc[pos_v])  # 0-based rank from the top of its bin
+    wanted_codes = np.unique(codes[valid])
+    slot_of = np.full(len(summary), len(wanted_codes), np.int64)  # unwanted: the dummy last row
+    slot_of[wanted_codes] = np.arange(len(wanted_codes))
+    sub = np.zeros((len(wanted_codes) + 1, 256), np.int64)
+    _sub_histogram(bits, slot_of, sub)
+    sub = sub[:-1]
+    # within a bin, sub-bins in descending order; locate each rank's sub-bin and its rank inside
+    sub_desc_cum = np.cumsum(sub[:, ::-1], axis=1)  # (slots, 256)
+    want = np.zeros((len(wanted_codes) + 1, 256), np.bool_)
+    out = np.zeros(len(ks), np.uint32)  # 0: the rank falls on exact zeros (bin 0 only)
+    todo = []
+    for i in np.flatnonzero(valid):
+        slot = slot_of[codes[i]]
+        j = int(np.searchsorted(sub_desc_cum[slot], rank[i], side="right"))
+        s = 255 - j
+        above = sub_desc_cum[slot, j] - sub[slot, s]
+        want[slot, s] = True
+        todo.append((i, (int(codes[i]) << 8) | s, int(rank[i] - above)))
+    buf = np.empty(int(sub[want[:-1]].sum()) + 1, np.uint32)  # +1: the compaction writes one past
+    m = _gather(bits, slot_of, want, buf)
     cand = np.sort(buf[:m])[::-1]  # descending bit patterns == descending values (all ≥ 0)
-    cand_codes = cand >> np.uint32(SUMMARY_SHIFT)
-    # candidates of bin c start after the candidates of wanted bins above it
-    out = np.empty(len(ks), np.uint32)
-    for i, (k, c, p) in enumerate(zip(ks, codes, pos)):
-        if p >= len(summary):
-            out[i] = 0x7FC00000  # NaN
-            continue
-        first = np.searchsorted(-cand_codes.astype(np.int64), -c, side="left")
-        out[i] = cand[first + (k - 1 - above_desc[p])]
+    neg_key = -(cand >> np.uint32(SUB_SHIFT)).astype(np.int64)  # non-decreasing
+    for i, key, r in todo:
+        idx = int(np.searchsorted(neg_key, -key, side="left")) + r
+        if idx < m and (int(cand[idx]) >> SUB_SHIFT) == key:
+            out[i] = cand[idx]
+        # else: the rank lies among the exact zeros counted in bin 0, sub-bin 0 (never gathered)
+    out[~valid] = 0x7FC00000  # NaN
     return out.view(np.float32)
 
 

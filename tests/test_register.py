@@ -107,3 +107,18 @@ def test_ambiguous_base_needs_base_model(tmp_path):
     cat = Catalog(tmp_path / "c.duckdb")
     with pytest.raises(MergeDBError, match="--base-model"):
         cat.register([fam / "expert_00"])
+
+
+def test_refresh_invalidates_old_plans(tmp_path):
+    from mergedb.planner import PlanRequest
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=18)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    old = cat.plan(PlanRequest("base", None, "linear"))
+    shutil.copy(fam / "expert_01" / "model.safetensors", fam / "expert_00" / "model.safetensors")
+    cat.register([fam], base_model="base", refresh=True)
+    with pytest.raises(ChangedFileError, match="re-registered after this plan"):
+        cat.execution_plan(old.plan_id)
+    new = cat.plan(PlanRequest("base", None, "linear"))
+    assert cat.execution_plan(new.plan_id).experts[0].name == "expert_00"

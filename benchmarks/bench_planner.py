@@ -25,10 +25,18 @@ def run(rows_list=(1_000_000, 10_000_000), experts: int = 20) -> dict:
         for method, budget in (("task_arithmetic", "10%"), ("task_arithmetic", "50%")):
             t0 = time.perf_counter()
             p = cat.plan(PlanRequest(base, None, method, budget))
-            out.append({"rows": p.n_candidates, "method": method, "budget": budget,
-                        "plan_seconds": time.perf_counter() - t0, "planner_reported_seconds": p.planning_seconds,
-                        "selected_bytes": p.selected_bytes, "budget_bytes": p.budget_bytes,
-                        "peak_rss_mib": peak_rss_mib()})
+            out.append(
+                {
+                    "rows": p.n_candidates,
+                    "method": method,
+                    "budget": budget,
+                    "plan_seconds": time.perf_counter() - t0,
+                    "planner_reported_seconds": p.planning_seconds,
+                    "selected_bytes": p.selected_bytes,
+                    "budget_bytes": p.budget_bytes,
+                    "peak_rss_mib": peak_rss_mib(),
+                }
+            )
             print(out[-1])
     return {"runs": out}
 

@@ -30,21 +30,28 @@ def run(size: str = "bench", experts: int = 4, repeats: int = 3) -> dict:
         res = Catalog(db).register([fam], base_model="base")
         t_reg = time.perf_counter() - t0
         physical = read_bytes() - r0
-        rows.append({
-            "sequential_gbps": n_seq / t_seq / 1e9,
-            "register_gbps": n_seq / t_reg / 1e9,  # the same files' bytes over register's wall time
-            "ratio": (n_seq / t_reg) / (n_seq / t_seq),
-            "register_seconds": t_reg,
-            "logical_bytes": res.bytes_read,
-            "physical_bytes": physical,
-            "file_bytes": n_seq,
-            "catalog_bytes": db.stat().st_size,
-            "catalog_fraction": db.stat().st_size / n_seq,
-        })
+        rows.append(
+            {
+                "sequential_gbps": n_seq / t_seq / 1e9,
+                "register_gbps": n_seq / t_reg / 1e9,  # the same files' bytes over register's wall time
+                "ratio": (n_seq / t_reg) / (n_seq / t_seq),
+                "register_seconds": t_reg,
+                "logical_bytes": res.bytes_read,
+                "physical_bytes": physical,
+                "file_bytes": n_seq,
+                "catalog_bytes": db.stat().st_size,
+                "catalog_fraction": db.stat().st_size / n_seq,
+            }
+        )
     best = max(rows, key=lambda r: r["ratio"])
-    return {"size": size, "experts": experts, "runs": rows, "best_ratio": best["ratio"],
-            "median_ratio": sorted(r["ratio"] for r in rows)[len(rows) // 2],
-            "catalog_fraction": rows[-1]["catalog_fraction"]}
+    return {
+        "size": size,
+        "experts": experts,
+        "runs": rows,
+        "best_ratio": best["ratio"],
+        "median_ratio": sorted(r["ratio"] for r in rows)[len(rows) // 2],
+        "catalog_fraction": rows[-1]["catalog_fraction"],
+    }
 
 
 if __name__ == "__main__":

@@ -45,8 +45,13 @@ def sequential_read(paths, chunk: int = 16 * 2**20) -> tuple[int, float]:
 
 def machine() -> dict:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"cpus": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "python": platform.python_version(),
-            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d")}
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(mem / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def peak_rss_mib() -> float:

@@ -337,9 +337,12 @@ class Catalog:
         with self.connect(write=True) as con:
             con.execute("BEGIN")
             try:
-                now = {r[0]: r for r in con.execute(
-                    "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size FROM checkpoints"
-                ).fetchall()}
+                now = {
+                    r[0]: r
+                    for r in con.execute(
+                        "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size FROM checkpoints"
+                    ).fetchall()
+                }
                 ids = {}
                 for b in todo_bases:
                     _, fam, hashes = families[b.name]
@@ -371,8 +374,9 @@ class Catalog:
                                 "nothing was written: run the command again"
                             )
                         _delete_checkpoint(con, row[1])  # --refresh: same id, so old plans see the change
-                    cid = self._insert_checkpoint(con, e, "expert", base_id, st.content_hash, None,
-                                                  now[e.name][1] if e.name in now else None)
+                    cid = self._insert_checkpoint(
+                        con, e, "expert", base_id, st.content_hash, None, now[e.name][1] if e.name in now else None
+                    )
                     _insert_stats(con, cid, st)
                     done.append(e.name)
                 con.execute("COMMIT")
@@ -417,7 +421,8 @@ class Catalog:
         role: str,
         base_id: int | None,
         chash: str,
-        block_size: int | None, cid: int | None = None,
+        block_size: int | None,
+        cid: int | None = None,
     ) -> int:
         if cid is None:
             cid = int(_one(con, "SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints")[0])
@@ -470,7 +475,6 @@ class Catalog:
         _append(con, "tensors", tensors)
         return cid
 
-
     # -- plans and runs ----------------------------------------------------------------------
 
     def plan(self, request: planner.PlanRequest, explain: bool = False) -> planner.PlanSummary:
@@ -502,18 +506,29 @@ class Catalog:
         with self.connect() as con:
             return planner.execution_plan(con, planner.resolve_plan(con, plan))
 
-    def record_run(self, plan_id: int, out: str, result: executor.ExecuteResult | None = None,
-                   error: str | None = None) -> int:
+    def record_run(
+        self, plan_id: int, out: str, result: executor.ExecuteResult | None = None, error: str | None = None
+    ) -> int:
         """Store one execution: ok with its measurements, or failed with its error."""
         r = result
         with self.connect(write=True) as con:
             rid = int(_one(con, "SELECT coalesce(max(run_id), 0) + 1 FROM runs")[0])
             con.execute(
                 "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, current_timestamp)",
-                [rid, plan_id, out, "ok" if r is not None else "failed", error,
-                 r.manifest["content_hash"] if r else None, r.seconds if r else None, r.expert_bytes if r else None,
-                 r.physical_bytes if r else None, r.base_bytes if r else None, r.bytes_written if r else None,
-                 r.peak_rss if r else None],
+                [
+                    rid,
+                    plan_id,
+                    out,
+                    "ok" if r is not None else "failed",
+                    error,
+                    r.manifest["content_hash"] if r else None,
+                    r.seconds if r else None,
+                    r.expert_bytes if r else None,
+                    r.physical_bytes if r else None,
+                    r.base_bytes if r else None,
+                    r.bytes_written if r else None,
+                    r.peak_rss if r else None,
+                ],
             )
         return rid
 
@@ -664,49 +679,204 @@ def simulate(
             con.execute(
                 "INSERT INTO checkpoints (checkpoint_id, name, path, root, role, base_id, architecture, dtype, "
                 "n_tensors, bytes, fingerprint, content_hash, block_size) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                [base_id + k, f"sim{base_id}_base" if k == 0 else f"sim{base_id}_e{k - 1:03d}", "/nonexistent",
-                 "/nonexistent", "base" if k == 0 else "expert", None if k == 0 else base_id, "Simulated", "BF16",
-                 tensors, int(sizes.sum()), f"sim-{seed}-{k}", f"sim-{seed}-{k}", None],
+                [
+                    base_id + k,
+                    f"sim{base_id}_base" if k == 0 else f"sim{base_id}_e{k - 1:03d}",
+                    "/nonexistent",
+                    "/nonexistent",
+                    "base" if k == 0 else "expert",
+                    None if k == 0 else base_id,
+                    "Simulated",
+                    "BF16",
+                    tensors,
+                    int(sizes.sum()),
+                    f"sim-{seed}-{k}",
+                    f"sim-{seed}-{k}",
+                    None,
+                ],
             )
-        _append(con, "family_tensors", pa.table({
-            "base_id": pa.array([base_id] * tensors, pa.int32()),
-            "tensor_idx": pa.array(range(tensors), pa.int32()),
-            "name": [f"t{t}" for t in range(tensors)],
-            "dtype": ["BF16"] * tensors,
-            "shape": pa.array([[int(sizes[t].sum()) // 2] for t in range(tensors)], pa.list_(pa.int64())),
-            "numel": pa.array(sizes.sum(axis=1) // 2, pa.int64()),
-            "nbytes": pa.array(sizes.sum(axis=1), pa.int64()),
-            "row_bytes": pa.array([2] * tensors, pa.int64()),
-            "mergeable": [True] * tensors,
-            "n_blocks": pa.array([blocks_per_tensor] * tensors, pa.int32()),
-        }))
+        _append(
+            con,
+            "family_tensors",
+            pa.table(
+                {
+                    "base_id": pa.array([base_id] * tensors, pa.int32()),
+                    "tensor_idx": pa.array(range(tensors), pa.int32()),
+                    "name": [f"t{t}" for t in range(tensors)],
+                    "dtype": ["BF16"] * tensors,
+                    "shape": pa.array([[int(sizes[t].sum()) // 2] for t in range(tensors)], pa.list_(pa.int64())),
+                    "numel": pa.array(sizes.sum(axis=1) // 2, pa.int64()),
+                    "nbytes": pa.array(sizes.sum(axis=1), pa.int64()),
+                    "row_bytes": pa.array([2] * tensors, pa.int64()),
+                    "mergeable": [True] * tensors,
+                    "n_blocks": pa.array([blocks_per_tensor] * tensors, pa.int32()),
+                }
+            ),
+        )
         t_idx = np.repeat(np.arange(tensors, dtype=np.int32), blocks_per_tensor)
         b_idx = np.tile(np.arange(blocks_per_tensor, dtype=np.int32), tensors)
         starts = np.concatenate([np.r_[0, np.cumsum(s)[:-1]] for s in sizes])
-        _append(con, "blocks", pa.table({
-            "base_id": pa.array(np.full(nb, base_id, np.int32)), "tensor_idx": pa.array(t_idx),
-            "block_idx": pa.array(b_idx), "row_start": pa.array(starts // 2), "row_end": pa.array((starts + sizes.reshape(-1)) // 2),
-            "byte_start": pa.array(starts), "nbytes": pa.array(sizes.reshape(-1)), "numel": pa.array(sizes.reshape(-1) // 2),
-            "base_hash": pa.array(["0"] * nb),
-        }))
+        _append(
+            con,
+            "blocks",
+            pa.table(
+                {
+                    "base_id": pa.array(np.full(nb, base_id, np.int32)),
+                    "tensor_idx": pa.array(t_idx),
+                    "block_idx": pa.array(b_idx),
+                    "row_start": pa.array(starts // 2),
+                    "row_end": pa.array((starts + sizes.reshape(-1)) // 2),
+                    "byte_start": pa.array(starts),
+                    "nbytes": pa.array(sizes.reshape(-1)),
+                    "numel": pa.array(sizes.reshape(-1) // 2),
+                    "base_hash": pa.array(["0"] * nb),
+                }
+            ),
+        )
         empty_f = pa.array([[]] * nb, pa.list_(pa.float32()))
         for k in range(experts):
             ident = rng.random(nb) < identical_fraction
             norm = np.where(ident, 0.0, np.exp(rng.normal(0, 2, nb)))
             sk = (rng.standard_normal((nb, dim)) * (norm[:, None] / np.sqrt(dim))).astype(np.float32)
             lo = (norm / 100).astype(np.float32)
-            _append(con, "expert_blocks", pa.table({
-                "checkpoint_id": pa.array(np.full(nb, base_id + 1 + k, np.int32)),
-                "tensor_idx": pa.array(t_idx), "block_idx": pa.array(b_idx), "identical": pa.array(ident),
-                "delta_norm": pa.array(norm), "max_abs": pa.array((norm / 10).astype(np.float32)),
-                "nnz": pa.array(np.where(ident, 0, sizes.reshape(-1) // 2)), "nonfinite": pa.array(np.zeros(nb, np.int64)),
-                "content_hash": pa.array(["0"] * nb),
-                "hist_lo": pa.FixedSizeListArray.from_arrays(lo, 1).cast(pa.list_(pa.float32())),
-                "hist_hi": pa.FixedSizeListArray.from_arrays(lo * 2, 1).cast(pa.list_(pa.float32())),
-                "hist_count": pa.FixedSizeListArray.from_arrays(sizes.reshape(-1) // 2, 1).cast(pa.list_(pa.int64())),
-                "hist_sum": pa.FixedSizeListArray.from_arrays(norm, 1).cast(pa.list_(pa.float64())),
-                "hist_sumsq": pa.FixedSizeListArray.from_arrays(norm**2, 1).cast(pa.list_(pa.float64())),
-                "sketch": pa.FixedSizeListArray.from_arrays(sk.reshape(-1), dim).cast(pa.list_(pa.float32())),
-            }))
+            _append(
+                con,
+                "expert_blocks",
+                pa.table(
+                    {
+                        "checkpoint_id": pa.array(np.full(nb, base_id + 1 + k, np.int32)),
+                        "tensor_idx": pa.array(t_idx),
+                        "block_idx": pa.array(b_idx),
+                        "identical": pa.array(ident),
+                        "delta_norm": pa.array(norm),
+                        "max_abs": pa.array((norm / 10).astype(np.float32)),
+                        "nnz": pa.array(np.where(ident, 0, sizes.reshape(-1) // 2)),
+                        "nonfinite": pa.array(np.zeros(nb, np.int64)),
+                        "content_hash": pa.array(["0"] * nb),
+                        "hist_lo": pa.FixedSizeListArray.from_arrays(lo, 1).cast(pa.list_(pa.float32())),
+                        "hist_hi": pa.FixedSizeListArray.from_arrays(lo * 2, 1).cast(pa.list_(pa.float32())),
+                        "hist_count": pa.FixedSizeListArray.from_arrays(sizes.reshape(-1) // 2, 1).cast(
+                            pa.list_(pa.int64())
+                        ),
+                        "hist_sum": pa.FixedSizeListArray.from_arrays(norm, 1).cast(pa.list_(pa.float64())),
+                        "hist_sumsq": pa.FixedSizeListArray.from_arrays(norm**2, 1).cast(pa.list_(pa.float64())),
+                        "sketch": pa.FixedSizeListArray.from_arrays(sk.reshape(-1), dim).cast(pa.list_(pa.float32())),
+                    }
+                ),
+            )
         del empty_f
         con.execute("COMMIT")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing `check` found wrong: where, what, and how to fix it."""
+
+    where: str
+    what: str
+    fix: str
+
+
+_ORPHANS = [
+    ("files", "checkpoint_id NOT IN (SELECT checkpoint_id FROM checkpoints)"),
+    ("tensors", "checkpoint_id NOT IN (SELECT checkpoint_id FROM checkpoints)"),
+    ("expert_blocks", "checkpoint_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'expert')"),
+    ("expert_tensors", "checkpoint_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'expert')"),
+    ("blocks", "base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
+    ("family_tensors", "base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
+    ("checkpoints", "role = 'expert' AND base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
+    ("plan_experts", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+    ("plan_mask", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+    ("runs", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+]
+
+
+def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
+    """Verify the catalog against itself and the files: orphaned or missing rows, missing or
+    changed files, and with `deep` every block's bytes against its registered hash."""
+    problems: list[Problem] = []
+    with cat.connect() as con:
+        for table, cond in _ORPHANS:
+            n = _one(con, f"SELECT count(*) FROM {table} WHERE {cond}")[0]
+            if n:
+                problems.append(Problem(f"table {table}", f"{n} orphaned rows", "re-create the catalog from the files"))
+        short = con.execute(
+            "SELECT c.name, count(eb.block_idx), (SELECT count(*) FROM blocks bl JOIN family_tensors ft "
+            "USING (base_id, tensor_idx) WHERE bl.base_id = c.base_id AND ft.mergeable) "
+            "FROM checkpoints c LEFT JOIN expert_blocks eb USING (checkpoint_id) WHERE c.role = 'expert' "
+            "GROUP BY c.name, c.base_id HAVING count(eb.block_idx) != (SELECT count(*) FROM blocks bl "
+            "JOIN family_tensors ft USING (base_id, tensor_idx) WHERE bl.base_id = c.base_id AND ft.mergeable)"
+        ).fetchall()
+        for name, have, want in short:
+            problems.append(
+                Problem(
+                    f"checkpoint {name}",
+                    f"{have} block statistics rows, expected {want}",
+                    f"mergedb register --refresh {name}'s path",
+                )
+            )
+        ckpts = con.execute("SELECT checkpoint_id, name, path, fingerprint, role, base_id FROM checkpoints").fetchall()
+        hashes = {}
+        if deep:
+            for cid, _, _, _, role, base_id in ckpts:
+                if role == "base":
+                    hashes[cid] = con.execute(
+                        "SELECT ft.name, bl.block_idx, bl.byte_start, bl.nbytes, bl.base_hash FROM blocks bl "
+                        "JOIN family_tensors ft USING (base_id, tensor_idx) WHERE bl.base_id = ?",
+                        [cid],
+                    ).fetchall()
+                else:
+                    hashes[cid] = con.execute(
+                        "SELECT ft.name, bl.block_idx, bl.byte_start, bl.nbytes, eb.content_hash FROM expert_blocks eb "
+                        "JOIN blocks bl ON bl.base_id = ? AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx "
+                        "JOIN family_tensors ft ON ft.base_id = bl.base_id AND ft.tensor_idx = bl.tensor_idx "
+                        "WHERE eb.checkpoint_id = ?",
+                        [base_id, cid],
+                    ).fetchall()
+    for cid, name, path, fp, _, _ in ckpts:
+        try:
+            ckpt = open_checkpoint(path, name=name)
+        except MergeDBError as e:
+            problems.append(
+                Problem(f"checkpoint {name}", f"cannot be read: {e}", "restore the file, or register it anew")
+            )
+            continue
+        if ckpt.fingerprint != fp:
+            problems.append(
+                Problem(
+                    f"checkpoint {name}",
+                    f"files at {path} changed since registration",
+                    "mergedb register --refresh (experts) or register under a new name (bases)",
+                )
+            )
+            continue
+        if deep:
+            problems += _rehash(ckpt, hashes[cid])
+    return problems
+
+
+def _rehash(ckpt: Checkpoint, rows: list[tuple]) -> list[Problem]:
+    import xxhash
+
+    from .tensorfile import pread_into
+
+    where = {t.name: (fi, t) for fi, t in ckpt.tensors}
+    out = []
+    fds = [os.open(ckpt.root / f.relpath, os.O_RDONLY) for f in ckpt.files]
+    try:
+        for tensor, block, start, nbytes, want in rows:
+            fi, t = where[tensor]
+            buf = np.empty(nbytes, np.uint8)
+            pread_into(fds[fi], memoryview(buf), t.start + start, ckpt.files[fi].relpath)
+            if xxhash.xxh3_128_hexdigest(buf) != want:
+                out.append(
+                    Problem(
+                        f"checkpoint {ckpt.name}",
+                        f"block {block} of {tensor!r} differs from its registered hash",
+                        "the file was modified in place: restore it or register --refresh",
+                    )
+                )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return out

@@ -131,13 +131,12 @@ def _shards_from_index(folder: Path) -> list[str]:
     root = folder.resolve()
     shards: list[str] = []
     for tensor, shard in weight_map.items():
-        target = (folder / shard).resolve()
-        if "\x00" in shard or os.path.isabs(shard) or not target.is_relative_to(root):
+        if "\x00" in shard or os.path.isabs(shard) or not (folder / shard).resolve().is_relative_to(root):
             raise FormatError(
                 f"{index_path}: tensor {tensor!r} points to {shard!r}, outside the checkpoint folder; "
                 "shards must be files inside the folder"
             )
-        if not target.is_file():
+        if not (folder / shard).resolve().is_file():
             raise FormatError(f"{index_path}: tensor {tensor!r} points to missing shard {shard!r}")
         if shard not in shards:
             shards.append(shard)

@@ -212,8 +212,13 @@ def plan(
     base: str = typer.Option(..., "--base", help="Name of the registered base."),
     experts: str | None = typer.Option(None, "--experts", help="Comma-separated expert names, in order."),
     all_experts: bool = typer.Option(False, "--all", help="Every expert of the base."),
-    method: str = typer.Option(..., "--method", "-m", help="linear, task_arithmetic, ties, dare_linear, dare_ties, "
-                               "breadcrumbs, breadcrumbs_ties, della, della_linear, model_stock."),
+    method: str = typer.Option(
+        ...,
+        "--method",
+        "-m",
+        help="linear, task_arithmetic, ties, dare_linear, dare_ties, "
+        "breadcrumbs, breadcrumbs_ties, della, della_linear, model_stock.",
+    ),
     budget: str = typer.Option("all", "--budget", "-b", help="Expert bytes to read: 500MB, 2GiB, 25%, all, 0."),
     weights: str | None = typer.Option(None, "--weights", help="Comma-separated weights, one per expert."),
     density: float | None = typer.Option(None, "--density", help="Fraction of each delta kept (trimming/DARE)."),
@@ -223,7 +228,9 @@ def plan(
     normalize: bool | None = typer.Option(None, "--normalize/--no-normalize", help="Divide by the weights' sum."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random drops (DARE, DELLA)."),
     name: str | None = typer.Option(None, "--name", help="A name to refer to the plan by."),
-    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Leave NaN/Inf blocks out instead of refusing."),
+    allow_nonfinite: bool = typer.Option(
+        False, "--allow-nonfinite", help="Leave NaN/Inf blocks out instead of refusing."
+    ),
     explain: bool = typer.Option(False, "--explain", help="Print the SQL steps that ran, with row counts."),
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
@@ -239,8 +246,17 @@ def plan(
         w = tuple(float(x) for x in weights.split(",")) if weights else None
     except ValueError:
         raise MergeDBError(f"--weights {weights!r}: give comma-separated numbers, e.g. --weights 1,0.5,0.5") from None
-    params = {k: v for k, v in {"density": density, "lambda": lam, "gamma": gamma, "epsilon": epsilon,
-                                "normalize": normalize}.items() if v is not None}
+    params = {
+        k: v
+        for k, v in {
+            "density": density,
+            "lambda": lam,
+            "gamma": gamma,
+            "epsilon": epsilon,
+            "normalize": normalize,
+        }.items()
+        if v is not None
+    }
     req = PlanRequest(base, names, method, budget, w, params, seed, name, allow_nonfinite)
     summary = _catalog(catalog, wait).plan(req, explain=explain)
     if explain:
@@ -260,15 +276,26 @@ def plans(catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
     for c in ("id", "name", "method", "experts", "budget", "selected", "of full", "bound", "hash"):
         t.add_column(c)
     for p in _catalog(catalog, wait).plans():
-        t.add_row(str(p.plan_id), p.name or "", p.method, str(len(p.experts)), p.budget_spec,
-                  format_size(p.selected_bytes), f"{_pct(p.selected_bytes, p.full_bytes)}",
-                  _cell(p.bound_blockwise), p.plan_hash[:12])
+        t.add_row(
+            str(p.plan_id),
+            p.name or "",
+            p.method,
+            str(len(p.experts)),
+            p.budget_spec,
+            format_size(p.selected_bytes),
+            f"{_pct(p.selected_bytes, p.full_bytes)}",
+            _cell(p.bound_blockwise),
+            p.plan_hash[:12],
+        )
     _out().print(t)
 
 
 @app.command("show-plan")
-def show_plan(plan_ref: str = typer.Argument(..., metavar="PLAN", help="Plan id, name or hash prefix."),
-              catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
+def show_plan(
+    plan_ref: str = typer.Argument(..., metavar="PLAN", help="Plan id, name or hash prefix."),
+    catalog: Path | None = CatalogOpt,
+    wait: float = WaitOpt,
+) -> None:
     """Show one plan: budget, coverage per expert, error bounds.
 
     Example: mergedb show-plan 1
@@ -282,23 +309,38 @@ def _pct(a: float, b: float) -> str:
 
 def _print_plan(p: PlanSummary) -> None:
     o = _out()
-    o.print(f"[bold]plan {p.plan_id}[/]{' (' + p.name + ')' if p.name else ''}  {p.method} {p.params}  "
-            f"hash {p.plan_hash[:16]}")
-    o.print(f"expert bytes: {format_size(p.selected_bytes)} selected of {format_size(p.full_bytes)} full read "
-            f"({_pct(p.selected_bytes, p.full_bytes)}), budget {p.budget_spec} = {format_size(p.budget_bytes)}")
-    o.print(f"blocks: {p.n_selected} selected of {p.n_candidates}; {p.free_blocks} free (identical to base, "
-            f"never read, zero error); base read {format_size(p.base_bytes)} (not budgeted)")
+    o.print(
+        f"[bold]plan {p.plan_id}[/]{' (' + p.name + ')' if p.name else ''}  {p.method} {p.params}  "
+        f"hash {p.plan_hash[:16]}"
+    )
+    o.print(
+        f"expert bytes: {format_size(p.selected_bytes)} selected of {format_size(p.full_bytes)} full read "
+        f"({_pct(p.selected_bytes, p.full_bytes)}), budget {p.budget_spec} = {format_size(p.budget_bytes)}"
+    )
+    o.print(
+        f"blocks: {p.n_selected} selected of {p.n_candidates}; {p.free_blocks} free (identical to base, "
+        f"never read, zero error); base read {format_size(p.base_bytes)} (not budgeted)"
+    )
     if p.bound_sum is not None:
-        o.print(f"error bound ‖θ_B − θ_F‖ ≤ {p.bound_blockwise:.6g} (block-wise), ≤ {p.bound_sum:.6g} (sum); "
-                f"sketch estimate {p.est_error:.6g}")
+        o.print(
+            f"error bound ‖θ_B − θ_F‖ ≤ {p.bound_blockwise:.6g} (block-wise), ≤ {p.bound_sum:.6g} (sum); "
+            f"sketch estimate {p.est_error:.6g}"
+        )
     else:
         o.print("error bound: not applicable (the method is not a fixed-coefficient sum of deltas)")
     t = Table()
     for c in ("expert", "weight", "coef", "selected", "full", "coverage", "bound"):
         t.add_column(c)
     for e in p.experts:
-        t.add_row(e.name, _cell(e.weight), _cell(e.coef), format_size(e.selected_bytes), format_size(e.full_bytes),
-                  f"{100 * e.coverage:.1f}%", _cell(e.bound_blockwise))
+        t.add_row(
+            e.name,
+            _cell(e.weight),
+            _cell(e.coef),
+            format_size(e.selected_bytes),
+            format_size(e.full_bytes),
+            f"{100 * e.coverage:.1f}%",
+            _cell(e.bound_blockwise),
+        )
     o.print(t)
     o.print(f"planned in {p.planning_seconds:.3f}s")
 
@@ -325,8 +367,14 @@ def execute(
     cat = _catalog(catalog, wait)
     xp = cat.execution_plan(plan_ref)  # the catalog is closed again before any weight is read
     try:
-        res = executor.execute(xp, out_dir, max_shard_size=parse_size(max_shard_size, what="shard size"),
-                               dtype=dtype, verify=verify, force=force)
+        res = executor.execute(
+            xp,
+            out_dir,
+            max_shard_size=parse_size(max_shard_size, what="shard size"),
+            dtype=dtype,
+            verify=verify,
+            force=force,
+        )
     except MergeDBError as e:
         cat.record_run(xp.plan_id, str(out_dir), error=str(e))
         raise
@@ -372,9 +420,41 @@ def demo(
     for c in ("budget", "expert bytes", "physical", "time", "speed-up", "‖θB−θF‖/‖θF‖", "‖θB−θF‖/‖θF−θ0‖", "bound"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r.budget, format_size(r.expert_bytes), format_size(r.physical_bytes), f"{r.seconds:.2f}s",
-                  f"{r.speedup:.1f}x", f"{r.rel_to_model:.2e}", f"{r.rel_to_update:.2e}", f"{r.bound_rel:.2e}")
+        t.add_row(
+            r.budget,
+            format_size(r.expert_bytes),
+            format_size(r.physical_bytes),
+            f"{r.seconds:.2f}s",
+            f"{r.speedup:.1f}x",
+            f"{r.rel_to_model:.2e}",
+            f"{r.rel_to_update:.2e}",
+            f"{r.bound_rel:.2e}",
+        )
     _out().print(t)
+
+
+@app.command()
+def check(
+    output: list[Path] = typer.Option([], "--output", help="Also verify a merged output against its manifest."),
+    deep: bool = typer.Option(False, "--deep", help="Re-hash every registered block (reads all files)."),
+    catalog: Path | None = CatalogOpt,
+    wait: float = WaitOpt,
+) -> None:
+    """Verify the catalog against the files (and outputs against their manifests).
+
+    Example: mergedb check --deep --output ./merged
+    """
+    from . import executor
+    from .catalog import check_catalog
+
+    problems = [f"{p.where}: {p.what} (fix: {p.fix})" for p in check_catalog(_catalog(catalog, wait), deep)]
+    for o in output:
+        problems += executor.check_output(o)
+    for p in problems:
+        _out().print(f"[red]problem:[/] {p}", highlight=False)
+    if problems:
+        raise typer.Exit(1)
+    _out().print("ok: catalog" + (" and outputs" if output else "") + " verified")
 
 
 def main() -> None:

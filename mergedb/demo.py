@@ -25,7 +25,9 @@ class DemoRow:
     bound_rel: float  # the plan's block-wise bound / ‖θ_F − θ_0‖
 
 
-def run_demo(workdir: str | Path, experts: int = 6, size: str = "small", method: str = "task_arithmetic") -> list[DemoRow]:
+def run_demo(
+    workdir: str | Path, experts: int = 6, size: str = "small", method: str = "task_arithmetic"
+) -> list[DemoRow]:
     """Build `workdir/family`, register it in `workdir/mergedb.duckdb`, merge at 100/50/10%."""
     workdir = Path(workdir)
     if workdir.exists():
@@ -50,10 +52,18 @@ def run_demo(workdir: str | Path, experts: int = 6, size: str = "small", method:
             full_seconds = res.seconds
         diff = _norm(merged[budget], merged["100%"])
         upd = _norm(merged["100%"], base)
-        rows.append(DemoRow(budget, res.expert_bytes, res.physical_bytes, res.seconds,
-                            full_seconds / res.seconds if res.seconds else 0.0,
-                            diff / _norm(merged["100%"], None), diff / upd if upd else 0.0,
-                            (plan.bound_blockwise or 0.0) / upd if upd else 0.0))
+        rows.append(
+            DemoRow(
+                budget,
+                res.expert_bytes,
+                res.physical_bytes,
+                res.seconds,
+                full_seconds / res.seconds if res.seconds else 0.0,
+                diff / _norm(merged["100%"], None),
+                diff / upd if upd else 0.0,
+                (plan.bound_blockwise or 0.0) / upd if upd else 0.0,
+            )
+        )
     return rows
 
 

@@ -176,9 +176,10 @@ class Merger:
         self.method = methods.get_method(xp.method)
         self.sel = xp.selected()
         self.trims = {
-            (p, t): r for p, t, r in zip(
-                xp.trims.column("position").to_pylist(), xp.trims.column("tensor_idx").to_pylist(),
-                xp.trims.to_pylist())
+            (p, t): r
+            for p, t, r in zip(
+                xp.trims.column("position").to_pylist(), xp.trims.column("tensor_idx").to_pylist(), xp.trims.to_pylist()
+            )
         }
         self.inputs = _Inputs(xp)
         self.count = _Counters()
@@ -350,14 +351,18 @@ def execute(
         raise MergeDBError(f"unknown --dtype {dtype!r}; use bf16, fp16 or fp32")
     _check_out(out, force)
     t0, phys0 = time.perf_counter(), _read_bytes()
-    tmp = out.parent / f".{out.name}.mergedb-tmp-{uuid.uuid4().hex[:8]}"
+    _remove_stale_temps(out)
+    tmp = out.parent / f".{out.name}.mergedb-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     merger = None
     try:
         merger = Merger(xp, out_dt, verify)
         groups = units(xp, max_shard_size, out_dt)
-        names = ["model.safetensors"] if len(groups) == 1 else [
-            f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        names = (
+            ["model.safetensors"]
+            if len(groups) == 1
+            else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        )
         hashes: dict[str, str] = {}
         weight_map: dict[str, str] = {}
         written = 0
@@ -392,45 +397,71 @@ def execute(
         _install(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise MergeDBError(f"writing {out} failed: {e.strerror or e}; nothing was left behind, free space and retry") from None
+        raise MergeDBError(
+            f"writing {out} failed: {e.strerror or e}; nothing was left behind, free space and retry"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         if merger is not None:
             merger.close()
-    return ExecuteResult(out, manifest, run["seconds"], run["expert_bytes_logical"], run["physical_read_bytes"],
-                         run["base_bytes"], written, run["peak_rss_bytes"])
+    return ExecuteResult(
+        out,
+        manifest,
+        run["seconds"],
+        run["expert_bytes_logical"],
+        run["physical_read_bytes"],
+        run["base_bytes"],
+        written,
+        run["peak_rss_bytes"],
+    )
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Remove temporary folders that an earlier, killed mergedb left for this output."""
+    if not out.parent.is_dir():
+        return
+    for p in [*out.parent.glob(f".{out.name}.mergedb-tmp-*"), *out.parent.glob(f".{out.name}.mergedb-old-*")]:
+        try:
+            pid = int(p.name.rsplit("-", 2)[-2])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)  # its process is gone: a crash left it
+        except (ValueError, PermissionError, IndexError):
+            continue  # not ours to judge
 
 
 def _check_out(out: Path, force: bool) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
-            raise MergeDBError(f"{out} exists and is not empty; choose another --out or pass --force to replace a "
-                               "previous mergedb output")
+            raise MergeDBError(
+                f"{out} exists and is not empty; choose another --out or pass --force to replace a "
+                "previous mergedb output"
+            )
         if not (out / MANIFEST).is_file():
-            raise MergeDBError(f"{out} holds files mergedb did not create (no {MANIFEST}); refusing to touch it "
-                               "even with --force; choose another --out")
+            raise MergeDBError(
+                f"{out} holds files mergedb did not create (no {MANIFEST}); refusing to touch it "
+                "even with --force; choose another --out"
+            )
 
 
 def _install(tmp: Path, out: Path) -> None:
-    """Rename the finished folder into place; with an old mergedb output there, replace only its files."""
+    """Rename the finished folder into place. An old mergedb output there is swapped out by two
+    renames (files it did not create are carried over first), then removed."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
     if not out.exists():
         os.rename(tmp, out)
         return
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-        os.rename(tmp, out)
-        return
-    old = json.loads((out / MANIFEST).read_text()).get("run", {}).get("files", [])
-    (out / MANIFEST).unlink()  # first: a crash below leaves no manifest, so no complete-looking output
-    for f in old:
-        if f != MANIFEST and (out / f).is_file():
-            (out / f).unlink()
-    for p in sorted(tmp.iterdir(), key=lambda p: p.name == MANIFEST):  # the manifest last
-        os.replace(p, out / p.name)
-    tmp.rmdir()
-    _fsync_dir(out)
+    ours = set(json.loads((out / MANIFEST).read_text()).get("run", {}).get("files", [])) | {MANIFEST}
+    for p in out.iterdir():
+        if p.name not in ours and not (tmp / p.name).exists():
+            os.rename(p, tmp / p.name)  # not ours: keep it
+    old = out.parent / f".{out.name}.mergedb-old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old)
 
 
 def _fsync_dir(d: Path) -> None:
@@ -454,16 +485,18 @@ def mask_table(xp: ExecutionPlan) -> pa.Table:
     pos = xp.mask.column("position").to_pylist()
     tix = xp.mask.column("tensor_idx").to_pylist()
     bix = xp.mask.column("block_idx").to_pylist()
-    return pa.table({
-        "expert": [xp.experts[p].name for p in pos],
-        "position": pa.array(pos, pa.int32()),
-        "tensor": [xp.tensors[t].name for t in tix],
-        "tensor_idx": pa.array(tix, pa.int32()),
-        "block_idx": pa.array(bix, pa.int32()),
-        "row_start": pa.array([xp.tensors[t].rows[b][0] for t, b in zip(tix, bix)], pa.int64()),
-        "row_end": pa.array([xp.tensors[t].rows[b][1] for t, b in zip(tix, bix)], pa.int64()),
-        "content_hash": xp.mask.column("content_hash"),
-    }).sort_by([("position", "ascending"), ("tensor_idx", "ascending"), ("block_idx", "ascending")])
+    return pa.table(
+        {
+            "expert": [xp.experts[p].name for p in pos],
+            "position": pa.array(pos, pa.int32()),
+            "tensor": [xp.tensors[t].name for t in tix],
+            "tensor_idx": pa.array(tix, pa.int32()),
+            "block_idx": pa.array(bix, pa.int32()),
+            "row_start": pa.array([xp.tensors[t].rows[b][0] for t, b in zip(tix, bix)], pa.int64()),
+            "row_end": pa.array([xp.tensors[t].rows[b][1] for t, b in zip(tix, bix)], pa.int64()),
+            "content_hash": xp.mask.column("content_hash"),
+        }
+    ).sort_by([("position", "ascending"), ("tensor_idx", "ascending"), ("block_idx", "ascending")])
 
 
 def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str, str]) -> dict[str, Any]:
@@ -482,8 +515,17 @@ def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str
         "budget_bytes": xp.budget_bytes,
         "base": _source_doc(xp.base),
         "experts": [_source_doc(e) for e in xp.experts],
-        "layout": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "mergeable": t.mergeable,
-                    "rows": [list(r) for r in t.rows], "base_hashes": list(t.base_hashes)} for t in xp.tensors],
+        "layout": [
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "mergeable": t.mergeable,
+                "rows": [list(r) for r in t.rows],
+                "base_hashes": list(t.base_hashes),
+            }
+            for t in xp.tensors
+        ],
         "trims": xp.trims.to_pylist(),
         "stock": xp.stock.to_pylist() if xp.stock is not None else None,
         "mask_digest": digest.hexdigest(),
@@ -494,8 +536,14 @@ def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str
 
 
 def _source_doc(s: Source) -> dict[str, Any]:
-    return {"name": s.name, "path": s.path, "fingerprint": s.fingerprint, "content_hash": s.content_hash,
-            "weight": s.weight, "coef": s.coef}
+    return {
+        "name": s.name,
+        "path": s.path,
+        "fingerprint": s.fingerprint,
+        "content_hash": s.content_hash,
+        "weight": s.weight,
+        "coef": s.coef,
+    }
 
 
 def plan_from_manifest(manifest_path: str | os.PathLike[str]) -> tuple[ExecutionPlan, dict[str, Any]]:
@@ -508,19 +556,44 @@ def plan_from_manifest(manifest_path: str | os.PathLike[str]) -> tuple[Execution
         raise MergeDBError(f"cannot read {path} or its {MASK}: {e}") from None
     if doc.get("format") != FORMAT:
         raise MergeDBError(f"{path}: not a {FORMAT} manifest")
-    tensors = tuple(TensorLayout(t["name"], t["dtype"], tuple(t["shape"]), t["mergeable"],
-                                 tuple(tuple(r) for r in t["rows"]), tuple(t["base_hashes"])) for t in doc["layout"])
+    tensors = tuple(
+        TensorLayout(
+            t["name"],
+            t["dtype"],
+            tuple(t["shape"]),
+            t["mergeable"],
+            tuple(tuple(r) for r in t["rows"]),
+            tuple(t["base_hashes"]),
+        )
+        for t in doc["layout"]
+    )
     trims = pa.Table.from_pylist(doc["trims"]) if doc["trims"] else _empty_trims()
-    xp = ExecutionPlan(0, doc["plan_hash"], doc["method"], doc["params"], doc["seed"], Source(**doc["base"]),
-                       tuple(Source(**e) for e in doc["experts"]), tensors,
-                       mask.select(["position", "tensor_idx", "block_idx", "content_hash"]), trims, doc["budget_bytes"],
-                       pa.Table.from_pylist(doc["stock"]) if doc.get("stock") else None)
+    xp = ExecutionPlan(
+        0,
+        doc["plan_hash"],
+        doc["method"],
+        doc["params"],
+        doc["seed"],
+        Source(**doc["base"]),
+        tuple(Source(**e) for e in doc["experts"]),
+        tensors,
+        mask.select(["position", "tensor_idx", "block_idx", "content_hash"]),
+        trims,
+        doc["budget_bytes"],
+        pa.Table.from_pylist(doc["stock"]) if doc.get("stock") else None,
+    )
     return xp, doc
 
 
 def _empty_trims() -> pa.Table:
-    return pa.table({"position": pa.array([], pa.int32()), "tensor_idx": pa.array([], pa.int32()),
-                     "t_lo": pa.array([], pa.float32()), "t_hi": pa.array([], pa.float32())})
+    return pa.table(
+        {
+            "position": pa.array([], pa.int32()),
+            "tensor_idx": pa.array([], pa.int32()),
+            "t_lo": pa.array([], pa.float32()),
+            "t_hi": pa.array([], pa.float32()),
+        }
+    )
 
 
 def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *, force: bool = False) -> ExecuteResult:
@@ -533,3 +606,45 @@ def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *
     return res
 
 
+def check_output(folder: str | os.PathLike[str]) -> list[str]:
+    """Problems of a merged output against its manifest (empty when it is intact)."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        return [f"{folder}: no {MANIFEST}: not a complete mergedb output"]
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as e:
+        return [f"{path}: not valid JSON ({e})"]
+    problems = []
+    det = {k: v for k, v in doc.items() if k not in ("run", "content_hash")}
+    if hashlib.sha256(json.dumps(det, sort_keys=True).encode()).hexdigest() != doc.get("content_hash"):
+        problems.append(f"{path}: content_hash does not match the manifest's contents (edited?)")
+    try:
+        mask = pq.read_table(folder / MASK)
+        digest = hashlib.sha256()
+        for c in ("position", "tensor_idx", "block_idx"):
+            digest.update(mask.column(c).to_numpy().astype("<i8").tobytes())
+        if digest.hexdigest() != doc.get("mask_digest"):
+            problems.append(f"{folder / MASK}: does not match the manifest's mask digest")
+    except (OSError, ValueError, KeyError) as e:
+        problems.append(f"{folder / MASK}: cannot be read ({e})")
+    from .tensorfile import read_header
+
+    seen = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            h = read_header(f)
+        except MergeDBError as e:
+            problems.append(str(e))
+            continue
+        with open(f, "rb") as fh:
+            for t in h.tensors:
+                fh.seek(t.start)
+                seen[t.name] = xxhash.xxh3_128_hexdigest(fh.read(t.nbytes))
+    for name, want in doc.get("tensor_hashes", {}).items():
+        if name not in seen:
+            problems.append(f"{folder}: tensor {name!r} is missing")
+        elif seen[name] != want:
+            problems.append(f"{folder}: tensor {name!r} differs from the manifest")
+    return problems

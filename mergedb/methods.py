@@ -26,20 +26,35 @@ class Method:
     defaults: dict[str, Any]
 
 
-METHODS: dict[str, Method] = {m.name: m for m in [
-    Method("linear", "none", False, "additive", True, {"normalize": True}),
-    Method("task_arithmetic", "none", False, "additive", True, {"lambda": 1.0}),
-    Method("ties", "magnitude", True, "trimmed", False, {"density": 0.2, "lambda": 1.0, "normalize": True}),
-    Method("dare_linear", "random", False, "additive", False, {"density": 0.5, "lambda": 1.0}),
-    Method("dare_ties", "random", True, "additive", False, {"density": 0.5, "lambda": 1.0, "normalize": True}),
-    Method("breadcrumbs", "band", False, "trimmed", False, {"density": 0.9, "gamma": 0.01, "lambda": 1.0}),
-    Method("breadcrumbs_ties", "band", True, "trimmed", False,
-           {"density": 0.9, "gamma": 0.01, "lambda": 1.0, "normalize": True}),
-    Method("della", "della", True, "additive", False,
-           {"density": 0.7, "epsilon": 0.15, "lambda": 1.0, "normalize": True}),
-    Method("della_linear", "della", False, "additive", False, {"density": 0.7, "epsilon": 0.15, "lambda": 1.0}),
-    Method("model_stock", "none", False, "additive", False, {}),
-]}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in [
+        Method("linear", "none", False, "additive", True, {"normalize": True}),
+        Method("task_arithmetic", "none", False, "additive", True, {"lambda": 1.0}),
+        Method("ties", "magnitude", True, "trimmed", False, {"density": 0.2, "lambda": 1.0, "normalize": True}),
+        Method("dare_linear", "random", False, "additive", False, {"density": 0.5, "lambda": 1.0}),
+        Method("dare_ties", "random", True, "additive", False, {"density": 0.5, "lambda": 1.0, "normalize": True}),
+        Method("breadcrumbs", "band", False, "trimmed", False, {"density": 0.9, "gamma": 0.01, "lambda": 1.0}),
+        Method(
+            "breadcrumbs_ties",
+            "band",
+            True,
+            "trimmed",
+            False,
+            {"density": 0.9, "gamma": 0.01, "lambda": 1.0, "normalize": True},
+        ),
+        Method(
+            "della",
+            "della",
+            True,
+            "additive",
+            False,
+            {"density": 0.7, "epsilon": 0.15, "lambda": 1.0, "normalize": True},
+        ),
+        Method("della_linear", "della", False, "additive", False, {"density": 0.7, "epsilon": 0.15, "lambda": 1.0}),
+        Method("model_stock", "none", False, "additive", False, {}),
+    ]
+}
 
 
 def get_method(name: str) -> Method:
@@ -72,7 +87,9 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
         raise PlanError(f"density must be in (0, 1], got {p['density']}; e.g. --density 0.2")
     if "gamma" in p and not (0 <= p["gamma"] < 1 and p["gamma"] + p["density"] <= 1):
         raise PlanError(f"gamma must be in [0, 1) with gamma + density ≤ 1, got gamma={p['gamma']}")
-    if "epsilon" in p and not (0 <= p["epsilon"] and 0 < p["density"] - p["epsilon"] and p["density"] + p["epsilon"] <= 1):
+    if "epsilon" in p and not (
+        0 <= p["epsilon"] and 0 < p["density"] - p["epsilon"] and p["density"] + p["epsilon"] <= 1
+    ):
         raise PlanError(f"epsilon must keep density ± epsilon inside (0, 1], got epsilon={p['epsilon']}")
     if n_experts < 1:
         raise PlanError("a plan needs at least one expert")

@@ -120,7 +120,9 @@ def make_plan(
     """
     t0 = time.perf_counter()
     steps: list[tuple[str, str, int]] = []
-    base = _rows(con, "SELECT checkpoint_id, fingerprint, content_hash, role FROM checkpoints WHERE name = ?", [req.base])
+    base = _rows(
+        con, "SELECT checkpoint_id, fingerprint, content_hash, role FROM checkpoints WHERE name = ?", [req.base]
+    )
     if not base or base[0][3] != "base":
         known = [r[0] for r in _rows(con, "SELECT name FROM checkpoints WHERE role = 'base' ORDER BY name")]
         raise PlanError(f"no base named {req.base!r} in the catalog (bases: {', '.join(known) or 'none'})")
@@ -159,24 +161,37 @@ def make_plan(
             "--allow-nonfinite to leave its non-finite blocks out of the merge"
         )
 
-    con.register("_plan_experts", pa.table({
-        "checkpoint_id": pa.array(ids, pa.int32()),
-        "position": pa.array(range(len(ids)), pa.int32()),
-        "coef": pa.array(coefs, pa.float64()),
-    }))
+    con.register(
+        "_plan_experts",
+        pa.table(
+            {
+                "checkpoint_id": pa.array(ids, pa.int32()),
+                "position": pa.array(range(len(ids)), pa.int32()),
+                "coef": pa.array(coefs, pa.float64()),
+            }
+        ),
+    )
     trim = _thresholds(con, req.method, params, ids)
     con.register("_plan_trim", trim)
-    _run(con, steps, "candidates", load_query("plan_candidates"), [base_id, method.score == "trimmed"],
-         "SELECT count(*) FROM plan_candidates")
+    _run(
+        con,
+        steps,
+        "candidates",
+        load_query("plan_candidates"),
+        [base_id, method.score == "trimmed"],
+        "SELECT count(*) FROM plan_candidates",
+    )
     if req.allow_nonfinite and bad:
-        con.execute("DELETE FROM plan_candidates WHERE (checkpoint_id, tensor_idx, block_idx) IN "
-                    "(SELECT (checkpoint_id, tensor_idx, block_idx) FROM expert_blocks WHERE nonfinite > 0)")
+        con.execute(
+            "DELETE FROM plan_candidates WHERE (checkpoint_id, tensor_idx, block_idx) IN "
+            "(SELECT (checkpoint_id, tensor_idx, block_idx) FROM expert_blocks WHERE nonfinite > 0)"
+        )
     full_bytes, n_cand, n_free = _rows(
-        con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT), count(*), count(*) FILTER (WHERE free) FROM plan_candidates"
+        con,
+        "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT), count(*), count(*) FILTER (WHERE free) FROM plan_candidates",
     )[0]
     budget = parse_budget(req.budget, full_bytes)
-    _run(con, steps, "prefix", load_query("plan_prefix"), [budget],
-         "SELECT count(*) FROM plan_ranked WHERE selected")
+    _run(con, steps, "prefix", load_query("plan_prefix"), [budget], "SELECT count(*) FROM plan_ranked WHERE selected")
     fill = load_query("plan_fill")
     for _ in range(MAX_FILL_PASSES):
         used = _rows(con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM plan_ranked WHERE selected")[0][0]
@@ -197,9 +212,14 @@ def make_plan(
         con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM family_tensors WHERE base_id = ?", [base_id]
     )[0][0]
     description = {
-        "method": req.method, "params": params, "seed": req.seed, "budget_bytes": budget,
+        "method": req.method,
+        "params": params,
+        "seed": req.seed,
+        "budget_bytes": budget,
         "base": {"fingerprint": base_fp, "content": base_content},
-        "experts": [{"fingerprint": by_name[n][2], "content": by_name[n][3], "weight": w} for n, w in zip(names, weights)],
+        "experts": [
+            {"fingerprint": by_name[n][2], "content": by_name[n][3], "weight": w} for n, w in zip(names, weights)
+        ],
         "thresholds": hashlib.sha256(_canonical_table(trim)).hexdigest(),
         "mask": mask_digest,
     }
@@ -210,19 +230,48 @@ def make_plan(
     additive = method.bound
     con.execute(
         "INSERT INTO plans VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, current_timestamp)",
-        [plan_id, req.name, plan_hash, req.method, json.dumps(params, sort_keys=True), req.seed, str(req.budget),
-         budget, base_id, base_fp, base_content, full_bytes, selected_bytes, base_bytes, n_cand,
-         steps_selected(con), n_free, total[1] if additive else None, total[2] if additive else None, est,
-         time.perf_counter() - t0],
+        [
+            plan_id,
+            req.name,
+            plan_hash,
+            req.method,
+            json.dumps(params, sort_keys=True),
+            req.seed,
+            str(req.budget),
+            budget,
+            base_id,
+            base_fp,
+            base_content,
+            full_bytes,
+            selected_bytes,
+            base_bytes,
+            n_cand,
+            steps_selected(con),
+            n_free,
+            total[1] if additive else None,
+            total[2] if additive else None,
+            est,
+            time.perf_counter() - t0,
+        ],
     )
     full_by_pos = dict(_rows(con, "SELECT position, CAST(sum(nbytes) AS BIGINT) FROM plan_candidates GROUP BY 1"))
     for pos, (n, w, c) in enumerate(zip(names, weights, coefs)):
         b = per_expert.get(pos)
         con.execute(
             "INSERT INTO plan_experts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [plan_id, pos, by_name[n][1], w, c, by_name[n][2], by_name[n][3], int(full_by_pos.get(pos, 0)),
-             int(b[3]) if b else 0, (b[1] if b else 0.0) if additive else None,
-             (b[2] if b else 0.0) if additive else None],
+            [
+                plan_id,
+                pos,
+                by_name[n][1],
+                w,
+                c,
+                by_name[n][2],
+                by_name[n][3],
+                int(full_by_pos.get(pos, 0)),
+                int(b[3]) if b else 0,
+                (b[1] if b else 0.0) if additive else None,
+                (b[2] if b else 0.0) if additive else None,
+            ],
         )
     con.execute(
         "INSERT INTO plan_thresholds SELECT ?, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim", [plan_id]
@@ -230,7 +279,8 @@ def make_plan(
     con.execute(
         "INSERT INTO plan_mask SELECT ?, c.checkpoint_id, c.tensor_idx, c.block_idx, coalesce(r.selected, false), "
         "c.free, c.score, c.value, c.nbytes FROM plan_candidates c LEFT JOIN plan_ranked r "
-        "USING (position, tensor_idx, block_idx)", [plan_id]
+        "USING (position, tensor_idx, block_idx)",
+        [plan_id],
     )
     con.execute("UPDATE plans SET planning_seconds = ? WHERE plan_id = ?", [time.perf_counter() - t0, plan_id])
     for name in ("_plan_experts", "_plan_trim"):
@@ -268,16 +318,20 @@ def _thresholds(con: duckdb.DuckDBPyConnection, method_name: str, params: dict[s
                 hi, hi_exact = _threshold_at(gamma, grid, codes, counts, numel)
             for k, v in zip(cols, (cid, tidx, lo, hi, lo_exact and hi_exact)):
                 cols[k].append(v)
-    return pa.table({
-        "checkpoint_id": pa.array(cols["checkpoint_id"], pa.int32()),
-        "tensor_idx": pa.array(cols["tensor_idx"], pa.int32()),
-        "t_lo": pa.array(cols["t_lo"], pa.float32()),
-        "t_hi": pa.array(cols["t_hi"], pa.float32()),
-        "exact": pa.array(cols["exact"], pa.bool_()),
-    })
+    return pa.table(
+        {
+            "checkpoint_id": pa.array(cols["checkpoint_id"], pa.int32()),
+            "tensor_idx": pa.array(cols["tensor_idx"], pa.int32()),
+            "t_lo": pa.array(cols["t_lo"], pa.float32()),
+            "t_hi": pa.array(cols["t_hi"], pa.float32()),
+            "exact": pa.array(cols["exact"], pa.bool_()),
+        }
+    )
 
 
-def _threshold_at(density: float, grid: list[float], codes: list[int], counts: list[int], numel: int) -> tuple[float, bool]:
+def _threshold_at(
+    density: float, grid: list[float], codes: list[int], counts: list[int], numel: int
+) -> tuple[float, bool]:
     hit = np.flatnonzero(np.abs(stats.DENSITY_GRID - density) < 1e-12)
     if len(hit):
         return float(grid[int(hit[0])]), True
@@ -339,7 +393,8 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
         "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
         "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
         "p.bound_blockwise, p.est_error, p.planning_seconds, b.name FROM plans p "
-        "JOIN checkpoints b ON b.checkpoint_id = p.base_id WHERE p.plan_id = ?", [plan_id]
+        "JOIN checkpoints b ON b.checkpoint_id = p.base_id WHERE p.plan_id = ?",
+        [plan_id],
     ).fetchall()[0]
     experts = tuple(
         ExpertSummary(*r)
@@ -350,10 +405,26 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
         ).fetchall()
     )
     return PlanSummary(
-        plan_id=p[0], plan_hash=p[1], name=p[2], method=p[3], params=json.loads(p[4]), seed=p[5], budget_spec=p[6],
-        budget_bytes=p[7], full_bytes=p[8], selected_bytes=p[9], base_bytes=p[10], n_candidates=p[11],
-        n_selected=p[12], free_blocks=p[13], bound_sum=p[14], bound_blockwise=p[15], est_error=p[16],
-        planning_seconds=p[17], base=p[18], experts=experts,
+        plan_id=p[0],
+        plan_hash=p[1],
+        name=p[2],
+        method=p[3],
+        params=json.loads(p[4]),
+        seed=p[5],
+        budget_spec=p[6],
+        budget_bytes=p[7],
+        full_bytes=p[8],
+        selected_bytes=p[9],
+        base_bytes=p[10],
+        n_candidates=p[11],
+        n_selected=p[12],
+        free_blocks=p[13],
+        bound_sum=p[14],
+        bound_blockwise=p[15],
+        est_error=p[16],
+        planning_seconds=p[17],
+        base=p[18],
+        experts=experts,
     )
 
 
@@ -362,11 +433,15 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> executor.Executi
     p = con.execute(
         "SELECT p.plan_hash, p.method, p.params, p.seed, p.budget_bytes, b.name, b.path, b.fingerprint, "
         "b.content_hash, p.base_id FROM plans p JOIN checkpoints b ON b.checkpoint_id = p.base_id "
-        "WHERE p.plan_id = ?", [pid]).fetchall()[0]
+        "WHERE p.plan_id = ?",
+        [pid],
+    ).fetchall()[0]
     experts = con.execute(
         "SELECT c.name, c.path, pe.fingerprint, pe.content_hash, pe.weight, pe.coef, c.fingerprint "
         "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? "
-        "ORDER BY pe.position", [pid]).fetchall()
+        "ORDER BY pe.position",
+        [pid],
+    ).fetchall()
     for name, _, planned, _, _, _, current in experts:
         if planned != current:
             raise ChangedFileError(f"expert {name!r} was re-registered after this plan was made; plan again")
@@ -374,29 +449,49 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> executor.Executi
         "SELECT ft.tensor_idx, ft.name, ft.dtype, ft.shape, ft.mergeable, "
         "list(row_start ORDER BY block_idx), list(row_end ORDER BY block_idx), list(base_hash ORDER BY block_idx) "
         "FROM family_tensors ft JOIN blocks bl USING (base_id, tensor_idx) WHERE ft.base_id = ? "
-        "GROUP BY ALL ORDER BY ft.tensor_idx", [p[9]]).fetchall()
+        "GROUP BY ALL ORDER BY ft.tensor_idx",
+        [p[9]],
+    ).fetchall()
     mask = con.sql(
         "SELECT pe.position, m.tensor_idx, m.block_idx, eb.content_hash FROM plan_mask m "
         "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
         "JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id AND eb.tensor_idx = m.tensor_idx "
         "AND eb.block_idx = m.block_idx WHERE m.plan_id = $1 AND m.selected "
-        "ORDER BY 1, 2, 3", params=[pid]).to_arrow_table()
+        "ORDER BY 1, 2, 3",
+        params=[pid],
+    ).to_arrow_table()
     della = json.loads(p[2]).get("epsilon") is not None
     trims = con.sql(
         "SELECT pe.position, et.tensor_idx, t.t_lo, t.t_hi, "
-        + ("et.summary_code AS rank_codes, et.summary_count AS rank_counts " if della else "NULL AS rank_codes, NULL AS rank_counts ")
+        + (
+            "et.summary_code AS rank_codes, et.summary_count AS rank_counts "
+            if della
+            else "NULL AS rank_codes, NULL AS rank_counts "
+        )
         + "FROM plan_experts pe JOIN expert_tensors et ON et.checkpoint_id = pe.checkpoint_id "
         "LEFT JOIN plan_thresholds t ON t.plan_id = pe.plan_id AND t.checkpoint_id = pe.checkpoint_id "
         "AND t.tensor_idx = et.tensor_idx WHERE pe.plan_id = $1 "
-        + ("" if della else "AND t.tensor_idx IS NOT NULL ") + "ORDER BY 1, 2", params=[pid]).to_arrow_table()
+        + ("" if della else "AND t.tensor_idx IS NOT NULL ")
+        + "ORDER BY 1, 2",
+        params=[pid],
+    ).to_arrow_table()
     stock = _stock_dots(con, pid, len(experts)) if p[1] == "model_stock" else None
     return executor.ExecutionPlan(
-        plan_id=pid, plan_hash=p[0], method=p[1], params=json.loads(p[2]), seed=p[3],
+        plan_id=pid,
+        plan_hash=p[0],
+        method=p[1],
+        params=json.loads(p[2]),
+        seed=p[3],
         base=executor.Source(p[5], p[6], p[7], p[8]),
         experts=tuple(executor.Source(n, path, fp, ch, w, c) for n, path, fp, ch, w, c, _ in experts),
-        tensors=tuple(executor.TensorLayout(n, d, tuple(s), m, tuple(zip(r0, r1)), tuple(h))
-                      for _, n, d, s, m, r0, r1, h in tensors),
-        mask=mask, trims=trims, budget_bytes=p[4], stock=stock,
+        tensors=tuple(
+            executor.TensorLayout(n, d, tuple(s), m, tuple(zip(r0, r1)), tuple(h))
+            for _, n, d, s, m, r0, r1, h in tensors
+        ),
+        mask=mask,
+        trims=trims,
+        budget_bytes=p[4],
+        stock=stock,
     )
 
 
@@ -408,20 +503,27 @@ def _stock_dots(con: duckdb.DuckDBPyConnection, pid: int, k: int) -> pa.Table:
         "FROM plan_experts pe JOIN expert_blocks eb ON eb.checkpoint_id = pe.checkpoint_id "
         "LEFT JOIN plan_mask m ON m.plan_id = pe.plan_id AND m.checkpoint_id = eb.checkpoint_id "
         "AND m.tensor_idx = eb.tensor_idx AND m.block_idx = eb.block_idx "
-        "WHERE pe.plan_id = $1 ORDER BY 1, 2, 3", params=[pid]).to_arrow_table()
+        "WHERE pe.plan_id = $1 ORDER BY 1, 2, 3",
+        params=[pid],
+    ).to_arrow_table()
     dots: dict[tuple[int, int, int], float] = {}
     rows = tbl.to_pylist()
     i = 0
     while i < len(rows):
         j = i
-        while j < len(rows) and (rows[j]["tensor_idx"], rows[j]["block_idx"]) == (rows[i]["tensor_idx"], rows[i]["block_idx"]):
+        while j < len(rows) and (rows[j]["tensor_idx"], rows[j]["block_idx"]) == (
+            rows[i]["tensor_idx"],
+            rows[i]["block_idx"],
+        ):
             j += 1
         group = rows[i:j]
         ti = group[0]["tensor_idx"]
         s = np.array([g["sketch"] for g in group], np.float64)  # (experts, D)
         gram = s @ s.T
         for a, ga in enumerate(group):
-            dots[(ti, ga["position"], ga["position"])] = dots.get((ti, ga["position"], ga["position"]), 0.0) + ga["delta_norm"] ** 2
+            dots[(ti, ga["position"], ga["position"])] = (
+                dots.get((ti, ga["position"], ga["position"]), 0.0) + ga["delta_norm"] ** 2
+            )
             for b in range(a + 1, len(group)):
                 gb = group[b]
                 if not (ga["sel"] and gb["sel"]):
@@ -429,9 +531,11 @@ def _stock_dots(con: duckdb.DuckDBPyConnection, pid: int, k: int) -> pa.Table:
                     dots[key] = dots.get(key, 0.0) + float(gram[a, b])
         i = j
     keys = sorted(dots)
-    return pa.table({
-        "tensor_idx": pa.array([x[0] for x in keys], pa.int32()),
-        "j": pa.array([x[1] for x in keys], pa.int32()),
-        "k": pa.array([x[2] for x in keys], pa.int32()),
-        "dot": pa.array([dots[x] for x in keys], pa.float64()),
-    })
+    return pa.table(
+        {
+            "tensor_idx": pa.array([x[0] for x in keys], pa.int32()),
+            "j": pa.array([x[1] for x in keys], pa.int32()),
+            "k": pa.array([x[2] for x in keys], pa.int32()),
+            "dot": pa.array([dots[x] for x in keys], pa.float64()),
+        }
+    )

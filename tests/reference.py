@@ -64,8 +64,15 @@ def block_rows(shape: tuple[int, ...], itemsize: int, block_size: int) -> list[t
     return [(r, min(shape[0], r + per)) for r in range(0, shape[0], per)]
 
 
-def ref_merge(method: str, params: dict, weights: list[float], coefs: list[float], base: np.ndarray,
-              experts: list[np.ndarray], seed_keys: list[int] | None = None) -> np.ndarray:
+def ref_merge(
+    method: str,
+    params: dict,
+    weights: list[float],
+    coefs: list[float],
+    base: np.ndarray,
+    experts: list[np.ndarray],
+    seed_keys: list[int] | None = None,
+) -> np.ndarray:
     """Whole-tensor merge with torch, float32, experts in plan order (the textbook formulas).
 
     linear / task_arithmetic: θ0 + Σ_k c_k Δ_k.  TIES: trim each Δ_k to |Δ| ≥ its k-th largest

@@ -52,8 +52,15 @@ def test_full_budget_equals_reference_bit_for_bit(family, loaded, tmp_path, meth
             assert np.array_equal(got[name], b)
             continue
         seed_keys = [methods.rng_key(5, e.name, name) for e in xp.experts]
-        full = ref_merge(method, xp.params, list(WEIGHTS), [e.coef for e in xp.experts], b,
-                         [loaded[e][name] for e in EXPERTS], seed_keys)
+        full = ref_merge(
+            method,
+            xp.params,
+            list(WEIGHTS),
+            [e.coef for e in xp.experts],
+            b,
+            [loaded[e][name] for e in EXPERTS],
+            seed_keys,
+        )
         want = cast_like(full, FAMILIES[kind][0])
         assert np.array_equal(got[name], want), (method, name, np.abs(got[name] - want).max())
         checked += 1
@@ -123,7 +130,9 @@ def test_replay_and_output_format(family, tmp_path):
     with pytest.raises(Exception, match="did not create"):
         executor.execute(xp, tmp_path / "foreign", force=True)
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
+    (out / "my-notes.txt").write_text("keep me")
     executor.execute(xp, out, force=True, max_shard_size=400_000)
+    assert (out / "my-notes.txt").read_text() == "keep me"  # never deletes what it did not create
     assert json.loads((out / "mergedb_manifest.json").read_text())["content_hash"] == res.manifest["content_hash"]
 
 
@@ -161,8 +170,9 @@ def test_killed_execute_leaves_no_complete_output(tmp_path):
     plan = cat.plan(PlanRequest("base", None, "ties", "all"))
     out = tmp_path / "out"
     for delay in (0.3, 0.8, 1.5):
-        proc = subprocess.Popen([sys.executable, "-m", "mergedb.cli", "execute", str(plan.plan_id), "--out", str(out),
-                                 "-c", str(db), "-q"])
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mergedb.cli", "execute", str(plan.plan_id), "--out", str(out), "-c", str(db), "-q"]
+        )
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -170,8 +180,23 @@ def test_killed_execute_leaves_no_complete_output(tmp_path):
             assert (out / "mergedb_manifest.json").is_file()
             break
         assert not (out / "mergedb_manifest.json").exists()
-    res = subprocess.run([sys.executable, "-m", "mergedb.cli", "execute", str(plan.plan_id), "--out", str(out),
-                          "-c", str(db), "-q", "--force"], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mergedb.cli",
+            "execute",
+            str(plan.plan_id),
+            "--out",
+            str(out),
+            "-c",
+            str(db),
+            "-q",
+            "--force",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     ref = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "ref")
     assert json.loads((out / "mergedb_manifest.json").read_text())["content_hash"] == ref.manifest["content_hash"]

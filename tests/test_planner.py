@@ -17,14 +17,16 @@ def mask(cat, plan_id):
     return cat.sql(
         "SELECT pe.position, m.tensor_idx, m.block_idx, m.selected, m.free, m.score, m.nbytes FROM plan_mask m "
         "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
-        "WHERE m.plan_id = ? ORDER BY 1, 2, 3", [plan_id]
+        "WHERE m.plan_id = ? ORDER BY 1, 2, 3",
+        [plan_id],
     ).to_pylist()
 
 
 def numpy_greedy(rows, budget):
     """Textbook greedy: best score first (ties by key), take a block whenever it still fits."""
-    cands = sorted((r for r in rows if not r["free"]),
-                   key=lambda r: (-r["score"], r["position"], r["tensor_idx"], r["block_idx"]))
+    cands = sorted(
+        (r for r in rows if not r["free"]), key=lambda r: (-r["score"], r["position"], r["tensor_idx"], r["block_idx"])
+    )
     left, chosen = budget, set()
     for r in cands:
         if r["nbytes"] <= left:
@@ -38,8 +40,12 @@ def selected(rows):
 
 
 @given(
-    experts=st.integers(1, 4), tensors=st.integers(1, 3), blocks=st.integers(1, 5),
-    equal=st.booleans(), seed=st.integers(0, 10**6), frac=st.floats(0, 1.2),
+    experts=st.integers(1, 4),
+    tensors=st.integers(1, 3),
+    blocks=st.integers(1, 5),
+    equal=st.booleans(),
+    seed=st.integers(0, 10**6),
+    frac=st.floats(0, 1.2),
 )
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_budget_properties_on_random_catalogs(tmp_path_factory, experts, tensors, blocks, equal, seed, frac):
@@ -62,7 +68,10 @@ def test_budget_properties_on_random_catalogs(tmp_path_factory, experts, tensors
     if budget >= full:
         assert sel == {(r["position"], r["tensor_idx"], r["block_idx"]) for r in rows if not r["free"]}
     if equal:  # equal sizes: exactly the top-by-value set
-        cands = sorted((r for r in rows if not r["free"]), key=lambda r: (-r["score"], r["position"], r["tensor_idx"], r["block_idx"]))
+        cands = sorted(
+            (r for r in rows if not r["free"]),
+            key=lambda r: (-r["score"], r["position"], r["tensor_idx"], r["block_idx"]),
+        )
         m = budget // 1000
         assert sel == {(r["position"], r["tensor_idx"], r["block_idx"]) for r in cands[:m]}
     # determinism: same inputs, same mask and hash
@@ -88,8 +97,10 @@ def test_hash_changes_with_any_input(tmp_path):
     assert ref not in hashes and len(hashes) == len(variants)
 
 
-@pytest.mark.parametrize("spec,expected", [("all", 1000), ("25%", 250), ("12.5%", 125), ("0", 0), ("1KiB", 1024),
-                                           ("500B", 500), ("2kb", 2000)])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [("all", 1000), ("25%", 250), ("12.5%", 125), ("0", 0), ("1KiB", 1024), ("500B", 500), ("2kb", 2000)],
+)
 def test_parse_budget(spec, expected):
     assert parse_budget(spec, 1000) == expected
 
@@ -100,16 +111,19 @@ def test_bad_budgets_refused_with_example(spec):
         parse_budget(spec, 1000)
 
 
-@pytest.mark.parametrize("method,params,match", [
-    ("nonsense", {}, "unknown method"),
-    ("ties", {"gamma": 0.1}, "no parameter 'gamma'"),
-    ("ties", {"density": 1.5}, "density must be in"),
-    ("ties", {"density": 0}, "density must be in"),
-    ("breadcrumbs", {"density": 0.9, "gamma": 0.2}, "gamma"),
-    ("della", {"density": 0.5, "epsilon": 0.6}, "epsilon"),
-    ("task_arithmetic", {"lambda": float("nan")}, "finite"),
-    ("linear", {"normalize": "yes"}, "normalize"),
-])
+@pytest.mark.parametrize(
+    "method,params,match",
+    [
+        ("nonsense", {}, "unknown method"),
+        ("ties", {"gamma": 0.1}, "no parameter 'gamma'"),
+        ("ties", {"density": 1.5}, "density must be in"),
+        ("ties", {"density": 0}, "density must be in"),
+        ("breadcrumbs", {"density": 0.9, "gamma": 0.2}, "gamma"),
+        ("della", {"density": 0.5, "epsilon": 0.6}, "epsilon"),
+        ("task_arithmetic", {"lambda": float("nan")}, "finite"),
+        ("linear", {"normalize": "yes"}, "normalize"),
+    ],
+)
 def test_bad_methods_and_parameters_refused_before_writing(tmp_path, method, params, match):
     cat = Catalog(tmp_path / "c.duckdb")
     simulate(cat, 2, 1, 2)
@@ -143,10 +157,13 @@ def registered(tmp_path_factory):
     return cat, models
 
 
-@pytest.mark.parametrize("method,weights,params", [
-    ("task_arithmetic", (1.0, 0.5, -0.7, 2.0), {"lambda": 0.8}),
-    ("linear", (1.0, 2.0, 3.0, 4.0), {}),
-])
+@pytest.mark.parametrize(
+    "method,weights,params",
+    [
+        ("task_arithmetic", (1.0, 0.5, -0.7, 2.0), {"lambda": 0.8}),
+        ("linear", (1.0, 2.0, 3.0, 4.0), {}),
+    ],
+)
 @pytest.mark.parametrize("budget", ["0", "10%", "33%", "50%", "90%", "all"])
 def test_bounds_hold_against_whole_tensor_errors(registered, method, weights, params, budget):
     cat, models = registered
@@ -156,7 +173,8 @@ def test_bounds_hold_against_whole_tensor_errors(registered, method, weights, pa
         "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
         "JOIN family_tensors ft ON ft.base_id = 1 AND ft.tensor_idx = m.tensor_idx "
         "JOIN blocks bl ON bl.base_id = 1 AND bl.tensor_idx = m.tensor_idx AND bl.block_idx = m.block_idx "
-        "WHERE m.plan_id = ?", [p.plan_id]
+        "WHERE m.plan_id = ?",
+        [p.plan_id],
     ).to_pylist()
     names = ["expert_00", "expert_01", "expert_02", "expert_03"]
     # θ_B − θ_F = −Σ_{omitted} c_k Δ_kb, computed from whole tensors
@@ -165,7 +183,9 @@ def test_bounds_hold_against_whole_tensor_errors(registered, method, weights, pa
         if r["selected"]:
             continue
         b = models["base"][r["name"]]
-        d = (models[names[r["position"]]][r["name"]].astype(np.float64) - b).reshape(b.shape[0] if b.ndim > 1 else 1, -1)
+        d = (models[names[r["position"]]][r["name"]].astype(np.float64) - b).reshape(
+            b.shape[0] if b.ndim > 1 else 1, -1
+        )
         acc = err.setdefault(r["name"], np.zeros_like(d))
         acc[r["row_start"] : r["row_end"]] += r["coef"] * d[r["row_start"] : r["row_end"]]
     actual = np.sqrt(sum(float((e**2).sum()) for e in err.values()))
@@ -180,7 +200,9 @@ def test_bounds_hold_against_whole_tensor_errors(registered, method, weights, pa
 def test_trimmed_scores_and_thresholds_exact_on_grid(registered):
     cat, models = registered
     p = cat.plan(PlanRequest("base", None, "ties", "50%", params={"density": 0.2}))
-    th = cat.sql("SELECT bool_and(exact) AS e, count(*) AS n FROM plan_thresholds WHERE plan_id = ?", [p.plan_id]).to_pylist()
+    th = cat.sql(
+        "SELECT bool_and(exact) AS e, count(*) AS n FROM plan_thresholds WHERE plan_id = ?", [p.plan_id]
+    ).to_pylist()
     assert th[0]["e"] and th[0]["n"] > 0
     off = cat.plan(PlanRequest("base", None, "ties", "50%", params={"density": 0.2345}))
     th = cat.sql("SELECT bool_or(exact) AS e FROM plan_thresholds WHERE plan_id = ?", [off.plan_id]).to_pylist()
@@ -210,6 +232,7 @@ def test_nonfinite_expert_refused_then_allowed(tmp_path):
     p = cat.plan(PlanRequest("base", None, "linear", allow_nonfinite=True))
     bad = cat.sql(
         "SELECT count(*) AS n FROM plan_mask m JOIN expert_blocks eb USING (checkpoint_id, tensor_idx, block_idx) "
-        "WHERE m.plan_id = ? AND eb.nonfinite > 0", [p.plan_id]
+        "WHERE m.plan_id = ? AND eb.nonfinite > 0",
+        [p.plan_id],
     ).to_pylist()
     assert bad == [{"n": 0}]

@@ -1,0 +1,294 @@
+"""Faults, hostile files, concurrent use and determinism: nothing is lost or torn."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from mergedb import executor, synth
+from mergedb.catalog import Catalog, check_catalog
+from mergedb.checkpoint import open_checkpoint
+from mergedb.cli import app
+from mergedb.errors import ChangedFileError, FormatError, MergeDBError
+from mergedb.planner import PlanRequest
+from tests.test_bad_input import snapshot
+
+CLI = [sys.executable, "-m", "mergedb.cli"]
+
+
+@pytest.fixture
+def registered(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=31)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base", block_size="64KiB")
+    return fam, cat, tmp_path
+
+
+def _poke_in_place(path: Path, offset_from_end: int = 4096) -> None:
+    """Change one byte of tensor data, keeping size and mtime (the fingerprint cannot see it)."""
+    st_ = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st_.st_size - offset_from_end)
+        b = f.read(1)
+        f.seek(st_.st_size - offset_from_end)
+        f.write(bytes([b[0] ^ 0x55]))
+    os.utime(path, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+
+
+def test_check_clean_then_finds_each_problem(registered):
+    fam, cat, tmp = registered
+    assert check_catalog(cat, deep=True) == []
+    res = CliRunner().invoke(app, ["check", "--deep", "-c", str(cat.path)])
+    assert res.exit_code == 0 and "ok" in res.output
+    _poke_in_place(fam / "expert_01" / "model.safetensors")
+    problems = check_catalog(cat, deep=True)
+    assert any("expert_01" in p.where and "differs from its registered hash" in p.what for p in problems)
+    assert not check_catalog(cat, deep=False)  # size, mtime and header unchanged: only --deep sees it
+    (fam / "expert_00" / "model.safetensors").unlink()
+    assert any("expert_00" in p.where and "cannot be read" in p.what for p in check_catalog(cat))
+    import duckdb
+
+    con = duckdb.connect(str(cat.path))
+    con.execute("INSERT INTO plan_mask VALUES (999, 1, 0, 0, true, false, 1.0, 1.0, 10)")
+    con.close()
+    assert any("plan_mask" in p.where for p in check_catalog(cat))
+    res = CliRunner().invoke(app, ["check", "-c", str(cat.path)])
+    assert res.exit_code == 1 and "problem" in res.output
+
+
+def test_check_output_against_manifest(registered):
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "ties", "50%"))
+    executor.execute(cat.execution_plan(plan.plan_id), tmp / "out")
+    assert executor.check_output(tmp / "out") == []
+    _poke_in_place(tmp / "out" / "model.safetensors", 100)
+    assert any("differs from the manifest" in p for p in executor.check_output(tmp / "out"))
+    (tmp / "half").mkdir()
+    assert "not a complete mergedb output" in executor.check_output(tmp / "half")[0]
+
+
+def test_verify_catches_file_modified_in_place(registered):
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "linear"))
+    xp = cat.execution_plan(plan.plan_id)
+    _poke_in_place(fam / "expert_00" / "model.safetensors")
+    executor.execute(xp, tmp / "unverified")  # the fingerprint alone cannot see this change
+    with pytest.raises(ChangedFileError, match="does not match its registered hash"):
+        executor.execute(xp, tmp / "verified", verify=True)
+    assert not (tmp / "verified").exists()
+
+
+def test_disk_full_midway_removes_temp_and_records_failure(registered, monkeypatch):
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic"))
+    from mergedb import tensorfile
+
+    calls = {"n": 0}
+    real = tensorfile.SafetensorsWriter.write
+
+    def flaky(self, name, data):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, name, data)
+
+    monkeypatch.setattr(tensorfile.SafetensorsWriter, "write", flaky)
+    before = snapshot(cat)
+    res = CliRunner().invoke(app, ["execute", str(plan.plan_id), "--out", str(tmp / "out"), "-c", str(cat.path)])
+    assert res.exit_code == 1 and "No space left" in res.output
+    assert not (tmp / "out").exists()
+    assert not [p for p in tmp.iterdir() if "mergedb-tmp" in p.name]
+    assert snapshot(cat) == before  # registration tables untouched
+    runs = cat.sql("SELECT status, error FROM runs").to_pylist()
+    assert runs and runs[-1]["status"] == "failed" and "No space left" in runs[-1]["error"]
+
+
+def test_file_size_limit_in_subprocess(registered):
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic"))
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
+
+    res = subprocess.run(
+        CLI + ["execute", str(plan.plan_id), "--out", str(tmp / "out"), "-c", str(cat.path)],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+    )
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr and "writing" in res.stderr
+    assert not (tmp / "out").exists() and not [p for p in tmp.iterdir() if "mergedb-tmp" in p.name]
+    ok = subprocess.run(
+        CLI + ["execute", str(plan.plan_id), "--out", str(tmp / "out"), "-c", str(cat.path)],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_same_plan_in_separate_processes_is_identical(registered):
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "dare_ties", "60%", params={"density": 0.4}, seed=9))
+    outs = []
+    for i, (hashseed, threads) in enumerate([("1", "1"), ("12345", "2")]):
+        env = {**os.environ, "PYTHONHASHSEED": hashseed, "NUMBA_NUM_THREADS": threads, "OMP_NUM_THREADS": threads}
+        out = tmp / f"o{i}"
+        r = subprocess.run(
+            CLI + ["execute", str(plan.plan_id), "--out", str(out), "-c", str(cat.path), "-q"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr
+        outs.append(out)
+    m0, m1 = (json.loads((o / "mergedb_manifest.json").read_text()) for o in outs)
+    assert m0["content_hash"] == m1["content_hash"]
+    assert (outs[0] / "model.safetensors").read_bytes() == (outs[1] / "model.safetensors").read_bytes()
+
+
+def test_two_processes_register_into_one_catalog(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=4, size="tiny", seed=32)
+    db = str(tmp_path / "c.duckdb")
+    Catalog(db).register([fam / "base"], base=True)
+    procs = [
+        subprocess.Popen(
+            CLI
+            + [
+                "register",
+                str(fam / f"expert_0{i}"),
+                str(fam / f"expert_0{i + 2}"),
+                "--base-model",
+                "base",
+                "-c",
+                db,
+                "--wait",
+                "60",
+                "-q",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    reader = subprocess.run(
+        CLI + ["sql", "SELECT count(*) AS n FROM checkpoints", "-c", db, "--wait", "60", "-f", "csv"],
+        capture_output=True,
+        text=True,
+    )
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    assert reader.returncode == 0, reader.stderr
+    assert sorted(c.name for c in Catalog(db).checkpoints()) == ["base"] + [f"expert_0{i}" for i in range(4)]
+    assert check_catalog(Catalog(db)) == []
+
+
+def test_reader_without_wait_fails_clearly_while_locked(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=33)
+    db = str(tmp_path / "c.duckdb")
+    Catalog(db).register([fam], base_model="base")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import duckdb,time; c=duckdb.connect({db!r}); print('x', flush=True); time.sleep(20)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        holder.stdout.readline()
+        r = subprocess.run(CLI + ["sql", "SELECT 1", "-c", db], capture_output=True, text=True)
+        assert r.returncode == 1 and f"locked by process {holder.pid}" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+_names = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=0, max_size=12)
+
+
+@given(
+    st.lists(
+        st.one_of(
+            _names,
+            st.sampled_from(
+                [
+                    "../x.safetensors",
+                    "/etc/passwd",
+                    "a\x00b",
+                    "sub/../../y",
+                    "model.safetensors",
+                    "",
+                    ".",
+                    "..",
+                    "link.safetensors",
+                ]
+            ),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_index_fuzz(tmp_path_factory, targets):
+    root = tmp_path_factory.mktemp("idx")
+    d = root / "m"
+    d.mkdir()
+    from mergedb.tensorfile import SafetensorsWriter
+
+    with SafetensorsWriter(d / "model.safetensors", [("w", "F32", (2,))]) as w:
+        w.write("w", b"\0" * 8)
+    outside = root / "outside.safetensors"
+    shutil.copy(d / "model.safetensors", outside)
+    (d / "link.safetensors").symlink_to(outside)
+    weight_map = {f"t{i}": t for i, t in enumerate(targets)}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    try:
+        ckpt = open_checkpoint(d)
+    except FormatError:
+        return
+    # accepted only if every shard is inside the folder and the index matches the headers exactly
+    for f in ckpt.files:
+        assert (d / f.relpath).resolve().is_relative_to(d.resolve())
+
+
+@given(st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**62), min_size=1, max_size=4))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_huge_declared_sizes_fail_without_allocating(tmp_path_factory, header_len, shape):
+    import struct
+
+    p = tmp_path_factory.mktemp("h") / "h.safetensors"
+    blob = json.dumps(
+        {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 4 * int(__import__("math").prod(shape))]}}
+    ).encode()
+    p.write_bytes(struct.pack("<Q", len(blob)) + blob + b"\0" * 16)
+    with pytest.raises(FormatError):
+        from mergedb.tensorfile import read_header
+
+        read_header(p)
+    p.write_bytes(struct.pack("<Q", header_len) + b"{}")
+    try:
+        read_header(p)
+    except FormatError:
+        pass
+
+
+def test_register_unchanged_catalog_after_failed_expert(registered):
+    fam, cat, tmp = registered
+    before = snapshot(cat)
+    bad = tmp / "bad"
+    shutil.copytree(fam / "expert_00", bad)
+    (bad / "model.safetensors").write_bytes((bad / "model.safetensors").read_bytes()[:-10])
+    with pytest.raises(MergeDBError):
+        cat.register([fam / "expert_01", bad], base_model="base")
+    assert snapshot(cat) == before

@@ -231,6 +231,7 @@ def plan(
     allow_nonfinite: bool = typer.Option(
         False, "--allow-nonfinite", help="Leave NaN/Inf blocks out instead of refusing."
     ),
+    strategy: str = typer.Option("ranked", "--strategy", help="ranked (value per byte) or random (ablation)."),
     explain: bool = typer.Option(False, "--explain", help="Print the SQL steps that ran, with row counts."),
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
@@ -257,7 +258,7 @@ def plan(
         }.items()
         if v is not None
     }
-    req = PlanRequest(base, names, method, budget, w, params, seed, name, allow_nonfinite)
+    req = PlanRequest(base, names, method, budget, w, params, seed, name, allow_nonfinite, strategy)
     summary = _catalog(catalog, wait).plan(req, explain=explain)
     if explain:
         for step, sql_text, rows in summary.explain:

@@ -38,6 +38,7 @@ class PlanRequest:
     seed: int = 0
     name: str | None = None
     allow_nonfinite: bool = False  # exclude non-finite blocks instead of refusing the expert
+    strategy: str = "ranked"  # "ranked" (value per byte) or "random" (an ablation baseline)
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,10 @@ def make_plan(
         [base_id, method.score == "trimmed"],
         "SELECT count(*) FROM plan_candidates",
     )
+    if req.strategy not in ("ranked", "random"):
+        raise PlanError(f"unknown strategy {req.strategy!r}; use ranked or random")
+    if req.strategy == "random":
+        _run(con, steps, "random", load_query("plan_random_scores"), [req.seed], "SELECT count(*) FROM plan_candidates")
     if req.allow_nonfinite and bad:
         con.execute(
             "DELETE FROM plan_candidates WHERE (checkpoint_id, tensor_idx, block_idx) IN "
@@ -216,6 +221,7 @@ def make_plan(
         "params": params,
         "seed": req.seed,
         "budget_bytes": budget,
+        "strategy": req.strategy,
         "base": {"fingerprint": base_fp, "content": base_content},
         "experts": [
             {"fingerprint": by_name[n][2], "content": by_name[n][3], "weight": w} for n, w in zip(names, weights)
@@ -229,7 +235,7 @@ def make_plan(
     plan_id = int(_rows(con, "SELECT coalesce(max(plan_id), 0) + 1 FROM plans")[0][0])
     additive = method.bound
     con.execute(
-        "INSERT INTO plans VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, current_timestamp)",
+        "INSERT INTO plans VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, current_timestamp, ?)",
         [
             plan_id,
             req.name,
@@ -252,6 +258,7 @@ def make_plan(
             total[2] if additive else None,
             est,
             time.perf_counter() - t0,
+            req.strategy,
         ],
     )
     full_by_pos = dict(_rows(con, "SELECT position, CAST(sum(nbytes) AS BIGINT) FROM plan_candidates GROUP BY 1"))
@@ -282,7 +289,9 @@ def make_plan(
         "USING (position, tensor_idx, block_idx)",
         [plan_id],
     )
-    con.execute("UPDATE plans SET planning_seconds = ? WHERE plan_id = ?", [time.perf_counter() - t0, plan_id])
+    con.execute(
+        "UPDATE plans SET planning_seconds = ? WHERE plan_id = ?", [time.perf_counter() - t0, plan_id]
+    )
     for name in ("_plan_experts", "_plan_trim"):
         con.unregister(name)
     return plan_id, steps

@@ -24,7 +24,7 @@ from mergedb import synth
 from mergedb.catalog import Catalog
 from mergedb.planner import PlanRequest
 
-from .common import CACHE, RESULTS, evict, machine, save, sequential_read
+from .common import CACHE, evict, save, sequential_read
 
 BENCH = Path(__file__).parent
 CLI = [sys.executable, "-m", "mergedb.cli"]
@@ -82,9 +82,14 @@ class Suite:
         subprocess.run(cmd, check=True)
         wall = time.perf_counter() - t0
         run = json.loads((out / "mergedb_manifest.json").read_text())["run"]
-        return {"process_seconds": wall, "execute_seconds": run["seconds"],
-                "expert_bytes": run["expert_bytes_logical"], "physical_bytes": run["physical_read_bytes"],
-                "base_bytes": run["base_bytes"], "peak_rss_mib": run["peak_rss_bytes"] / 2**20}
+        return {
+            "process_seconds": wall,
+            "execute_seconds": run["seconds"],
+            "expert_bytes": run["expert_bytes_logical"],
+            "physical_bytes": run["physical_read_bytes"],
+            "base_bytes": run["base_bytes"],
+            "peak_rss_mib": run["peak_rss_bytes"] / 2**20,
+        }
 
     def best_of(self, cat: Catalog, plan_id: int, **kw) -> dict:
         runs = [self.execute(cat, plan_id, **kw) for _ in range(self.repeats)]
@@ -109,8 +114,12 @@ class Suite:
         out = {}
         for budget in ("all", "10%"):
             p = cat.plan(PlanRequest("base", self.experts(k), "task_arithmetic", budget, params={"lambda": 0.5}))
-            out[budget] = {**self.best_of(cat, p.plan_id), "budget_bytes": p.budget_bytes,
-                           "selected_bytes": p.selected_bytes, "planning_seconds": p.planning_seconds}
+            out[budget] = {
+                **self.best_of(cat, p.plan_id),
+                "budget_bytes": p.budget_bytes,
+                "selected_bytes": p.selected_bytes,
+                "planning_seconds": p.planning_seconds,
+            }
         for kk in (2, k):
             p = cat.plan(PlanRequest("base", self.experts(kk), "ties", "all", params={"density": 0.2}))
             out[f"rss_k{kk}"] = self.best_of(cat, p.plan_id)
@@ -130,8 +139,17 @@ class Suite:
                 for series, budget in (("full", "all"), ("two-experts", f"{2 * per_expert}B"), ("10%", "10%")):
                     p = cat.plan(PlanRequest("base", self.experts(k), method, budget, params=METHOD_PARAMS[method]))
                     r = self.best_of(cat, p.plan_id)
-                    rows.append({"method": method, "k": k, "series": series, "budget_bytes": p.budget_bytes,
-                                 "selected_bytes": p.selected_bytes, "planning_seconds": p.planning_seconds, **r})
+                    rows.append(
+                        {
+                            "method": method,
+                            "k": k,
+                            "series": series,
+                            "budget_bytes": p.budget_bytes,
+                            "selected_bytes": p.selected_bytes,
+                            "planning_seconds": p.planning_seconds,
+                            **r,
+                        }
+                    )
                     print(rows[-1]["method"], k, series, round(r["execute_seconds"], 2), flush=True)
                 mk = self.mergekit(method, k)
                 if mk:
@@ -141,7 +159,10 @@ class Suite:
     def fidelity(self) -> dict:
         """Issue 5.2: measured error against budget, with the plan's bound and a random mask."""
         rows = []
-        for size, methods in ((self.size, ("task_arithmetic", "ties")), ("tiny" if self.quick else "small", tuple(METHOD_PARAMS))):
+        for size, methods in (
+            (self.size, ("task_arithmetic", "ties")),
+            ("tiny" if self.quick else "small", tuple(METHOD_PARAMS)),
+        ):
             cat = self.catalog(size)
             k = min(8, self.kmax)
             full = self.merged(cat, size, k, "task_arithmetic", "all")
@@ -150,12 +171,24 @@ class Suite:
                 full = self.merged(cat, size, k, method, "all")
                 for budget in ("100%", "75%", "50%", "25%", "10%", "5%"):
                     for strategy in ("ranked", "random"):
-                        p = cat.plan(PlanRequest("base", self.experts(k), method, budget, params=METHOD_PARAMS[method],
-                                                 strategy=strategy))
+                        p = cat.plan(
+                            PlanRequest(
+                                "base", self.experts(k), method, budget, params=METHOD_PARAMS[method], strategy=strategy
+                            )
+                        )
                         got = self.merged(cat, size, k, method, budget, p)
-                        rows.append({"size": size, "method": method, "budget": budget, "strategy": strategy,
-                                     "selected_bytes": p.selected_bytes, "bound": p.bound_blockwise,
-                                     "estimate": p.est_error, **_errors(got, full, base)})
+                        rows.append(
+                            {
+                                "size": size,
+                                "method": method,
+                                "budget": budget,
+                                "strategy": strategy,
+                                "selected_bytes": p.selected_bytes,
+                                "bound": p.bound_blockwise,
+                                "estimate": p.est_error,
+                                **_errors(got, full, base),
+                            }
+                        )
                 print(size, method, "done", flush=True)
         return {"rows": rows}
 
@@ -183,9 +216,15 @@ class Suite:
             base = _load(self.family() / "base")
             for budget in ("50%", "10%"):
                 p = cat.plan(PlanRequest("base", self.experts(k), "task_arithmetic", budget, params={"lambda": 0.5}))
-                rows.append({"block_size": bs, "budget": budget, "full_read_seconds": r["execute_seconds"],
-                             "full_read_gbps": r["expert_bytes"] / r["execute_seconds"] / 1e9,
-                             **_errors(self.merged(cat, self.size, k, "task_arithmetic", budget, p), ref, base)})
+                rows.append(
+                    {
+                        "block_size": bs,
+                        "budget": budget,
+                        "full_read_seconds": r["execute_seconds"],
+                        "full_read_gbps": r["expert_bytes"] / r["execute_seconds"] / 1e9,
+                        **_errors(self.merged(cat, self.size, k, "task_arithmetic", budget, p), ref, base),
+                    }
+                )
         return {"rows": rows}
 
     def mergekit(self, method: str, k: int) -> dict | None:
@@ -195,11 +234,17 @@ class Suite:
             return None
         fam = self.family()
         names = {"task_arithmetic": "task_arithmetic", "ties": "ties", "dare_ties": "dare_ties"}
-        params = {"task_arithmetic": {"weight": 1.0}, "ties": {"weight": 1.0, "density": 0.2},
-                  "dare_ties": {"weight": 1.0, "density": 0.5}}[method]
+        params = {
+            "task_arithmetic": {"weight": 1.0},
+            "ties": {"weight": 1.0, "density": 0.2},
+            "dare_ties": {"weight": 1.0, "density": 0.5},
+        }[method]
         cfg = {
-            "merge_method": names[method], "base_model": str(fam / "base"), "dtype": "float32",
-            "out_dtype": "bfloat16", "parameters": {"lambda": 0.5} if method == "task_arithmetic" else {},
+            "merge_method": names[method],
+            "base_model": str(fam / "base"),
+            "dtype": "float32",
+            "out_dtype": "bfloat16",
+            "parameters": {"lambda": 0.5} if method == "task_arithmetic" else {},
             "models": [{"model": str(fam / e), "parameters": params} for e in self.experts(k)],
         }
         cfg_path = CACHE / "mergekit.yml"
@@ -208,15 +253,22 @@ class Suite:
         shutil.rmtree(out, ignore_errors=True)
         evict(list(fam.rglob("*.safetensors")))
         t0 = time.perf_counter()
-        r = subprocess.run(["/usr/bin/time", "-f", "%M", str(exe), str(cfg_path), str(out), "--random-seed", "0",
-                            "--lazy-unpickle"], capture_output=True, text=True)
+        r = subprocess.run(
+            ["/usr/bin/time", "-f", "%M", str(exe), str(cfg_path), str(out), "--random-seed", "0", "--lazy-unpickle"],
+            capture_output=True,
+            text=True,
+        )
         wall = time.perf_counter() - t0
         if r.returncode != 0:
             print("mergekit failed:", r.stderr[-2000:], flush=True)
             return {"error": r.stderr[-500:]}
         rss = int(r.stderr.strip().splitlines()[-1]) / 1024
-        return {"execute_seconds": wall, "process_seconds": wall, "peak_rss_mib": rss,
-                "expert_bytes": sum(p.stat().st_size for e in self.experts(k) for p in (fam / e).glob("*.safetensors"))}
+        return {
+            "execute_seconds": wall,
+            "process_seconds": wall,
+            "peak_rss_mib": rss,
+            "expert_bytes": sum(p.stat().st_size for e in self.experts(k) for p in (fam / e).glob("*.safetensors")),
+        }
 
 
 def _load(folder: Path) -> dict[str, np.ndarray]:
@@ -235,13 +287,21 @@ def _errors(got: dict, full: dict, base: dict) -> dict:
         if f.dtype.kind != "f" or name not in base:
             continue
         d = got[name].astype(np.float64) - f
-        e2, f2, u2 = float((d * d).sum()), float((f.astype(np.float64) ** 2).sum()), float(((f - base[name].astype(np.float64)) ** 2).sum())
+        e2, f2, u2 = (
+            float((d * d).sum()),
+            float((f.astype(np.float64) ** 2).sum()),
+            float(((f - base[name].astype(np.float64)) ** 2).sum()),
+        )
         num, den_f, den_u = num + e2, den_f + f2, den_u + u2
         if u2 > 0:
             worst = max(worst, np.sqrt(e2 / u2))
     err = np.sqrt(num)
-    return {"abs_error": err, "rel_to_model": err / np.sqrt(den_f), "rel_to_update": err / np.sqrt(den_u) if den_u else 0.0,
-            "worst_tensor_rel_to_update": worst}
+    return {
+        "abs_error": err,
+        "rel_to_model": err / np.sqrt(den_f),
+        "rel_to_update": err / np.sqrt(den_u) if den_u else 0.0,
+        "worst_tensor_rel_to_update": worst,
+    }
 
 
 BENCHES = ["physical", "execute_targets", "scaling", "fidelity", "overheads", "blocksize"]

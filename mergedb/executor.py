@@ -184,6 +184,7 @@ class Merger:
         self.inputs = _Inputs(xp)
         self.count = _Counters()
         self.pool = ThreadPoolExecutor(2)
+        self._bufs: dict[str, np.ndarray] = {}
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -210,7 +211,7 @@ class Merger:
         t = self.xp.tensors[ti]
         r0, r1 = t.rows[b]
         out = []
-        for pos, h in self.sel[ti][b]:
+        for pos, h in self.sel.get(ti, {}).get(b, []):
             fd, info, path = self.inputs.where[pos + 1][t.name]
             row_bytes = info.nbytes // max(1, t.shape[0] if len(t.shape) >= 2 else 1)
             raw = np.empty((r1 - r0) * row_bytes, np.uint8)
@@ -236,36 +237,54 @@ class Merger:
     def _merge(self, ti: int, base_raw: np.ndarray) -> tuple[str, str, tuple[int, ...], np.ndarray]:
         t = self.xp.tensors[ti]
         out_dtype = _out_dtype(t, self.dtype)
-        blocks = sorted(self.sel.get(ti, {}))
-        if not t.mergeable or (not blocks and out_dtype == t.dtype):
+        selected = self.sel.get(ti, {})
+        if not t.mergeable or (not selected and out_dtype == t.dtype):
             return t.name, t.dtype, t.shape, base_raw  # copied from the base without decoding
-        raw_dt = np.dtype(DTYPES[t.dtype][1])
-        base = as_float32(base_raw.view(raw_dt), t.dtype, np.empty(base_raw.nbytes // raw_dt.itemsize, np.float32))
-        acc = methods.Accumulator(self.method, self.xp.params, base.size)
+        raw_dt, out_dt = np.dtype(DTYPES[t.dtype][1]), np.dtype(DTYPES[out_dtype][1])
+        convert = out_dtype != t.dtype
+        # Rows of blocks that no expert touches keep the base's bytes exactly (unless the dtype
+        # changes); `out` is the base buffer itself, overwritten block by block.
+        blocks = list(range(len(t.rows))) if convert else sorted(selected)
+        out = base_raw if not convert else np.empty(int(np.prod(t.shape)) * out_dt.itemsize, np.uint8)
         stock = _StockDots(self.xp, ti) if self.xp.method == "model_stock" else None
+        pending: list[tuple[int, np.ndarray, np.ndarray]] = []  # model_stock: until t is known
         per_row = _row_elems(t)
         ahead = self.pool.submit(self._read_block, ti, blocks[0]) if blocks else None
         for i, b in enumerate(blocks):  # expert blocks are read one block ahead of the arithmetic
             experts = ahead.result()  # type: ignore[union-attr]
             if i + 1 < len(blocks):
                 ahead = self.pool.submit(self._read_block, ti, blocks[i + 1])
-            lo = t.rows[b][0] * per_row
+            r0, r1 = t.rows[b]
+            lo, n = r0 * per_row, (r1 - r0) * per_row
+            base = as_float32(base_raw.view(raw_dt)[lo : lo + n], t.dtype, np.empty(n, np.float32))  # (n,) f32
+            acc = methods.Accumulator(self.method, self.xp.params, n)
             deltas = []
             for pos, raw in experts:
-                e = as_float32(raw.view(raw_dt), t.dtype, np.empty(raw.nbytes // raw_dt.itemsize, np.float32))
-                d = e - base[lo : lo + e.size]  # (block elements,) float32
+                d = as_float32(raw.view(raw_dt), t.dtype, self._scratch("e", n))
+                np.subtract(d, base, out=d)  # Δ in place: (n,) float32
                 src = self.xp.experts[pos]
                 d = methods.sparsify(self.method, self.xp.params, d, lo, self._trim(pos, ti, t, src))
-                acc.add(src.coef, src.weight, lo, d)
+                acc.add(src.coef, src.weight, 0, d)
                 if stock is not None:
-                    deltas.append((pos, d))
+                    deltas.append((pos, d.copy()))  # the scratch buffer is reused by the next expert
+            update = acc.merged_delta()
             if stock is not None:
                 stock.add_block(deltas)
-        update = acc.merged_delta()
+                pending.append((lo, base, update))
+                continue
+            out.view(out_dt)[lo : lo + n] = encode(base + update, out_dtype)
         if stock is not None:
-            update = np.float32(stock.t()) * update
-        merged = base + update
-        return t.name, out_dtype, t.shape, encode(merged, out_dtype).view(np.uint8)
+            scale = np.float32(stock.t())
+            for lo, base, update in pending:
+                out.view(out_dt)[lo : lo + base.size] = encode(base + scale * update, out_dtype)
+        return t.name, out_dtype, t.shape, out
+
+    def _scratch(self, name: str, n: int) -> np.ndarray:
+        """A reused float32 buffer of n elements (fresh large allocations cost page faults)."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < n:
+            buf = self._bufs[name] = np.empty(n, np.float32)
+        return buf[:n]
 
     def _trim(self, pos: int, ti: int, t: TensorLayout, src: Source) -> methods.Trim:
         r = self.trims.get((pos, ti))

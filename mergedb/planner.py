@@ -289,9 +289,7 @@ def make_plan(
         "USING (position, tensor_idx, block_idx)",
         [plan_id],
     )
-    con.execute(
-        "UPDATE plans SET planning_seconds = ? WHERE plan_id = ?", [time.perf_counter() - t0, plan_id]
-    )
+    con.execute("UPDATE plans SET planning_seconds = ? WHERE plan_id = ?", [time.perf_counter() - t0, plan_id])
     for name in ("_plan_experts", "_plan_trim"):
         con.unregister(name)
     return plan_id, steps

@@ -103,8 +103,19 @@ def ref_merge(
             u = torch.from_numpy(uniform(seed_keys[i], 0, d.numel()))
             p = params["density"]
             d = torch.where(u < p, d / p, torch.zeros_like(d))
+        elif method in ("della", "della_linear"):
+            # keep probability linear in the magnitude rank: the rank of |Δ| is the fraction of the
+            # tensor's elements in lower 2^-6-wide magnitude bins plus half its own bin (mergedb's
+            # documented definition; textbook DELLA ranks exactly)
+            codes = a.numpy().view(np.uint32) >> 17
+            counts = np.bincount(codes, minlength=1 << 15).astype(np.float64)
+            mid = (np.cumsum(counts) - counts / 2) / counts.sum()
+            rank = torch.from_numpy(mid[codes])
+            p = (params["density"] - params["epsilon"] + 2 * params["epsilon"] * rank).to(torch.float32)
+            u = torch.from_numpy(uniform(seed_keys[i], 0, d.numel()))
+            d = torch.where(u < p, d / p, torch.zeros_like(d))
         deltas.append(d)
-    if method in ("linear", "task_arithmetic", "dare_linear", "breadcrumbs"):
+    if method in ("linear", "task_arithmetic", "dare_linear", "breadcrumbs", "della_linear"):
         total = torch.zeros_like(b)
         for c, d in zip(coefs, deltas):
             total += torch.tensor(c, dtype=torch.float32) * d

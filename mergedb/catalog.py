@@ -105,8 +105,11 @@ class Catalog:
         try:
             if write:
                 self._migrate(con)
-            else:
-                self._check_version(con, allow_old=False)
+            elif self._check_version(con, allow_old=True) < migrations()[-1][0]:
+                con.close()  # an older catalog: upgrade it once, briefly read-write, then read
+                with self.connect(write=True):
+                    pass
+                con = self._open(read_only=True)
             yield con
         finally:
             con.close()

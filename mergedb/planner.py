@@ -23,6 +23,7 @@ from .errors import ChangedFileError, PlanError
 from .units import parse_size
 
 MAX_FILL_PASSES = 256
+ESTIMATE_MAX_ROWS = 2_000_000  # above this many omitted blocks the sketch estimate is opt-in (≈1 s per 1M)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class PlanRequest:
     name: str | None = None
     allow_nonfinite: bool = False  # exclude non-finite blocks instead of refusing the expert
     strategy: str = "ranked"  # "ranked" (value per byte) or "random" (an ablation baseline)
+    estimate: bool | None = None  # sketch error estimate: None = only up to ESTIMATE_MAX_ROWS omitted blocks
 
 
 @dataclass(frozen=True)
@@ -174,14 +176,8 @@ def make_plan(
     )
     trim = _thresholds(con, req.method, params, ids)
     con.register("_plan_trim", trim)
-    _run(
-        con,
-        steps,
-        "candidates",
-        load_query("plan_candidates"),
-        [base_id, method.score == "trimmed"],
-        "SELECT count(*) FROM plan_candidates",
-    )
+    candidates = "plan_candidates_trimmed" if method.score == "trimmed" else "plan_candidates"
+    _run(con, steps, "candidates", load_query(candidates), [base_id], "SELECT count(*) FROM plan_candidates")
     if req.strategy not in ("ranked", "random"):
         raise PlanError(f"unknown strategy {req.strategy!r}; use ranked or random")
     if req.strategy == "random":
@@ -196,7 +192,17 @@ def make_plan(
         "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT), count(*), count(*) FILTER (WHERE free) FROM plan_candidates",
     )[0]
     budget = parse_budget(req.budget, full_bytes)
-    _run(con, steps, "prefix", load_query("plan_prefix"), [budget], "SELECT count(*) FROM plan_ranked WHERE selected")
+    cut = _rows(con, load_query("plan_cut"), [budget])[0][0]
+    steps.append(("cut", load_query("plan_cut"), 1))
+    cut = -(2**62) if cut is None else int(cut)  # everything fits: every bucket is above the cut
+    _run(
+        con,
+        steps,
+        "prefix",
+        load_query("plan_prefix"),
+        [budget, cut],
+        "SELECT count(*) FROM plan_ranked WHERE selected",
+    )
     fill = load_query("plan_fill")
     for _ in range(MAX_FILL_PASSES):
         used = _rows(con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM plan_ranked WHERE selected")[0][0]
@@ -208,10 +214,12 @@ def make_plan(
     steps.append(("bounds", load_query("plan_bounds"), len(bounds)))
     per_expert = {r[0]: r for r in bounds if r[0] is not None}
     total = next(r for r in bounds if r[0] is None)
-    selected_bytes = int(total[3] or 0)
+    selected_bytes, n_selected = int(total[3] or 0), int(total[5] or 0)
     if selected_bytes > budget:  # cannot happen by construction; never store a plan that breaks it
         raise PlanError(f"internal error: selected {selected_bytes} bytes over the {budget}-byte budget")
-    est = _sketch_estimate(con, coefs) if method.bound else None
+    omitted = n_cand - n_free - n_selected
+    want_estimate = req.estimate if req.estimate is not None else omitted <= ESTIMATE_MAX_ROWS
+    est = _sketch_estimate(con, coefs) if method.bound and want_estimate else None
     mask_digest = _mask_digest(con)
     base_bytes = _rows(
         con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM family_tensors WHERE base_id = ?", [base_id]
@@ -252,7 +260,7 @@ def make_plan(
             selected_bytes,
             base_bytes,
             n_cand,
-            steps_selected(con),
+            n_selected,
             n_free,
             total[1] if additive else None,
             total[2] if additive else None,
@@ -261,7 +269,7 @@ def make_plan(
             req.strategy,
         ],
     )
-    full_by_pos = dict(_rows(con, "SELECT position, CAST(sum(nbytes) AS BIGINT) FROM plan_candidates GROUP BY 1"))
+    full_by_pos = {pos: r[4] for pos, r in per_expert.items()}
     for pos, (n, w, c) in enumerate(zip(names, weights, coefs)):
         b = per_expert.get(pos)
         con.execute(
@@ -284,19 +292,14 @@ def make_plan(
         "INSERT INTO plan_thresholds SELECT ?, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim", [plan_id]
     )
     con.execute(
-        "INSERT INTO plan_mask SELECT ?, c.checkpoint_id, c.tensor_idx, c.block_idx, coalesce(r.selected, false), "
-        "c.free, c.score, c.value, c.nbytes FROM plan_candidates c LEFT JOIN plan_ranked r "
-        "USING (position, tensor_idx, block_idx)",
+        "INSERT INTO plan_mask SELECT ?, checkpoint_id, tensor_idx, block_idx, selected, free, score, value, nbytes "
+        "FROM plan_ranked",
         [plan_id],
     )
     con.execute("UPDATE plans SET planning_seconds = ? WHERE plan_id = ?", [time.perf_counter() - t0, plan_id])
     for name in ("_plan_experts", "_plan_trim"):
         con.unregister(name)
     return plan_id, steps
-
-
-def steps_selected(con: duckdb.DuckDBPyConnection) -> int:
-    return int(_rows(con, "SELECT count(*) FROM plan_ranked WHERE selected")[0][0])
 
 
 def _run(con: duckdb.DuckDBPyConnection, steps: list, name: str, sql: str, params: list[Any], count_sql: str) -> None:
@@ -346,25 +349,42 @@ def _threshold_at(
 
 
 def _sketch_estimate(con: duckdb.DuckDBPyConnection, coefs: list[float]) -> float:
-    """‖Σ_omitted c_k Δ_kb‖ estimated per block: exact diagonal c_k²‖Δ_kb‖² plus sketched cross terms."""
-    tbl = con.sql(
+    """‖Σ_omitted c_k Δ_kb‖ estimated per block: exact diagonal c_k²‖Δ_kb‖² plus sketched cross
+    terms ⟨c_j S Δ_jb, c_k S Δ_kb⟩. Streams the omitted rows in batches: memory stays bounded."""
+    reader = con.sql(
         "SELECT r.tensor_idx, r.block_idx, r.position, eb.delta_norm, eb.sketch FROM plan_ranked r "
-        "JOIN expert_blocks eb USING (checkpoint_id, tensor_idx, block_idx) WHERE NOT r.selected "
+        "JOIN expert_blocks eb USING (checkpoint_id, tensor_idx, block_idx) WHERE NOT r.selected AND NOT r.free "
         "ORDER BY r.tensor_idx, r.block_idx, r.position"
-    ).to_arrow_table()
-    if tbl.num_rows == 0:
+    ).to_arrow_reader(1 << 18)
+    c_of = np.asarray(coefs, np.float64)
+    total = 0.0
+    carry: tuple[np.ndarray, ...] | None = None
+    for batch in reader:
+        key = batch.column(0).to_numpy().astype(np.int64) << 32 | batch.column(1).to_numpy()
+        c = c_of[batch.column(2).to_numpy()]
+        norms = batch.column(3).to_numpy()
+        sk = batch.column(4).combine_chunks() if hasattr(batch.column(4), "combine_chunks") else batch.column(4)
+        dim = len(sk[0]) if len(sk) else 0
+        s = sk.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim) if dim else np.zeros((0, 0), np.float32)
+        if carry is not None:  # the last block of the previous batch may continue here
+            key, c, norms, s = (np.concatenate([a, b]) for a, b in zip(carry, (key, c, norms, s)))
+        cut = int(np.searchsorted(key, key[-1], side="left"))  # keep the last (maybe partial) block
+        total += _estimate_blocks(key[:cut], c[:cut], norms[:cut], s[:cut])
+        carry = (key[cut:], c[cut:], norms[cut:], s[cut:])
+    if carry is not None:
+        total += _estimate_blocks(*carry)
+    return float(math.sqrt(max(total, 0.0)))
+
+
+def _estimate_blocks(key: np.ndarray, c: np.ndarray, norms: np.ndarray, s: np.ndarray) -> float:
+    if key.size == 0:
         return 0.0
-    c = np.asarray(coefs)[tbl.column("position").to_numpy()]
-    norms = tbl.column("delta_norm").to_numpy()
-    sk = tbl.column("sketch").combine_chunks()
-    dim = len(sk[0]) if len(sk) else 0
-    s = sk.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float64) * c[:, None]
-    key = tbl.column("tensor_idx").to_numpy().astype(np.int64) << 32 | tbl.column("block_idx").to_numpy()
     starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    summed = np.add.reduceat(s, starts, axis=0)  # (blocks, D) sketch of Σ_k c_k Δ_kb
-    cross = (summed**2).sum(axis=1) - np.add.reduceat((s**2).sum(axis=1), starts)
+    cs = s.astype(np.float64) * c[:, None]  # (rows, D) c_k S Δ_kb
+    summed = np.add.reduceat(cs, starts, axis=0)  # (blocks, D) sketch of Σ_k c_k Δ_kb
+    cross = (summed**2).sum(axis=1) - np.add.reduceat((cs**2).sum(axis=1), starts)
     diag = np.add.reduceat((c * norms) ** 2, starts)
-    return float(math.sqrt(np.maximum(diag + cross, 0.0).sum()))
+    return float(np.maximum(diag + cross, 0.0).sum())
 
 
 def _mask_digest(con: duckdb.DuckDBPyConnection) -> str:

@@ -9,8 +9,10 @@ import resource
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
-CACHE = Path(__file__).parent / "cache"
+# MERGEDB_BENCH_DIR redirects results and cache (the test of --quick writes under tmp_path).
+_ROOT = Path(os.environ["MERGEDB_BENCH_DIR"]) if os.environ.get("MERGEDB_BENCH_DIR") else Path(__file__).parent
+RESULTS = _ROOT / "results"
+CACHE = _ROOT / "cache"
 
 
 def evict(paths) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .common import RESULTS, machine
 
-OUT = Path(__file__).parent / "RESULTS.md"
+OUT = RESULTS.parent / "RESULTS.md"
 
 
 def _load(name: str, quick: bool) -> dict | None:

@@ -263,12 +263,22 @@ class Suite:
             print("mergekit failed:", r.stderr[-2000:], flush=True)
             return {"error": r.stderr[-500:]}
         rss = int(r.stderr.strip().splitlines()[-1]) / 1024
-        return {
+        doc = {
             "execute_seconds": wall,
             "process_seconds": wall,
             "peak_rss_mib": rss,
             "expert_bytes": sum(p.stat().st_size for e in self.experts(k) for p in (fam / e).glob("*.safetensors")),
         }
+        if k == min(8, self.kmax):  # deviation between mergekit's output and mergedb's full-budget output
+            from mergedb import executor
+
+            cat = self.catalog()
+            plan = cat.plan(PlanRequest("base", self.experts(k), method, "all", params=METHOD_PARAMS[method]))
+            mdb = CACHE / "mergedb-out"
+            shutil.rmtree(mdb, ignore_errors=True)
+            executor.execute(cat.execution_plan(plan.plan_id), mdb)
+            doc["deviation_from_mergedb"] = _errors(_load(out), _load(mdb), _load(fam / "base"))
+        return doc
 
 
 def _load(folder: Path) -> dict[str, np.ndarray]:

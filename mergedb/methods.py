@@ -143,6 +143,51 @@ def _uniform(key, offset, n):  # pragma: no cover - compiled
     return out
 
 
+@numba.njit(nogil=True, cache=True)
+def _drop_random(d, key, offset, p):  # pragma: no cover - compiled
+    # DARE in place: keep d[i] / p where u_i < p (u_i as in _uniform), else 0
+    p32 = np.float32(p)
+    for i in range(d.shape[0]):
+        z = (key + np.uint64(offset + i)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+        u = np.float64(z >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+        d[i] = d[i] / p32 if u < p else np.float32(0.0)
+
+
+@numba.njit(nogil=True, cache=True)
+def _keep_band(d, lo, hi):  # pragma: no cover - compiled
+    # magnitude / band trim in place: keep lo ≤ |d| < hi
+    lo32, hi32 = np.float32(lo), np.float32(hi)
+    for i in range(d.shape[0]):
+        a = abs(d[i])
+        if not (a >= lo32 and a < hi32):
+            d[i] = np.float32(0.0)
+
+
+@numba.njit(nogil=True, cache=True)
+def _add_scaled(total, d, c):  # pragma: no cover - compiled
+    c32 = np.float32(c)
+    for i in range(d.shape[0]):
+        total[i] += c32 * d[i]
+
+
+@numba.njit(nogil=True, cache=True)
+def _add_consensus(total, pos, neg, pos_w, neg_w, d, w):  # pragma: no cover - compiled
+    w32 = np.float32(w)
+    for i in range(d.shape[0]):
+        x = d[i]
+        wd = w32 * x
+        total[i] += wd
+        if x > 0:
+            pos[i] += wd
+            pos_w[i] += w32
+        elif x < 0:
+            neg[i] += wd
+            neg_w[i] += w32
+
+
 def uniform(key: int, offset: int, n: int) -> np.ndarray:
     """Uniform [0, 1) draws for elements offset … offset+n−1 of the stream `key` (float64)."""
     return _uniform(np.uint64(key), offset, n)
@@ -167,21 +212,17 @@ class Trim:
 
 
 def sparsify(m: Method, params: dict[str, Any], delta: np.ndarray, offset: int, trim: Trim) -> np.ndarray:
-    """Δ' for one block of one expert (float32, same shape)."""
+    """Δ' for one block of one expert: (n,) float32, sparsified in place where possible."""
     if m.sparsify == "none":
         return delta
+    if m.sparsify in ("magnitude", "band"):  # in place
+        _keep_band(delta, trim.t_lo, np.inf if trim.t_hi is None else trim.t_hi)
+        return delta
+    if m.sparsify == "random":  # in place
+        _drop_random(delta, np.uint64(trim.key), offset, float(params["density"]))
+        return delta
     a = np.abs(delta)
-    if m.sparsify == "magnitude":
-        return np.where(a >= np.float32(trim.t_lo), delta, np.float32(0))
-    if m.sparsify == "band":
-        keep = a >= np.float32(trim.t_lo)
-        if trim.t_hi is not None:
-            keep &= a < np.float32(trim.t_hi)
-        return np.where(keep, delta, np.float32(0))
     u = uniform(trim.key, offset, delta.size).reshape(delta.shape)
-    if m.sparsify == "random":
-        p = params["density"]
-        return np.where(u < p, delta / np.float32(p), np.float32(0)).astype(np.float32)
     # della: keep probability rises linearly with magnitude rank from density−ε to density+ε
     p = (params["density"] - params["epsilon"] + 2 * params["epsilon"] * trim.rank(a)).astype(np.float32)
     return np.where(u < p, delta / p, np.float32(0)).astype(np.float32)
@@ -203,16 +244,10 @@ class Accumulator:
         """Fold Δ'_k for flat elements [lo, lo + d.size) into the sums."""
         hi = lo + d.size
         if not self.m.consensus:
-            self.total[lo:hi] += np.float32(coef) * d
+            _add_scaled(self.total[lo:hi], d, coef)
             return
-        w = np.float32(weight)
-        wd = w * d
-        self.total[lo:hi] += wd
-        pos, neg = d > 0, d < 0
-        self.pos[lo:hi] += np.where(pos, wd, np.float32(0))
-        self.neg[lo:hi] += np.where(neg, wd, np.float32(0))
-        self.pos_w[lo:hi] += np.where(pos, w, np.float32(0))
-        self.neg_w[lo:hi] += np.where(neg, w, np.float32(0))
+        _add_consensus(self.total[lo:hi], self.pos[lo:hi], self.neg[lo:hi], self.pos_w[lo:hi], self.neg_w[lo:hi],
+                       d, weight)
 
     def merged_delta(self) -> np.ndarray:
         """The merged update added to the base (float32)."""

@@ -1,0 +1,36 @@
+"""The benchmark suite cannot rot: --quick runs every benchmark at tiny size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_suite_runs_and_reports(tmp_path):
+    env = {**os.environ, "MERGEDB_BENCH_DIR": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--repeats", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name in ("physical", "execute_targets", "scaling", "fidelity", "overheads", "blocksize"):
+        doc = json.loads((tmp_path / "results" / f"{name}-quick.json").read_text())
+        assert doc["quick"] is True
+    targets = json.loads((tmp_path / "results" / "execute_targets-quick.json").read_text())
+    assert targets["10%"]["expert_bytes"] <= targets["10%"]["budget_bytes"]
+    scaling = json.loads((tmp_path / "results" / "scaling-quick.json").read_text())
+    for row in scaling["rows"]:
+        if row["series"] != "mergekit":
+            assert row["expert_bytes"] == row["selected_bytes"] <= row["budget_bytes"]
+    report = (tmp_path / "RESULTS-quick.md").read_text()
+    assert "Executor targets" in report and "Fidelity frontier" in report
+    assert list((tmp_path / "results").glob("*.png"))

@@ -9,6 +9,7 @@ shard); writing safetensors is one consumer of that stream, `merge_to_dict` anot
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import resource
@@ -106,6 +107,19 @@ class ExecuteResult:
 class _Counters:
     expert: int = 0
     base: int = 0
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set (VmHWM). Not ru_maxrss: on Linux a child started by fork and
+    exec inherits its parent's high-water mark there, so a small merge run from a big process
+    would report the parent's memory."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _read_bytes() -> int:
@@ -206,24 +220,31 @@ class Merger:
                     )
         return base
 
-    def _read_block(self, ti: int, b: int) -> list[tuple[int, np.ndarray]]:
-        """The selected experts' bytes of block `b` of tensor `ti`, in plan order."""
+    def _read_one(self, ti: int, b: int, pos: int, h: str) -> np.ndarray:
+        """Expert `pos`'s bytes of block `b` of tensor `ti` (checked against `h` with --verify)."""
         t = self.xp.tensors[ti]
         r0, r1 = t.rows[b]
-        out = []
-        for pos, h in self.sel.get(ti, {}).get(b, []):
-            fd, info, path = self.inputs.where[pos + 1][t.name]
-            row_bytes = info.nbytes // max(1, t.shape[0] if len(t.shape) >= 2 else 1)
-            raw = np.empty((r1 - r0) * row_bytes, np.uint8)
-            pread_into(fd, memoryview(raw), info.start + r0 * row_bytes, path)
-            self.count.expert += raw.nbytes
-            if self.verify and xxhash.xxh3_128_hexdigest(raw) != h:
-                raise ChangedFileError(
-                    f"{path}: block {b} of {t.name!r} does not match its registered hash; the file changed "
-                    "since registration: re-register it with --refresh and plan again"
-                )
-            out.append((pos, raw))
-        return out
+        fd, info, path = self.inputs.where[pos + 1][t.name]
+        row_bytes = info.nbytes // max(1, t.shape[0] if len(t.shape) >= 2 else 1)
+        raw = np.empty((r1 - r0) * row_bytes, np.uint8)
+        pread_into(fd, memoryview(raw), info.start + r0 * row_bytes, path)
+        self.count.expert += raw.nbytes
+        if self.verify and xxhash.xxh3_128_hexdigest(raw) != h:
+            raise ChangedFileError(
+                f"{path}: block {b} of {t.name!r} does not match its registered hash; the file changed "
+                "since registration: re-register it with --refresh and plan again"
+            )
+        return raw
+
+    def _reads(self, ti: int, work: list[tuple[int, int, str]]) -> Iterator[tuple[int, np.ndarray]]:
+        """(position, bytes) for each (block, position, hash) of `work`, in order, each read on the
+        I/O thread while the previous one is merged: two expert blocks in memory, whatever K."""
+        fut = self.pool.submit(self._read_one, ti, *work[0]) if work else None
+        for i in range(len(work)):
+            raw = fut.result()  # type: ignore[union-attr]
+            if i + 1 < len(work):
+                fut = self.pool.submit(self._read_one, ti, *work[i + 1])
+            yield work[i][1], raw
 
     def tensors(self, indices: list[int]) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
         """(name, dtype, shape, bytes as uint8 array) of each merged tensor; the next base is read ahead."""
@@ -249,17 +270,14 @@ class Merger:
         stock = _StockDots(self.xp, ti) if self.xp.method == "model_stock" else None
         pending: list[tuple[int, np.ndarray, np.ndarray]] = []  # model_stock: until t is known
         per_row = _row_elems(t)
-        ahead = self.pool.submit(self._read_block, ti, blocks[0]) if blocks else None
-        for i, b in enumerate(blocks):  # expert blocks are read one block ahead of the arithmetic
-            experts = ahead.result()  # type: ignore[union-attr]
-            if i + 1 < len(blocks):
-                ahead = self.pool.submit(self._read_block, ti, blocks[i + 1])
+        reads = self._reads(ti, [(b, pos, h) for b in blocks for pos, h in selected.get(b, [])])
+        for b in blocks:
             r0, r1 = t.rows[b]
             lo, n = r0 * per_row, (r1 - r0) * per_row
             base = as_float32(base_raw.view(raw_dt)[lo : lo + n], t.dtype, np.empty(n, np.float32))  # (n,) f32
             acc = methods.Accumulator(self.method, self.xp.params, n)
             deltas = []
-            for pos, raw in experts:
+            for pos, raw in itertools.islice(reads, len(selected.get(b, []))):
                 d = as_float32(raw.view(raw_dt), t.dtype, self._scratch("e", n))
                 np.subtract(d, base, out=d)  # Δ in place: (n,) float32
                 src = self.xp.experts[pos]
@@ -408,7 +426,7 @@ def execute(
             "physical_read_bytes": _read_bytes() - phys0,
             "base_bytes": merger.count.base,
             "bytes_written": written,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": _peak_rss(),
             "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
         }
         _write_json(tmp / MANIFEST, {**manifest, "run": run})

@@ -246,8 +246,9 @@ class Accumulator:
         if not self.m.consensus:
             _add_scaled(self.total[lo:hi], d, coef)
             return
-        _add_consensus(self.total[lo:hi], self.pos[lo:hi], self.neg[lo:hi], self.pos_w[lo:hi], self.neg_w[lo:hi],
-                       d, weight)
+        _add_consensus(
+            self.total[lo:hi], self.pos[lo:hi], self.neg[lo:hi], self.pos_w[lo:hi], self.neg_w[lo:hi], d, weight
+        )
 
     def merged_delta(self) -> np.ndarray:
         """The merged update added to the base (float32)."""

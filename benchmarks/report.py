@@ -83,25 +83,37 @@ def _targets(docs: dict) -> list[str]:
     out = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
     ov = (docs.get("overheads") or {}).get("register") or docs.get("register")
     if ov:
-        out.append(f"| register ≥ 70% of cold sequential read | {ov['median_ratio']:.0%} (best {ov['best_ratio']:.0%}) | "
-                   f"{'yes' if ov['median_ratio'] >= 0.7 else 'no'} |")
-        out.append(f"| catalog < 1% of checkpoint bytes | {ov['catalog_fraction']:.2%} | "
-                   f"{'yes' if ov['catalog_fraction'] < 0.01 else 'no'} |")
+        out.append(
+            f"| register ≥ 70% of cold sequential read | {ov['median_ratio']:.0%} (best {ov['best_ratio']:.0%}) | "
+            f"{'yes' if ov['median_ratio'] >= 0.7 else 'no'} |"
+        )
+        out.append(
+            f"| catalog < 1% of checkpoint bytes | {ov['catalog_fraction']:.2%} | "
+            f"{'yes' if ov['catalog_fraction'] < 0.01 else 'no'} |"
+        )
     pl = docs.get("planner")
     if pl:
         ten = [r for r in pl["runs"] if r["rows"] >= 10_000_000]
         if ten:
             worst = max(r["plan_seconds"] for r in ten)
-            out.append(f"| plan 10M (expert, block) rows ≤ 3 s | {worst:.1f} s (peak RSS "
-                       f"{max(r['peak_rss_mib'] for r in ten) / 1024:.1f} GiB) | {'yes' if worst <= 3 else 'no'} |")
+            out.append(
+                f"| plan 10M (expert, block) rows ≤ 3 s | {worst:.1f} s (peak RSS "
+                f"{max(r['peak_rss_mib'] for r in ten) / 1024:.1f} GiB) | {'yes' if worst <= 3 else 'no'} |"
+            )
     ex = docs.get("execute_targets")
     if ex:
-        out.append(f"| 10% vs 100% at K={ex['k']}: ≥ 5× faster | {ex['speedup_10pct']:.2f}× | "
-                   f"{'yes' if ex['speedup_10pct'] >= 5 else 'no'} |")
-        out.append(f"| expert bytes ≤ budget | {ex['10%']['expert_bytes']:,} ≤ {ex['10%']['budget_bytes']:,} | "
-                   f"{'yes' if ex['10%']['expert_bytes'] <= ex['10%']['budget_bytes'] else 'no'} |")
-        out.append(f"| peak RSS K=2 → K={ex['k']} ≤ +10% | {100 * ex['rss_growth_k2_to_k8']:+.1f}% | "
-                   f"{'yes' if ex['rss_growth_k2_to_k8'] <= 0.10 else 'no'} |")
+        out.append(
+            f"| 10% vs 100% at K={ex['k']}: ≥ 5× faster | {ex['speedup_10pct']:.2f}× | "
+            f"{'yes' if ex['speedup_10pct'] >= 5 else 'no'} |"
+        )
+        out.append(
+            f"| expert bytes ≤ budget | {ex['10%']['expert_bytes']:,} ≤ {ex['10%']['budget_bytes']:,} | "
+            f"{'yes' if ex['10%']['expert_bytes'] <= ex['10%']['budget_bytes'] else 'no'} |"
+        )
+        out.append(
+            f"| peak RSS K=2 → K={ex['k']} ≤ +10% | {100 * ex['rss_growth_k2_to_k8']:+.1f}% | "
+            f"{'yes' if ex['rss_growth_k2_to_k8'] <= 0.10 else 'no'} |"
+        )
     sc = docs.get("scaling")
     phys = docs.get("physical")
     if sc:
@@ -112,28 +124,40 @@ def _targets(docs: dict) -> list[str]:
         if ta_full and ta_10:
             speed = ta_full["execute_seconds"] / ta_10["execute_seconds"]
             io = ta_full["expert_bytes"] / max(ta_10["expert_bytes"], 1)
-            out.append(f"| 10% at K={kmax}: ≥ 8× faster than full read | {speed:.2f}× (I/O ratio {io:.1f}×) | "
-                       f"{'yes' if speed >= 8 else 'no'} |")
-            out.append(f"| wall-time ratio ≥ 0.8 × I/O ratio | {speed / io:.2f} | {'yes' if speed / io >= 0.8 else 'no'} |")
+            out.append(
+                f"| 10% at K={kmax}: ≥ 8× faster than full read | {speed:.2f}× (I/O ratio {io:.1f}×) | "
+                f"{'yes' if speed >= 8 else 'no'} |"
+            )
+            out.append(
+                f"| wall-time ratio ≥ 0.8 × I/O ratio | {speed / io:.2f} | {'yes' if speed / io >= 0.8 else 'no'} |"
+            )
             if phys:
                 frac = ta_full["expert_bytes"] / ta_full["execute_seconds"] / 1e9 / phys["gbps"]
-                out.append(f"| full read ≥ 80% of sequential read (task_arithmetic, K={kmax}) | {frac:.0%} | "
-                           f"{'yes' if frac >= 0.8 else 'no'} |")
+                out.append(
+                    f"| full read ≥ 80% of sequential read (task_arithmetic, K={kmax}) | {frac:.0%} | "
+                    f"{'yes' if frac >= 0.8 else 'no'} |"
+                )
                 ti = get.get(("ties", kmax, "full"))
                 if ti:
-                    out.append(f"| (TIES, reported) | {ti['expert_bytes'] / ti['execute_seconds'] / 1e9 / phys['gbps']:.0%} | – |")
+                    out.append(
+                        f"| (TIES, reported) | {ti['expert_bytes'] / ti['execute_seconds'] / 1e9 / phys['gbps']:.0%} | – |"
+                    )
         for method in ("task_arithmetic", "ties", "dare_ties"):
             k8 = min(8, kmax)
             mk, full = get.get((method, k8, "mergekit")), get.get((method, k8, "full"))
             if mk and full and "error" not in mk:
                 speed = mk["process_seconds"] / full["process_seconds"]
-                out.append(f"| {method} K={k8}: ≥ 1.5× faster than mergekit, lower peak RSS | {speed:.1f}×, "
-                           f"{full['peak_rss_mib']:.0f} vs {mk['peak_rss_mib']:.0f} MiB | "
-                           f"{'yes' if speed >= 1.5 and full['peak_rss_mib'] < mk['peak_rss_mib'] else 'no'} |")
+                out.append(
+                    f"| {method} K={k8}: ≥ 1.5× faster than mergekit, lower peak RSS | {speed:.1f}×, "
+                    f"{full['peak_rss_mib']:.0f} vs {mk['peak_rss_mib']:.0f} MiB | "
+                    f"{'yes' if speed >= 1.5 and full['peak_rss_mib'] < mk['peak_rss_mib'] else 'no'} |"
+                )
                 dev = mk.get("deviation_from_mergedb")
                 if dev:
-                    out.append(f"| {method}: mergekit vs mergedb full output (reported) | ‖Δ‖/‖θF−θ0‖ = "
-                               f"{dev['rel_to_update']:.2e} | – |")
+                    out.append(
+                        f"| {method}: mergekit vs mergedb full output (reported) | ‖Δ‖/‖θF−θ0‖ = "
+                        f"{dev['rel_to_update']:.2e} | – |"
+                    )
     fi = docs.get("fidelity")
     if fi:
         for method in ("task_arithmetic", "ties"):
@@ -141,16 +165,22 @@ def _targets(docs: dict) -> list[str]:
             rd = [r for r in fi["rows"] if r["method"] == method and r["budget"] == "50%" and r["strategy"] == "random"]
             if rk and rd:
                 r0, d0 = rk[0], rd[0]
-                out.append(f"| {method} 50%: ‖θB−θF‖/‖θF−θ0‖ ≤ 0.05 ({r0['size']}) | {r0['rel_to_update']:.2e} | "
-                           f"{'yes' if r0['rel_to_update'] <= 0.05 else 'no'} |")
+                out.append(
+                    f"| {method} 50%: ‖θB−θF‖/‖θF−θ0‖ ≤ 0.05 ({r0['size']}) | {r0['rel_to_update']:.2e} | "
+                    f"{'yes' if r0['rel_to_update'] <= 0.05 else 'no'} |"
+                )
                 gain = d0["rel_to_update"] / max(r0["rel_to_update"], 1e-300)
-                out.append(f"| {method} 50%: ranking ≥ 5× lower error than a random mask | {gain:.1f}× | "
-                           f"{'yes' if gain >= 5 else 'no'} |")
+                out.append(
+                    f"| {method} 50%: ranking ≥ 5× lower error than a random mask | {gain:.1f}× | "
+                    f"{'yes' if gain >= 5 else 'no'} |"
+                )
     if ex:
         a = ex["all"]
-        out.append(f"| planning ≤ 1% of execution (K={ex['k']}, full) | {a['planning_seconds'] / a['execute_seconds']:.1%} | "
-                   f"{'yes' if a['planning_seconds'] / a['execute_seconds'] <= 0.01 else 'no'} |")
-    notes = (Path(__file__).parent / "ANALYSIS.md")
+        out.append(
+            f"| planning ≤ 1% of execution (K={ex['k']}, full) | {a['planning_seconds'] / a['execute_seconds']:.1%} | "
+            f"{'yes' if a['planning_seconds'] / a['execute_seconds'] <= 0.01 else 'no'} |"
+        )
+    notes = Path(__file__).parent / "ANALYSIS.md"
     out.append("")
     if notes.exists():
         out += [notes.read_text(), ""]
@@ -223,10 +253,14 @@ def write_report(quick: bool = False) -> Path:
             if "error" in r:
                 lines.append(f"| {r['method']} | {r['k']} | {r['series']} | failed | | | |")
                 continue
+            rss = "" if r.get("peak_rss_mib") is None else f"{r['peak_rss_mib']:.0f}"
+            phys = "" if r.get("physical_bytes") is None else f"{r['physical_bytes']:,}"
             lines.append(
                 f"| {r['method']} | {r['k']} | {r['series']} | {r['expert_bytes']:,} | "
-                f"{r.get('physical_bytes', 0):,} | {r['execute_seconds']:.2f} | {r['peak_rss_mib']:.0f} |"
+                f"{phys} | {r['execute_seconds']:.2f} | {rss} |"
             )
+        if sc.get("note"):
+            lines += ["", f"Note: {sc['note']}."]
         lines.append("")
     fi = docs["fidelity"]
     if fi:

@@ -8,6 +8,7 @@ shard); writing safetensors is one consumer of that stream, `merge_to_dict` anot
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -37,6 +38,7 @@ MANIFEST = "mergedb_manifest.json"
 MASK = "mask.parquet"
 FORMAT = "mergedb-manifest/1"
 OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+READ_AHEAD = 3  # expert blocks in flight ahead of the arithmetic
 
 
 @dataclass(frozen=True)
@@ -237,13 +239,14 @@ class Merger:
         return raw
 
     def _reads(self, ti: int, work: list[tuple[int, int, str]]) -> Iterator[tuple[int, np.ndarray]]:
-        """(position, bytes) for each (block, position, hash) of `work`, in order, each read on the
-        I/O thread while the previous one is merged: two expert blocks in memory, whatever K."""
-        fut = self.pool.submit(self._read_one, ti, *work[0]) if work else None
+        """(position, bytes) for each (block, position, hash) of `work`, in order, read on the I/O
+        thread up to READ_AHEAD items before the arithmetic needs them: memory is a few expert
+        blocks, whatever K."""
+        futures = collections.deque(self.pool.submit(self._read_one, ti, *w) for w in work[:READ_AHEAD])
         for i in range(len(work)):
-            raw = fut.result()  # type: ignore[union-attr]
-            if i + 1 < len(work):
-                fut = self.pool.submit(self._read_one, ti, *work[i + 1])
+            raw = futures.popleft().result()
+            if i + READ_AHEAD < len(work):
+                futures.append(self.pool.submit(self._read_one, ti, *work[i + READ_AHEAD]))
             yield work[i][1], raw
 
     def tensors(self, indices: list[int]) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:

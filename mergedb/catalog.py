@@ -736,7 +736,6 @@ def simulate(
                 }
             ),
         )
-        empty_f = pa.array([[]] * nb, pa.list_(pa.float32()))
         for k in range(experts):
             ident = rng.random(nb) < identical_fraction
             norm = np.where(ident, 0.0, np.exp(rng.normal(0, 2, nb)))
@@ -767,7 +766,6 @@ def simulate(
                     }
                 ),
             )
-        del empty_f
         con.execute("COMMIT")
 
 

@@ -103,7 +103,7 @@ def _targets(docs: dict) -> list[str]:
     ex = docs.get("execute_targets")
     if ex:
         out.append(
-            f"| 10% vs 100% at K={ex['k']}: ≥ 5× faster | {ex['speedup_10pct']:.2f}× | "
+            f"| 10% vs 100% at K={ex.get('k', 8)}: ≥ 5× faster | {ex['speedup_10pct']:.2f}× | "
             f"{'yes' if ex['speedup_10pct'] >= 5 else 'no'} |"
         )
         out.append(
@@ -111,7 +111,7 @@ def _targets(docs: dict) -> list[str]:
             f"{'yes' if ex['10%']['expert_bytes'] <= ex['10%']['budget_bytes'] else 'no'} |"
         )
         out.append(
-            f"| peak RSS K=2 → K={ex['k']} ≤ +10% | {100 * ex['rss_growth_k2_to_k8']:+.1f}% | "
+            f"| peak RSS K=2 → K={ex.get('k', 8)} ≤ +10% | {100 * ex['rss_growth_k2_to_k8']:+.1f}% | "
             f"{'yes' if ex['rss_growth_k2_to_k8'] <= 0.10 else 'no'} |"
         )
     sc = docs.get("scaling")
@@ -140,7 +140,8 @@ def _targets(docs: dict) -> list[str]:
                 ti = get.get(("ties", kmax, "full"))
                 if ti:
                     out.append(
-                        f"| (TIES, reported) | {ti['expert_bytes'] / ti['execute_seconds'] / 1e9 / phys['gbps']:.0%} | – |"
+                        f"| (TIES, reported) | "
+                        f"{ti['expert_bytes'] / ti['execute_seconds'] / 1e9 / phys['gbps']:.0%} | – |"
                     )
         for method in ("task_arithmetic", "ties", "dare_ties"):
             k8 = min(8, kmax)
@@ -177,7 +178,7 @@ def _targets(docs: dict) -> list[str]:
     if ex:
         a = ex["all"]
         out.append(
-            f"| planning ≤ 1% of execution (K={ex['k']}, full) | {a['planning_seconds'] / a['execute_seconds']:.1%} | "
+            f"| planning ≤ 1% of execution (K={ex.get('k', 8)}, full) | {a['planning_seconds'] / a['execute_seconds']:.1%} | "
             f"{'yes' if a['planning_seconds'] / a['execute_seconds'] <= 0.01 else 'no'} |"
         )
     notes = Path(__file__).parent / "ANALYSIS.md"
@@ -272,7 +273,10 @@ def write_report(quick: bool = False) -> Path:
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in fi["rows"]:
-            f = lambda v: "" if v is None else f"{v:.3g}"
+
+            def f(v: float | None) -> str:
+                return "" if v is None else f"{v:.3g}"
+
             lines.append(
                 f"| {r['size']} | {r['method']} | {r['budget']} | {r['strategy']} | {r['rel_to_model']:.2e} | "
                 f"{r['rel_to_update']:.2e} | {r['worst_tensor_rel_to_update']:.2e} | {f(r['bound'])} | "

@@ -829,7 +829,8 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
                 else:
                     hashes[cid] = con.execute(
                         "SELECT ft.name, bl.block_idx, bl.byte_start, bl.nbytes, eb.content_hash FROM expert_blocks eb "
-                        "JOIN blocks bl ON bl.base_id = ? AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx "
+                        "JOIN blocks bl ON bl.base_id = ? AND bl.tensor_idx = eb.tensor_idx "
+                        "AND bl.block_idx = eb.block_idx "
                         "JOIN family_tensors ft ON ft.base_id = bl.base_id AND ft.tensor_idx = bl.tensor_idx "
                         "WHERE eb.checkpoint_id = ?",
                         [base_id, cid],

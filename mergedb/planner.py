@@ -132,7 +132,8 @@ def make_plan(
     base_id, base_fp, base_content, _ = base[0]
     experts = _rows(
         con,
-        "SELECT name, checkpoint_id, fingerprint, content_hash, base_id FROM checkpoints WHERE role = 'expert' ORDER BY name",
+        "SELECT name, checkpoint_id, fingerprint, content_hash, base_id FROM checkpoints "
+        "WHERE role = 'expert' ORDER BY name",
     )
     by_name = {r[0]: r for r in experts}
     names = list(req.experts) if req.experts is not None else [r[0] for r in experts if r[4] == base_id]
@@ -243,7 +244,7 @@ def make_plan(
     plan_id = int(_rows(con, "SELECT coalesce(max(plan_id), 0) + 1 FROM plans")[0][0])
     additive = method.bound
     con.execute(
-        "INSERT INTO plans VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, current_timestamp, ?)",
+        "INSERT INTO plans VALUES (" + ", ".join(["?"] * 21) + ", current_timestamp, ?)",
         [
             plan_id,
             req.name,
@@ -389,7 +390,8 @@ def _estimate_blocks(key: np.ndarray, c: np.ndarray, norms: np.ndarray, s: np.nd
 
 def _mask_digest(con: duckdb.DuckDBPyConnection) -> str:
     sel = con.sql(
-        "SELECT position, tensor_idx, block_idx FROM plan_ranked WHERE selected ORDER BY position, tensor_idx, block_idx"
+        "SELECT position, tensor_idx, block_idx FROM plan_ranked WHERE selected "
+        "ORDER BY position, tensor_idx, block_idx"
     ).to_arrow_table()
     h = hashlib.sha256()
     for col in sel.columns:

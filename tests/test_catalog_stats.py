@@ -83,7 +83,8 @@ def test_block_statistics_exact(family, models, expert):
 def test_grid_thresholds_exact_and_summary_within_1pct(family, models, expert):
     kind, folder, cat = family
     rows = cat.sql(
-        "SELECT ft.name, et.identical, (SELECT list(density ORDER BY grid_idx) FROM density_grid) AS grid_density, et.grid_threshold, et.summary_code, et.summary_count, ft.numel "
+        "SELECT ft.name, et.identical, (SELECT list(density ORDER BY grid_idx) FROM density_grid) AS grid_density, "
+        "et.grid_threshold, et.summary_code, et.summary_count, ft.numel "
         "FROM expert_tensors et JOIN checkpoints c USING (checkpoint_id) "
         "JOIN family_tensors ft ON ft.base_id = c.base_id AND ft.tensor_idx = et.tensor_idx WHERE c.name = ?",
         [expert],

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from mergedb.catalog import Catalog, simulate
+from mergedb.catalog import Catalog
 from mergedb.planner import PlanRequest
+from mergedb.synth import simulate
 
 from .common import CACHE, peak_rss_mib, save
 

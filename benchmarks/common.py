@@ -27,10 +27,10 @@ def evict(paths) -> None:
 
 
 def read_bytes() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
+    """Bytes this process fetched from storage so far (the executor's own counter)."""
+    from mergedb.executor import physical_read_bytes
+
+    return physical_read_bytes()
 
 
 def sequential_read(paths, chunk: int = 16 * 2**20) -> tuple[int, float]:

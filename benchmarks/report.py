@@ -177,10 +177,9 @@ def _targets(docs: dict) -> list[str]:
                 )
     if ex:
         a = ex["all"]
-        out.append(
-            f"| planning ≤ 1% of execution (K={ex.get('k', 8)}, full) | {a['planning_seconds'] / a['execute_seconds']:.1%} | "
-            f"{'yes' if a['planning_seconds'] / a['execute_seconds'] <= 0.01 else 'no'} |"
-        )
+        share = a["planning_seconds"] / a["execute_seconds"]
+        ok = "yes" if share <= 0.01 else "no"
+        out.append(f"| planning ≤ 1% of execution (K={ex.get('k', 8)}, full) | {share:.1%} | {ok} |")
     notes = Path(__file__).parent / "ANALYSIS.md"
     out.append("")
     if notes.exists():

@@ -26,7 +26,6 @@ from mergedb.planner import PlanRequest
 
 from .common import CACHE, evict, save, sequential_read
 
-BENCH = Path(__file__).parent
 CLI = [sys.executable, "-m", "mergedb.cli"]
 METHOD_PARAMS = {
     "linear": {},

@@ -1,7 +1,9 @@
 """mergedb: an embedded merge engine for families of fine-tuned LLM checkpoints."""
 
-from .catalog import Catalog, CheckpointRow, RegisterResult, connect
+from .catalog import Catalog, CheckpointRow, connect
 from .errors import MergeDBError
+from .planner import PlanRequest
+from .register import RegisterResult
 
 __version__ = "0.1.0"
-__all__ = ["Catalog", "CheckpointRow", "MergeDBError", "RegisterResult", "connect", "__version__"]
+__all__ = ["Catalog", "CheckpointRow", "MergeDBError", "PlanRequest", "RegisterResult", "connect", "__version__"]

@@ -21,7 +21,8 @@ from typer.core import TyperGroup
 from . import synth
 from .catalog import Catalog, default_path
 from .errors import MergeDBError
-from .planner import PlanRequest, PlanSummary
+from .planner import PlanRequest
+from .plans import PlanSummary
 from .units import format_size
 
 
@@ -232,6 +233,9 @@ def plan(
         False, "--allow-nonfinite", help="Leave NaN/Inf blocks out instead of refusing."
     ),
     strategy: str = typer.Option("ranked", "--strategy", help="ranked (value per byte) or random (ablation)."),
+    estimate: bool | None = typer.Option(
+        None, "--estimate/--no-estimate", help="Sketch error estimate [default: up to 2M omitted blocks]."
+    ),
     explain: bool = typer.Option(False, "--explain", help="Print the SQL steps that ran, with row counts."),
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
@@ -258,7 +262,7 @@ def plan(
         }.items()
         if v is not None
     }
-    req = PlanRequest(base, names, method, budget, w, params, seed, name, allow_nonfinite, strategy)
+    req = PlanRequest(base, names, method, budget, w, params, seed, name, allow_nonfinite, strategy, estimate)
     summary = _catalog(catalog, wait).plan(req, explain=explain)
     if explain:
         for step, sql_text, rows in summary.explain:
@@ -323,9 +327,13 @@ def _print_plan(p: PlanSummary) -> None:
         f"never read, zero error); base read {format_size(p.base_bytes)} (not budgeted)"
     )
     if p.bound_sum is not None:
-        o.print(
-            f"error bound ‖θ_B − θ_F‖ ≤ {p.bound_blockwise:.6g} (block-wise), ≤ {p.bound_sum:.6g} (sum); "
+        estimate = (
             f"sketch estimate {p.est_error:.6g}"
+            if p.est_error is not None
+            else "sketch estimate skipped (too many omitted blocks; --estimate computes it)"
+        )
+        o.print(
+            f"error bound ‖θ_B − θ_F‖ ≤ {p.bound_blockwise:.6g} (block-wise), ≤ {p.bound_sum:.6g} (sum); {estimate}"
         )
     else:
         o.print("error bound: not applicable (the method is not a fixed-coefficient sum of deltas)")
@@ -362,27 +370,16 @@ def execute(
 
     Example: mergedb execute 1 --out ./merged
     """
-    from . import executor
     from .units import parse_size
 
-    cat = _catalog(catalog, wait)
-    xp = cat.execution_plan(plan_ref)  # the catalog is closed again before any weight is read
-    try:
-        res = executor.execute(
-            xp,
-            out_dir,
-            max_shard_size=parse_size(max_shard_size, what="shard size"),
-            dtype=dtype,
-            verify=verify,
-            force=force,
-        )
-    except MergeDBError as e:
-        cat.record_run(xp.plan_id, str(out_dir), error=str(e))
-        raise
-    cat.record_run(xp.plan_id, str(out_dir), res)
+    shard = parse_size(max_shard_size, what="shard size")
+    res = _catalog(catalog, wait).execute(
+        plan_ref, out_dir, max_shard_size=shard, dtype=dtype, verify=verify, force=force
+    )
     if not quiet:
         _out().print(
-            f"wrote {out_dir}: expert bytes {format_size(res.expert_bytes)} (budget {format_size(xp.budget_bytes)}), "
+            f"wrote {out_dir}: expert bytes {format_size(res.expert_bytes)} "
+            f"(budget {format_size(res.manifest['budget_bytes'])}), "
             f"base {format_size(res.base_bytes)}, physical reads {format_size(res.physical_bytes)}, "
             f"{res.seconds:.2f}s, peak RSS {format_size(res.peak_rss)}"
         )
@@ -445,12 +442,11 @@ def check(
 
     Example: mergedb check --deep --output ./merged
     """
-    from . import executor
-    from .catalog import check_catalog
+    from .check import check_catalog, check_output
 
     problems = [f"{p.where}: {p.what} (fix: {p.fix})" for p in check_catalog(_catalog(catalog, wait), deep)]
     for o in output:
-        problems += executor.check_output(o)
+        problems += check_output(o)
     for p in problems:
         _out().print(f"[red]problem:[/] {p}", highlight=False)
     if problems:

@@ -1,17 +1,18 @@
 """The executor: merge a plan into a Hugging-Face folder, reading only the planned expert bytes.
 
-An `ExecutionPlan` is a plain value (parameters, file locations, the mask as an Arrow table): it
-needs no database, so the same code runs here or on remote workers. The merge is a stream of
-(name, tensor) pieces produced by independent units of work (the tensors bound for one output
-shard); writing safetensors is one consumer of that stream, `merge_to_dict` another.
+An `ExecutionPlan` (mergedb.manifest) is a plain value: parameters, file locations, the mask as
+an Arrow table, no database. The merge is a stream of (name, tensor) pieces produced by
+independent units of work (the tensors bound for one output shard); writing safetensors is one
+consumer of that stream, `merge_to_dict` another. The output folder is built under a temporary
+name and renamed into place only when complete.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 import json
+import math
 import os
 import resource
 import shutil
@@ -29,68 +30,15 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import xxhash
 
-from . import methods
+from . import kernels, methods
 from .checkpoint import INDEX, open_checkpoint, side_files
 from .errors import ChangedFileError, MergeDBError
+from .layout import TensorLayout, block_bytes, row_elems, shard_groups, shard_names
+from .manifest import MANIFEST, MASK, ExecutionPlan, Source, build_manifest, mask_table, plan_from_manifest, write_json
 from .tensorfile import DTYPES, SafetensorsWriter, TensorInfo, as_float32, encode, pread_into
 
-MANIFEST = "mergedb_manifest.json"
-MASK = "mask.parquet"
-FORMAT = "mergedb-manifest/1"
 OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 READ_AHEAD = 3  # expert blocks in flight ahead of the arithmetic
-
-
-@dataclass(frozen=True)
-class Source:
-    """A checkpoint the merge reads."""
-
-    name: str
-    path: str
-    fingerprint: str
-    content_hash: str
-    weight: float = 0.0
-    coef: float = 0.0
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """A tensor of the family and its blocks (dim-0 row ranges)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    mergeable: bool
-    rows: tuple[tuple[int, int], ...]
-    base_hashes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ExecutionPlan:
-    """Everything a merge needs, without a catalog. `mask` lists the selected (position,
-    tensor_idx, block_idx, content_hash); `trims` the per-(position, tensor_idx) thresholds."""
-
-    plan_id: int
-    plan_hash: str
-    method: str
-    params: dict[str, Any]
-    seed: int
-    base: Source
-    experts: tuple[Source, ...]
-    tensors: tuple[TensorLayout, ...]
-    mask: pa.Table
-    trims: pa.Table
-    budget_bytes: int = 0
-    stock: pa.Table | None = None  # model_stock: (tensor_idx, j, k, dot) over blocks not both read,
-    # from sketches, with j == k rows holding the exact ‖Δ_k‖² of the whole tensor
-
-    def selected(self) -> dict[int, dict[int, list[tuple[int, str]]]]:
-        """tensor_idx -> block_idx -> [(position, content_hash)] in plan order."""
-        out: dict[int, dict[int, list[tuple[int, str]]]] = {}
-        cols = [self.mask.column(c).to_pylist() for c in ("position", "tensor_idx", "block_idx", "content_hash")]
-        for pos, t, b, h in sorted(zip(*cols)):
-            out.setdefault(t, {}).setdefault(b, []).append((pos, h))
-        return out
 
 
 @dataclass(frozen=True)
@@ -124,7 +72,9 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _read_bytes() -> int:
+def physical_read_bytes() -> int:
+    """Bytes this process has fetched from storage so far (/proc/self/io read_bytes; page-cache
+    hits are not counted). 0 where the kernel does not report it."""
     try:
         for line in Path("/proc/self/io").read_text().splitlines():
             if line.startswith("read_bytes:"):
@@ -161,22 +111,10 @@ class _Inputs:
             os.close(fd)
 
 
-def _row_elems(t: TensorLayout) -> int:
-    return int(np.prod(t.shape[1:])) if len(t.shape) >= 2 else int(np.prod(t.shape))
-
-
-def units(xp: ExecutionPlan, max_shard_size: int, dtype: str | None = None) -> list[list[int]]:
+def output_shards(xp: ExecutionPlan, max_shard_size: int, dtype: str | None = None) -> list[list[int]]:
     """Tensor indices grouped into output shards of at most `max_shard_size` bytes (in order)."""
-    groups: list[list[int]] = [[]]
-    used = 0
-    for i, t in enumerate(xp.tensors):
-        nbytes = int(np.prod(t.shape)) * DTYPES[_out_dtype(t, dtype)][0]
-        if groups[-1] and used + nbytes > max_shard_size:
-            groups.append([])
-            used = 0
-        groups[-1].append(i)
-        used += nbytes
-    return groups
+    sizes = [math.prod(t.shape) * DTYPES[_out_dtype(t, dtype)][0] for t in xp.tensors]
+    return shard_groups(sizes, max_shard_size)
 
 
 def _out_dtype(t: TensorLayout, dtype: str | None) -> str:
@@ -214,9 +152,9 @@ class Merger:
         pread_into(fd, memoryview(base), info.start, path)
         self.count.base += info.nbytes
         if self.verify and t.base_hashes:
-            row_bytes = info.nbytes // max(1, t.shape[0] if len(t.shape) >= 2 else 1)
-            for b, (r0, r1) in enumerate(t.rows):
-                if xxhash.xxh3_128_hexdigest(base[r0 * row_bytes : r1 * row_bytes]) != t.base_hashes[b]:
+            for b in range(len(t.rows)):
+                lo, hi = block_bytes(t, info.nbytes, b)
+                if xxhash.xxh3_128_hexdigest(base[lo:hi]) != t.base_hashes[b]:
                     raise ChangedFileError(
                         f"{path}: block {b} of {t.name!r} changed since registration; register the base again"
                     )
@@ -225,11 +163,10 @@ class Merger:
     def _read_one(self, ti: int, b: int, pos: int, h: str) -> np.ndarray:
         """Expert `pos`'s bytes of block `b` of tensor `ti` (checked against `h` with --verify)."""
         t = self.xp.tensors[ti]
-        r0, r1 = t.rows[b]
         fd, info, path = self.inputs.where[pos + 1][t.name]
-        row_bytes = info.nbytes // max(1, t.shape[0] if len(t.shape) >= 2 else 1)
-        raw = np.empty((r1 - r0) * row_bytes, np.uint8)
-        pread_into(fd, memoryview(raw), info.start + r0 * row_bytes, path)
+        lo, hi = block_bytes(t, info.nbytes, b)
+        raw = np.empty(hi - lo, np.uint8)
+        pread_into(fd, memoryview(raw), info.start + lo, path)
         self.count.expert += raw.nbytes
         if self.verify and xxhash.xxh3_128_hexdigest(raw) != h:
             raise ChangedFileError(
@@ -272,20 +209,20 @@ class Merger:
         out = base_raw if not convert else np.empty(int(np.prod(t.shape)) * out_dt.itemsize, np.uint8)
         stock = _StockDots(self.xp, ti) if self.xp.method == "model_stock" else None
         pending: list[tuple[int, np.ndarray, np.ndarray]] = []  # model_stock: until t is known
-        per_row = _row_elems(t)
+        per_row = row_elems(t.shape)
         reads = self._reads(ti, [(b, pos, h) for b in blocks for pos, h in selected.get(b, [])])
         for b in blocks:
             r0, r1 = t.rows[b]
             lo, n = r0 * per_row, (r1 - r0) * per_row
             base = as_float32(base_raw.view(raw_dt)[lo : lo + n], t.dtype, np.empty(n, np.float32))  # (n,) f32
-            acc = methods.Accumulator(self.method, self.xp.params, n)
+            acc = kernels.Accumulator(self.method, self.xp.params, n)
             deltas = []
             for pos, raw in itertools.islice(reads, len(selected.get(b, []))):
                 d = as_float32(raw.view(raw_dt), t.dtype, self._scratch("e", n))
                 np.subtract(d, base, out=d)  # Δ in place: (n,) float32
                 src = self.xp.experts[pos]
-                d = methods.sparsify(self.method, self.xp.params, d, lo, self._trim(pos, ti, t, src))
-                acc.add(src.coef, src.weight, 0, d)
+                d = kernels.sparsify(self.method, self.xp.params, d, lo, self._trim(pos, ti, t, src))
+                acc.add(src.coef, src.weight, d)
                 if stock is not None:
                     deltas.append((pos, d.copy()))  # the scratch buffer is reused by the next expert
             update = acc.merged_delta()
@@ -307,23 +244,26 @@ class Merger:
             buf = self._bufs[name] = np.empty(n, np.float32)
         return buf[:n]
 
-    def _trim(self, pos: int, ti: int, t: TensorLayout, src: Source) -> methods.Trim:
+    def _trim(self, pos: int, ti: int, t: TensorLayout, src: Source) -> kernels.Trim:
         r = self.trims.get((pos, ti))
-        key = methods.rng_key(self.xp.seed, src.name, t.name)
+        key = kernels.rng_key(self.xp.seed, src.name, t.name)
         if r is None:
-            return methods.Trim(key=key)
-        rank = None
-        if r.get("rank_codes") is not None:
-            codes = np.asarray(r["rank_codes"], np.int64)
-            counts = np.asarray(r["rank_counts"], np.float64)
-            below = np.zeros(1 << 15)
-            np.add.at(below, codes, counts)
-            cum = (np.cumsum(below) - below / 2) / max(1.0, counts.sum())
+            return kernels.Trim(key=key)
+        rank = _della_rank(r["rank_codes"], r["rank_counts"]) if r.get("rank_codes") is not None else None
+        return kernels.Trim(r["t_lo"] or 0.0, r["t_hi"], key, rank)
 
-            def rank(a: np.ndarray, cum: np.ndarray = cum) -> np.ndarray:
-                return cum[np.asarray(a, np.float32).view(np.uint32) >> 17]
 
-        return methods.Trim(r["t_lo"] or 0.0, r["t_hi"], key, rank)
+def _della_rank(codes: list[int], counts: list[int]) -> Callable[[np.ndarray], np.ndarray]:
+    """DELLA's magnitude rank from a tensor's magnitude summary: the fraction of elements in lower
+    2^-6-wide bins plus half of the element's own bin (see README, "DELLA")."""
+    below = np.zeros(1 << 15)
+    np.add.at(below, np.asarray(codes, np.int64), np.asarray(counts, np.float64))
+    cum = (np.cumsum(below) - below / 2) / max(1.0, below.sum())
+
+    def rank(a: np.ndarray) -> np.ndarray:
+        return cum[np.asarray(a, np.float32).view(np.uint32) >> 17]
+
+    return rank
 
 
 class _StockDots:
@@ -383,26 +323,26 @@ def execute(
     verify: bool = False,
     force: bool = False,
     progress: Callable[[int], None] | None = None,
+    expect_hashes: dict[str, str] | None = None,
 ) -> ExecuteResult:
-    """Merge into `out` (a new folder, or an old mergedb output with force=True), atomically."""
+    """Merge into `out` (a new folder, or an old mergedb output with force=True), atomically.
+
+    With `expect_hashes` (tensor name -> xxh3-128 of its bytes, as a manifest records them) the
+    output is checked before it is installed: a mismatch raises and leaves nothing behind."""
     out = Path(out)
     out_dt = OUT_DTYPES.get(dtype, dtype) if dtype else None
     if out_dt is not None and out_dt not in OUT_DTYPES.values():
         raise MergeDBError(f"unknown --dtype {dtype!r}; use bf16, fp16 or fp32")
     _check_out(out, force)
-    t0, phys0 = time.perf_counter(), _read_bytes()
+    t0, phys0 = time.perf_counter(), physical_read_bytes()
     _remove_stale_temps(out)
     tmp = out.parent / f".{out.name}.mergedb-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     merger = None
     try:
         merger = Merger(xp, out_dt, verify)
-        groups = units(xp, max_shard_size, out_dt)
-        names = (
-            ["model.safetensors"]
-            if len(groups) == 1
-            else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-        )
+        groups = output_shards(xp, max_shard_size, out_dt)
+        names = shard_names(len(groups))
         hashes: dict[str, str] = {}
         weight_map: dict[str, str] = {}
         written = 0
@@ -417,22 +357,28 @@ def execute(
                         progress(1)
             written += w.total_size
         if len(groups) > 1:
-            _write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
+            write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
         base_root = open_checkpoint(xp.base.path).root
         for f in side_files(base_root):
             shutil.copyfile(base_root / f, tmp / f)
         pq.write_table(mask_table(xp), tmp / MASK)
+        if expect_hashes is not None and hashes != expect_hashes:
+            bad = sorted(n for n in expect_hashes.keys() | hashes.keys() if hashes.get(n) != expect_hashes.get(n))
+            raise MergeDBError(
+                f"the merge into {out} differs from the recorded one in tensors {bad[:5]}; nothing was installed "
+                "(an input changed since, or the manifest does not describe these files)"
+            )
         manifest = build_manifest(xp, out_dt, hashes)
         run = {
             "seconds": time.perf_counter() - t0,
             "expert_bytes_logical": merger.count.expert,
-            "physical_read_bytes": _read_bytes() - phys0,
+            "physical_read_bytes": physical_read_bytes() - phys0,
             "base_bytes": merger.count.base,
             "bytes_written": written,
             "peak_rss_bytes": _peak_rss(),
             "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
         }
-        _write_json(tmp / MANIFEST, {**manifest, "run": run})
+        write_json(tmp / MANIFEST, {**manifest, "run": run})
         _fsync_dir(tmp)
         _install(tmp, out)
     except OSError as e:
@@ -516,175 +462,7 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-
-
-def mask_table(xp: ExecutionPlan) -> pa.Table:
-    """The replayable mask: selected blocks with their row ranges and content hashes."""
-    pos = xp.mask.column("position").to_pylist()
-    tix = xp.mask.column("tensor_idx").to_pylist()
-    bix = xp.mask.column("block_idx").to_pylist()
-    return pa.table(
-        {
-            "expert": [xp.experts[p].name for p in pos],
-            "position": pa.array(pos, pa.int32()),
-            "tensor": [xp.tensors[t].name for t in tix],
-            "tensor_idx": pa.array(tix, pa.int32()),
-            "block_idx": pa.array(bix, pa.int32()),
-            "row_start": pa.array([xp.tensors[t].rows[b][0] for t, b in zip(tix, bix)], pa.int64()),
-            "row_end": pa.array([xp.tensors[t].rows[b][1] for t, b in zip(tix, bix)], pa.int64()),
-            "content_hash": xp.mask.column("content_hash"),
-        }
-    ).sort_by([("position", "ascending"), ("tensor_idx", "ascending"), ("block_idx", "ascending")])
-
-
-def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str, str]) -> dict[str, Any]:
-    """The deterministic part of the manifest, with a content hash over all of it."""
-    mask = mask_table(xp)
-    digest = hashlib.sha256()
-    for c in ("position", "tensor_idx", "block_idx"):
-        digest.update(mask.column(c).to_numpy().astype("<i8").tobytes())
-    doc: dict[str, Any] = {
-        "format": FORMAT,
-        "plan_hash": xp.plan_hash,
-        "method": xp.method,
-        "params": xp.params,
-        "seed": xp.seed,
-        "dtype": dtype,
-        "budget_bytes": xp.budget_bytes,
-        "base": _source_doc(xp.base),
-        "experts": [_source_doc(e) for e in xp.experts],
-        "layout": [
-            {
-                "name": t.name,
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-                "mergeable": t.mergeable,
-                "rows": [list(r) for r in t.rows],
-                "base_hashes": list(t.base_hashes),
-            }
-            for t in xp.tensors
-        ],
-        "trims": xp.trims.to_pylist(),
-        "stock": xp.stock.to_pylist() if xp.stock is not None else None,
-        "mask_digest": digest.hexdigest(),
-        "tensor_hashes": tensor_hashes,
-    }
-    doc["content_hash"] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-    return doc
-
-
-def _source_doc(s: Source) -> dict[str, Any]:
-    return {
-        "name": s.name,
-        "path": s.path,
-        "fingerprint": s.fingerprint,
-        "content_hash": s.content_hash,
-        "weight": s.weight,
-        "coef": s.coef,
-    }
-
-
-def plan_from_manifest(manifest_path: str | os.PathLike[str]) -> tuple[ExecutionPlan, dict[str, Any]]:
-    """Rebuild the ExecutionPlan of an output from its manifest and mask alone (no catalog)."""
-    path = Path(manifest_path)
-    try:
-        doc = json.loads(path.read_text())
-        mask = pq.read_table(path.parent / MASK)
-    except (OSError, ValueError) as e:
-        raise MergeDBError(f"cannot read {path} or its {MASK}: {e}") from None
-    if doc.get("format") != FORMAT:
-        raise MergeDBError(f"{path}: not a {FORMAT} manifest")
-    tensors = tuple(
-        TensorLayout(
-            t["name"],
-            t["dtype"],
-            tuple(t["shape"]),
-            t["mergeable"],
-            tuple(tuple(r) for r in t["rows"]),
-            tuple(t["base_hashes"]),
-        )
-        for t in doc["layout"]
-    )
-    trims = pa.Table.from_pylist(doc["trims"]) if doc["trims"] else _empty_trims()
-    xp = ExecutionPlan(
-        0,
-        doc["plan_hash"],
-        doc["method"],
-        doc["params"],
-        doc["seed"],
-        Source(**doc["base"]),
-        tuple(Source(**e) for e in doc["experts"]),
-        tensors,
-        mask.select(["position", "tensor_idx", "block_idx", "content_hash"]),
-        trims,
-        doc["budget_bytes"],
-        pa.Table.from_pylist(doc["stock"]) if doc.get("stock") else None,
-    )
-    return xp, doc
-
-
-def _empty_trims() -> pa.Table:
-    return pa.table(
-        {
-            "position": pa.array([], pa.int32()),
-            "tensor_idx": pa.array([], pa.int32()),
-            "t_lo": pa.array([], pa.float32()),
-            "t_hi": pa.array([], pa.float32()),
-        }
-    )
-
-
 def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *, force: bool = False) -> ExecuteResult:
-    """Re-execute an output from its manifest and mask, and check every tensor hash matches."""
+    """Re-execute an output from its manifest and mask, installing it only if every tensor hash matches."""
     xp, doc = plan_from_manifest(manifest_path)
-    res = execute(xp, out, dtype=doc["dtype"], force=force)
-    if res.manifest["tensor_hashes"] != doc["tensor_hashes"]:
-        bad = [n for n, h in doc["tensor_hashes"].items() if res.manifest["tensor_hashes"].get(n) != h]
-        raise MergeDBError(f"replay into {out} differs from the original in tensors {bad[:5]}")
-    return res
-
-
-def check_output(folder: str | os.PathLike[str]) -> list[str]:
-    """Problems of a merged output against its manifest (empty when it is intact)."""
-    folder = Path(folder)
-    path = folder / MANIFEST
-    if not path.is_file():
-        return [f"{folder}: no {MANIFEST}: not a complete mergedb output"]
-    try:
-        doc = json.loads(path.read_text())
-    except ValueError as e:
-        return [f"{path}: not valid JSON ({e})"]
-    problems = []
-    det = {k: v for k, v in doc.items() if k not in ("run", "content_hash")}
-    if hashlib.sha256(json.dumps(det, sort_keys=True).encode()).hexdigest() != doc.get("content_hash"):
-        problems.append(f"{path}: content_hash does not match the manifest's contents (edited?)")
-    try:
-        mask = pq.read_table(folder / MASK)
-        digest = hashlib.sha256()
-        for c in ("position", "tensor_idx", "block_idx"):
-            digest.update(mask.column(c).to_numpy().astype("<i8").tobytes())
-        if digest.hexdigest() != doc.get("mask_digest"):
-            problems.append(f"{folder / MASK}: does not match the manifest's mask digest")
-    except (OSError, ValueError, KeyError) as e:
-        problems.append(f"{folder / MASK}: cannot be read ({e})")
-    from .tensorfile import read_header
-
-    seen = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        try:
-            h = read_header(f)
-        except MergeDBError as e:
-            problems.append(str(e))
-            continue
-        with open(f, "rb") as fh:
-            for t in h.tensors:
-                fh.seek(t.start)
-                seen[t.name] = xxhash.xxh3_128_hexdigest(fh.read(t.nbytes))
-    for name, want in doc.get("tensor_hashes", {}).items():
-        if name not in seen:
-            problems.append(f"{folder}: tensor {name!r} is missing")
-        elif seen[name] != want:
-            problems.append(f"{folder}: tensor {name!r} differs from the manifest")
-    return problems
+    return execute(xp, out, dtype=doc["dtype"], force=force, expect_hashes=doc["tensor_hashes"])

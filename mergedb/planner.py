@@ -1,7 +1,9 @@
 """The budget planner: SQL window queries over the catalog choose which (expert, block) deltas to read.
 
-`make_plan` runs inside the catalog's transaction with the connection the catalog hands it; the
-ranking, the cut and the bounds are the SQL files in `queries/` (see each file's header).
+`make_plan` runs inside the catalog's transaction with the connection the catalog hands it, in
+three steps (resolve the request, select blocks, store the plan); the ranking, the cut and the
+bounds are the SQL files in `queries/` (see each file's header). `execution_plan` reads a stored
+plan back as the plain value the executor runs.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import executor, methods, stats
-from .errors import ChangedFileError, PlanError
+from . import methods, stats
+from .errors import PlanError
+from .manifest import mask_digest
+from .resources import query
 from .units import parse_size
 
 MAX_FILL_PASSES = 256
@@ -41,48 +45,6 @@ class PlanRequest:
     allow_nonfinite: bool = False  # exclude non-finite blocks instead of refusing the expert
     strategy: str = "ranked"  # "ranked" (value per byte) or "random" (an ablation baseline)
     estimate: bool | None = None  # sketch error estimate: None = only up to ESTIMATE_MAX_ROWS omitted blocks
-
-
-@dataclass(frozen=True)
-class ExpertSummary:
-    name: str
-    weight: float
-    coef: float
-    full_bytes: int
-    selected_bytes: int
-    bound_sum: float | None
-    bound_blockwise: float | None
-
-    @property
-    def coverage(self) -> float:
-        return self.selected_bytes / self.full_bytes if self.full_bytes else 1.0
-
-
-@dataclass(frozen=True)
-class PlanSummary:
-    """A stored plan, as `mergedb plan` and `mergedb show-plan` report it."""
-
-    plan_id: int
-    plan_hash: str
-    name: str | None
-    method: str
-    params: dict[str, Any]
-    seed: int
-    budget_spec: str
-    budget_bytes: int
-    full_bytes: int
-    selected_bytes: int
-    base_bytes: int
-    n_candidates: int
-    n_selected: int
-    free_blocks: int
-    bound_sum: float | None
-    bound_blockwise: float | None
-    est_error: float | None
-    planning_seconds: float
-    base: str
-    experts: tuple[ExpertSummary, ...]
-    explain: tuple[tuple[str, str, int], ...] = ()
 
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
@@ -110,19 +72,69 @@ def parse_budget(spec: str, full_bytes: int) -> int:
         raise PlanError(f"cannot read budget {spec!r}; {example}") from None
 
 
+STRATEGIES = ("ranked", "random")
+
+
 def _rows(con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None) -> list[tuple]:
     return con.execute(sql, params or []).fetchall()
 
 
-def make_plan(
-    con: duckdb.DuckDBPyConnection, req: PlanRequest, load_query: Any
-) -> tuple[int, list[tuple[str, str, int]]]:
+@dataclass(frozen=True)
+class _Inputs:
+    """A request resolved against the catalog: ids, fingerprints, canonical parameters."""
+
+    base_id: int
+    base_fingerprint: str
+    base_content: str
+    names: tuple[str, ...]
+    ids: tuple[int, ...]
+    fingerprints: tuple[str, ...]
+    contents: tuple[str, ...]
+    weights: tuple[float, ...]
+    params: dict[str, Any]
+    coefs: tuple[float, ...]
+    method: methods.Method
+    nonfinite: tuple[tuple[str, str, int], ...]  # (expert, tensor, count) with NaN/Inf deltas
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """What the SQL steps chose (the mask itself stays in the temporary table plan_ranked)."""
+
+    budget: int
+    full_bytes: int
+    n_candidates: int
+    n_free: int
+    n_selected: int
+    selected_bytes: int
+    bound_sum: float | None  # linear methods only
+    bound_blockwise: float | None
+    per_expert: dict[int, tuple]  # position -> plan_bounds row
+    est_error: float | None
+    trims: pa.Table
+    mask_digest: str
+
+
+def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, list[tuple[str, str, int]]]:
     """Build and store a plan; returns its plan_id and the SQL steps run (step, sql, rows).
 
-    The caller owns the transaction.
+    Three steps: resolve the request against the catalog, select blocks with the SQL in
+    `queries/`, store the plan. The caller owns the transaction.
     """
     t0 = time.perf_counter()
+    if req.strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {req.strategy!r}; use ranked or random")
+    if req.name is not None and _rows(con, "SELECT 1 FROM plans WHERE name = ?", [req.name]):
+        raise PlanError(f"a plan named {req.name!r} exists already; choose another --name")
+    inputs = _resolve(con, req)
     steps: list[tuple[str, str, int]] = []
+    sel = _select(con, req, inputs, steps)
+    plan_id = _store(con, req, inputs, sel, t0)
+    return plan_id, steps
+
+
+def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
+    """Check the base, experts, weights and parameters of a request; refuse non-finite experts."""
     base = _rows(
         con, "SELECT checkpoint_id, fingerprint, content_hash, role FROM checkpoints WHERE name = ?", [req.base]
     )
@@ -146,10 +158,7 @@ def make_plan(
             raise PlanError(f"expert {n!r} was registered against another base, not {req.base!r}")
     weights = list(req.weights) if req.weights is not None else [1.0] * len(names)
     params = methods.validate(req.method, req.params, weights, len(names))
-    method = methods.get_method(req.method)
-    coefs = methods.coefficients(req.method, params, weights)
     ids = [by_name[n][1] for n in names]
-
     bad = _rows(
         con,
         "SELECT c.name, ft.name, CAST(sum(eb.nonfinite) AS BIGINT) FROM expert_blocks eb "
@@ -164,55 +173,67 @@ def make_plan(
             f"expert {e!r} has {n} NaN/Inf values in tensor {t!r}; fix or drop that checkpoint, or pass "
             "--allow-nonfinite to leave its non-finite blocks out of the merge"
         )
+    return _Inputs(
+        base_id=base_id,
+        base_fingerprint=base_fp,
+        base_content=base_content,
+        names=tuple(names),
+        ids=tuple(ids),
+        fingerprints=tuple(by_name[n][2] for n in names),
+        contents=tuple(by_name[n][3] for n in names),
+        weights=tuple(weights),
+        params=params,
+        coefs=tuple(methods.coefficients(req.method, params, weights)),
+        method=methods.get_method(req.method),
+        nonfinite=tuple(bad),
+    )
 
+
+def _select(
+    con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, steps: list[tuple[str, str, int]]
+) -> _Selection:
+    """Rank every (expert, block) candidate and cut at the budget: fills the temporary table
+    plan_ranked (see queries/plan_*.sql) and measures the bounds and the estimate."""
     con.register(
         "_plan_experts",
         pa.table(
             {
-                "checkpoint_id": pa.array(ids, pa.int32()),
-                "position": pa.array(range(len(ids)), pa.int32()),
-                "coef": pa.array(coefs, pa.float64()),
+                "checkpoint_id": pa.array(inp.ids, pa.int32()),
+                "position": pa.array(range(len(inp.ids)), pa.int32()),
+                "coef": pa.array(inp.coefs, pa.float64()),
             }
         ),
     )
-    trim = _thresholds(con, req.method, params, ids)
-    con.register("_plan_trim", trim)
-    candidates = "plan_candidates_trimmed" if method.score == "trimmed" else "plan_candidates"
-    _run(con, steps, "candidates", load_query(candidates), [base_id], "SELECT count(*) FROM plan_candidates")
-    if req.strategy not in ("ranked", "random"):
-        raise PlanError(f"unknown strategy {req.strategy!r}; use ranked or random")
-    if req.strategy == "random":
-        _run(con, steps, "random", load_query("plan_random_scores"), [req.seed], "SELECT count(*) FROM plan_candidates")
-    if req.allow_nonfinite and bad:
-        con.execute(
-            "DELETE FROM plan_candidates WHERE (checkpoint_id, tensor_idx, block_idx) IN "
-            "(SELECT (checkpoint_id, tensor_idx, block_idx) FROM expert_blocks WHERE nonfinite > 0)"
+    trims = _thresholds(con, inp.method, inp.params, list(inp.ids))
+    con.register("_plan_trim", trims)
+    try:
+        candidates = "plan_candidates_trimmed" if inp.method.score == "trimmed" else "plan_candidates"
+        _run(con, steps, "candidates", query(candidates), [inp.base_id], "SELECT count(*) FROM plan_candidates")
+        if req.strategy == "random":
+            _run(con, steps, "random", query("plan_random_scores"), [req.seed], "SELECT count(*) FROM plan_candidates")
+        if req.allow_nonfinite and inp.nonfinite:
+            con.execute(
+                "DELETE FROM plan_candidates WHERE (checkpoint_id, tensor_idx, block_idx) IN "
+                "(SELECT (checkpoint_id, tensor_idx, block_idx) FROM expert_blocks WHERE nonfinite > 0)"
+            )
+        full_bytes, n_cand, n_free = _rows(
+            con,
+            "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT), count(*), count(*) FILTER (WHERE free) "
+            "FROM plan_candidates",
+        )[0]
+        budget = parse_budget(req.budget, full_bytes)
+        cut = _rows(con, query("plan_cut"), [budget])[0][0]
+        steps.append(("cut", query("plan_cut"), 1))
+        cut = -(2**62) if cut is None else int(cut)  # everything fits: every bucket is above the cut
+        _run(
+            con, steps, "prefix", query("plan_prefix"), [budget, cut], "SELECT count(*) FROM plan_ranked WHERE selected"
         )
-    full_bytes, n_cand, n_free = _rows(
-        con,
-        "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT), count(*), count(*) FILTER (WHERE free) FROM plan_candidates",
-    )[0]
-    budget = parse_budget(req.budget, full_bytes)
-    cut = _rows(con, load_query("plan_cut"), [budget])[0][0]
-    steps.append(("cut", load_query("plan_cut"), 1))
-    cut = -(2**62) if cut is None else int(cut)  # everything fits: every bucket is above the cut
-    _run(
-        con,
-        steps,
-        "prefix",
-        load_query("plan_prefix"),
-        [budget, cut],
-        "SELECT count(*) FROM plan_ranked WHERE selected",
-    )
-    fill = load_query("plan_fill")
-    for _ in range(MAX_FILL_PASSES):
-        used = _rows(con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM plan_ranked WHERE selected")[0][0]
-        added = con.execute(fill, [budget - used]).fetchall()[0][0]
-        steps.append(("fill", fill, int(added)))
-        if added == 0:
-            break
-    bounds = _rows(con, load_query("plan_bounds"))
-    steps.append(("bounds", load_query("plan_bounds"), len(bounds)))
+        _fill(con, budget, steps)
+        bounds = _rows(con, query("plan_bounds"))
+        steps.append(("bounds", query("plan_bounds"), len(bounds)))
+    finally:
+        con.unregister("_plan_experts")
+        con.unregister("_plan_trim")
     per_expert = {r[0]: r for r in bounds if r[0] is not None}
     total = next(r for r in bounds if r[0] is None)
     selected_bytes, n_selected = int(total[3] or 0), int(total[5] or 0)
@@ -220,87 +241,127 @@ def make_plan(
         raise PlanError(f"internal error: selected {selected_bytes} bytes over the {budget}-byte budget")
     omitted = n_cand - n_free - n_selected
     want_estimate = req.estimate if req.estimate is not None else omitted <= ESTIMATE_MAX_ROWS
-    est = _sketch_estimate(con, coefs) if method.bound and want_estimate else None
-    mask_digest = _mask_digest(con)
+    linear = inp.method.linear
+    selected = con.sql("SELECT position, tensor_idx, block_idx FROM plan_ranked WHERE selected").to_arrow_table()
+    return _Selection(
+        budget=budget,
+        full_bytes=int(full_bytes),
+        n_candidates=int(n_cand),
+        n_free=int(n_free),
+        n_selected=n_selected,
+        selected_bytes=selected_bytes,
+        bound_sum=total[1] if linear else None,
+        bound_blockwise=total[2] if linear else None,
+        per_expert=per_expert,
+        est_error=_sketch_estimate(con, list(inp.coefs)) if linear and want_estimate else None,
+        trims=trims,
+        mask_digest=mask_digest(selected),
+    )
+
+
+def _fill(con: duckdb.DuckDBPyConnection, budget: int, steps: list[tuple[str, str, int]]) -> None:
+    """Greedy fill after the prefix: repeat queries/plan_fill.sql until a pass adds nothing."""
+    fill = query("plan_fill")
+    for _ in range(MAX_FILL_PASSES):
+        used = _rows(con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM plan_ranked WHERE selected")[0][0]
+        added = int(con.execute(fill, [budget - used]).fetchall()[0][0])
+        steps.append(("fill", fill, added))
+        if added == 0:
+            return
+    raise PlanError(
+        f"internal error: the budget fill did not settle in {MAX_FILL_PASSES} passes; nothing was stored. "
+        "Please report this with the catalog's `mergedb sql 'SELECT count(*) FROM expert_blocks'`"
+    )
+
+
+def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: _Selection, t0: float) -> int:
+    """Write the plan, its experts, thresholds and mask; returns the new plan_id."""
     base_bytes = _rows(
-        con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM family_tensors WHERE base_id = ?", [base_id]
+        con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM family_tensors WHERE base_id = ?", [inp.base_id]
     )[0][0]
     description = {
         "method": req.method,
-        "params": params,
+        "params": inp.params,
         "seed": req.seed,
-        "budget_bytes": budget,
+        "budget_bytes": sel.budget,
         "strategy": req.strategy,
-        "base": {"fingerprint": base_fp, "content": base_content},
+        "base": {"fingerprint": inp.base_fingerprint, "content": inp.base_content},
         "experts": [
-            {"fingerprint": by_name[n][2], "content": by_name[n][3], "weight": w} for n, w in zip(names, weights)
+            {"fingerprint": fp, "content": ch, "weight": w}
+            for fp, ch, w in zip(inp.fingerprints, inp.contents, inp.weights)
         ],
-        "thresholds": hashlib.sha256(_canonical_table(trim)).hexdigest(),
-        "mask": mask_digest,
+        "thresholds": hashlib.sha256(_canonical_table(sel.trims)).hexdigest(),
+        "mask": sel.mask_digest,
     }
     plan_hash = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
-    if req.name is not None and _rows(con, "SELECT 1 FROM plans WHERE name = ?", [req.name]):
-        raise PlanError(f"a plan named {req.name!r} exists already; choose another --name")
     plan_id = int(_rows(con, "SELECT coalesce(max(plan_id), 0) + 1 FROM plans")[0][0])
-    additive = method.bound
-    con.execute(
-        "INSERT INTO plans VALUES (" + ", ".join(["?"] * 21) + ", current_timestamp, ?)",
-        [
-            plan_id,
-            req.name,
-            plan_hash,
-            req.method,
-            json.dumps(params, sort_keys=True),
-            req.seed,
-            str(req.budget),
-            budget,
-            base_id,
-            base_fp,
-            base_content,
-            full_bytes,
-            selected_bytes,
-            base_bytes,
-            n_cand,
-            n_selected,
-            n_free,
-            total[1] if additive else None,
-            total[2] if additive else None,
-            est,
-            time.perf_counter() - t0,
-            req.strategy,
-        ],
-    )
-    full_by_pos = {pos: r[4] for pos, r in per_expert.items()}
-    for pos, (n, w, c) in enumerate(zip(names, weights, coefs)):
-        b = per_expert.get(pos)
-        con.execute(
-            "INSERT INTO plan_experts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                plan_id,
-                pos,
-                by_name[n][1],
-                w,
-                c,
-                by_name[n][2],
-                by_name[n][3],
-                int(full_by_pos.get(pos, 0)),
-                int(b[3]) if b else 0,
-                (b[1] if b else 0.0) if additive else None,
-                (b[2] if b else 0.0) if additive else None,
-            ],
+    row = {
+        "plan_id": plan_id,
+        "name": req.name,
+        "plan_hash": plan_hash,
+        "method": req.method,
+        "params": json.dumps(inp.params, sort_keys=True),
+        "seed": req.seed,
+        "budget_spec": str(req.budget),
+        "budget_bytes": sel.budget,
+        "base_id": inp.base_id,
+        "base_fingerprint": inp.base_fingerprint,
+        "base_content": inp.base_content,
+        "full_bytes": sel.full_bytes,
+        "selected_bytes": sel.selected_bytes,
+        "base_bytes": base_bytes,
+        "n_candidates": sel.n_candidates,
+        "n_selected": sel.n_selected,
+        "free_blocks": sel.n_free,
+        "bound_sum": sel.bound_sum,
+        "bound_blockwise": sel.bound_blockwise,
+        "est_error": sel.est_error,
+        "planning_seconds": 0.0,  # set below, once everything is stored
+        "strategy": req.strategy,
+    }
+    _insert(con, "plans", row)
+    linear = inp.method.linear
+    for pos, (cid, w, c, fp, ch) in enumerate(zip(inp.ids, inp.weights, inp.coefs, inp.fingerprints, inp.contents)):
+        b = sel.per_expert.get(pos)
+        _insert(
+            con,
+            "plan_experts",
+            {
+                "plan_id": plan_id,
+                "position": pos,
+                "checkpoint_id": cid,
+                "weight": w,
+                "coef": c,
+                "fingerprint": fp,
+                "content_hash": ch,
+                "full_bytes": int(b[4]) if b else 0,
+                "selected_bytes": int(b[3]) if b else 0,
+                "bound_sum": (b[1] if b else 0.0) if linear else None,
+                "bound_blockwise": (b[2] if b else 0.0) if linear else None,
+            },
         )
+    con.register("_plan_trim", sel.trims)
+    try:
+        con.execute(
+            "INSERT INTO plan_thresholds (plan_id, checkpoint_id, tensor_idx, t_lo, t_hi, exact) "
+            "SELECT ?, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim",
+            [plan_id],
+        )
+    finally:
+        con.unregister("_plan_trim")
     con.execute(
-        "INSERT INTO plan_thresholds SELECT ?, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim", [plan_id]
-    )
-    con.execute(
-        "INSERT INTO plan_mask SELECT ?, checkpoint_id, tensor_idx, block_idx, selected, free, score, value, nbytes "
-        "FROM plan_ranked",
+        "INSERT INTO plan_mask (plan_id, checkpoint_id, tensor_idx, block_idx, selected, free, score, value, nbytes) "
+        "SELECT ?, checkpoint_id, tensor_idx, block_idx, selected, free, score, value, nbytes FROM plan_ranked",
         [plan_id],
     )
     con.execute("UPDATE plans SET planning_seconds = ? WHERE plan_id = ?", [time.perf_counter() - t0, plan_id])
-    for name in ("_plan_experts", "_plan_trim"):
-        con.unregister(name)
-    return plan_id, steps
+    return plan_id
+
+
+def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict[str, Any]) -> None:
+    """INSERT one row, naming its columns (never positional)."""
+    cols = ", ".join(row)
+    con.execute(f"INSERT INTO {table} ({cols}) VALUES ({', '.join('?' * len(row))})", list(row.values()))
 
 
 def _run(con: duckdb.DuckDBPyConnection, steps: list, name: str, sql: str, params: list[Any], count_sql: str) -> None:
@@ -308,9 +369,8 @@ def _run(con: duckdb.DuckDBPyConnection, steps: list, name: str, sql: str, param
     steps.append((name, sql, int(_rows(con, count_sql)[0][0])))
 
 
-def _thresholds(con: duckdb.DuckDBPyConnection, method_name: str, params: dict[str, Any], ids: list[int]) -> pa.Table:
+def _thresholds(con: duckdb.DuckDBPyConnection, m: methods.Method, params: dict[str, Any], ids: list[int]) -> pa.Table:
     """Per (expert, tensor) trim thresholds: exact from the density grid when the density is on it."""
-    m = methods.get_method(method_name)
     cols: dict[str, list[Any]] = {"checkpoint_id": [], "tensor_idx": [], "t_lo": [], "t_hi": [], "exact": []}
     if m.sparsify in ("magnitude", "band"):
         gamma = params.get("gamma", 0.0) if m.sparsify == "band" else 0.0
@@ -388,183 +448,5 @@ def _estimate_blocks(key: np.ndarray, c: np.ndarray, norms: np.ndarray, s: np.nd
     return float(np.maximum(diag + cross, 0.0).sum())
 
 
-def _mask_digest(con: duckdb.DuckDBPyConnection) -> str:
-    sel = con.sql(
-        "SELECT position, tensor_idx, block_idx FROM plan_ranked WHERE selected "
-        "ORDER BY position, tensor_idx, block_idx"
-    ).to_arrow_table()
-    h = hashlib.sha256()
-    for col in sel.columns:
-        h.update(col.to_numpy().astype("<i8").tobytes())
-    return h.hexdigest()
-
-
 def _canonical_table(t: pa.Table) -> bytes:
     return json.dumps(t.to_pylist(), sort_keys=True, default=str).encode()
-
-
-def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str) -> int:
-    """The plan_id of a plan given by id, name or plan-hash prefix."""
-    text = str(plan)
-    rows = con.execute(
-        "SELECT plan_id FROM plans WHERE CAST(plan_id AS VARCHAR) = ? OR name = ? OR plan_hash LIKE ? || '%'",
-        [text, text, text if len(text) >= 6 else "\x00"],
-    ).fetchall()
-    if len(rows) != 1:
-        what = "no plan" if not rows else "several plans"
-        raise PlanError(f"{what} matching {text!r}; `mergedb plans` lists them")
-    return int(rows[0][0])
-
-
-def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
-    """A stored plan's summary."""
-    p = con.execute(
-        "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
-        "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
-        "p.bound_blockwise, p.est_error, p.planning_seconds, b.name FROM plans p "
-        "JOIN checkpoints b ON b.checkpoint_id = p.base_id WHERE p.plan_id = ?",
-        [plan_id],
-    ).fetchall()[0]
-    experts = tuple(
-        ExpertSummary(*r)
-        for r in con.execute(
-            "SELECT c.name, pe.weight, pe.coef, pe.full_bytes, pe.selected_bytes, pe.bound_sum, pe.bound_blockwise "
-            "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? ORDER BY pe.position",
-            [plan_id],
-        ).fetchall()
-    )
-    return PlanSummary(
-        plan_id=p[0],
-        plan_hash=p[1],
-        name=p[2],
-        method=p[3],
-        params=json.loads(p[4]),
-        seed=p[5],
-        budget_spec=p[6],
-        budget_bytes=p[7],
-        full_bytes=p[8],
-        selected_bytes=p[9],
-        base_bytes=p[10],
-        n_candidates=p[11],
-        n_selected=p[12],
-        free_blocks=p[13],
-        bound_sum=p[14],
-        bound_blockwise=p[15],
-        est_error=p[16],
-        planning_seconds=p[17],
-        base=p[18],
-        experts=experts,
-    )
-
-
-def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> executor.ExecutionPlan:
-    """Everything the executor needs for plan `pid`: a plain value, no connection inside."""
-    p = con.execute(
-        "SELECT p.plan_hash, p.method, p.params, p.seed, p.budget_bytes, b.name, b.path, b.fingerprint, "
-        "b.content_hash, p.base_id FROM plans p JOIN checkpoints b ON b.checkpoint_id = p.base_id "
-        "WHERE p.plan_id = ?",
-        [pid],
-    ).fetchall()[0]
-    experts = con.execute(
-        "SELECT c.name, c.path, pe.fingerprint, pe.content_hash, pe.weight, pe.coef, c.fingerprint "
-        "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? "
-        "ORDER BY pe.position",
-        [pid],
-    ).fetchall()
-    for name, _, planned, _, _, _, current in experts:
-        if planned != current:
-            raise ChangedFileError(f"expert {name!r} was re-registered after this plan was made; plan again")
-    tensors = con.execute(
-        "SELECT ft.tensor_idx, ft.name, ft.dtype, ft.shape, ft.mergeable, "
-        "list(row_start ORDER BY block_idx), list(row_end ORDER BY block_idx), list(base_hash ORDER BY block_idx) "
-        "FROM family_tensors ft JOIN blocks bl USING (base_id, tensor_idx) WHERE ft.base_id = ? "
-        "GROUP BY ALL ORDER BY ft.tensor_idx",
-        [p[9]],
-    ).fetchall()
-    mask = con.sql(
-        "SELECT pe.position, m.tensor_idx, m.block_idx, eb.content_hash FROM plan_mask m "
-        "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
-        "JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id AND eb.tensor_idx = m.tensor_idx "
-        "AND eb.block_idx = m.block_idx WHERE m.plan_id = $1 AND m.selected "
-        "ORDER BY 1, 2, 3",
-        params=[pid],
-    ).to_arrow_table()
-    della = json.loads(p[2]).get("epsilon") is not None
-    trims = con.sql(
-        "SELECT pe.position, et.tensor_idx, t.t_lo, t.t_hi, "
-        + (
-            "et.summary_code AS rank_codes, et.summary_count AS rank_counts "
-            if della
-            else "NULL AS rank_codes, NULL AS rank_counts "
-        )
-        + "FROM plan_experts pe JOIN expert_tensors et ON et.checkpoint_id = pe.checkpoint_id "
-        "LEFT JOIN plan_thresholds t ON t.plan_id = pe.plan_id AND t.checkpoint_id = pe.checkpoint_id "
-        "AND t.tensor_idx = et.tensor_idx WHERE pe.plan_id = $1 "
-        + ("" if della else "AND t.tensor_idx IS NOT NULL ")
-        + "ORDER BY 1, 2",
-        params=[pid],
-    ).to_arrow_table()
-    stock = _stock_dots(con, pid, len(experts)) if p[1] == "model_stock" else None
-    return executor.ExecutionPlan(
-        plan_id=pid,
-        plan_hash=p[0],
-        method=p[1],
-        params=json.loads(p[2]),
-        seed=p[3],
-        base=executor.Source(p[5], p[6], p[7], p[8]),
-        experts=tuple(executor.Source(n, path, fp, ch, w, c) for n, path, fp, ch, w, c, _ in experts),
-        tensors=tuple(
-            executor.TensorLayout(n, d, tuple(s), m, tuple(zip(r0, r1)), tuple(h))
-            for _, n, d, s, m, r0, r1, h in tensors
-        ),
-        mask=mask,
-        trims=trims,
-        budget_bytes=p[4],
-        stock=stock,
-    )
-
-
-def _stock_dots(con: duckdb.DuckDBPyConnection, pid: int, k: int) -> pa.Table:
-    """model_stock inputs per tensor: exact ‖Δ_k‖² (j == k rows) and, for each expert pair, the
-    sketch estimate of ⟨Δ_j, Δ_k⟩ over the blocks where the pair is not both read."""
-    tbl = con.sql(
-        "SELECT eb.tensor_idx, eb.block_idx, pe.position, eb.delta_norm, eb.sketch, coalesce(m.selected, false) AS sel "
-        "FROM plan_experts pe JOIN expert_blocks eb ON eb.checkpoint_id = pe.checkpoint_id "
-        "LEFT JOIN plan_mask m ON m.plan_id = pe.plan_id AND m.checkpoint_id = eb.checkpoint_id "
-        "AND m.tensor_idx = eb.tensor_idx AND m.block_idx = eb.block_idx "
-        "WHERE pe.plan_id = $1 ORDER BY 1, 2, 3",
-        params=[pid],
-    ).to_arrow_table()
-    dots: dict[tuple[int, int, int], float] = {}
-    rows = tbl.to_pylist()
-    i = 0
-    while i < len(rows):
-        j = i
-        while j < len(rows) and (rows[j]["tensor_idx"], rows[j]["block_idx"]) == (
-            rows[i]["tensor_idx"],
-            rows[i]["block_idx"],
-        ):
-            j += 1
-        group = rows[i:j]
-        ti = group[0]["tensor_idx"]
-        s = np.array([g["sketch"] for g in group], np.float64)  # (experts, D)
-        gram = s @ s.T
-        for a, ga in enumerate(group):
-            dots[(ti, ga["position"], ga["position"])] = (
-                dots.get((ti, ga["position"], ga["position"]), 0.0) + ga["delta_norm"] ** 2
-            )
-            for b in range(a + 1, len(group)):
-                gb = group[b]
-                if not (ga["sel"] and gb["sel"]):
-                    key = (ti, min(ga["position"], gb["position"]), max(ga["position"], gb["position"]))
-                    dots[key] = dots.get(key, 0.0) + float(gram[a, b])
-        i = j
-    keys = sorted(dots)
-    return pa.table(
-        {
-            "tensor_idx": pa.array([x[0] for x in keys], pa.int32()),
-            "j": pa.array([x[1] for x in keys], pa.int32()),
-            "k": pa.array([x[2] for x in keys], pa.int32()),
-            "dot": pa.array([dots[x] for x in keys], pa.float64()),
-        }
-    )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -21,53 +22,44 @@ import xxhash
 from . import stats
 from .checkpoint import Checkpoint
 from .errors import AlignmentError
+from .layout import FamilyTensor, element_offset, family_layout
 from .tensorfile import DTYPES, TensorInfo, as_float32, pread_into
 
 Progress = Callable[[int], None]
 
 
-@dataclass(frozen=True)
-class Block:
-    """One block of the family layout: rows [row_start, row_end) of tensor `tensor_idx`."""
+class BlockRow(NamedTuple):
+    """Statistics of one (expert, block): a row of the expert_blocks table (schema/001)."""
 
     tensor_idx: int
     block_idx: int
-    row_start: int
-    row_end: int
-    byte_start: int  # relative to the tensor's data start
-    nbytes: int
-    numel: int
+    identical: bool  # bytes equal the base's: Δ = 0, never read by a merge
+    delta_norm: float  # ‖Δ‖₂
+    max_abs: float
+    nnz: int
+    nonfinite: int
+    content_hash: str  # xxh3-128 of the expert's bytes of the block
+    hist_lo: np.ndarray  # (B,) float32 lower bin edges of |Δ| (non-empty bins only)
+    hist_hi: np.ndarray  # (B,) float32 upper bin edges
+    hist_count: np.ndarray  # (B,) int64
+    hist_sum: np.ndarray  # (B,) float64 Σ|Δ| per bin
+    hist_sumsq: np.ndarray  # (B,) float64 ΣΔ² per bin
+    sketch: np.ndarray  # (D,) float32 CountSketch of Δ
 
 
-@dataclass(frozen=True)
-class FamilyTensor:
-    """A tensor of a family, as the base defines it."""
+class TensorRow(NamedTuple):
+    """Per-(expert, tensor) magnitude data: a row of the expert_tensors table."""
 
     tensor_idx: int
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    numel: int
-    nbytes: int
-    row_bytes: int
-    mergeable: bool
-    blocks: tuple[Block, ...]
+    identical: bool
+    grid_threshold: np.ndarray  # (len(DENSITY_GRID),) float32 exact k-th largest |Δ| per density
+    summary_code: np.ndarray  # uint16 codes of non-empty magnitude-summary bins
+    summary_count: np.ndarray  # int64 counts of those bins
 
 
 def layout(base: Checkpoint, block_size: int) -> list[FamilyTensor]:
     """Split every tensor of `base` into blocks of about `block_size` bytes of whole dim-0 rows."""
-    out = []
-    for idx, (_, t) in enumerate(base.tensors):
-        rows = t.shape[0] if len(t.shape) >= 2 else 1
-        row_bytes = t.row_bytes if len(t.shape) >= 2 else t.nbytes
-        per_row = t.numel // rows if rows else 0
-        rows_per_block = max(1, block_size // row_bytes) if row_bytes and len(t.shape) >= 2 else max(rows, 1)
-        blocks = []
-        for b, r0 in enumerate(range(0, max(rows, 1), rows_per_block)):
-            r1 = min(rows, r0 + rows_per_block)
-            blocks.append(Block(idx, b, r0, r1, r0 * row_bytes, (r1 - r0) * row_bytes, (r1 - r0) * per_row))
-        out.append(FamilyTensor(idx, t.name, t.dtype, t.shape, t.numel, t.nbytes, row_bytes, t.is_float, tuple(blocks)))
-    return out
+    return family_layout([t for _, t in base.tensors], block_size)
 
 
 def check_aligned(base: Checkpoint, expert: Checkpoint) -> None:
@@ -95,8 +87,8 @@ def check_aligned(base: Checkpoint, expert: Checkpoint) -> None:
 class ExpertStats:
     """Everything registration learns about one expert, ready to be stored."""
 
-    blocks: list[tuple] = field(default_factory=list)  # rows for expert_blocks (see catalog)
-    tensors: list[tuple] = field(default_factory=list)  # rows for expert_tensors
+    blocks: list[BlockRow] = field(default_factory=list)
+    tensors: list[TensorRow] = field(default_factory=list)
     content_hash: str = ""
 
 
@@ -170,12 +162,12 @@ def scan_expert(
     bwhere, ewhere = _where(base), _where(expert)
     scratch = _Scratch()
 
-    def one(ft: FamilyTensor) -> tuple[list[tuple], tuple | None, list[str]]:
+    def one(ft: FamilyTensor) -> tuple[list[BlockRow], TensorRow | None, list[str]]:
         bfi, bt = bwhere[ft.name]
         efi, et = ewhere[ft.name]
         os.posix_fadvise(efiles.fds[efi], et.start, et.nbytes, os.POSIX_FADV_WILLNEED)
-        raw_dtype = np.dtype(DTYPES[ft.dtype][1])
-        rows: list[tuple] = []
+        raw_dtype = np.dtype(DTYPES[ft.dtype][1]) if ft.mergeable else None
+        rows: list[BlockRow] = []
         hashes: list[str] = []
         abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32) if ft.mergeable else None
         summary = np.zeros(stats.SUMMARY_BINS, np.int64)
@@ -205,7 +197,7 @@ def scan_expert(
             bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
             s = stats.block_stats(ef, bf, seg, stats.sketch_key(ft.name, blk.block_idx), summary, sketch_dim)
             rows.append(
-                (
+                BlockRow(
                     ft.tensor_idx,
                     blk.block_idx,
                     False,
@@ -229,7 +221,7 @@ def scan_expert(
         else:
             thresholds = stats.grid_thresholds(abs_delta, summary)
         codes, counts = stats.summary_bins(summary)
-        return rows, (ft.tensor_idx, all_identical, thresholds, codes, counts), hashes
+        return rows, TensorRow(ft.tensor_idx, all_identical, thresholds, codes, counts), hashes
 
     out = ExpertStats()
     all_hashes: list[str] = []
@@ -251,9 +243,9 @@ def content_hash(block_hashes: list[str]) -> str:
     return h.hexdigest()
 
 
-def _zero_row(tensor_idx: int, block_idx: int, chash: str, dim: int) -> tuple:
+def _zero_row(tensor_idx: int, block_idx: int, chash: str, dim: int) -> BlockRow:
     empty_f = np.zeros(0, np.float32)
-    return (
+    return BlockRow(
         tensor_idx,
         block_idx,
         True,
@@ -269,8 +261,3 @@ def _zero_row(tensor_idx: int, block_idx: int, chash: str, dim: int) -> tuple:
         np.zeros(0),
         np.zeros(dim, np.float32),
     )
-
-
-def element_offset(ft: FamilyTensor, blk: Block) -> int:
-    """Index of the block's first element in the flattened tensor."""
-    return blk.row_start * (ft.numel // ft.shape[0]) if len(ft.shape) >= 2 and ft.shape[0] else 0

@@ -13,12 +13,18 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
 
-from .checkpoint import INDEX, SINGLE
+from .checkpoint import INDEX
 from .errors import MergeDBError
+from .layout import shard_groups, shard_names
 from .tensorfile import DTYPES, SafetensorsWriter, encode
+
+if TYPE_CHECKING:
+    from .catalog import Catalog
 
 
 @dataclass(frozen=True)
@@ -106,20 +112,9 @@ def _write_model(
     dtype: str,
 ) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    shards: list[list[tuple[str, np.ndarray, str]]] = [[]]
-    used = 0
-    for name, arr, dt in tensors:
-        nbytes = arr.size * DTYPES[dt][0]
-        if shards[-1] and used + nbytes > shard_size:
-            shards.append([])
-            used = 0
-        shards[-1].append((name, arr, dt))
-        used += nbytes
-    names = (
-        [SINGLE]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
+    groups = shard_groups([arr.size * DTYPES[dt][0] for _, arr, dt in tensors], shard_size)
+    shards = [[tensors[i] for i in g] for g in groups]
+    names = shard_names(len(shards))
     weight_map: dict[str, str] = {}
     total = 0
     for fname, shard in zip(names, shards):
@@ -199,3 +194,119 @@ def make_family(
             tensors.append((name, b + _delta(trng, shape, kind, scale), bdt))
         _write_model(out / f"expert_{k:02d}", tensors, shard_size, dims, dt)
     return out
+
+
+def simulate(
+    cat: Catalog,
+    experts: int,
+    tensors: int,
+    blocks_per_tensor: int,
+    *,
+    block_bytes: int | list[int] = 4 * 2**20,
+    identical_fraction: float = 0.1,
+    seed: int = 0,
+) -> None:
+    """Write a synthetic family's rows straight into the catalog (no checkpoint files).
+
+    For planner tests and benchmarks at sizes no disk here could hold: `experts × tensors ×
+    blocks_per_tensor` expert-block rows with lognormal delta norms, random identical blocks and
+    random sketches. Files point nowhere; only planning works on such a family.
+    """
+    from .register import append_rows
+
+    rng = np.random.default_rng(seed)
+    dim = cat.sketch_dim()
+    with cat.duckdb_connection(write=True) as con:
+        con.execute("BEGIN")
+        base_id = int(con.execute("SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints").fetchall()[0][0])
+        nb = tensors * blocks_per_tensor
+        sizes = np.broadcast_to(np.asarray(block_bytes, np.int64), (nb,)).reshape(tensors, blocks_per_tensor)
+        for k in range(experts + 1):
+            con.execute(
+                "INSERT INTO checkpoints (checkpoint_id, name, path, root, role, base_id, architecture, dtype, "
+                "n_tensors, bytes, fingerprint, content_hash, block_size) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                [
+                    base_id + k,
+                    f"sim{base_id}_base" if k == 0 else f"sim{base_id}_e{k - 1:03d}",
+                    "/nonexistent",
+                    "/nonexistent",
+                    "base" if k == 0 else "expert",
+                    None if k == 0 else base_id,
+                    "Simulated",
+                    "BF16",
+                    tensors,
+                    int(sizes.sum()),
+                    f"sim-{seed}-{k}",
+                    f"sim-{seed}-{k}",
+                    None,
+                ],
+            )
+        append_rows(
+            con,
+            "family_tensors",
+            pa.table(
+                {
+                    "base_id": pa.array([base_id] * tensors, pa.int32()),
+                    "tensor_idx": pa.array(range(tensors), pa.int32()),
+                    "name": [f"t{t}" for t in range(tensors)],
+                    "dtype": ["BF16"] * tensors,
+                    "shape": pa.array([[int(sizes[t].sum()) // 2] for t in range(tensors)], pa.list_(pa.int64())),
+                    "numel": pa.array(sizes.sum(axis=1) // 2, pa.int64()),
+                    "nbytes": pa.array(sizes.sum(axis=1), pa.int64()),
+                    "row_bytes": pa.array([2] * tensors, pa.int64()),
+                    "mergeable": [True] * tensors,
+                    "n_blocks": pa.array([blocks_per_tensor] * tensors, pa.int32()),
+                }
+            ),
+        )
+        t_idx = np.repeat(np.arange(tensors, dtype=np.int32), blocks_per_tensor)
+        b_idx = np.tile(np.arange(blocks_per_tensor, dtype=np.int32), tensors)
+        starts = np.concatenate([np.r_[0, np.cumsum(s)[:-1]] for s in sizes])
+        append_rows(
+            con,
+            "blocks",
+            pa.table(
+                {
+                    "base_id": pa.array(np.full(nb, base_id, np.int32)),
+                    "tensor_idx": pa.array(t_idx),
+                    "block_idx": pa.array(b_idx),
+                    "row_start": pa.array(starts // 2),
+                    "row_end": pa.array((starts + sizes.reshape(-1)) // 2),
+                    "byte_start": pa.array(starts),
+                    "nbytes": pa.array(sizes.reshape(-1)),
+                    "numel": pa.array(sizes.reshape(-1) // 2),
+                    "base_hash": pa.array(["0"] * nb),
+                }
+            ),
+        )
+        for k in range(experts):
+            ident = rng.random(nb) < identical_fraction
+            norm = np.where(ident, 0.0, np.exp(rng.normal(0, 2, nb)))
+            sk = (rng.standard_normal((nb, dim)) * (norm[:, None] / np.sqrt(dim))).astype(np.float32)
+            lo = (norm / 100).astype(np.float32)
+            append_rows(
+                con,
+                "expert_blocks",
+                pa.table(
+                    {
+                        "checkpoint_id": pa.array(np.full(nb, base_id + 1 + k, np.int32)),
+                        "tensor_idx": pa.array(t_idx),
+                        "block_idx": pa.array(b_idx),
+                        "identical": pa.array(ident),
+                        "delta_norm": pa.array(norm),
+                        "max_abs": pa.array((norm / 10).astype(np.float32)),
+                        "nnz": pa.array(np.where(ident, 0, sizes.reshape(-1) // 2)),
+                        "nonfinite": pa.array(np.zeros(nb, np.int64)),
+                        "content_hash": pa.array(["0"] * nb),
+                        "hist_lo": pa.FixedSizeListArray.from_arrays(lo, 1).cast(pa.list_(pa.float32())),
+                        "hist_hi": pa.FixedSizeListArray.from_arrays(lo * 2, 1).cast(pa.list_(pa.float32())),
+                        "hist_count": pa.FixedSizeListArray.from_arrays(sizes.reshape(-1) // 2, 1).cast(
+                            pa.list_(pa.int64())
+                        ),
+                        "hist_sum": pa.FixedSizeListArray.from_arrays(norm, 1).cast(pa.list_(pa.float64())),
+                        "hist_sumsq": pa.FixedSizeListArray.from_arrays(norm**2, 1).cast(pa.list_(pa.float64())),
+                        "sketch": pa.FixedSizeListArray.from_arrays(sk.reshape(-1), dim).cast(pa.list_(pa.float32())),
+                    }
+                ),
+            )
+        con.execute("COMMIT")

@@ -63,7 +63,7 @@ def test_failed_registration_leaves_catalog_unchanged(tmp_path, monkeypatch):
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([fam / "base", fam / "expert_00"], base_model="base")
     before = snapshot(cat)
-    import mergedb.catalog as catalog_mod
+    import mergedb.register as catalog_mod
 
     def boom(*a, **k):
         raise OSError("disk on fire")

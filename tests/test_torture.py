@@ -20,7 +20,8 @@ import time
 import pytest
 
 from mergedb import executor, synth
-from mergedb.catalog import Catalog, check_catalog
+from mergedb.catalog import Catalog
+from mergedb.check import check_catalog, check_output
 from mergedb.planner import PlanRequest
 
 KILLS = int(os.environ.get("MERGEDB_TORTURE_KILLS", "5"))
@@ -107,7 +108,7 @@ def test_kill_execute(tmp_path):
         )
         if out.exists():
             # whatever exists under the final name is complete and intact
-            assert executor.check_output(out) == [], f"torn output after kill {i}"
+            assert check_output(out) == [], f"torn output after kill {i}"
             outcomes["complete"] += 1
         else:
             outcomes["absent"] += 1

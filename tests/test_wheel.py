@@ -39,7 +39,7 @@ def test_wheel_in_fresh_venv(tmp_path):
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", purelib, str(wheel)], check=True
     )
     where = subprocess.run(
-        [str(py), "-c", "import mergedb.catalog as c; print(c.__file__, c.resource_dir('schema'))"],
+        [str(py), "-c", "import mergedb.resources as c; print(c.__file__, c.resource_dir('schema'))"],
         capture_output=True,
         text=True,
         check=True,

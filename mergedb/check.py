@@ -1,0 +1,173 @@
+"""Integrity checks: a catalog against itself and the files it describes, and a merged output
+against its manifest. Both report problems (what, where, how to fix) instead of raising."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow.parquet as pq
+import xxhash
+
+from . import manifest
+from .checkpoint import Checkpoint, open_checkpoint
+from .errors import MergeDBError
+from .tensorfile import pread_into, read_header
+
+if TYPE_CHECKING:
+    from .catalog import Catalog
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing `check` found wrong: where, what, and how to fix it."""
+
+    where: str
+    what: str
+    fix: str
+
+
+_ORPHANS = [
+    ("files", "checkpoint_id NOT IN (SELECT checkpoint_id FROM checkpoints)"),
+    ("tensors", "checkpoint_id NOT IN (SELECT checkpoint_id FROM checkpoints)"),
+    ("expert_blocks", "checkpoint_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'expert')"),
+    ("expert_tensors", "checkpoint_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'expert')"),
+    ("blocks", "base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
+    ("family_tensors", "base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
+    ("checkpoints", "role = 'expert' AND base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
+    ("plan_experts", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+    ("plan_mask", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+    ("runs", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+]
+
+
+def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
+    """Verify the catalog against itself and the files: orphaned or missing rows, missing or
+    changed files, and with `deep` every block's bytes against its registered hash."""
+    problems: list[Problem] = []
+    with cat.duckdb_connection() as con:
+        for table, cond in _ORPHANS:
+            n = con.execute(f"SELECT count(*) FROM {table} WHERE {cond}").fetchall()[0][0]
+            if n:
+                problems.append(Problem(f"table {table}", f"{n} orphaned rows", "re-create the catalog from the files"))
+        short = con.execute(
+            "SELECT c.name, count(eb.block_idx), (SELECT count(*) FROM blocks bl JOIN family_tensors ft "
+            "USING (base_id, tensor_idx) WHERE bl.base_id = c.base_id AND ft.mergeable) "
+            "FROM checkpoints c LEFT JOIN expert_blocks eb USING (checkpoint_id) WHERE c.role = 'expert' "
+            "GROUP BY c.name, c.base_id HAVING count(eb.block_idx) != (SELECT count(*) FROM blocks bl "
+            "JOIN family_tensors ft USING (base_id, tensor_idx) WHERE bl.base_id = c.base_id AND ft.mergeable)"
+        ).fetchall()
+        for name, have, want in short:
+            problems.append(
+                Problem(
+                    f"checkpoint {name}",
+                    f"{have} block statistics rows, expected {want}",
+                    f"mergedb register --refresh {name}'s path",
+                )
+            )
+        ckpts = con.execute("SELECT checkpoint_id, name, path, fingerprint, role, base_id FROM checkpoints").fetchall()
+        hashes = {}
+        if deep:
+            for cid, _, _, _, role, base_id in ckpts:
+                if role == "base":
+                    hashes[cid] = con.execute(
+                        "SELECT ft.name, bl.block_idx, bl.byte_start, bl.nbytes, bl.base_hash FROM blocks bl "
+                        "JOIN family_tensors ft USING (base_id, tensor_idx) WHERE bl.base_id = ?",
+                        [cid],
+                    ).fetchall()
+                else:
+                    hashes[cid] = con.execute(
+                        "SELECT ft.name, bl.block_idx, bl.byte_start, bl.nbytes, eb.content_hash FROM expert_blocks eb "
+                        "JOIN blocks bl ON bl.base_id = ? AND bl.tensor_idx = eb.tensor_idx "
+                        "AND bl.block_idx = eb.block_idx "
+                        "JOIN family_tensors ft ON ft.base_id = bl.base_id AND ft.tensor_idx = bl.tensor_idx "
+                        "WHERE eb.checkpoint_id = ?",
+                        [base_id, cid],
+                    ).fetchall()
+    for cid, name, path, fp, _, _ in ckpts:
+        try:
+            ckpt = open_checkpoint(path, name=name)
+        except MergeDBError as e:
+            problems.append(
+                Problem(f"checkpoint {name}", f"cannot be read: {e}", "restore the file, or register it anew")
+            )
+            continue
+        if ckpt.fingerprint != fp:
+            problems.append(
+                Problem(
+                    f"checkpoint {name}",
+                    f"files at {path} changed since registration",
+                    "mergedb register --refresh (experts) or register under a new name (bases)",
+                )
+            )
+            continue
+        if deep:
+            problems += _rehash(ckpt, hashes[cid])
+    return problems
+
+
+def _rehash(ckpt: Checkpoint, rows: list[tuple]) -> list[Problem]:
+    where = {t.name: (fi, t) for fi, t in ckpt.tensors}
+    out = []
+    fds = [os.open(ckpt.root / f.relpath, os.O_RDONLY) for f in ckpt.files]
+    try:
+        for tensor, block, start, nbytes, want in rows:
+            fi, t = where[tensor]
+            buf = np.empty(nbytes, np.uint8)
+            pread_into(fds[fi], memoryview(buf), t.start + start, ckpt.files[fi].relpath)
+            if xxhash.xxh3_128_hexdigest(buf) != want:
+                out.append(
+                    Problem(
+                        f"checkpoint {ckpt.name}",
+                        f"block {block} of {tensor!r} differs from its registered hash",
+                        "the file was modified in place: restore it or register --refresh",
+                    )
+                )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return out
+
+
+def check_output(folder: str | os.PathLike[str]) -> list[str]:
+    """Problems of a merged output against its manifest (empty when it is intact)."""
+    folder = Path(folder)
+    path = folder / manifest.MANIFEST
+    if not path.is_file():
+        return [f"{folder}: no {manifest.MANIFEST}: not a complete mergedb output"]
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as e:
+        return [f"{path}: not valid JSON ({e})"]
+    if not isinstance(doc, dict):
+        return [f"{path}: not a mergedb manifest"]
+    problems = []
+    if manifest.content_hash(doc) != doc.get("content_hash"):
+        problems.append(f"{path}: content_hash does not match the manifest's contents (edited?)")
+    try:
+        mask = pq.read_table(folder / manifest.MASK)
+        if manifest.mask_digest(mask) != doc.get("mask_digest"):
+            problems.append(f"{folder / manifest.MASK}: does not match the manifest's mask digest")
+    except (OSError, ValueError, KeyError) as e:
+        problems.append(f"{folder / manifest.MASK}: cannot be read ({e})")
+    seen = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            h = read_header(f)
+        except MergeDBError as e:
+            problems.append(str(e))
+            continue
+        with open(f, "rb") as fh:
+            for t in h.tensors:
+                fh.seek(t.start)
+                seen[t.name] = xxhash.xxh3_128_hexdigest(fh.read(t.nbytes))
+    for name, want in doc.get("tensor_hashes", {}).items():
+        if name not in seen:
+            problems.append(f"{folder}: tensor {name!r} is missing")
+        elif seen[name] != want:
+            problems.append(f"{folder}: tensor {name!r} differs from the manifest")
+    return problems

@@ -1,0 +1,127 @@
+"""Block layout: how a family's tensors split into blocks of dim-0 rows, and the row arithmetic.
+
+A block is rows [row_start, row_end) of one tensor, so it is one contiguous byte range in every
+checkpoint of the family (safetensors data is row-major). 1-D tensors, scalars and tensors whose
+rows are not whole bytes are one block. The base fixes the layout; registration stores it and the
+executor reads it back as `TensorLayout`s. Output shard naming lives here too, shared by the
+executor and the synthetic families.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .checkpoint import SINGLE
+from .tensorfile import TensorInfo
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of the family layout: rows [row_start, row_end) of tensor `tensor_idx`."""
+
+    tensor_idx: int
+    block_idx: int
+    row_start: int
+    row_end: int
+    byte_start: int  # relative to the tensor's data start
+    nbytes: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class FamilyTensor:
+    """A tensor of a family, as the base defines it."""
+
+    tensor_idx: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    nbytes: int
+    row_bytes: int
+    mergeable: bool
+    blocks: tuple[Block, ...]
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """A tensor of the family and its blocks (dim-0 row ranges), as the executor needs it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    mergeable: bool
+    rows: tuple[tuple[int, int], ...]
+    base_hashes: tuple[str, ...] = ()
+
+
+def n_rows(shape: tuple[int, ...]) -> int:
+    """Rows of the block layout: dim 0 of a tensor of rank ≥ 2, else one row."""
+    return shape[0] if len(shape) >= 2 else 1
+
+
+def row_elems(shape: tuple[int, ...]) -> int:
+    """Elements per layout row: the product of the dims after the first (all of a 1-D tensor)."""
+    return math.prod(shape[1:]) if len(shape) >= 2 else math.prod(shape)
+
+
+def row_bytes(nbytes: int, shape: tuple[int, ...]) -> int:
+    """Bytes per layout row of a tensor of `nbytes` bytes."""
+    rows = n_rows(shape)
+    return nbytes // rows if rows else 0
+
+
+def block_bytes(t: TensorLayout, nbytes: int, b: int) -> tuple[int, int]:
+    """Byte range [start, end) of block `b` of `t` within the tensor's `nbytes` bytes of data."""
+    if len(t.rows) == 1:
+        return 0, nbytes
+    rb = row_bytes(nbytes, t.shape)
+    r0, r1 = t.rows[b]
+    return r0 * rb, r1 * rb
+
+
+def element_offset(ft: FamilyTensor, blk: Block) -> int:
+    """Index of the block's first element in the flattened tensor."""
+    return blk.row_start * row_elems(ft.shape) if len(ft.shape) >= 2 else 0
+
+
+def blocks_of(idx: int, t: TensorInfo, block_size: int) -> FamilyTensor:
+    """Split tensor `t` (index `idx` in the family) into blocks of about `block_size` bytes of whole rows."""
+    rows = n_rows(t.shape)
+    rb = row_bytes(t.nbytes, t.shape)
+    splittable = len(t.shape) >= 2 and rb > 0 and rb * rows == t.nbytes
+    if not splittable:  # 1-D, empty, or rows that are not whole bytes (packed sub-byte dtypes): one block
+        blk = Block(idx, 0, 0, rows, 0, t.nbytes, t.numel)
+        return FamilyTensor(idx, t.name, t.dtype, t.shape, t.numel, t.nbytes, t.nbytes, t.is_float, (blk,))
+    per_row = row_elems(t.shape)
+    rows_per_block = max(1, block_size // rb)
+    blocks = []
+    for b, r0 in enumerate(range(0, rows, rows_per_block)):
+        r1 = min(rows, r0 + rows_per_block)
+        blocks.append(Block(idx, b, r0, r1, r0 * rb, (r1 - r0) * rb, (r1 - r0) * per_row))
+    return FamilyTensor(idx, t.name, t.dtype, t.shape, t.numel, t.nbytes, rb, t.is_float, tuple(blocks))
+
+
+def family_layout(tensors: list[TensorInfo], block_size: int) -> list[FamilyTensor]:
+    """The layout of a base's tensors, in the base's order."""
+    return [blocks_of(i, t, block_size) for i, t in enumerate(tensors)]
+
+
+def shard_names(n: int) -> list[str]:
+    """File names of an n-shard output, as transformers writes them."""
+    return [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def shard_groups(sizes: list[int], max_shard_size: int) -> list[list[int]]:
+    """Indices of consecutive items grouped into shards of at most `max_shard_size` bytes (an
+    item larger than that gets a shard of its own)."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, nbytes in enumerate(sizes):
+        if groups[-1] and used + nbytes > max_shard_size:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += nbytes
+    return groups

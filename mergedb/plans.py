@@ -1,0 +1,224 @@
+"""Stored plans, read back: summaries for people (`PlanSummary`) and the plain `ExecutionPlan`
+value the executor runs. Only reads; plans are made by planner.py."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from .errors import ChangedFileError, PlanError
+from .layout import TensorLayout
+from .manifest import ExecutionPlan, Source
+
+
+@dataclass(frozen=True)
+class ExpertSummary:
+    name: str
+    weight: float
+    coef: float
+    full_bytes: int
+    selected_bytes: int
+    bound_sum: float | None
+    bound_blockwise: float | None
+
+    @property
+    def coverage(self) -> float:
+        return self.selected_bytes / self.full_bytes if self.full_bytes else 1.0
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """A stored plan, as `mergedb plan` and `mergedb show-plan` report it."""
+
+    plan_id: int
+    plan_hash: str
+    name: str | None
+    method: str
+    params: dict[str, Any]
+    seed: int
+    budget_spec: str
+    budget_bytes: int
+    full_bytes: int
+    selected_bytes: int
+    base_bytes: int
+    n_candidates: int
+    n_selected: int
+    free_blocks: int
+    bound_sum: float | None
+    bound_blockwise: float | None
+    est_error: float | None
+    planning_seconds: float
+    base: str
+    experts: tuple[ExpertSummary, ...]
+    explain: tuple[tuple[str, str, int], ...] = ()
+
+
+def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str) -> int:
+    """The plan_id of a plan given by id, name or plan-hash prefix."""
+    text = str(plan)
+    rows = con.execute(
+        "SELECT plan_id FROM plans WHERE CAST(plan_id AS VARCHAR) = ? OR name = ? OR plan_hash LIKE ? || '%'",
+        [text, text, text if len(text) >= 6 else "\x00"],
+    ).fetchall()
+    if len(rows) != 1:
+        what = "no plan" if not rows else "several plans"
+        raise PlanError(f"{what} matching {text!r}; `mergedb plans` lists them")
+    return int(rows[0][0])
+
+
+def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
+    """A stored plan's summary."""
+    p = con.execute(
+        "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
+        "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
+        "p.bound_blockwise, p.est_error, p.planning_seconds, b.name FROM plans p "
+        "JOIN checkpoints b ON b.checkpoint_id = p.base_id WHERE p.plan_id = ?",
+        [plan_id],
+    ).fetchall()[0]
+    experts = tuple(
+        ExpertSummary(*r)
+        for r in con.execute(
+            "SELECT c.name, pe.weight, pe.coef, pe.full_bytes, pe.selected_bytes, pe.bound_sum, pe.bound_blockwise "
+            "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? ORDER BY pe.position",
+            [plan_id],
+        ).fetchall()
+    )
+    return PlanSummary(
+        plan_id=p[0],
+        plan_hash=p[1],
+        name=p[2],
+        method=p[3],
+        params=json.loads(p[4]),
+        seed=p[5],
+        budget_spec=p[6],
+        budget_bytes=p[7],
+        full_bytes=p[8],
+        selected_bytes=p[9],
+        base_bytes=p[10],
+        n_candidates=p[11],
+        n_selected=p[12],
+        free_blocks=p[13],
+        bound_sum=p[14],
+        bound_blockwise=p[15],
+        est_error=p[16],
+        planning_seconds=p[17],
+        base=p[18],
+        experts=experts,
+    )
+
+
+def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
+    """Everything the executor needs for plan `pid`: a plain value, no connection inside."""
+    p = con.execute(
+        "SELECT p.plan_hash, p.method, p.params, p.seed, p.budget_bytes, b.name, b.path, b.fingerprint, "
+        "b.content_hash, p.base_id FROM plans p JOIN checkpoints b ON b.checkpoint_id = p.base_id "
+        "WHERE p.plan_id = ?",
+        [pid],
+    ).fetchall()[0]
+    experts = con.execute(
+        "SELECT c.name, c.path, pe.fingerprint, pe.content_hash, pe.weight, pe.coef, c.fingerprint "
+        "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? "
+        "ORDER BY pe.position",
+        [pid],
+    ).fetchall()
+    for name, _, planned, _, _, _, current in experts:
+        if planned != current:
+            raise ChangedFileError(f"expert {name!r} was re-registered after this plan was made; plan again")
+    tensors = con.execute(
+        "SELECT ft.tensor_idx, ft.name, ft.dtype, ft.shape, ft.mergeable, "
+        "list(row_start ORDER BY block_idx), list(row_end ORDER BY block_idx), list(base_hash ORDER BY block_idx) "
+        "FROM family_tensors ft JOIN blocks bl USING (base_id, tensor_idx) WHERE ft.base_id = ? "
+        "GROUP BY ALL ORDER BY ft.tensor_idx",
+        [p[9]],
+    ).fetchall()
+    mask = con.sql(
+        "SELECT pe.position, m.tensor_idx, m.block_idx, eb.content_hash FROM plan_mask m "
+        "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
+        "JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id AND eb.tensor_idx = m.tensor_idx "
+        "AND eb.block_idx = m.block_idx WHERE m.plan_id = $1 AND m.selected "
+        "ORDER BY 1, 2, 3",
+        params=[pid],
+    ).to_arrow_table()
+    della = json.loads(p[2]).get("epsilon") is not None
+    trims = con.sql(
+        "SELECT pe.position, et.tensor_idx, t.t_lo, t.t_hi, "
+        + (
+            "et.summary_code AS rank_codes, et.summary_count AS rank_counts "
+            if della
+            else "NULL AS rank_codes, NULL AS rank_counts "
+        )
+        + "FROM plan_experts pe JOIN expert_tensors et ON et.checkpoint_id = pe.checkpoint_id "
+        "LEFT JOIN plan_thresholds t ON t.plan_id = pe.plan_id AND t.checkpoint_id = pe.checkpoint_id "
+        "AND t.tensor_idx = et.tensor_idx WHERE pe.plan_id = $1 "
+        + ("" if della else "AND t.tensor_idx IS NOT NULL ")
+        + "ORDER BY 1, 2",
+        params=[pid],
+    ).to_arrow_table()
+    stock = _stock_dots(con, pid, len(experts)) if p[1] == "model_stock" else None
+    return ExecutionPlan(
+        plan_id=pid,
+        plan_hash=p[0],
+        method=p[1],
+        params=json.loads(p[2]),
+        seed=p[3],
+        base=Source(p[5], p[6], p[7], p[8]),
+        experts=tuple(Source(n, path, fp, ch, w, c) for n, path, fp, ch, w, c, _ in experts),
+        tensors=tuple(
+            TensorLayout(n, d, tuple(s), m, tuple(zip(r0, r1)), tuple(h)) for _, n, d, s, m, r0, r1, h in tensors
+        ),
+        mask=mask,
+        trims=trims,
+        budget_bytes=p[4],
+        stock=stock,
+    )
+
+
+def _stock_dots(con: duckdb.DuckDBPyConnection, pid: int, k: int) -> pa.Table:
+    """model_stock inputs per tensor: exact ‖Δ_k‖² (j == k rows) and, for each expert pair, the
+    sketch estimate of ⟨Δ_j, Δ_k⟩ over the blocks where the pair is not both read."""
+    tbl = con.sql(
+        "SELECT eb.tensor_idx, eb.block_idx, pe.position, eb.delta_norm, eb.sketch, coalesce(m.selected, false) AS sel "
+        "FROM plan_experts pe JOIN expert_blocks eb ON eb.checkpoint_id = pe.checkpoint_id "
+        "LEFT JOIN plan_mask m ON m.plan_id = pe.plan_id AND m.checkpoint_id = eb.checkpoint_id "
+        "AND m.tensor_idx = eb.tensor_idx AND m.block_idx = eb.block_idx "
+        "WHERE pe.plan_id = $1 ORDER BY 1, 2, 3",
+        params=[pid],
+    ).to_arrow_table()
+    dots: dict[tuple[int, int, int], float] = {}
+    rows = tbl.to_pylist()
+    i = 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and (rows[j]["tensor_idx"], rows[j]["block_idx"]) == (
+            rows[i]["tensor_idx"],
+            rows[i]["block_idx"],
+        ):
+            j += 1
+        group = rows[i:j]
+        ti = group[0]["tensor_idx"]
+        s = np.array([g["sketch"] for g in group], np.float64)  # (experts, D)
+        gram = s @ s.T
+        for a, ga in enumerate(group):
+            dots[(ti, ga["position"], ga["position"])] = (
+                dots.get((ti, ga["position"], ga["position"]), 0.0) + ga["delta_norm"] ** 2
+            )
+            for b in range(a + 1, len(group)):
+                gb = group[b]
+                if not (ga["sel"] and gb["sel"]):
+                    key = (ti, min(ga["position"], gb["position"]), max(ga["position"], gb["position"]))
+                    dots[key] = dots.get(key, 0.0) + float(gram[a, b])
+        i = j
+    keys = sorted(dots)
+    return pa.table(
+        {
+            "tensor_idx": pa.array([x[0] for x in keys], pa.int32()),
+            "j": pa.array([x[1] for x in keys], pa.int32()),
+            "k": pa.array([x[2] for x in keys], pa.int32()),
+            "dot": pa.array([dots[x] for x in keys], pa.float64()),
+        }
+    )

@@ -1,0 +1,413 @@
+"""Registration: read checkpoints once (scan.py) and store their layout and delta statistics.
+
+Two phases, so DuckDB's file lock is held only briefly: the files are read with the catalog
+closed, then every row is written in one transaction (nothing is written if anything fails).
+Rows cross from the scan as named records (`scan.BlockRow`, `scan.TensorRow`) and enter DuckDB
+as Arrow tables whose columns are named after the schema's (schema/001_catalog.sql).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import duckdb
+import pyarrow as pa
+
+from . import scan
+from .checkpoint import Checkpoint, discover, open_checkpoint
+from .errors import CatalogError, ChangedFileError, MergeDBError
+from .layout import Block, FamilyTensor
+from .units import parse_size
+
+if TYPE_CHECKING:
+    from .catalog import Catalog
+
+DEFAULT_BLOCK_SIZE = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class RegisterResult:
+    """What a registration did."""
+
+    registered: tuple[str, ...]
+    unchanged: tuple[str, ...]
+    bytes_read: int
+    seconds: float
+
+
+def register(
+    cat: Catalog,
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    base: bool = False,
+    base_model: str | None = None,
+    name: str | None = None,
+    block_size: int | str = DEFAULT_BLOCK_SIZE,
+    refresh: bool = False,
+    threads: int = 2,
+    progress: scan.Progress | None = None,
+    on_total: Any = None,
+) -> RegisterResult:
+    """Register checkpoints: read each once, store layout and exact delta statistics.
+
+    `paths` are model folders, .safetensors files, or folders of those. With `base=True` they
+    are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
+    the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
+    """
+    t0 = time.perf_counter()
+    block_bytes = parse_size(block_size, what="block size")
+    if block_bytes <= 0:
+        raise MergeDBError("--block-size must be positive, e.g. 4MiB")
+    found = [open_checkpoint(p) for p in discover(list(paths))]
+    if name is not None:
+        if len(found) != 1:
+            raise MergeDBError(f"--name applies to one checkpoint, but {len(found)} were found")
+        found = [_renamed(found[0], name)]
+    names = [c.name for c in found]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise MergeDBError(f"two checkpoints would be named {dupes[0]!r}; register them separately with --name")
+
+    with cat.duckdb_connection(write=True) as con:
+        existing = {
+            r[0]: r
+            for r in con.execute(
+                "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size FROM checkpoints"
+            ).fetchall()
+        }
+        base_names = {r[1]: r[0] for r in existing.values() if r[2] == "base"}
+        dim = cat.sketch_dim()
+
+    if base:
+        bases, experts, base_ckpt_name = found, [], None
+    else:
+        base_ckpt_name = base_model
+        if base_ckpt_name is None:
+            if len(base_names) != 1:
+                raise MergeDBError(
+                    "which base were these experts fine-tuned from? pass --base-model NAME "
+                    + (
+                        f"(registered bases: {', '.join(sorted(base_names.values()))})"
+                        if base_names
+                        else "or register the base first with --base"
+                    )
+                )
+            base_ckpt_name = next(iter(base_names.values()))
+        in_paths = [c for c in found if c.name == base_ckpt_name]
+        if in_paths:
+            bases, experts = in_paths, [c for c in found if c.name != base_ckpt_name]
+        elif base_ckpt_name in existing and existing[base_ckpt_name][2] == "base":
+            bases, experts = [], found
+        else:
+            known = ", ".join(sorted(base_names.values())) or "none"
+            raise CatalogError(
+                f"unknown --base-model {base_ckpt_name!r}: not among the paths and not a registered base "
+                f"(registered bases: {known})"
+            )
+
+    todo_bases, todo_experts, unchanged = [], [], []
+    for c in bases + experts:
+        role = "base" if c in bases else "expert"
+        row = existing.get(c.name)
+        if row is not None:
+            if row[2] != role:
+                raise CatalogError(f"{c.name!r} is already registered as a {row[2]}, not a {role}")
+            if row[4] == c.fingerprint and (role == "base" or existing.get(base_ckpt_name or "", (0, -1))[1] == row[3]):
+                unchanged.append(c.name)
+                continue
+            if not refresh:
+                raise ChangedFileError(
+                    f"{c.name!r} ({c.path}) changed since it was registered; "
+                    "pass --refresh to re-scan it (plans made before then will ask to be made again)"
+                )
+            if role == "base":
+                raise ChangedFileError(
+                    f"base {c.name!r} ({c.path}) changed since it was registered; its experts' statistics "
+                    "depend on it. Register the new base under a new --name"
+                )
+        (todo_bases if role == "base" else todo_experts).append(c)
+
+    total = sum(_tensor_bytes(c) for c in todo_bases) + sum(2 * _tensor_bytes(c) for c in todo_experts)
+    if on_total:
+        on_total(total)
+    read = 0
+
+    def tick(n: int) -> None:
+        nonlocal read
+        read += n
+        if progress:
+            progress(n)
+
+    # Phase 1: read the files (catalog closed).
+    families: dict[str, tuple[Checkpoint, list[FamilyTensor], list[str]]] = {}
+    for b in todo_bases:
+        fam = scan.layout(b, block_bytes)
+        families[b.name] = (b, fam, scan.hash_base(b, fam, threads, tick))
+    if todo_experts:
+        assert base_ckpt_name is not None
+        if base_ckpt_name not in families:
+            families[base_ckpt_name] = _load_family(cat, base_ckpt_name)
+    results = []
+    for e in todo_experts:
+        b, fam, hashes = families[base_ckpt_name]  # type: ignore[index]
+        keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
+        results.append((e, scan.scan_expert(b, e, fam, keyed, dim, threads, tick)))
+
+    # Phase 2: one transaction. Another process may have registered some of these meanwhile:
+    # identical ones are skipped, conflicting ones refused (nothing is written then).
+    done: list[str] = []
+    with cat.duckdb_connection(write=True) as con:
+        con.execute("BEGIN")
+        try:
+            now = {
+                r[0]: r
+                for r in con.execute(
+                    "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size FROM checkpoints"
+                ).fetchall()
+            }
+            ids = {}
+            for b in todo_bases:
+                _, fam, hashes = families[b.name]
+                if b.name in now:
+                    if now[b.name][4] != b.fingerprint or now[b.name][5] != block_bytes:
+                        raise CatalogError(
+                            f"base {b.name!r} was registered by another process meanwhile with other "
+                            "contents or block size; nothing was written: run the command again"
+                        )
+                    ids[b.name] = now[b.name][1]
+                    unchanged.append(b.name)
+                    continue
+                ids[b.name] = _insert_checkpoint(con, b, "base", None, scan.content_hash(hashes), block_bytes)
+                _insert_family(con, ids[b.name], fam, hashes)
+                done.append(b.name)
+            for e, st in results:
+                if base_ckpt_name in ids:
+                    base_id = ids[base_ckpt_name]
+                else:
+                    base_id = _one(con, "SELECT checkpoint_id FROM checkpoints WHERE name = ?", [base_ckpt_name])[0]
+                if e.name in now:
+                    row = now[e.name]
+                    if e.name not in existing or row[4] != existing[e.name][4]:  # someone else's write
+                        if row[4] == e.fingerprint and row[3] == base_id:
+                            unchanged.append(e.name)
+                            continue
+                        raise CatalogError(
+                            f"{e.name!r} was registered by another process meanwhile with other contents; "
+                            "nothing was written: run the command again"
+                        )
+                    _delete_checkpoint(con, row[1])  # --refresh: same id, so old plans see the change
+                cid = _insert_checkpoint(
+                    con, e, "expert", base_id, st.content_hash, None, now[e.name][1] if e.name in now else None
+                )
+                _insert_stats(con, cid, st)
+                done.append(e.name)
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+    return RegisterResult(tuple(done), tuple(unchanged), read, time.perf_counter() - t0)
+
+
+def _load_family(cat: Catalog, base_name: str) -> tuple[Checkpoint, list[FamilyTensor], list[str]]:
+    """A registered base's checkpoint, layout and block hashes, after checking its files are unchanged."""
+    with cat.duckdb_connection() as con:
+        row = _one(con, "SELECT checkpoint_id, path, fingerprint FROM checkpoints WHERE name = ?", [base_name])
+        cid, path, fp = row
+        tensors = con.execute(
+            "SELECT tensor_idx, name, dtype, shape, numel, nbytes, row_bytes, mergeable "
+            "FROM family_tensors WHERE base_id = ? ORDER BY tensor_idx",
+            [cid],
+        ).fetchall()
+        blocks = con.execute(
+            "SELECT tensor_idx, block_idx, row_start, row_end, byte_start, nbytes, numel, base_hash "
+            "FROM blocks WHERE base_id = ? ORDER BY tensor_idx, block_idx",
+            [cid],
+        ).fetchall()
+    ckpt = open_checkpoint(path, name=base_name)
+    if ckpt.fingerprint != fp:
+        raise ChangedFileError(
+            f"base {base_name!r} ({path}) changed since it was registered; register it again under a new --name"
+        )
+    by_tensor: dict[int, list[Block]] = {}
+    for t, b, r0, r1, bs, nb, ne, _ in blocks:
+        by_tensor.setdefault(t, []).append(Block(t, b, r0, r1, bs, nb, ne))
+    fam = [FamilyTensor(t, n, d, tuple(s), ne, nb, rb, m, tuple(by_tensor[t])) for t, n, d, s, ne, nb, rb, m in tensors]
+    return ckpt, fam, [b[7] for b in blocks]
+
+
+def _insert_checkpoint(
+    con: duckdb.DuckDBPyConnection,
+    c: Checkpoint,
+    role: str,
+    base_id: int | None,
+    chash: str,
+    block_size: int | None,
+    cid: int | None = None,
+) -> int:
+    if cid is None:
+        cid = int(_one(con, "SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints")[0])
+    con.execute(
+        "INSERT INTO checkpoints (checkpoint_id, name, path, root, role, base_id, architecture, dtype, "
+        "n_tensors, bytes, fingerprint, content_hash, block_size) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        [
+            cid,
+            c.name,
+            str(c.path.resolve()),
+            str(c.root.resolve()),
+            role,
+            base_id,
+            c.architecture,
+            c.dtype,
+            len(c.tensors),
+            c.bytes,
+            c.fingerprint,
+            chash,
+            block_size,
+        ],
+    )
+    files = pa.table(
+        {
+            "checkpoint_id": pa.array([cid] * len(c.files), pa.int32()),
+            "file_idx": pa.array(range(len(c.files)), pa.int32()),
+            "relpath": [f.relpath for f in c.files],
+            "bytes": pa.array([f.size for f in c.files], pa.int64()),
+            "mtime_ns": pa.array([f.mtime_ns for f in c.files], pa.int64()),
+            "header_len": pa.array([f.header.header_len for f in c.files], pa.int64()),
+            "header_sha256": [f.header.sha256 for f in c.files],
+        }
+    )
+    append_rows(con, "files", files)
+    order = {t.name: i for i, (_, t) in enumerate(c.tensors)}
+    if role == "expert":  # tensor_idx follows the base's order; the base's layout is already stored
+        base_order = dict(
+            con.execute("SELECT name, tensor_idx FROM family_tensors WHERE base_id = ?", [base_id]).fetchall()
+        )
+        order = {n: base_order[n] for n in order}
+    tensors = pa.table(
+        {
+            "checkpoint_id": pa.array([cid] * len(c.tensors), pa.int32()),
+            "tensor_idx": pa.array([order[t.name] for _, t in c.tensors], pa.int32()),
+            "file_idx": pa.array([fi for fi, _ in c.tensors], pa.int32()),
+            "data_start": pa.array([t.start for _, t in c.tensors], pa.int64()),
+            "data_end": pa.array([t.end for _, t in c.tensors], pa.int64()),
+        }
+    )
+    append_rows(con, "tensors", tensors)
+    return cid
+
+
+def _one(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] | None = None) -> Any:
+    """The first row of a query, fully fetched (DuckDB 2 streams: an unfetched result blocks the connection)."""
+    rows = con.execute(sql, list(params or [])).fetchall()
+    return rows[0] if rows else None
+
+
+def _tensor_bytes(c: Checkpoint) -> int:
+    return sum(t.nbytes for _, t in c.tensors)
+
+
+def _renamed(c: Checkpoint, name: str) -> Checkpoint:
+    return Checkpoint(name, c.path, c.root, c.files, c.tensors, c.architecture)
+
+
+def _all_blocks(fam: list[FamilyTensor]) -> Iterator[Block]:
+    for ft in fam:
+        yield from ft.blocks
+
+
+def append_rows(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> None:
+    """INSERT an Arrow table into `table`, by column name."""
+    con.register("_mergedb_rows", data)
+    try:
+        cols = ", ".join(data.column_names)
+        con.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM _mergedb_rows")
+    finally:
+        con.unregister("_mergedb_rows")
+
+
+def _insert_family(con: duckdb.DuckDBPyConnection, base_id: int, fam: list[FamilyTensor], hashes: list[str]) -> None:
+    append_rows(
+        con,
+        "family_tensors",
+        pa.table(
+            {
+                "base_id": pa.array([base_id] * len(fam), pa.int32()),
+                "tensor_idx": pa.array([f.tensor_idx for f in fam], pa.int32()),
+                "name": [f.name for f in fam],
+                "dtype": [f.dtype for f in fam],
+                "shape": pa.array([list(f.shape) for f in fam], pa.list_(pa.int64())),
+                "numel": pa.array([f.numel for f in fam], pa.int64()),
+                "nbytes": pa.array([f.nbytes for f in fam], pa.int64()),
+                "row_bytes": pa.array([f.row_bytes for f in fam], pa.int64()),
+                "mergeable": [f.mergeable for f in fam],
+                "n_blocks": pa.array([len(f.blocks) for f in fam], pa.int32()),
+            }
+        ),
+    )
+    blocks = list(_all_blocks(fam))
+    append_rows(
+        con,
+        "blocks",
+        pa.table(
+            {
+                "base_id": pa.array([base_id] * len(blocks), pa.int32()),
+                "tensor_idx": pa.array([b.tensor_idx for b in blocks], pa.int32()),
+                "block_idx": pa.array([b.block_idx for b in blocks], pa.int32()),
+                "row_start": pa.array([b.row_start for b in blocks], pa.int64()),
+                "row_end": pa.array([b.row_end for b in blocks], pa.int64()),
+                "byte_start": pa.array([b.byte_start for b in blocks], pa.int64()),
+                "nbytes": pa.array([b.nbytes for b in blocks], pa.int64()),
+                "numel": pa.array([b.numel for b in blocks], pa.int64()),
+                "base_hash": hashes,
+            }
+        ),
+    )
+
+
+# Arrow types of the scan's named rows, by field name (the columns of schema/001's tables).
+_BLOCK_TYPES = {
+    "tensor_idx": pa.int32(),
+    "block_idx": pa.int32(),
+    "identical": pa.bool_(),
+    "delta_norm": pa.float64(),
+    "max_abs": pa.float32(),
+    "nnz": pa.int64(),
+    "nonfinite": pa.int64(),
+    "content_hash": pa.string(),
+    "hist_lo": pa.list_(pa.float32()),
+    "hist_hi": pa.list_(pa.float32()),
+    "hist_count": pa.list_(pa.int64()),
+    "hist_sum": pa.list_(pa.float64()),
+    "hist_sumsq": pa.list_(pa.float64()),
+    "sketch": pa.list_(pa.float32()),
+}
+_TENSOR_TYPES = {
+    "tensor_idx": pa.int32(),
+    "identical": pa.bool_(),
+    "grid_threshold": pa.list_(pa.float32()),
+    "summary_code": pa.list_(pa.uint16()),
+    "summary_count": pa.list_(pa.int64()),
+}
+
+
+def _rows_table(cid: int, rows: Sequence[tuple], fields: tuple[str, ...], types: dict[str, pa.DataType]) -> pa.Table:
+    """Named rows of one checkpoint as an Arrow table with the schema's column names."""
+    cols = list(zip(*rows)) if rows else [() for _ in fields]
+    data = {"checkpoint_id": pa.array([cid] * len(rows), pa.int32())}
+    for name, values in zip(fields, cols):
+        data[name] = pa.array(list(values), types[name])
+    return pa.table(data)
+
+
+def _insert_stats(con: duckdb.DuckDBPyConnection, cid: int, st: scan.ExpertStats) -> None:
+    append_rows(con, "expert_blocks", _rows_table(cid, st.blocks, scan.BlockRow._fields, _BLOCK_TYPES))
+    append_rows(con, "expert_tensors", _rows_table(cid, st.tensors, scan.TensorRow._fields, _TENSOR_TYPES))
+
+
+def _delete_checkpoint(con: duckdb.DuckDBPyConnection, cid: int) -> None:
+    for table in ("expert_blocks", "expert_tensors", "tensors", "files", "checkpoints"):
+        con.execute(f"DELETE FROM {table} WHERE checkpoint_id = ?", [cid])

@@ -6,6 +6,7 @@ statistic the obvious way with numpy/torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -64,26 +65,77 @@ def block_rows(shape: tuple[int, ...], itemsize: int, block_size: int) -> list[t
     return [(r, min(shape[0], r + per)) for r in range(0, shape[0], per)]
 
 
+# -- the documented definitions of coefficients and random draws, written out again -------------
+
+# splitmix64's constants (Steele, Lea & Flood 2014; Vigna's splitmix64.c)
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def ref_coefficients(method: str, params: dict, weights: list[float]) -> list[float]:
+    """c_k on Δ_k as the README's table defines them, from the request's own parameters.
+
+    linear: w_k/Σw (w_k with normalize=false; normalize defaults to true); model_stock: 1/K;
+    every other method: λ·w_k (λ defaults to 1).
+    """
+    if method == "linear":
+        if params.get("normalize", True):
+            total = sum(weights)
+            return [w / total for w in weights]
+        return list(weights)
+    if method == "model_stock":
+        return [1.0 / len(weights)] * len(weights)
+    lam = params.get("lambda", 1.0)
+    return [lam * w for w in weights]
+
+
+def drop_key(seed: int, expert: str, tensor: str) -> int:
+    """The DARE/DELLA stream key of (seed, expert name, tensor name): the first 8 bytes,
+    little-endian, of SHA-256("mergedb-drop\0{seed}\0{expert}\0{tensor}")."""
+    digest = hashlib.sha256(f"mergedb-drop\0{seed}\0{expert}\0{tensor}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def splitmix64_draws(key: int, n: int) -> np.ndarray:
+    """Draws u_0 … u_{n−1} of stream `key`: u_i = top 53 bits of splitmix64(key + i), in [0, 1).
+
+    splitmix64(x): z = x·0x9E3779B97F4A7C15 (mod 2^64), then its finaliser
+    z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31.
+    (That is the textbook generator's (i+1)-th output from the state (key − 1)·γ.) Plain numpy
+    uint64 arrays: multiplication wraps mod 2^64. float64, (n,).
+    """
+    z = (np.uint64(key) + np.arange(n, dtype=np.uint64)) * _GOLDEN_GAMMA
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def ref_merge(
     method: str,
     params: dict,
     weights: list[float],
-    coefs: list[float],
     base: np.ndarray,
     experts: list[np.ndarray],
-    seed_keys: list[int] | None = None,
+    *,
+    seed: int = 0,
+    expert_names: list[str] | None = None,
+    tensor: str = "",
 ) -> np.ndarray:
     """Whole-tensor merge with torch, float32, experts in plan order (the textbook formulas).
 
+    `params` are the request's parameters as given (λ defaults to 1, normalize to true; densities
+    must be given); coefficients and random draws are derived here (`ref_coefficients`,
+    `drop_key`, `splitmix64_draws`), never taken from mergedb.
+
     linear / task_arithmetic: θ0 + Σ_k c_k Δ_k.  TIES: trim each Δ_k to |Δ| ≥ its k-th largest
     (k = max(1, int(density·n))), elect sign(Σ w_k Δ'_k) with +1 on zero, average the agreeing
-    w_k Δ'_k by Σ agreeing w_k, scale by λ.  DARE: keep each element with probability density
-    (the counter-based stream u_i of mergedb.methods.uniform, the documented definition of the
-    random draws) and rescale by 1/density. Breadcrumbs: keep ranks after the top γ, within γ+density.
+    w_k Δ'_k by Σ agreeing w_k, scale by λ.  DARE: keep element i with probability density
+    (u_i < density, u_i the i-th draw of the stream keyed by (seed, expert name, tensor name))
+    and rescale by 1/density. Breadcrumbs: keep ranks after the top γ, within γ+density.
     """
     import torch
-
-    from mergedb.methods import uniform
 
     b = torch.from_numpy(base.astype(np.float32).reshape(-1))
     deltas = []
@@ -100,7 +152,7 @@ def ref_merge(
                 keep &= a < float(kth_largest(a.numpy(), params["gamma"]))
             d = torch.where(keep, d, torch.zeros_like(d))
         elif method in ("dare_linear", "dare_ties"):
-            u = torch.from_numpy(uniform(seed_keys[i], 0, d.numel()))
+            u = torch.from_numpy(splitmix64_draws(drop_key(seed, expert_names[i], tensor), d.numel()))
             p = params["density"]
             d = torch.where(u < p, d / p, torch.zeros_like(d))
         elif method in ("della", "della_linear"):
@@ -112,12 +164,12 @@ def ref_merge(
             mid = (np.cumsum(counts) - counts / 2) / counts.sum()
             rank = torch.from_numpy(mid[codes])
             p = (params["density"] - params["epsilon"] + 2 * params["epsilon"] * rank).to(torch.float32)
-            u = torch.from_numpy(uniform(seed_keys[i], 0, d.numel()))
+            u = torch.from_numpy(splitmix64_draws(drop_key(seed, expert_names[i], tensor), d.numel()))
             d = torch.where(u < p, d / p, torch.zeros_like(d))
         deltas.append(d)
     if method in ("linear", "task_arithmetic", "dare_linear", "breadcrumbs", "della_linear"):
         total = torch.zeros_like(b)
-        for c, d in zip(coefs, deltas):
+        for c, d in zip(ref_coefficients(method, params, weights), deltas):
             total += torch.tensor(c, dtype=torch.float32) * d
         return (b + total).numpy().reshape(base.shape)
     w = [torch.tensor(x, dtype=torch.float32) for x in weights]

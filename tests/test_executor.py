@@ -13,24 +13,26 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from mergedb import executor, methods, synth
+from mergedb import executor, synth
 from mergedb.catalog import Catalog
+from mergedb.errors import ChangedFileError, MergeDBError
 from mergedb.planner import PlanRequest
 from tests.conftest import FAMILIES
 from tests.reference import cast_like, load_model, ref_merge
 
 EXPERTS = ["expert_00", "expert_01", "expert_02"]
 WEIGHTS = (1.0, 0.6, 0.3)
-CASES = [
+CASES = [  # λ ≠ 1 where a method takes it, so a coefficient that ignores λ shows
     ("linear", {}),
+    ("linear", {"normalize": False}),
     ("task_arithmetic", {"lambda": 0.7}),
-    ("ties", {"density": 0.2, "lambda": 1.0}),
-    ("dare_linear", {"density": 0.5}),
+    ("ties", {"density": 0.2, "lambda": 0.9}),
+    ("dare_linear", {"density": 0.5, "lambda": 1.3}),
     ("dare_ties", {"density": 0.3}),
-    ("breadcrumbs", {"density": 0.8, "gamma": 0.05}),
+    ("breadcrumbs", {"density": 0.8, "gamma": 0.05, "lambda": 0.8}),
     ("breadcrumbs_ties", {"density": 0.7, "gamma": 0.01}),
     ("della", {"density": 0.6, "epsilon": 0.2}),
-    ("della_linear", {"density": 0.5, "epsilon": 0.1}),
+    ("della_linear", {"density": 0.5, "epsilon": 0.1, "lambda": 1.2}),
 ]
 
 
@@ -53,15 +55,17 @@ def test_full_budget_equals_reference_bit_for_bit(family, loaded, tmp_path, meth
         if b.dtype.kind != "f":
             assert np.array_equal(got[name], b)
             continue
-        seed_keys = [methods.rng_key(5, e.name, name) for e in xp.experts]
+        # the request's own weights, parameters, seed and names: the reference derives coefficients
+        # and random draws itself (never from the plan)
         full = ref_merge(
             method,
-            xp.params,
+            params,
             list(WEIGHTS),
-            [e.coef for e in xp.experts],
             b,
             [loaded[e][name] for e in EXPERTS],
-            seed_keys,
+            seed=5,
+            expert_names=EXPERTS,
+            tensor=name,
         )
         want = cast_like(full, FAMILIES[kind][0])
         assert np.array_equal(got[name], want), (method, name, np.abs(got[name] - want).max())
@@ -125,11 +129,11 @@ def test_replay_and_output_format(family, tmp_path):
     for shard in set(index["weight_map"].values()):
         assert (out / shard).read_bytes() == (tmp_path / "again" / shard).read_bytes()
     # refuses a non-empty folder; --force replaces only a previous mergedb output
-    with pytest.raises(Exception, match="--force"):
+    with pytest.raises(MergeDBError, match="--force"):
         executor.execute(xp, out)
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
-    with pytest.raises(Exception, match="did not create"):
+    with pytest.raises(MergeDBError, match="did not create"):
         executor.execute(xp, tmp_path / "foreign", force=True)
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
     (out / "my-notes.txt").write_text("keep me")
@@ -164,44 +168,72 @@ def test_cold_cache_physical_reads_match_logical(tmp_path):
     assert res.physical_bytes >= 0.5 * res.expert_bytes
 
 
+def _wait_until_writing(proc: subprocess.Popen, out, timeout: float = 120.0) -> bool:
+    """Poll until `proc` has made its temporary folder (or, into a new `out`, anything at `out`);
+    False if it exited first."""
+    fresh = not out.exists()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if list(out.parent.glob(f".{out.name}.mergedb-tmp-{proc.pid}-*")) or (fresh and out.exists()):
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.002)
+    raise AssertionError(f"execute wrote nothing within {timeout} s")
+
+
+def _assert_whole_or_absent(out, want_hash: str) -> None:
+    """After a kill: `out` is absent, or complete (manifest, `check_output` clean, the reference's
+    content); a leftover temporary/old folder that passes `check_output` is the reference's merge
+    too (the manifest is written last, so one killed before it fails the check)."""
+    if out.exists():
+        assert (out / "mergedb_manifest.json").is_file(), sorted(p.name for p in out.iterdir())
+        assert executor.check_output(out) == []
+        assert json.loads((out / "mergedb_manifest.json").read_text())["content_hash"] == want_hash
+    for side in out.parent.glob(f".{out.name}.mergedb-*"):
+        problems = executor.check_output(side)
+        if not problems:
+            assert json.loads((side / "mergedb_manifest.json").read_text())["content_hash"] == want_hash
+        elif not (side / "mergedb_manifest.json").exists():
+            assert "not a complete mergedb output" in problems[0]
+
+
 def test_killed_execute_leaves_no_complete_output(tmp_path):
     fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=6)
     db = tmp_path / "c.duckdb"
     cat = Catalog(db)
     cat.register([fam], base_model="base")
     plan = cat.plan(PlanRequest("base", None, "ties", "all"))
+    t0 = time.perf_counter()
+    ref = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "ref")
+    run_s = time.perf_counter() - t0  # the merge alone; a subprocess adds seconds of start-up first
+    want = ref.manifest["content_hash"]
     out = tmp_path / "out"
-    for delay in (0.3, 0.8, 1.5):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mergedb.cli", "execute", str(plan.plan_id), "--out", str(out), "-c", str(db), "-q"]
-        )
-        time.sleep(delay)
+    cmd = [sys.executable, "-m", "mergedb.cli", "execute", str(plan.plan_id), "--out", str(out), "-c", str(db), "-q"]
+
+    def kill_during_run(extra: list[str], fraction: float) -> bool:
+        """Start execute, kill it `fraction` of a run after it starts writing; True when the kill
+        landed mid-run (it installed nothing: no new `out`, or its temp folder is left beside one)."""
+        before = out.exists()
+        proc = subprocess.Popen(cmd + extra)
+        started = _wait_until_writing(proc, out)
+        time.sleep(fraction * run_s)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        if out.exists():  # finished before the kill: complete, with its manifest
-            assert (out / "mergedb_manifest.json").is_file()
-            break
-        assert not (out / "mergedb_manifest.json").exists()
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mergedb.cli",
-            "execute",
-            str(plan.plan_id),
-            "--out",
-            str(out),
-            "-c",
-            str(db),
-            "-q",
-            "--force",
-        ],
-        capture_output=True,
-        text=True,
-    )
+        _assert_whole_or_absent(out, want)
+        left = list(out.parent.glob(f".{out.name}.mergedb-tmp-{proc.pid}-*"))
+        return started and proc.returncode == -signal.SIGKILL and (bool(left) if before else not out.exists())
+
+    # kills into a new folder: as soon as it starts writing, then a third and two thirds of a run in
+    mid_run = [kill_during_run([], f) for f in (0.0, 0.3, 0.7)]
+    assert sum(mid_run) >= 2, mid_run  # the kills really landed while the merge was being written
+    res = subprocess.run(cmd + ["--force"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    ref = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "ref")
-    assert json.loads((out / "mergedb_manifest.json").read_text())["content_hash"] == ref.manifest["content_hash"]
+    _assert_whole_or_absent(out, want)
+    assert out.exists() and not list(tmp_path.glob(".out.mergedb-tmp-*"))  # killed runs' temps removed
+    # a kill while replacing a previous output with --force keeps the old one whole
+    assert kill_during_run(["--force"], 0.4)
+    assert out.exists()
 
 
 def test_changed_input_refused(tmp_path):
@@ -211,7 +243,7 @@ def test_changed_input_refused(tmp_path):
     plan = cat.plan(PlanRequest("base", None, "linear"))
     xp = cat.execution_plan(plan.plan_id)
     os.utime(fam / "expert_00" / "model.safetensors", ns=(5, 5))
-    with pytest.raises(Exception, match="changed since it was registered"):
+    with pytest.raises(ChangedFileError, match="changed since it was registered"):
         executor.execute(xp, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if "mergedb-tmp" in p.name]

@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import resource
 import shutil
+import struct
 import subprocess
 import sys
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from mergedb import executor, synth
-from mergedb.catalog import Catalog, check_catalog
+from mergedb.catalog import Catalog
+from mergedb.check import check_catalog, check_output
 from mergedb.checkpoint import open_checkpoint
 from mergedb.cli import app
 from mergedb.errors import ChangedFileError, FormatError, MergeDBError
 from mergedb.planner import PlanRequest
+from mergedb.tensorfile import MAX_HEADER_BYTES, read_header
 from tests.test_bad_input import snapshot
 
 CLI = [sys.executable, "-m", "mergedb.cli"]
@@ -71,11 +77,11 @@ def test_check_output_against_manifest(registered):
     fam, cat, tmp = registered
     plan = cat.plan(PlanRequest("base", None, "ties", "50%"))
     executor.execute(cat.execution_plan(plan.plan_id), tmp / "out")
-    assert executor.check_output(tmp / "out") == []
+    assert check_output(tmp / "out") == []
     _poke_in_place(tmp / "out" / "model.safetensors", 100)
-    assert any("differs from the manifest" in p for p in executor.check_output(tmp / "out"))
+    assert any("differs from the manifest" in p for p in check_output(tmp / "out"))
     (tmp / "half").mkdir()
-    assert "not a complete mergedb output" in executor.check_output(tmp / "half")[0]
+    assert "not a complete mergedb output" in check_output(tmp / "half")[0]
 
 
 def test_verify_catches_file_modified_in_place(registered):
@@ -262,25 +268,94 @@ def test_index_fuzz(tmp_path_factory, targets):
         assert (d / f.relpath).resolve().is_relative_to(d.resolve())
 
 
-@given(st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**62), min_size=1, max_size=4))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_huge_declared_sizes_fail_without_allocating(tmp_path_factory, header_len, shape):
-    import struct
+def _write_header_file(path: Path, header: dict, data: bytes) -> None:
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
 
-    p = tmp_path_factory.mktemp("h") / "h.safetensors"
-    blob = json.dumps(
-        {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 4 * int(__import__("math").prod(shape))]}}
-    ).encode()
-    p.write_bytes(struct.pack("<Q", len(blob)) + blob + b"\0" * 16)
-    with pytest.raises(FormatError):
-        from mergedb.tensorfile import read_header
 
-        read_header(p)
-    p.write_bytes(struct.pack("<Q", header_len) + b"{}")
+def _peak_python_alloc(fn) -> int:
+    """Peak bytes allocated (Python and numpy, via tracemalloc) while `fn` runs."""
+    tracemalloc.start()
     try:
-        read_header(p)
-    except FormatError:
-        pass
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def _refused(path: Path, match: str) -> None:
+    with pytest.raises(FormatError, match=match):
+        read_header(path)
+
+
+_DIMS = st.lists(st.integers(1, 2**62), min_size=1, max_size=4)
+
+
+@given(_DIMS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_declared_data_larger_than_file_refused_without_allocating(tmp_path_factory, shape):
+    """A header whose shape × dtype (and matching data_offsets) claims more bytes than the file
+    holds is refused, in well under a second and without allocating anything of that size."""
+    nbytes = 4 * math.prod(shape)
+    assume(nbytes > 16)  # the file holds 16 bytes of data: 16 would be a valid file
+    p = tmp_path_factory.mktemp("h") / "h.safetensors"
+    _write_header_file(p, {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, nbytes]}}, b"\0" * 16)
+    t0 = time.perf_counter()
+    peak = _peak_python_alloc(lambda: _refused(p, r"runs to byte \d+ .*\(truncated\?\)"))
+    assert time.perf_counter() - t0 < 1.0
+    assert peak < 2**20, peak
+
+
+@given(st.integers(3, 2**64 - 1))
+@example(MAX_HEADER_BYTES)
+@example(MAX_HEADER_BYTES + 1)
+@example(2**64 - 1)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_header_length_past_end_of_file_refused(tmp_path_factory, header_len):
+    """A header length past the end of the file (here: a 2-byte header holds `{}`) is refused."""
+    p = tmp_path_factory.mktemp("h") / "h.safetensors"
+    p.write_bytes(struct.pack("<Q", header_len) + b"{}")
+    match = f"exceeds the {MAX_HEADER_BYTES}-byte limit" if header_len > MAX_HEADER_BYTES else "runs past the end"
+    assert _peak_python_alloc(lambda: _refused(p, match)) < 2**20
+
+
+def test_header_length_over_the_limit_refused_even_when_the_file_is_that_long(tmp_path):
+    """The 100 MiB header limit is checked before reading: a (sparse) file long enough to hold the
+    claimed header is still refused, without reading or allocating 100 MiB."""
+    p = tmp_path / "h.safetensors"
+    with open(p, "wb") as f:
+        f.write(struct.pack("<Q", MAX_HEADER_BYTES + 1))
+        f.truncate(8 + MAX_HEADER_BYTES + 1)
+    assert _peak_python_alloc(lambda: _refused(p, f"exceeds the {MAX_HEADER_BYTES}-byte limit")) < 2**20
+    with open(p, "r+b") as f:  # exactly at the limit is allowed to be read: it is then judged as JSON
+        f.write(struct.pack("<Q", MAX_HEADER_BYTES))
+        f.truncate(8 + MAX_HEADER_BYTES)
+    _refused(p, "header is not valid JSON")
+
+
+_ZERO_SHAPES = st.lists(st.integers(0, 2**62), min_size=1, max_size=4).flatmap(
+    lambda s: st.integers(0, len(s) - 1).map(lambda i: [*s[:i], 0, *s[i + 1 :]])
+)
+
+
+@given(_ZERO_SHAPES, st.sampled_from(["F32", "BF16", "I64", "U8"]))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_shapes_with_a_zero_dimension_are_valid_empty_tensors(tmp_path_factory, shape, dtype):
+    """A shape whose product is 0 is a valid 0-byte tensor, however large its other dimensions."""
+    p = tmp_path_factory.mktemp("h") / "h.safetensors"
+    _write_header_file(
+        p,
+        {
+            "e": {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]},
+            "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        },
+        b"\0" * 8,
+    )
+    h = read_header(p)
+    e = {t.name: t for t in h.tensors}["e"]
+    assert (e.dtype, e.shape, e.nbytes, e.numel) == (dtype, tuple(shape), 0, 0)
+    assert e.start == h.data_start and sum(t.nbytes for t in h.tensors) == 8
 
 
 def test_register_unchanged_catalog_after_failed_expert(registered):

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
-from mergedb.errors import FormatError
+from mergedb.errors import FormatError, MergeDBError
 from mergedb.tensorfile import DTYPES, SafetensorsWriter, float32_to_bf16, read_header
 
 
@@ -31,11 +31,11 @@ def test_writer_golden_bytes(tmp_path):
 
 
 def test_writer_refuses_out_of_order_and_short(tmp_path):
-    with pytest.raises(Exception, match="out of order"):
+    with pytest.raises(MergeDBError, match="out of order"):
         with SafetensorsWriter(tmp_path / "x.safetensors", [("a", "F32", (1,)), ("b", "F32", (1,))]) as w:
             w.write("b", np.zeros(1, np.float32))
     w = SafetensorsWriter(tmp_path / "y.safetensors", [("a", "F32", (1,))])
-    with pytest.raises(Exception, match="closed before"):
+    with pytest.raises(MergeDBError, match="closed before"):
         w.close()
 
 

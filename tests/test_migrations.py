@@ -1,0 +1,140 @@
+"""Catalogs written at every older schema version open, upgrade to the latest, keep their rows, and plan.
+
+An old catalog is built by hand, the way an older mergedb left it: the schema files up to that
+version applied in order with DuckDB, one `schema_version` row per file, the settings row, then
+real rows (copied from a catalog that registered a tiny family and planned on it) in the tables
+that version had.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from mergedb import synth
+from mergedb.catalog import Catalog
+from mergedb.planner import PlanRequest
+
+SCHEMA = Path(__file__).resolve().parents[1] / "schema"
+FILES = sorted(SCHEMA.glob("[0-9][0-9][0-9]_*.sql"))
+LATEST = int(FILES[-1].name[:3])
+TIES = PlanRequest("base", None, "ties", "50%", params={"density": 0.3})
+TASK = PlanRequest("base", None, "task_arithmetic", "30%", weights=(1.0, -0.5), params={"lambda": 0.7})
+
+
+def _tables(con: duckdb.DuckDBPyConnection, schema: str = "main") -> list[str]:
+    return [
+        r[0]
+        for r in con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = ? AND table_type = 'BASE TABLE' "
+            "AND table_catalog = current_database() ORDER BY 1",
+            [schema],
+        ).fetchall()
+    ]
+
+
+def _columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+    return [r[1] for r in con.execute(f"PRAGMA table_info('{table}')").fetchall()]
+
+
+def _layout(path: Path) -> list[tuple]:
+    """Every table and view column of a catalog: (table, position, name, type, nullable, default)."""
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        return con.execute(
+            "SELECT table_name, ordinal_position, column_name, data_type, is_nullable, column_default "
+            "FROM information_schema.columns WHERE table_schema = 'main' AND table_name <> 'schema_version' "
+            "ORDER BY 1, 2"
+        ).fetchall()
+    finally:
+        con.close()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A latest-version catalog with a registered tiny family (base + 2 experts) and two plans."""
+    root = tmp_path_factory.mktemp("mig")
+    fam = synth.make_family(root / "fam", experts=2, size="tiny", seed=21)
+    cat = Catalog(root / "source.duckdb")
+    cat.register([fam], base_model="base", block_size="32KiB")
+    plans = [cat.plan(TIES), cat.plan(TASK)]
+    return fam, root / "source.duckdb", plans
+
+
+def _old_catalog(path: Path, version: int, source: Path) -> dict[str, tuple[list[str], list[tuple]]]:
+    """A catalog at schema `version`, as mergedb's migration code writes it, holding the source's
+    rows in every table that version had. Returns table -> (that version's columns, its rows)."""
+    con = duckdb.connect(str(path))
+    try:
+        con.execute("BEGIN")
+        con.execute(
+            "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, name VARCHAR NOT NULL, "
+            "applied_at TIMESTAMP NOT NULL)"
+        )
+        for f in FILES[:version]:
+            con.execute(f.read_text())
+            con.execute("INSERT INTO schema_version VALUES (?, ?, current_timestamp)", [int(f.name[:3]), f.stem])
+        con.execute("COMMIT")
+        con.execute(f"ATTACH '{source}' AS src (READ_ONLY)")
+        for table in _tables(con):
+            if table == "schema_version":
+                continue
+            cols = ", ".join(_columns(con, table))
+            con.execute(f"DELETE FROM {table}")  # density_grid is filled by 001 itself
+            con.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM src.{table}")
+        con.execute("DETACH src")
+        if "runs" in _tables(con):  # a run, so that every table of the version holds a row
+            con.execute(
+                "INSERT INTO runs (run_id, plan_id, out, status, error) VALUES (1, 1, '/nowhere', 'failed', 'killed')"
+            )
+        rows = {t: _rows(con, t, _columns(con, t)) for t in _tables(con) if t != "schema_version"}
+    finally:
+        con.close()
+    assert all(data for _, data in rows.values()), [t for t, (_, data) in rows.items() if not data]
+    return rows
+
+
+def _rows(con: duckdb.DuckDBPyConnection, table: str, cols: list[str]) -> tuple[list[str], list[tuple]]:
+    return cols, con.execute(f"SELECT {', '.join(cols)} FROM {table} ORDER BY ALL").fetchall()
+
+
+def test_schema_files_are_numbered_without_gaps():
+    assert [int(f.name[:3]) for f in FILES] == list(range(1, LATEST + 1))
+    assert LATEST >= 2  # otherwise there is no older version to upgrade from
+
+
+@pytest.mark.parametrize("opener", ["read", "write"])
+@pytest.mark.parametrize("version", range(1, LATEST))
+def test_old_catalog_upgrades_keeps_rows_and_plans(source, tmp_path, version, opener):
+    fam, src_path, src_plans = source
+    path = tmp_path / f"v{version}.duckdb"
+    rows = _old_catalog(path, version, src_path)
+    cat = Catalog(path)
+    if opener == "read":  # a read-only command upgrades an old catalog first (briefly read-write)
+        assert [c.name for c in cat.checkpoints()] == ["base", "expert_00", "expert_01"]
+    else:  # a writing command: registering the same files again finds them unchanged
+        res = cat.register([fam], base_model="base")
+        assert res.registered == () and set(res.unchanged) >= {"expert_00", "expert_01"}
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        versions = con.execute("SELECT version, name FROM schema_version ORDER BY version").fetchall()
+        assert versions == [(int(f.name[:3]), f.stem) for f in FILES]
+        for table, (cols, before) in rows.items():  # every row survives, unchanged, in the old columns
+            assert _rows(con, table, cols) == (cols, before), table
+        if version >= 2:  # plans made before 004 were ranked plans
+            assert con.execute("SELECT DISTINCT strategy FROM plans").fetchall() == [("ranked",)]
+    finally:
+        con.close()
+    # the same tables, columns, types and defaults as a catalog created at the latest version
+    assert _layout(path) == _layout(src_path)
+    # old plans still load and execute-plan; new plans match the ones the source catalog made
+    if version >= 2:
+        assert [p.plan_hash for p in cat.plans()] == [p.plan_hash for p in src_plans]
+        xp = cat.execution_plan(src_plans[0].plan_id)
+        assert xp.plan_hash == src_plans[0].plan_hash
+    again = [cat.plan(TIES), cat.plan(TASK)]
+    assert [p.plan_hash for p in again] == [p.plan_hash for p in src_plans]
+    assert [p.selected_bytes for p in again] == [p.selected_bytes for p in src_plans]
+    assert Catalog(path).sql("SELECT max(version) AS v FROM schema_version").to_pylist() == [{"v": LATEST}]

@@ -2,6 +2,10 @@
 
 A checkpoint is a set of safetensors files plus side files (config, tokenizer) that are copied
 through. The fingerprint (sizes, mtimes, header hashes) detects a file changed since it was seen.
+
+A folder holding both model.safetensors and model.safetensors.index.json is read as
+model.safetensors, the file transformers loads (see `open_checkpoint`). A checkpoint without a
+single tensor is refused.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +23,30 @@ from .tensorfile import Header, TensorInfo, read_header
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# floating-point dtypes, for the `Checkpoint.dtype` label (what mergedb merges is tensorfile.FLOAT_DTYPES)
+_FLOATING = frozenset("F16 BF16 F32 F64 F4 F6_E2M3 F6_E3M2 F8_E4M3 F8_E5M2 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ".split())
+
+# Side files copied from the base into a merged model (see `side_files`).
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "LICENSE",
+    "LICENSE.txt",
+    "LICENSE.md",
+)
 
 
 @dataclass(frozen=True)
@@ -54,12 +83,14 @@ class Checkpoint:
 
     @property
     def dtype(self) -> str:
-        """The dtype holding most of the float bytes ('mixed' never occurs in practice for LLMs)."""
+        """A one-word label for the catalog: the floating-point dtype holding the most bytes (an FP8
+        checkpoint with BF16 scales is F8_E4M3), else the dtype holding the most bytes; a tie goes
+        to the name sorting last. Always one dtype name, never a 'mixed' marker."""
         counts: Counter[str] = Counter()
         for _, t in self.tensors:
             counts[t.dtype] += t.nbytes
-        floats = [(n, d) for d, n in counts.items() if d in ("BF16", "F16", "F32", "F64")]
-        return max(floats)[1] if floats else (max((n, d) for d, n in counts.items())[1] if counts else "")
+        floats = [(n, d) for d, n in counts.items() if d in _FLOATING]
+        return max(floats or [(n, d) for d, n in counts.items()], default=(0, ""))[1]
 
 
 def fingerprint(files: tuple[FileInfo, ...] | list[FileInfo]) -> str:
@@ -90,11 +121,14 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
             raise FormatError(f"{path}: expected a .safetensors file or a model folder")
         root, relpaths = path.parent, [path.name]
         default_name = path.stem
+    elif (path / SINGLE).is_file():
+        # With both model.safetensors and an index present, transformers loads model.safetensors and
+        # never reads the index (modeling_utils._get_resolved_checkpoint_files tests SAFE_WEIGHTS_NAME
+        # before SAFE_WEIGHTS_INDEX_NAME in a local folder), so that is the model this folder holds.
+        root, relpaths = path, [SINGLE]
+        default_name = path.name
     elif (path / INDEX).is_file():
         root, relpaths = path, _shards_from_index(path)
-        default_name = path.name
-    elif (path / SINGLE).is_file():
-        root, relpaths = path, [SINGLE]
         default_name = path.name
     elif path.is_dir():
         raise FormatError(
@@ -114,7 +148,12 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
                 )
             seen[t.name] = f.relpath
             tensors.append((i, t))
-    if (path / INDEX).is_file() and path.is_dir():
+    if not tensors:
+        raise FormatError(
+            f"{path}: empty checkpoint: no tensors in {', '.join(f.relpath for f in files)}; "
+            "point at a model that has weights"
+        )
+    if relpaths != [SINGLE] and (path / INDEX).is_file() and path.is_dir():
         _check_index_covers(path, files)
     return Checkpoint(name or default_name, path, root, files, tuple(tensors), _architecture(root))
 
@@ -128,6 +167,10 @@ def _shards_from_index(folder: Path) -> list[str]:
             raise TypeError
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         raise FormatError(f"{index_path}: not a valid index (expected JSON with a 'weight_map' object)") from None
+    if not weight_map:
+        raise FormatError(
+            f"{index_path}: empty checkpoint: weight_map lists no tensors; regenerate the index from the shards"
+        )
     root = folder.resolve()
     shards: list[str] = []
     for tensor, shard in weight_map.items():
@@ -185,10 +228,25 @@ def discover(paths: list[str | os.PathLike[str]]) -> list[Path]:
 
 
 def side_files(root: Path) -> list[str]:
-    """Files copied through to a merged model: config, generation config, tokenizer files."""
-    skip = {INDEX}
-    return sorted(
-        p.name
-        for p in root.iterdir()
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in skip and not p.name.startswith(".")
-    )
+    """Names of the files in `root` to copy into a merged model: those of SIDE_FILES present there.
+
+    An explicit allow-list (config, generation config, tokenizer, chat template, preprocessor config,
+    license), never "whatever lies beside the weights": a single-file base may sit in a folder of
+    unrelated things (keys, notes, other models), and pickled weights (.bin, .pt, .ckpt, .pkl) run
+    code when loaded. The base's README.md is left out on purpose: it is the card of a different
+    model (the merge's provenance is in mergedb_manifest.json). Only regular files count; a symlink
+    counts only when it resolves to a regular file inside `root` (so a config.json -> /etc/... link
+    is skipped, and so are Hugging Face cache snapshots, whose files link to ../../blobs).
+    """
+    real_root = root.resolve()
+    found = []
+    for name in SIDE_FILES:
+        p = root / name
+        try:
+            target = p.resolve(strict=True)
+            mode = os.stat(target).st_mode
+        except (OSError, RuntimeError):  # missing, dangling link, symlink loop
+            continue
+        if stat.S_ISREG(mode) and target.is_relative_to(real_root):
+            found.append(name)
+    return sorted(found)

@@ -2,7 +2,10 @@
 
 Layout (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
 N bytes of JSON (`{name: {dtype, shape, data_offsets: [start, end]}, "__metadata__": {...}}`),
-then the data; offsets are relative to byte 8 + N and tensors are row-major.
+then the data; offsets are relative to byte 8 + N and tensors are row-major. Every dtype upstream
+knows is read (DTYPE_BITS); the packed sub-byte ones (F4, F6_E2M3, F6_E3M2) take numel * bits / 8
+bytes, which must be whole. Keys must be unique in every JSON object of the header (upstream
+silently keeps the last of a repeated key; we refuse the file).
 
 This module knows bytes, headers and dtypes; nothing of catalogs or plans. It never trusts a
 header beyond what it can check against the file: every claimed size is checked before any
@@ -25,14 +28,47 @@ import numpy as np
 
 from .errors import FormatError, MergeDBError
 
-MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+# Upstream's MAX_HEADER_SIZE (safetensors/src/tensor.rs): a header of exactly this many bytes is
+# accepted, one byte more is refused.
+MAX_HEADER_BYTES = 100_000_000
 
-# dtype name -> (bytes per element, numpy dtype of the raw bytes, mergeable float?)
+# Bits per element of every dtype upstream's `Dtype` enum lists (safetensors 0.8, 22 names).
+# Sub-byte dtypes are packed: a tensor of n elements takes n * bits / 8 bytes, which must be whole.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+
+# The dtypes whose elements are whole bytes: name -> (bytes per element, numpy dtype of the raw
+# bytes, decodable to float32 by `as_float32`?; what mergedb merges is FLOAT_DTYPES). The packed
+# sub-byte dtypes (F4, F6_*) have neither an itemsize nor a numpy dtype and are absent: size any
+# tensor with `tensor_nbytes`, test a dtype name against DTYPE_BITS.
 DTYPES: dict[str, tuple[int, str, bool]] = {
     "F64": (8, "<f8", True),
     "F32": (4, "<f4", True),
     "F16": (2, "<f2", True),
     "BF16": (2, "<u2", True),  # numpy has no bfloat16: raw uint16, widened by shifting
+    "C64": (8, "<c8", False),
     "I64": (8, "<i8", False),
     "I32": (4, "<i4", False),
     "I16": (2, "<i2", False),
@@ -44,8 +80,29 @@ DTYPES: dict[str, tuple[int, str, bool]] = {
     "BOOL": (1, "u1", False),
     "F8_E4M3": (1, "u1", False),
     "F8_E5M2": (1, "u1", False),
+    "F8_E8M0": (1, "u1", False),
+    "F8_E4M3FNUZ": (1, "u1", False),
+    "F8_E5M2FNUZ": (1, "u1", False),
 }
-FLOAT_DTYPES = ("BF16", "F16", "F32")  # the dtypes mergedb merges; F64 and the rest pass through
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # the dtypes mergedb merges; every other dtype passes through
+
+
+def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+    """Bytes of a tensor of `dtype` and `shape`: numel * bits / 8, as upstream computes it.
+
+    Raises FormatError for an unknown dtype, and for a packed sub-byte tensor whose elements do not
+    fill a whole number of bytes (upstream refuses those too).
+    """
+    bits = DTYPE_BITS.get(dtype)
+    if bits is None:
+        raise FormatError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BITS)}")
+    total = math.prod(shape) * bits
+    if total % 8:
+        raise FormatError(
+            f"{math.prod(shape)} elements of the {bits}-bit dtype {dtype} (shape {list(shape)}) are "
+            f"{total} bits, not a whole number of bytes; packed tensors must fill whole bytes"
+        )
+    return total // 8
 
 
 @dataclass(frozen=True)
@@ -67,18 +124,35 @@ class TensorInfo:
         return math.prod(self.shape)
 
     @property
+    def bits(self) -> int:
+        """Bits per element (4 and 6 for the packed dtypes)."""
+        return DTYPE_BITS[self.dtype]
+
+    @property
     def itemsize(self) -> int:
+        """Bytes per element; only for dtypes in DTYPES (KeyError for packed F4/F6_*: use `bits`)."""
         return DTYPES[self.dtype][0]
 
     @property
+    def rows_aligned(self) -> bool:
+        """Whether each dim-0 row starts on a byte boundary, so the tensor can be split by rows.
+
+        Always true for tensors of rank < 2 (their one "row" is the whole tensor) and for
+        whole-byte dtypes; a packed F4/F6 tensor only when a row's elements fill whole bytes.
+        """
+        return len(self.shape) < 2 or (math.prod(self.shape[1:]) * self.bits) % 8 == 0
+
+    @property
     def row_bytes(self) -> int:
-        """Bytes of one dim-0 row (the whole tensor for 0-d and 1-d tensors)."""
-        if len(self.shape) <= 1:
+        """Bytes of one dim-0 row; the whole tensor's bytes for 0-d and 1-d tensors and for packed
+        tensors whose rows are not whole bytes (`rows_aligned` false): those are one block."""
+        if not self.rows_aligned or len(self.shape) <= 1:
             return self.nbytes
-        return math.prod(self.shape[1:]) * self.itemsize
+        return (math.prod(self.shape[1:]) * self.bits) // 8
 
     @property
     def is_float(self) -> bool:
+        """Mergeable: one of FLOAT_DTYPES (F64, FP8 and the packed floats pass through)."""
         return self.dtype in FLOAT_DTYPES
 
 
@@ -144,7 +218,12 @@ def _parse(fd: int, path: Path, size: int) -> Header:
         raise FormatError(f"{bad}: header length {n} runs past the end of the {size}-byte file (truncated?)")
     raw = _read_exact(fd, n, 8)
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise FormatError(
+            f"{bad}: key {e.key!r} appears more than once in the header (JSON readers silently keep the last "
+            "one, so tools disagree on what this file holds); re-export the checkpoint with one entry per tensor"
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"{bad}: header is not valid JSON ({e})") from None
     except RecursionError:
@@ -172,14 +251,29 @@ def _parse(fd: int, path: Path, size: int) -> Header:
     return Header(path, n, size, hashlib.sha256(raw).hexdigest(), tuple(tensors), dict(metadata))
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object_pairs_hook: a dict, refusing a key seen twice in one object (at any depth)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def _entry(bad: str, name: Any, spec: Any, data_start: int) -> TensorInfo:
     if not isinstance(name, str) or not name or "\x00" in name:
         raise FormatError(f"{bad}: tensor name {name!r} is empty or contains NUL")
     if not isinstance(spec, dict):
         raise FormatError(f"{bad}: entry for tensor {name!r} must be an object")
     dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-    if dtype not in DTYPES:
-        raise FormatError(f"{bad}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise FormatError(f"{bad}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(DTYPE_BITS)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 16:
         raise FormatError(f"{bad}: tensor {name!r} has invalid shape {shape!r}")
     if (
@@ -189,7 +283,10 @@ def _entry(bad: str, name: Any, spec: Any, data_start: int) -> TensorInfo:
         or offsets[0] > offsets[1]
     ):
         raise FormatError(f"{bad}: tensor {name!r} has invalid data_offsets {offsets!r}")
-    expected = math.prod(shape) * DTYPES[dtype][0]
+    try:
+        expected = tensor_nbytes(dtype, shape)
+    except FormatError as e:
+        raise FormatError(f"{bad}: tensor {name!r}: {e} (upstream refuses it too); re-export the checkpoint") from None
     if offsets[1] - offsets[0] != expected:
         raise FormatError(
             f"{bad}: tensor {name!r} of shape {shape} and dtype {dtype} needs {expected} bytes "
@@ -263,9 +360,10 @@ class SafetensorsWriter:
         self._expected: list[tuple[str, int]] = []
         offset = 0
         for name, dtype, shape in entries:
-            if dtype not in DTYPES:
-                raise MergeDBError(f"cannot write tensor {name!r}: unknown dtype {dtype!r}")
-            nbytes = math.prod(shape) * DTYPES[dtype][0]
+            try:
+                nbytes = tensor_nbytes(dtype, shape)
+            except FormatError as e:
+                raise MergeDBError(f"{self.path}: cannot write tensor {name!r}: {e}") from None
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._expected.append((name, nbytes))
             offset += nbytes

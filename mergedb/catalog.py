@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from . import planner, plans, register, stats
-from .errors import CatalogError, MergeDBError
+from . import faults, planner, plans, register, stats, usersql
+from .errors import CatalogError, MergeDBError, RunNotRecordedError
 from .resources import migrations
 
 if TYPE_CHECKING:
@@ -68,32 +68,89 @@ class Catalog:
     # -- connections -------------------------------------------------------------------------
 
     @contextmanager
-    def duckdb_connection(self, write: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
-        """A short-lived DuckDB connection; write=True creates and migrates the catalog when needed."""
-        if not write and not self.path.exists():
-            raise CatalogError(f"no catalog at {self.path}; create one with `mergedb register PATH`")
-        con = self._open(read_only=not write)
+    def duckdb_connection(
+        self, write: bool = False, *, create: bool = False, sandbox: bool = False
+    ) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A short-lived DuckDB connection to a mergedb catalog.
+
+        write=True migrates an older catalog; create=True (registration only) also makes a new one
+        when there is none. sandbox=True opens it with `usersql.SANDBOX` (for user SQL). A file
+        that is not a mergedb catalog is never changed; DuckDB errors that mean the file is damaged,
+        or its folder read-only or full, become CatalogErrors saying so.
+        """
+        new = write and create and not self.path.exists()
+        self._check_path(create=write and create)
         try:
+            con = self._open(read_only=not write, sandbox=sandbox)
+        except CatalogError as e:
+            if new and "disk is full" in str(e):  # DuckDB could not even write the new file's header
+                self._remove_new()
+            raise
+        version = -1
+        try:
+            version = self._version(con, create=write and create)
             if write:
-                self._migrate(con)
-            elif self._check_version(con, allow_old=True) < migrations()[-1][0]:
+                self._migrate(con, version)
+            elif version < migrations()[-1][0]:
                 con.close()  # an older catalog: upgrade it once, briefly read-write, then read
                 with self.duckdb_connection(write=True):
                     pass
-                con = self._open(read_only=True)
+                con = self._open(read_only=True, sandbox=sandbox)
+        except BaseException as e:
+            con.close()
+            if new and version == 0:  # creating the catalog failed: leave no half-made file behind
+                self._remove_new()
+            if not isinstance(e, duckdb.Error):
+                raise
+            err = self._explain(e)
+            if err is e:
+                raise
+            raise err from None
+        try:
             yield con
+        except duckdb.Error as e:
+            err = self._explain(e)
+            if err is e:
+                raise
+            raise err from None
         finally:
             con.close()
 
-    def _open(self, read_only: bool) -> duckdb.DuckDBPyConnection:
+    def _remove_new(self) -> None:
+        for p in (self.path, Path(f"{self.path}.wal")):
+            try:
+                p.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+    def _check_path(self, create: bool) -> None:
+        p = self.path
+        if not p.exists():
+            if create:
+                return
+            raise CatalogError(f"no catalog at {p}; create one with `mergedb register PATH`")
+        if p.is_dir():
+            raise CatalogError(f"{p} is a folder, not a mergedb catalog; pass --catalog with a catalog file")
+        if p.stat().st_size == 0:
+            raise CatalogError(
+                f"{p} is an empty file, not a mergedb catalog; remove it (`mergedb register` then creates a catalog "
+                "there) or pass --catalog with another path"
+            )
+
+    def _explain(self, e: duckdb.Error) -> Exception:
+        """`faults.diagnose`'s CatalogError for a damaged file or unwritable folder; else `e`."""
+        return faults.diagnose(self.path, e) or e
+
+    def _open(self, read_only: bool, sandbox: bool = False) -> duckdb.DuckDBPyConnection:
         deadline = time.monotonic() + self.wait
         delay = 0.05
+        config = dict(usersql.SANDBOX) if sandbox else {}
         while True:
             try:
-                return duckdb.connect(str(self.path), read_only=read_only)
+                return duckdb.connect(str(self.path), read_only=read_only, config=config)
             except duckdb.IOException as e:
-                if not _LOCK.search(str(e)):
-                    raise CatalogError(f"cannot open catalog {self.path}: {e}") from None
+                if not _LOCK.search(str(e)) or faults.DAMAGED.search(str(e)):
+                    raise self._not_opened(e) from None
                 if time.monotonic() >= deadline:
                     pid = _PID.search(str(e))
                     who = f"process {pid.group(1)}" if pid else "another process"
@@ -103,30 +160,59 @@ class Catalog:
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
             except duckdb.Error as e:
-                raise CatalogError(f"cannot open catalog {self.path}: {e}") from None
+                raise self._not_opened(e) from None
 
-    def _check_version(self, con: duckdb.DuckDBPyConnection, allow_old: bool) -> int:
-        latest = migrations()[-1][0]
-        has_table = con.execute(
-            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'schema_version'"
-        ).fetchall()[0][0]
-        current = 0
-        if has_table:
-            current = int(con.execute("SELECT coalesce(max(version), 0) FROM schema_version").fetchall()[0][0])
+    def _not_opened(self, e: duckdb.Error) -> CatalogError:
+        return faults.diagnose(self.path, e) or CatalogError(f"cannot open catalog {self.path}: {e}")
+
+    def _version(self, con: duckdb.DuckDBPyConnection, create: bool) -> int:
+        """The catalog's schema version (0: a new, empty database that `create` allows to become one).
+
+        A mergedb catalog is recognised by its `schema_version` table, whose first row is mergedb's
+        first migration; any other DuckDB file is refused, never migrated."""
+        latest, first = migrations()[-1][0], migrations()[0][1]
+        tables = [
+            r[0]
+            for r in con.execute(
+                "SELECT table_name FROM information_schema.tables "
+                "WHERE table_catalog = current_database() AND table_schema = 'main' ORDER BY 1"
+            ).fetchall()
+        ]
+        if "schema_version" not in tables:
+            if not tables and create:
+                return 0
+            if not tables:
+                raise CatalogError(
+                    f"{self.path} is an empty DuckDB file, not a mergedb catalog yet; create one there with "
+                    "`mergedb register PATH`"
+                )
+            raise self._foreign(
+                f"it has tables {', '.join(tables[:5])}{', …' if len(tables) > 5 else ''} but no schema_version table"
+            )
+        cols = {
+            r[0]
+            for r in con.execute(
+                "SELECT column_name FROM information_schema.columns "
+                "WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = 'schema_version'"
+            ).fetchall()
+        }
+        if not {"version", "name"} <= cols:
+            raise self._foreign("its schema_version table is not mergedb's")
+        rows = con.execute("SELECT version, name FROM schema_version ORDER BY version LIMIT 1").fetchall()
+        if not rows or (rows[0][0], rows[0][1]) != (1, first):
+            raise self._foreign(f"its schema_version table does not start with mergedb's {first!r}")
+        current = int(con.execute("SELECT max(version) FROM schema_version").fetchall()[0][0])
         if current > latest:
             raise CatalogError(
                 f"catalog {self.path} was written by a newer mergedb (schema version {current}, this mergedb "
                 f"knows up to {latest}); upgrade mergedb: pip install -U mergedb"
             )
-        if current < latest and not allow_old:
-            raise CatalogError(
-                f"catalog {self.path} has schema version {current}, this mergedb needs {latest}; "
-                "any writing command (e.g. `mergedb register`) upgrades it"
-            )
         return current
 
-    def _migrate(self, con: duckdb.DuckDBPyConnection) -> None:
-        current = self._check_version(con, allow_old=True)
+    def _foreign(self, why: str) -> CatalogError:
+        return faults.foreign(self.path, why)
+
+    def _migrate(self, con: duckdb.DuckDBPyConnection, current: int) -> None:
         pending = [m for m in migrations() if m[0] > current]
         if pending:
             con.execute("BEGIN")
@@ -142,8 +228,8 @@ class Catalog:
                     dim = self._sketch_dim or stats.DEFAULT_SKETCH_DIM
                     con.execute("INSERT INTO settings VALUES ('sketch_dim', ?)", [str(dim)])
                 con.execute("COMMIT")
-            except Exception:
-                con.execute("ROLLBACK")
+            except BaseException:
+                faults.rollback(con)
                 raise
         dim = int(con.execute("SELECT value FROM settings WHERE key = 'sketch_dim'").fetchall()[0][0])
         if self._sketch_dim is not None and self._sketch_dim != dim:
@@ -157,13 +243,17 @@ class Catalog:
     # -- inspection --------------------------------------------------------------------------
 
     def sql(self, text: str, params: Sequence[Any] | None = None) -> pa.Table:
-        """Run one read-only SQL statement against the catalog; the result as an Arrow table."""
-        with self.duckdb_connection() as con:
+        """Run one read-only SQL statement against the catalog; the result as an Arrow table.
+
+        One query (SELECT, WITH, FROM …, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) on a read-only,
+        sandboxed connection: the catalog's tables and views only (usersql.py says exactly what)."""
+        with self.duckdb_connection(sandbox=True) as con:
+            usersql.check_statement(con, text)
             try:
                 result = con.sql(text, params=list(params) if params else None)
                 return result.to_arrow_table() if result is not None else pa.table({})
             except duckdb.Error as e:
-                raise MergeDBError(f"SQL error: {e}") from None
+                raise (faults.diagnose(self.path, e) or usersql.sql_error(e)) from None
 
     def checkpoints(self) -> list[CheckpointRow]:
         """Every registered checkpoint, bases first."""
@@ -178,6 +268,7 @@ class Catalog:
         return [CheckpointRow(*r) for r in rows]
 
     def checkpoint(self, name: str) -> CheckpointRow:
+        self._check_path(create=False)
         for row in self.checkpoints():
             if row.name == name:
                 return row
@@ -226,13 +317,15 @@ class Catalog:
 
     def plan(self, request: planner.PlanRequest, explain: bool = False) -> plans.PlanSummary:
         """Plan a merge from the catalog alone (no weights are read) and store it; one transaction."""
+        if request.name is not None:
+            plans.validate_plan_name(request.name)
         with self.duckdb_connection(write=True) as con:
             con.execute("BEGIN")
             try:
                 plan_id, steps = planner.make_plan(con, request)
                 con.execute("COMMIT")
             except BaseException:
-                con.execute("ROLLBACK")
+                faults.rollback(con)
                 raise
             summary = plans.load_plan(con, plan_id)
         return replace(summary, explain=tuple(steps) if explain else ())
@@ -266,41 +359,84 @@ class Catalog:
     ) -> ExecuteResult:
         """Execute a stored plan into `out` and record the run (ok, or failed with its error).
 
-        The catalog is open only to read the plan and to record the run, never during the merge."""
-        from . import executor  # the merge kernels are heavy to import; planning does not need them
+        The catalog is open only to read the plan and to record the run, never during the merge.
+        `out` may not be, hold or lie inside any registered checkpoint's folder. A run whose merge
+        succeeded but whose record cannot be written raises RunNotRecordedError, which says the
+        output is complete; a failed merge's own error is raised even if recording it fails."""
+        from . import executor, outdir  # the merge kernels are heavy to import; planning does not need them
 
         xp = self.execution_plan(plan)
+        with self.duckdb_connection() as con:
+            registered = con.execute("SELECT path, root FROM checkpoints").fetchall()
+        outdir.check_clear_of(Path(out), [p for row in registered for p in row], "a registered checkpoint")
+        if self.path.exists() and not os.access(self.path, os.W_OK):
+            raise CatalogError(
+                f"catalog {self.path} is read-only, so this run could not be recorded; make it writable "
+                "(chmod u+w) and retry"
+            )
         try:
             res = executor.execute(
                 xp, out, max_shard_size=max_shard_size, dtype=dtype, verify=verify, force=force, progress=progress
             )
         except MergeDBError as e:
-            self.record_run(xp.plan_id, str(out), error=str(e))
+            try:
+                self.record_run(xp.plan_id, out, error=str(e), wait=max(self.wait, RECORD_WAIT))
+            except MergeDBError as rec:  # the merge's error is the one to see
+                e.args = (f"{e} (recording this failed run in the catalog failed too: {rec})",)
             raise
-        self.record_run(xp.plan_id, str(out), res)
+        try:
+            self.record_run(xp.plan_id, out, res, wait=max(self.wait, RECORD_WAIT))
+        except MergeDBError as rec:
+            raise RunNotRecordedError(
+                f"the merge into {out} is complete and good (`mergedb check --output {out}` verifies it), "
+                f"but the run could not be recorded in the catalog: {rec}"
+            ) from None
         return res
 
-    def record_run(self, plan_id: int, out: str, result: ExecuteResult | None = None, error: str | None = None) -> int:
-        """Store one execution: ok with its measurements, or failed with its error."""
+    def record_run(
+        self,
+        plan_id: int,
+        out: str | os.PathLike[str],
+        result: ExecuteResult | None = None,
+        error: str | None = None,
+        *,
+        wait: float | None = None,
+    ) -> int:
+        """Store one execution: ok with its measurements, or failed with its error. Waits up to
+        `wait` seconds (default: the catalog's) for a catalog another process holds."""
         r = result
-        with self.duckdb_connection(write=True) as con:
-            rid = int(con.execute("SELECT coalesce(max(run_id), 0) + 1 FROM runs").fetchall()[0][0])
-            row = {
-                "run_id": rid,
-                "plan_id": plan_id,
-                "out": out,
-                "status": "ok" if r is not None else "failed",
-                "error": error,
-                "manifest_hash": r.manifest["content_hash"] if r else None,
-                "seconds": r.seconds if r else None,
-                "expert_bytes": r.expert_bytes if r else None,
-                "physical_bytes": r.physical_bytes if r else None,
-                "base_bytes": r.base_bytes if r else None,
-                "bytes_written": r.bytes_written if r else None,
-                "peak_rss_bytes": r.peak_rss if r else None,
-            }
-            con.execute(f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", list(row.values()))
+        cat = self if wait is None else Catalog(self.path, wait=wait, sketch_dim=self._sketch_dim)
+        row = {
+            "plan_id": plan_id,
+            "out": _text(out),
+            "status": "ok" if r is not None else "failed",
+            "error": _text(error) if error is not None else None,
+            "manifest_hash": r.manifest["content_hash"] if r else None,
+            "seconds": r.seconds if r else None,
+            "expert_bytes": r.expert_bytes if r else None,
+            "physical_bytes": r.physical_bytes if r else None,
+            "base_bytes": r.base_bytes if r else None,
+            "bytes_written": r.bytes_written if r else None,
+            "peak_rss_bytes": r.peak_rss if r else None,
+        }
+        try:
+            with cat.duckdb_connection(write=True) as con:
+                rid = int(con.execute("SELECT coalesce(max(run_id), 0) + 1 FROM runs").fetchall()[0][0])
+                row = {"run_id": rid, **row}
+                con.execute(
+                    f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", list(row.values())
+                )
+        except duckdb.Error as e:  # disk full, read-only file system, …
+            raise CatalogError(f"cannot write to catalog {self.path}: {e}") from None
         return rid
+
+
+RECORD_WAIT = 30.0  # seconds a finished merge waits for the catalog to record its run
+
+
+def _text(s: str | os.PathLike[str]) -> str:
+    """Text for the catalog: names that are not valid UTF-8 are stored with \\x escapes."""
+    return os.fsencode(s).decode("utf-8", "backslashreplace")
 
 
 def connect(path: str | os.PathLike[str] | None = None, *, wait: float = 0.0) -> Catalog:

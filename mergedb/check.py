@@ -148,13 +148,18 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     problems = []
     if manifest.content_hash(doc) != doc.get("content_hash"):
         problems.append(f"{path}: content_hash does not match the manifest's contents (edited?)")
+    mask = None
     try:
         mask = pq.read_table(folder / manifest.MASK)
         if manifest.mask_digest(mask) != doc.get("mask_digest"):
             problems.append(f"{folder / manifest.MASK}: does not match the manifest's mask digest")
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         problems.append(f"{folder / manifest.MASK}: cannot be read ({e})")
+    invalid = manifest.manifest_problems(doc, mask)
+    if invalid:  # an edited manifest: report it, and hash nothing against fields that cannot be trusted
+        return [*problems, f"{path}: {invalid[0]}"]
     seen = {}
+    shapes = {t["name"]: tuple(t["shape"]) for t in doc["layout"]}
     for f in sorted(folder.glob("*.safetensors")):
         try:
             h = read_header(f)
@@ -163,6 +168,10 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
             continue
         with open(f, "rb") as fh:
             for t in h.tensors:
+                if t.name in shapes and t.shape != shapes[t.name]:
+                    problems.append(
+                        f"{f}: tensor {t.name!r} has shape {list(t.shape)}, the manifest says {list(shapes[t.name])}"
+                    )
                 fh.seek(t.start)
                 seen[t.name] = xxhash.xxh3_128_hexdigest(fh.read(t.nbytes))
     for name, want in doc.get("tensor_hashes", {}).items():

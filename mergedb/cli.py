@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import csv
-import io
-import json
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 from typer.core import TyperGroup
 
-from . import synth
+from . import render, synth
 from .catalog import Catalog, default_path
 from .errors import MergeDBError
 from .planner import PlanRequest
-from .plans import PlanSummary
-from .units import format_size
+from .units import check_threads, format_size, parse_block_size
 
 
 class _Group(TyperGroup):
@@ -46,10 +37,6 @@ app = typer.Typer(
 )
 
 
-def _out() -> Console:
-    return Console()  # built per call so COLUMNS and redirections are honoured
-
-
 CatalogOpt = typer.Option(
     None, "--catalog", "-c", envvar="MERGEDB_CATALOG", help="Catalog file [default: ./mergedb.duckdb]."
 )
@@ -61,61 +48,15 @@ def _catalog(path: Path | None, wait: float = 0.0) -> Catalog:
     return Catalog(path or default_path(), wait=wait)
 
 
-@contextmanager
-def _progress(quiet: bool, label: str) -> Iterator[tuple[Any, Any]]:
-    """(advance, set_total) callbacks driving a rich bytes/throughput bar (no-ops when quiet)."""
-    if quiet:
-        yield None, None
-        return
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as bar:
-        task = bar.add_task(label, total=None)
-        yield (lambda n: bar.advance(task, n)), (lambda total: bar.update(task, total=total))
-
-
-def _print_table(table: pa.Table, fmt: str = "table", title: str | None = None) -> None:
-    rows = table.to_pylist()
-    if fmt == "json":
-        _out().print_json(json.dumps(rows, default=str))
-    elif fmt == "csv":
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(table.column_names)
-        w.writerows([[r[c] for c in table.column_names] for r in rows])
-        sys.stdout.write(buf.getvalue())
-    else:
-        t = Table(title=title)
-        for c in table.column_names:
-            t.add_column(c, overflow="fold")
-        for r in rows:
-            t.add_row(*[_cell(r[c]) for c in table.column_names])
-        _out().print(t)
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    if isinstance(v, list) and len(v) > 8:
-        return "[" + ", ".join(_cell(x) for x in v[:8]) + f", … {len(v)} items]"
-    return "" if v is None else str(v)
-
-
 @app.command()
 def register(
     paths: list[Path] = typer.Argument(..., help="Model folders, .safetensors files, or folders of them."),
     base: bool = typer.Option(False, "--base", help="Register PATHS as base models."),
     base_model: str | None = typer.Option(None, "--base-model", help="Name of the base the experts share."),
     name: str | None = typer.Option(None, "--name", help="Name for a single checkpoint [default: folder name]."),
-    block_size: str = typer.Option("4MiB", "--block-size", help="Target block size of a new base's layout."),
+    block_size: str = typer.Option("4MiB", "--block-size", help="Target block size of a new base's layout (1B-1TiB)."),
     refresh: bool = typer.Option(False, "--refresh", help="Re-scan experts whose files changed."),
-    threads: int = typer.Option(2, "--threads", help="Worker threads."),
+    threads: int = typer.Option(2, "--threads", help="Worker threads (1 to 1024)."),
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
     quiet: bool = QuietOpt,
@@ -124,13 +65,15 @@ def register(
 
     Example: mergedb register ./experts --base-model base
     """
-    with _progress(quiet, "register") as (advance, set_total):
+    block_bytes = parse_block_size(block_size)
+    check_threads(threads)
+    with render.progress(quiet, "register") as (advance, set_total):
         r = _catalog(catalog, wait).register(
             paths,
             base=base,
             base_model=base_model,
             name=name,
-            block_size=block_size,
+            block_size=block_bytes,
             refresh=refresh,
             threads=threads,
             progress=advance,
@@ -138,7 +81,7 @@ def register(
         )
     if not quiet:
         rate = r.bytes_read / r.seconds / 1e6 if r.seconds else 0.0
-        _out().print(
+        render.out().print(
             f"registered {len(r.registered)} ({', '.join(r.registered) or '-'}), unchanged {len(r.unchanged)}; "
             f"read {format_size(r.bytes_read)} in {r.seconds:.2f}s ({rate:.0f} MB/s)"
         )
@@ -160,7 +103,7 @@ def synth_cmd(
     from .units import parse_size
 
     synth.make_family(out_dir, experts, size, dtype, seed, parse_size(shard_size, what="shard size"))
-    _out().print(f"wrote {out_dir}/base and {experts} experts")
+    render.out().print(f"wrote {out_dir}/base and {experts} experts")
 
 
 @app.command()
@@ -170,13 +113,13 @@ def sql(
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
 ) -> None:
-    """Run SQL against the catalog (read-only).
+    """Run one read-only query (SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN…) on the catalog.
 
     Example: mergedb sql "SELECT * FROM expert_costs"
     """
     if fmt not in ("table", "csv", "json"):
         raise MergeDBError(f"unknown --format {fmt!r}; use table, csv or json")
-    _print_table(_catalog(catalog, wait).sql(query), fmt)
+    render.print_table(_catalog(catalog, wait).sql(query), fmt)
 
 
 @app.command("ls")
@@ -191,7 +134,7 @@ def ls_cmd(catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
         t.add_column(c)
     for r in rows:
         t.add_row(r.name, r.role, r.base or "", r.dtype, str(r.n_tensors), format_size(r.bytes), r.path)
-    _out().print(t)
+    render.out().print(t)
 
 
 @app.command()
@@ -202,10 +145,12 @@ def show(name: str, catalog: Path | None = CatalogOpt, wait: float = WaitOpt) ->
     """
     cat = _catalog(catalog, wait)
     row = cat.checkpoint(name)
-    _out().print(f"[bold]{row.name}[/] ({row.role}{', base ' + row.base if row.base else ''}) {row.path}")
-    _out().print(f"{row.n_tensors} tensors, {row.dtype}, {format_size(row.bytes)}, fingerprint {row.fingerprint[:16]}")
+    render.out().print(f"[bold]{row.name}[/] ({row.role}{', base ' + row.base if row.base else ''}) {row.path}")
+    render.out().print(
+        f"{row.n_tensors} tensors, {row.dtype}, {format_size(row.bytes)}, fingerprint {row.fingerprint[:16]}"
+    )
     if row.role == "expert":
-        _print_table(cat.tensor_summary(name), title="per-tensor delta")
+        render.print_table(cat.tensor_summary(name), title="per-tensor delta")
 
 
 @app.command()
@@ -266,9 +211,9 @@ def plan(
     summary = _catalog(catalog, wait).plan(req, explain=explain)
     if explain:
         for step, sql_text, rows in summary.explain:
-            _out().print(f"[bold]-- {step}: {rows} rows[/]")
-            _out().print(sql_text.strip(), highlight=False, markup=False)
-    _print_plan(summary)
+            render.out().print(f"[bold]-- {step}: {rows} rows[/]")
+            render.out().print(sql_text.strip(), highlight=False, markup=False)
+    render.print_plan(summary)
 
 
 @app.command()
@@ -288,11 +233,11 @@ def plans(catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
             str(len(p.experts)),
             p.budget_spec,
             format_size(p.selected_bytes),
-            f"{_pct(p.selected_bytes, p.full_bytes)}",
-            _cell(p.bound_blockwise),
+            f"{render.pct(p.selected_bytes, p.full_bytes)}",
+            render.cell(p.bound_blockwise),
             p.plan_hash[:12],
         )
-    _out().print(t)
+    render.out().print(t)
 
 
 @app.command("show-plan")
@@ -305,53 +250,7 @@ def show_plan(
 
     Example: mergedb show-plan 1
     """
-    _print_plan(_catalog(catalog, wait).get_plan(plan_ref))
-
-
-def _pct(a: float, b: float) -> str:
-    return f"{100 * a / b:.1f}%" if b else "-"
-
-
-def _print_plan(p: PlanSummary) -> None:
-    o = _out()
-    o.print(
-        f"[bold]plan {p.plan_id}[/]{' (' + p.name + ')' if p.name else ''}  {p.method} {p.params}  "
-        f"hash {p.plan_hash[:16]}"
-    )
-    o.print(
-        f"expert bytes: {format_size(p.selected_bytes)} selected of {format_size(p.full_bytes)} full read "
-        f"({_pct(p.selected_bytes, p.full_bytes)}), budget {p.budget_spec} = {format_size(p.budget_bytes)}"
-    )
-    o.print(
-        f"blocks: {p.n_selected} selected of {p.n_candidates}; {p.free_blocks} free (identical to base, "
-        f"never read, zero error); base read {format_size(p.base_bytes)} (not budgeted)"
-    )
-    if p.bound_sum is not None:
-        estimate = (
-            f"sketch estimate {p.est_error:.6g}"
-            if p.est_error is not None
-            else "sketch estimate skipped (too many omitted blocks; --estimate computes it)"
-        )
-        o.print(
-            f"error bound ‖θ_B − θ_F‖ ≤ {p.bound_blockwise:.6g} (block-wise), ≤ {p.bound_sum:.6g} (sum); {estimate}"
-        )
-    else:
-        o.print("error bound: not applicable (the method is not a fixed-coefficient sum of deltas)")
-    t = Table()
-    for c in ("expert", "weight", "coef", "selected", "full", "coverage", "bound"):
-        t.add_column(c)
-    for e in p.experts:
-        t.add_row(
-            e.name,
-            _cell(e.weight),
-            _cell(e.coef),
-            format_size(e.selected_bytes),
-            format_size(e.full_bytes),
-            f"{100 * e.coverage:.1f}%",
-            _cell(e.bound_blockwise),
-        )
-    o.print(t)
-    o.print(f"planned in {p.planning_seconds:.3f}s")
+    render.print_plan(_catalog(catalog, wait).get_plan(plan_ref))
 
 
 @app.command()
@@ -377,7 +276,7 @@ def execute(
         plan_ref, out_dir, max_shard_size=shard, dtype=dtype, verify=verify, force=force
     )
     if not quiet:
-        _out().print(
+        render.out().print(
             f"wrote {out_dir}: expert bytes {format_size(res.expert_bytes)} "
             f"(budget {format_size(res.manifest['budget_bytes'])}), "
             f"base {format_size(res.base_bytes)}, physical reads {format_size(res.physical_bytes)}, "
@@ -398,12 +297,16 @@ def replay(
     from . import executor
 
     res = executor.replay(manifest, out_dir, force=force)
-    _out().print(f"replayed into {out_dir}: {len(res.manifest['tensor_hashes'])} tensors identical to the original")
+    render.out().print(
+        f"replayed into {out_dir}: {len(res.manifest['tensor_hashes'])} tensors identical to the original"
+    )
 
 
 @app.command()
 def demo(
-    workdir: Path = typer.Option(Path("mergedb-demo"), "--dir", help="Working folder (replaced)."),
+    workdir: Path = typer.Option(
+        Path("mergedb-demo"), "--dir", help="Working folder: new or empty; a rerun replaces only what the demo wrote."
+    ),
     experts: int = typer.Option(6, "--experts", "-k"),
     size: str = typer.Option("small", "--size", help="tiny | small | bench."),
 ) -> None:
@@ -428,7 +331,7 @@ def demo(
             f"{r.rel_to_update:.2e}",
             f"{r.bound_rel:.2e}",
         )
-    _out().print(t)
+    render.out().print(t)
 
 
 @app.command()
@@ -448,10 +351,10 @@ def check(
     for o in output:
         problems += check_output(o)
     for p in problems:
-        _out().print(f"[red]problem:[/] {p}", highlight=False)
+        render.out().print(f"[red]problem:[/] {p}", highlight=False)
     if problems:
         raise typer.Exit(1)
-    _out().print("ok: catalog" + (" and outputs" if output else "") + " verified")
+    render.out().print("ok: catalog" + (" and outputs" if output else "") + " verified")
 
 
 def main() -> None:

@@ -118,7 +118,7 @@ def _load(folder: Path) -> dict[str, np.ndarray]:
         fd = os.open(f, os.O_RDONLY)
         try:
             for t in header.tensors:
-                if not DTYPES[t.dtype][2]:
+                if t.dtype not in DTYPES or not DTYPES[t.dtype][2]:
                     continue  # integer buffers and the like: not part of the merge
                 raw = np.empty(t.nbytes, np.uint8)
                 pread_into(fd, memoryview(raw), t.start, f)

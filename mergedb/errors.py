@@ -23,3 +23,7 @@ class ChangedFileError(MergeDBError):
 
 class PlanError(MergeDBError):
     """A plan request is invalid: unknown method, bad parameter, bad budget."""
+
+
+class RunNotRecordedError(MergeDBError):
+    """A merge finished and its output is good, but the catalog could not record the run."""

@@ -4,15 +4,14 @@ An `ExecutionPlan` (mergedb.manifest) is a plain value: parameters, file locatio
 an Arrow table, no database. The merge is a stream of (name, tensor) pieces produced by
 independent units of work (the tensors bound for one output shard); writing safetensors is one
 consumer of that stream, `merge_to_dict` another. The output folder is built under a temporary
-name and renamed into place only when complete.
+name and put in place only when complete, by outdir.py (one writer per output, the --force swap,
+recovery after a crash).
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import json
-import math
 import os
 import resource
 import shutil
@@ -30,12 +29,13 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import xxhash
 
-from . import kernels, methods
+from . import kernels, methods, outdir
+from .check import check_output  # noqa: F401  (re-exported: outputs are checked where they are made)
 from .checkpoint import INDEX, open_checkpoint, side_files
 from .errors import ChangedFileError, MergeDBError
 from .layout import TensorLayout, block_bytes, row_elems, shard_groups, shard_names
 from .manifest import MANIFEST, MASK, ExecutionPlan, Source, build_manifest, mask_table, plan_from_manifest, write_json
-from .tensorfile import DTYPES, SafetensorsWriter, TensorInfo, as_float32, encode, pread_into
+from .tensorfile import DTYPES, SafetensorsWriter, TensorInfo, as_float32, encode, pread_into, tensor_nbytes
 
 OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 READ_AHEAD = 3  # expert blocks in flight ahead of the arithmetic
@@ -104,7 +104,16 @@ class _Inputs:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 fds.append(fd)
                 self.fds.append(fd)
-            self.where.append({t.name: (fds[fi], t, str(ckpt.root / ckpt.files[fi].relpath)) for fi, t in ckpt.tensors})
+            where = {t.name: (fds[fi], t, str(ckpt.root / ckpt.files[fi].relpath)) for fi, t in ckpt.tensors}
+            self.where.append(where)
+            for t in xp.tensors:  # the plan's sizes come from the files, never from the plan alone
+                info = where.get(t.name)
+                if (i == 0 or t.mergeable) and (info is None or info[1].dtype != t.dtype or info[1].shape != t.shape):
+                    have = f"{info[1].dtype}{list(info[1].shape)}" if info else "nothing"
+                    raise ChangedFileError(
+                        f"{src.path}: the plan describes tensor {t.name!r} as {t.dtype}{list(t.shape)} but the "
+                        f"file holds {have}; the plan or manifest does not describe these files: plan again"
+                    )
 
     def close(self) -> None:
         for fd in self.fds:
@@ -113,7 +122,7 @@ class _Inputs:
 
 def output_shards(xp: ExecutionPlan, max_shard_size: int, dtype: str | None = None) -> list[list[int]]:
     """Tensor indices grouped into output shards of at most `max_shard_size` bytes (in order)."""
-    sizes = [math.prod(t.shape) * DTYPES[_out_dtype(t, dtype)][0] for t in xp.tensors]
+    sizes = [tensor_nbytes(_out_dtype(t, dtype), t.shape) for t in xp.tensors]
     return shard_groups(sizes, max_shard_size)
 
 
@@ -302,11 +311,15 @@ class _StockDots:
 
 
 def merge_to_dict(xp: ExecutionPlan, dtype: str | None = None) -> dict[str, np.ndarray]:
-    """The merged model in memory: name -> float32 (mergeable) or raw-typed array. For embedding."""
+    """The merged model in memory: name -> float32 (mergeable) or raw-typed array (packed sub-byte
+    dtypes such as F4 as their raw uint8 bytes). For embedding."""
     m = Merger(xp, dtype)
     try:
         out = {}
         for name, dt, shape, data in m.tensors(list(range(len(xp.tensors)))):
+            if dt not in DTYPES:  # packed sub-byte dtype: no numpy type, keep the bytes
+                out[name] = data
+                continue
             arr = data.view(np.dtype(DTYPES[dt][1])).reshape(shape)
             out[name] = (arr.astype(np.uint32) << 16).view(np.float32) if dt == "BF16" else arr
         return out
@@ -329,71 +342,40 @@ def execute(
 
     With `expect_hashes` (tensor name -> xxh3-128 of its bytes, as a manifest records them) the
     output is checked before it is installed: a mismatch raises and leaves nothing behind."""
-    out = Path(out)
+    shown = Path(out)
+    out = outdir.resolve_out(shown)
     out_dt = OUT_DTYPES.get(dtype, dtype) if dtype else None
     if out_dt is not None and out_dt not in OUT_DTYPES.values():
         raise MergeDBError(f"unknown --dtype {dtype!r}; use bf16, fp16 or fp32")
-    _check_out(out, force)
-    t0, phys0 = time.perf_counter(), physical_read_bytes()
-    _remove_stale_temps(out)
-    tmp = out.parent / f".{out.name}.mergedb-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    merger = None
-    try:
-        merger = Merger(xp, out_dt, verify)
-        groups = output_shards(xp, max_shard_size, out_dt)
-        names = shard_names(len(groups))
-        hashes: dict[str, str] = {}
-        weight_map: dict[str, str] = {}
-        written = 0
-        for fname, group in zip(names, groups):
-            entries = [(xp.tensors[i].name, _out_dtype(xp.tensors[i], out_dt), xp.tensors[i].shape) for i in group]
-            with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
-                for name, _, _, data in merger.tensors(group):
-                    w.write(name, data)
-                    hashes[name] = xxhash.xxh3_128_hexdigest(data)
-                    weight_map[name] = fname
-                    if progress:
-                        progress(1)
-            written += w.total_size
-        if len(groups) > 1:
-            write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
-        base_root = open_checkpoint(xp.base.path).root
-        for f in side_files(base_root):
-            shutil.copyfile(base_root / f, tmp / f)
-        pq.write_table(mask_table(xp), tmp / MASK)
-        if expect_hashes is not None and hashes != expect_hashes:
-            bad = sorted(n for n in expect_hashes.keys() | hashes.keys() if hashes.get(n) != expect_hashes.get(n))
-            raise MergeDBError(
-                f"the merge into {out} differs from the recorded one in tensors {bad[:5]}; nothing was installed "
-                "(an input changed since, or the manifest does not describe these files)"
-            )
-        manifest = build_manifest(xp, out_dt, hashes)
-        run = {
-            "seconds": time.perf_counter() - t0,
-            "expert_bytes_logical": merger.count.expert,
-            "physical_read_bytes": physical_read_bytes() - phys0,
-            "base_bytes": merger.count.base,
-            "bytes_written": written,
-            "peak_rss_bytes": _peak_rss(),
-            "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
-        }
-        write_json(tmp / MANIFEST, {**manifest, "run": run})
-        _fsync_dir(tmp)
-        _install(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise MergeDBError(
-            f"writing {out} failed: {e.strerror or e}; nothing was left behind, free space and retry"
-        ) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if merger is not None:
-            merger.close()
+    outdir.check_clear_of(out, [xp.base.path, *(e.path for e in xp.experts)], "an input of this plan")
+    if not force:
+        outdir.check_out(out, force)  # early; with --force only after a killed run's swap is undone
+    with outdir.output_lock(out):
+        outdir.remove_stale(out)  # under the lock: what is left is a killed run's, never a live one's
+        outdir.check_out(out, force)
+        t0, phys0 = time.perf_counter(), physical_read_bytes()
+        tmp = out.parent / f".{out.name}{outdir.TMP}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        merger = None
+        try:
+            tmp.mkdir()
+            merger = Merger(xp, out_dt, verify)
+            manifest, run, written = _write(xp, merger, tmp, out, out_dt, max_shard_size, progress, expect_hashes)
+            run["seconds"] = time.perf_counter() - t0
+            run["physical_read_bytes"] = physical_read_bytes() - phys0
+            write_json(tmp / MANIFEST, {**manifest, "run": run})
+            outdir.fsync_dir(tmp)
+            outdir.install(tmp, out)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise MergeDBError(f"writing {out} failed: {outdir.os_advice(e, out)}") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            if merger is not None:
+                merger.close()
     return ExecuteResult(
-        out,
+        shown,
         manifest,
         run["seconds"],
         run["expert_bytes_logical"],
@@ -404,62 +386,52 @@ def execute(
     )
 
 
-def _remove_stale_temps(out: Path) -> None:
-    """Remove temporary folders that an earlier, killed mergedb left for this output."""
-    if not out.parent.is_dir():
-        return
-    for p in [*out.parent.glob(f".{out.name}.mergedb-tmp-*"), *out.parent.glob(f".{out.name}.mergedb-old-*")]:
-        try:
-            pid = int(p.name.rsplit("-", 2)[-2])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)  # its process is gone: a crash left it
-        except (ValueError, PermissionError, IndexError):
-            continue  # not ours to judge
-
-
-def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise MergeDBError(
-                f"{out} exists and is not empty; choose another --out or pass --force to replace a "
-                "previous mergedb output"
-            )
-        if not (out / MANIFEST).is_file():
-            raise MergeDBError(
-                f"{out} holds files mergedb did not create (no {MANIFEST}); refusing to touch it "
-                "even with --force; choose another --out"
-            )
-
-
-def _install(tmp: Path, out: Path) -> None:
-    """Rename the finished folder into place. An old mergedb output there is swapped out by two
-    renames (files it did not create are carried over first), then removed."""
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    ours = set(json.loads((out / MANIFEST).read_text()).get("run", {}).get("files", [])) | {MANIFEST}
-    for p in out.iterdir():
-        if p.name not in ours and not (tmp / p.name).exists():
-            os.rename(p, tmp / p.name)  # not ours: keep it
-    old = out.parent / f".{out.name}.mergedb-old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old)
-
-
-def _fsync_dir(d: Path) -> None:
-    for p in d.iterdir():
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _write(
+    xp: ExecutionPlan,
+    merger: Merger,
+    tmp: Path,
+    out: Path,
+    out_dt: str | None,
+    max_shard_size: int,
+    progress: Callable[[int], None] | None,
+    expect_hashes: dict[str, str] | None,
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Write the merged model into `tmp` (all but the manifest); (manifest, run record, bytes written)."""
+    groups = output_shards(xp, max_shard_size, out_dt)
+    names = shard_names(len(groups))
+    hashes: dict[str, str] = {}
+    weight_map: dict[str, str] = {}
+    written = 0
+    for fname, group in zip(names, groups):
+        entries = [(xp.tensors[i].name, _out_dtype(xp.tensors[i], out_dt), xp.tensors[i].shape) for i in group]
+        with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
+            for name, _, _, data in merger.tensors(group):
+                w.write(name, data)
+                hashes[name] = xxhash.xxh3_128_hexdigest(data)
+                weight_map[name] = fname
+                if progress:
+                    progress(1)
+        written += w.total_size
+    if len(groups) > 1:
+        write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
+    base_root = open_checkpoint(xp.base.path).root
+    for f in side_files(base_root):
+        shutil.copyfile(base_root / f, tmp / f)
+    pq.write_table(mask_table(xp), tmp / MASK)
+    if expect_hashes is not None and hashes != expect_hashes:
+        bad = sorted(n for n in expect_hashes.keys() | hashes.keys() if hashes.get(n) != expect_hashes.get(n))
+        raise MergeDBError(
+            f"the merge into {out} differs from the recorded one in tensors {bad[:5]}; nothing was installed "
+            "(an input changed since, or the manifest does not describe these files)"
+        )
+    run = {
+        "expert_bytes_logical": merger.count.expert,
+        "base_bytes": merger.count.base,
+        "bytes_written": written,
+        "peak_rss_bytes": _peak_rss(),
+        "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
+    }
+    return build_manifest(xp, out_dt, hashes), run, written
 
 
 def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *, force: bool = False) -> ExecuteResult:

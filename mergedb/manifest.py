@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ import pyarrow.parquet as pq
 
 from .errors import MergeDBError
 from .layout import TensorLayout
+from .methods import validate
+from .tensorfile import DTYPE_BITS
 
 MANIFEST = "mergedb_manifest.json"
 MASK = "mask.parquet"
@@ -153,7 +156,9 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
 
 
 def read_manifest(manifest_path: str | os.PathLike[str]) -> tuple[dict[str, Any], pa.Table]:
-    """The manifest document and its mask table, checked against the content hash and digest."""
+    """The manifest document and its mask table, checked against the content hash and digest and
+    validated field by field (types, ranges, references), so that a manifest edited and re-hashed
+    consistently still cannot crash a replay or make it allocate more than the files hold."""
     path = Path(manifest_path)
     try:
         doc = json.loads(path.read_text())
@@ -166,7 +171,176 @@ def read_manifest(manifest_path: str | os.PathLike[str]) -> tuple[dict[str, Any]
         raise MergeDBError(
             f"{path}: content_hash does not match the manifest's contents (edited?); re-execute the plan"
         )
+    problems = manifest_problems(doc, mask)
+    if problems:
+        raise MergeDBError(f"{path}: {problems[0]}; the manifest was edited or damaged: re-execute the plan")
     return doc, mask
+
+
+_MASK_COLUMNS = ("position", "tensor_idx", "block_idx", "content_hash")
+_SOURCE_FIELDS = {"name": str, "path": str, "fingerprint": str, "content_hash": str, "weight": float, "coef": float}
+_TOP_FIELDS = {
+    "plan_hash": str,
+    "method": str,
+    "params": dict,
+    "seed": int,
+    "budget_bytes": int,
+    "base": dict,
+    "experts": list,
+    "layout": list,
+    "trims": list,
+    "mask_digest": str,
+    "tensor_hashes": dict,
+}
+MAX_RANK = 8  # dims of a tensor shape; safetensors files in practice hold ≤ 5
+
+
+def _is(v: Any, kind: type) -> bool:
+    """JSON type check: bool is not an int here, and an int is a valid float."""
+    if kind is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, kind)
+
+
+def manifest_problems(doc: dict[str, Any], mask: pa.Table | None) -> list[str]:
+    """What is wrong with a manifest's fields (empty when every type, range and reference holds).
+
+    Only what the manifest can check alone: the executor then checks every layout tensor against
+    the base file's header, so sizes are bounded by the real files, never by the manifest."""
+    try:
+        return _problems(doc, mask)
+    except (KeyError, TypeError, ValueError, IndexError, pa.ArrowException) as e:  # a shape not foreseen
+        return [f"malformed manifest ({type(e).__name__}: {e})"]
+
+
+def _problems(doc: dict[str, Any], mask: pa.Table | None) -> list[str]:
+    for key, kind in _TOP_FIELDS.items():
+        if not _is(doc.get(key), kind):
+            return [f"field {key!r} is missing or not a {kind.__name__} (got {doc.get(key)!r:.60})"]
+    if doc.get("dtype") is not None and doc["dtype"] not in ("BF16", "F16", "F32"):
+        return [f"dtype {doc['dtype']!r:.40} is not one of BF16, F16, F32"]
+    if doc["budget_bytes"] < 0:
+        return [f"budget_bytes {doc['budget_bytes']} is negative"]
+    sources = [doc["base"], *doc["experts"]]
+    for i, src in enumerate(sources):
+        where = "base" if i == 0 else f"experts[{i - 1}]"
+        if not isinstance(src, dict) or set(src) != set(_SOURCE_FIELDS):
+            return [f"{where} must have exactly the fields {sorted(_SOURCE_FIELDS)}"]
+        for key, kind in _SOURCE_FIELDS.items():
+            if not _is(src[key], kind):
+                return [f"{where}.{key} is not a {kind.__name__} (got {src[key]!r:.60})"]
+    k = len(doc["experts"])
+    try:
+        validate(doc["method"], doc["params"], [e["weight"] for e in doc["experts"]], k)
+    except MergeDBError as e:
+        return [f"method/params: {e}"]
+    layout = doc["layout"]
+    names = set()
+    for ti, t in enumerate(layout):
+        if not isinstance(t, dict):
+            return [f"layout[{ti}] is not an object"]
+        for key, kind in (("name", str), ("dtype", str), ("shape", list), ("mergeable", bool), ("rows", list)):
+            if not _is(t.get(key), kind):
+                return [f"layout[{ti}].{key} is missing or not a {kind.__name__}"]
+        if t["dtype"] not in DTYPE_BITS:
+            return [f"layout[{ti}] ({t['name']!r:.60}) has unknown dtype {t['dtype']!r:.20}"]
+        shape = t["shape"]
+        if len(shape) > MAX_RANK or not all(_is(d, int) and d >= 0 for d in shape):
+            return [f"layout[{ti}] ({t['name']!r:.60}) has an invalid shape {shape!r:.80}"]
+        if t["name"] in names:
+            return [f"layout[{ti}]: tensor {t['name']!r:.60} appears twice"]
+        names.add(t["name"])
+        if problem := _rows_problem(t["rows"], shape[0] if len(shape) >= 2 else 1):
+            return [f"layout[{ti}] ({t['name']!r:.60}): {problem}"]
+        hashes = t.get("base_hashes", [])
+        if (
+            not isinstance(hashes, list)
+            or len(hashes) not in (0, len(t["rows"]))
+            or not all(isinstance(h, str) for h in hashes)
+        ):
+            return [f"layout[{ti}] ({t['name']!r:.60}): base_hashes must be one string per block"]
+    if set(doc["tensor_hashes"]) != names or not all(isinstance(h, str) for h in doc["tensor_hashes"].values()):
+        return ["tensor_hashes must map every layout tensor, and only those, to a hash string"]
+    for i, r in enumerate(doc["trims"]):
+        if problem := _trim_problem(r, k, len(layout)):
+            return [f"trims[{i}]: {problem}"]
+    stock = doc.get("stock")
+    if stock is not None:
+        if not isinstance(stock, list):
+            return ["stock is not a list"]
+        for i, r in enumerate(stock):
+            if not (
+                isinstance(r, dict)
+                and _is(r.get("tensor_idx"), int)
+                and 0 <= r["tensor_idx"] < len(layout)
+                and all(_is(r.get(c), int) and 0 <= r[c] < k for c in ("j", "k"))
+                and _is(r.get("dot"), float)
+            ):
+                return [f"stock[{i}] needs tensor_idx < {len(layout)}, j and k < {k} and a finite dot"]
+    if mask is not None:
+        return _mask_problems(doc, mask, k)
+    return []
+
+
+def _rows_problem(rows: list[Any], n: int) -> str | None:
+    """Blocks must cover rows [0, n) in order, each [start, end) with start < end (one empty block
+    for a tensor without rows)."""
+    if not rows:
+        return "no blocks"
+    prev = 0
+    for r in rows:
+        if not (isinstance(r, list) and len(r) == 2 and all(_is(x, int) for x in r)):
+            return f"block rows {r!r:.40} are not [start, end]"
+        if r[0] != prev or not (r[0] < r[1] or (len(rows) == 1 and r[1] == r[0] == n)) or r[1] > n:
+            return f"block rows {r!r:.40} do not continue [0, {n}) in order"
+        prev = r[1]
+    if prev != n:
+        return f"blocks end at row {prev}, not at the tensor's {n} rows"
+    return None
+
+
+def _trim_problem(r: Any, k: int, n_tensors: int) -> str | None:
+    if not isinstance(r, dict):
+        return "not an object"
+    if not (_is(r.get("position"), int) and 0 <= r["position"] < k):
+        return f"position must be an expert index below {k}"
+    if not (_is(r.get("tensor_idx"), int) and 0 <= r["tensor_idx"] < n_tensors):
+        return f"tensor_idx must be below {n_tensors}"
+    for c in ("t_lo", "t_hi"):
+        if r.get(c) is not None and not _is(r[c], float):
+            return f"{c} must be a finite number or null"
+    codes, counts = r.get("rank_codes"), r.get("rank_counts")
+    if codes is not None or counts is not None:
+        if not (isinstance(codes, list) and isinstance(counts, list) and len(codes) == len(counts)):
+            return "rank_codes and rank_counts must be lists of one length"
+        if not all(_is(c, int) and 0 <= c < 1 << 15 for c in codes) or not all(_is(c, int) and c >= 0 for c in counts):
+            return "rank_codes must lie in [0, 32768) and rank_counts be counts ≥ 0"
+    return None
+
+
+def _mask_problems(doc: dict[str, Any], mask: pa.Table, k: int) -> list[str]:
+    missing = [c for c in _MASK_COLUMNS if c not in mask.column_names]
+    if missing:
+        return [f"{MASK} lacks the columns {missing}"]
+    for c in _MASK_COLUMNS[:3]:
+        if not pa.types.is_integer(mask.schema.field(c).type) or mask.column(c).null_count:
+            return [f"{MASK} column {c} must hold integers without nulls"]
+    if not pa.types.is_string(mask.schema.field("content_hash").type):
+        return [f"{MASK} column content_hash must hold strings"]
+    n_blocks = [len(t["rows"]) for t in doc["layout"]]
+    cols = [mask.column(c).to_pylist() for c in _MASK_COLUMNS[:3]]
+    seen = set()
+    for pos, ti, b in zip(*cols):
+        if not (0 <= pos < k and 0 <= ti < len(n_blocks) and 0 <= b < n_blocks[ti]):
+            return [f"{MASK} row (position {pos}, tensor_idx {ti}, block_idx {b}) refers to no expert block"]
+        if (pos, ti, b) in seen:
+            return [f"{MASK} row (position {pos}, tensor_idx {ti}, block_idx {b}) appears twice"]
+        seen.add((pos, ti, b))
+    if mask_digest(mask) != doc["mask_digest"]:
+        return [f"{MASK} does not match the manifest's mask digest"]
+    return []
 
 
 def plan_from_manifest(manifest_path: str | os.PathLike[str]) -> tuple[ExecutionPlan, dict[str, Any]]:

@@ -11,7 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .errors import PlanError
+
+MAX_SCALE = 1e6  # |λ|, |weight| and |coefficient| limit: keeps c_k·Δ finite in float32 for |Δ| < 3e32
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
             raise PlanError(f"{k} must be a number, got {v!r}") from None
         if not math.isfinite(v):
             raise PlanError(f"{k} must be finite, got {v}")
+        if abs(v) > MAX_SCALE:
+            raise PlanError(f"{k} must be between -{MAX_SCALE:g} and {MAX_SCALE:g}, got {v:g}; e.g. --{k} 0.5")
         p[k] = v
     if "density" in p and not 0 < p["density"] <= 1:
         raise PlanError(f"density must be in (0, 1], got {p['density']}; e.g. --density 0.2")
@@ -97,10 +103,20 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
         raise PlanError("model_stock needs at least two experts")
     if len(weights) != n_experts:
         raise PlanError(f"{len(weights)} weights for {n_experts} experts; give one weight per expert, in order")
-    if not all(math.isfinite(w) for w in weights):
-        raise PlanError(f"weights must be finite numbers, got {weights}")
+    for i, w in enumerate(weights):
+        if not (isinstance(w, (int, float, np.floating)) and math.isfinite(w) and abs(w) <= MAX_SCALE):
+            raise PlanError(
+                f"weight {i + 1} of {n_experts} is {w!r}: weights must be finite numbers between "
+                f"-{MAX_SCALE:g} and {MAX_SCALE:g}; e.g. --weights 1,0.5"
+            )
     if method == "linear" and p["normalize"] and abs(sum(weights)) < 1e-12:
         raise PlanError("linear with normalize needs weights that do not sum to zero")
+    big = [c for c in coefficients(method, p, list(weights)) if abs(c) > MAX_SCALE]
+    if big:
+        raise PlanError(
+            f"a coefficient on an expert's delta would be {big[0]:g} (limit {MAX_SCALE:g}): the weights nearly "
+            "cancel under --normalize, or λ·weight is too large; use weights whose sum is not near zero"
+        )
     return p
 
 

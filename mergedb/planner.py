@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -20,11 +19,12 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import methods, stats
-from .errors import PlanError
+from . import bounds, methods, stats
+from .errors import MergeDBError, PlanError
+from .faults import unregister
 from .manifest import mask_digest
 from .resources import query
-from .units import parse_size
+from .units import parse_size, shown
 
 MAX_FILL_PASSES = 256
 ESTIMATE_MAX_ROWS = 2_000_000  # above this many omitted blocks the sketch estimate is opt-in (≈1 s per 1M)
@@ -60,16 +60,16 @@ def parse_budget(spec: str, full_bytes: int) -> int:
     if m:
         pct = float(m.group(1))
         if pct > 100:
-            raise PlanError(f"budget {spec!r} is over 100%; {example}")
+            raise PlanError(f"budget {shown(spec)} is over 100%; {example}")
         return int(full_bytes * pct / 100)
     if text.startswith("-"):
-        raise PlanError(f"budget {spec!r} is negative; {example}")
-    if re.fullmatch(r"\d+", text) and int(text) != 0:
-        raise PlanError(f"budget {spec!r} has no unit; {example}")
+        raise PlanError(f"budget {shown(spec)} is negative; {example}")
+    if re.fullmatch(r"\d+", text) and text.strip("0"):
+        raise PlanError(f"budget {shown(spec)} has no unit; {example}")
     try:
-        return parse_size(text, what="budget")
-    except Exception:
-        raise PlanError(f"cannot read budget {spec!r}; {example}") from None
+        return parse_size(text, what="budget")  # at most units.MAX_BYTES; more than the full read means all
+    except MergeDBError as e:
+        raise PlanError(f"{e}; or a percentage of the full read (25%), or all") from None
 
 
 STRATEGIES = ("ranked", "random")
@@ -109,6 +109,8 @@ class _Selection:
     selected_bytes: int
     bound_sum: float | None  # linear methods only
     bound_blockwise: float | None
+    bound_rounded: float | None  # after rounding to the output dtype (see queries/plan_bounds_rounded.sql)
+    bound_note: str | None  # why bound_rounded is None for a linear method
     per_expert: dict[int, tuple]  # position -> plan_bounds row
     est_error: float | None
     trims: pa.Table
@@ -122,6 +124,8 @@ def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, li
     `queries/`, store the plan. The caller owns the transaction.
     """
     t0 = time.perf_counter()
+    if isinstance(req.seed, bool) or not isinstance(req.seed, int) or not 0 <= req.seed < 2**63:
+        raise PlanError(f"seed must be a whole number from 0 to 2^63 - 1, got {shown(req.seed)}; e.g. --seed 42")
     if req.strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {req.strategy!r}; use ranked or random")
     if req.name is not None and _rows(con, "SELECT 1 FROM plans WHERE name = ?", [req.name]):
@@ -167,6 +171,7 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
         "GROUP BY ALL ORDER BY 1, 2",
         [ids],
     )
+    _refuse_nonfinite_base(con, req.base, base_id, ids)
     if bad and not req.allow_nonfinite:
         e, t, n = bad[0]
         raise PlanError(
@@ -187,6 +192,40 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
         method=methods.get_method(req.method),
         nonfinite=tuple(bad),
     )
+
+
+def _refuse_nonfinite_base(con: duckdb.DuckDBPyConnection, base: str, base_id: int, ids: list[int]) -> None:
+    """Blame NaN/Inf in the base on the base (every expert's delta inherits them), with or without
+    --allow-nonfinite: leaving those blocks out would still copy the base's NaN/Inf into the merge."""
+    rows = _rows(
+        con,
+        "SELECT ft.name, CAST(sum(bl.base_nonfinite) AS BIGINT) FROM blocks bl JOIN family_tensors ft "
+        "USING (base_id, tensor_idx) WHERE bl.base_id = ? AND bl.base_nonfinite > 0 "
+        "GROUP BY ALL ORDER BY min(ft.tensor_idx)",
+        [base_id],
+    )
+    fix = "fix the base and register it again under a new --name (its experts with it)"
+    if rows:
+        t, n = rows[0]
+        more = f" (and {len(rows) - 1} more tensors)" if len(rows) > 1 else ""
+        raise PlanError(f"base {base!r} has {n} NaN/Inf values in tensor {t!r}{more}; {fix}")
+    known = _rows(con, "SELECT count(base_nonfinite) FROM blocks WHERE base_id = ?", [base_id])[0][0]
+    if known or len(ids) < 2:
+        return
+    # a catalog registered before base checks: NaN/Inf in one block of every expert points at the base
+    shared = _rows(
+        con,
+        "SELECT ft.name FROM expert_blocks eb JOIN family_tensors ft ON ft.base_id = ? "
+        "AND ft.tensor_idx = eb.tensor_idx WHERE eb.nonfinite > 0 AND list_contains(?, eb.checkpoint_id) "
+        "GROUP BY ft.name, eb.tensor_idx, eb.block_idx HAVING count(*) = ? "
+        "ORDER BY eb.tensor_idx, eb.block_idx LIMIT 1",
+        [base_id, ids, len(ids)],
+    )
+    if shared:
+        raise PlanError(
+            f"every expert has NaN/Inf values in the same block of tensor {shared[0][0]!r}: most likely base "
+            f"{base!r} holds them (it was registered before mergedb checked bases); {fix}"
+        )
 
 
 def _select(
@@ -229,13 +268,17 @@ def _select(
             con, steps, "prefix", query("plan_prefix"), [budget, cut], "SELECT count(*) FROM plan_ranked WHERE selected"
         )
         _fill(con, budget, steps)
-        bounds = _rows(con, query("plan_bounds"))
-        steps.append(("bounds", query("plan_bounds"), len(bounds)))
+        bound_rows = _rows(con, query("plan_bounds"))
+        steps.append(("bounds", query("plan_bounds"), len(bound_rows)))
+        rounded, note = None, None
+        if inp.method.linear:
+            rounded, note = bounds.rounded_bound(con, inp.base_id, len(inp.ids))
+            steps.append(("bounds_rounded", query("plan_bounds_rounded"), 1))
     finally:
-        con.unregister("_plan_experts")
-        con.unregister("_plan_trim")
-    per_expert = {r[0]: r for r in bounds if r[0] is not None}
-    total = next(r for r in bounds if r[0] is None)
+        unregister(con, "_plan_experts")
+        unregister(con, "_plan_trim")
+    per_expert = {r[0]: r for r in bound_rows if r[0] is not None}
+    total = next(r for r in bound_rows if r[0] is None)
     selected_bytes, n_selected = int(total[3] or 0), int(total[5] or 0)
     if selected_bytes > budget:  # cannot happen by construction; never store a plan that breaks it
         raise PlanError(f"internal error: selected {selected_bytes} bytes over the {budget}-byte budget")
@@ -252,8 +295,10 @@ def _select(
         selected_bytes=selected_bytes,
         bound_sum=total[1] if linear else None,
         bound_blockwise=total[2] if linear else None,
+        bound_rounded=rounded,
+        bound_note=note,
         per_expert=per_expert,
-        est_error=_sketch_estimate(con, list(inp.coefs)) if linear and want_estimate else None,
+        est_error=bounds.sketch_estimate(con, list(inp.coefs)) if linear and want_estimate else None,
         trims=trims,
         mask_digest=mask_digest(selected),
     )
@@ -315,6 +360,8 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
         "free_blocks": sel.n_free,
         "bound_sum": sel.bound_sum,
         "bound_blockwise": sel.bound_blockwise,
+        "bound_rounded": sel.bound_rounded,
+        "bound_note": sel.bound_note,
         "est_error": sel.est_error,
         "planning_seconds": 0.0,  # set below, once everything is stored
         "strategy": req.strategy,
@@ -348,7 +395,7 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
             [plan_id],
         )
     finally:
-        con.unregister("_plan_trim")
+        unregister(con, "_plan_trim")
     con.execute(
         "INSERT INTO plan_mask (plan_id, checkpoint_id, tensor_idx, block_idx, selected, free, score, value, nbytes) "
         "SELECT ?, checkpoint_id, tensor_idx, block_idx, selected, free, score, value, nbytes FROM plan_ranked",
@@ -407,45 +454,6 @@ def _threshold_at(
     if len(hit):
         return float(grid[int(hit[0])]), True
     return stats.threshold_from_summary(np.asarray(codes), np.asarray(counts), numel, density), False
-
-
-def _sketch_estimate(con: duckdb.DuckDBPyConnection, coefs: list[float]) -> float:
-    """‖Σ_omitted c_k Δ_kb‖ estimated per block: exact diagonal c_k²‖Δ_kb‖² plus sketched cross
-    terms ⟨c_j S Δ_jb, c_k S Δ_kb⟩. Streams the omitted rows in batches: memory stays bounded."""
-    reader = con.sql(
-        "SELECT r.tensor_idx, r.block_idx, r.position, eb.delta_norm, eb.sketch FROM plan_ranked r "
-        "JOIN expert_blocks eb USING (checkpoint_id, tensor_idx, block_idx) WHERE NOT r.selected AND NOT r.free "
-        "ORDER BY r.tensor_idx, r.block_idx, r.position"
-    ).to_arrow_reader(1 << 18)
-    c_of = np.asarray(coefs, np.float64)
-    total = 0.0
-    carry: tuple[np.ndarray, ...] | None = None
-    for batch in reader:
-        key = batch.column(0).to_numpy().astype(np.int64) << 32 | batch.column(1).to_numpy()
-        c = c_of[batch.column(2).to_numpy()]
-        norms = batch.column(3).to_numpy()
-        sk = batch.column(4).combine_chunks() if hasattr(batch.column(4), "combine_chunks") else batch.column(4)
-        dim = len(sk[0]) if len(sk) else 0
-        s = sk.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim) if dim else np.zeros((0, 0), np.float32)
-        if carry is not None:  # the last block of the previous batch may continue here
-            key, c, norms, s = (np.concatenate([a, b]) for a, b in zip(carry, (key, c, norms, s)))
-        cut = int(np.searchsorted(key, key[-1], side="left"))  # keep the last (maybe partial) block
-        total += _estimate_blocks(key[:cut], c[:cut], norms[:cut], s[:cut])
-        carry = (key[cut:], c[cut:], norms[cut:], s[cut:])
-    if carry is not None:
-        total += _estimate_blocks(*carry)
-    return float(math.sqrt(max(total, 0.0)))
-
-
-def _estimate_blocks(key: np.ndarray, c: np.ndarray, norms: np.ndarray, s: np.ndarray) -> float:
-    if key.size == 0:
-        return 0.0
-    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    cs = s.astype(np.float64) * c[:, None]  # (rows, D) c_k S Δ_kb
-    summed = np.add.reduceat(cs, starts, axis=0)  # (blocks, D) sketch of Σ_k c_k Δ_kb
-    cross = (summed**2).sum(axis=1) - np.add.reduceat((cs**2).sum(axis=1), starts)
-    diag = np.add.reduceat((c * norms) ** 2, starts)
-    return float(np.maximum(diag + cross, 0.0).sum())
 
 
 def _canonical_table(t: pa.Table) -> bytes:

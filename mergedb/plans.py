@@ -56,19 +56,45 @@ class PlanSummary:
     base: str
     experts: tuple[ExpertSummary, ...]
     explain: tuple[tuple[str, str, int], ...] = ()
+    # bound on ‖θ_B − θ_F‖ of the output as written, rounded to the base's dtype (also holds for
+    # --dtype fp32); None with bound_note saying why, or for plans made before schema 005
+    bound_rounded: float | None = None
+    bound_note: str | None = None
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def validate_plan_name(name: str) -> None:
+    """Refuse a plan name that `resolve_plan` could confuse with an id or a plan-hash prefix."""
+    why = None
+    if not name.strip() or name != name.strip() or any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        why = "is empty, has leading or trailing spaces, or control characters"
+    elif name.isdigit():
+        why = "looks like a plan id"
+    elif len(name) >= 6 and set(name) <= _HEX:
+        why = "looks like a plan-hash prefix"
+    if why:
+        raise PlanError(f"plan name {name!r} {why}; pick a name with a letter outside a-f, e.g. --name ties-25pct")
 
 
 def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str) -> int:
-    """The plan_id of a plan given by id, name or plan-hash prefix."""
-    text = str(plan)
-    rows = con.execute(
-        "SELECT plan_id FROM plans WHERE CAST(plan_id AS VARCHAR) = ? OR name = ? OR plan_hash LIKE ? || '%'",
-        [text, text, text if len(text) >= 6 else "\x00"],
-    ).fetchall()
-    if len(rows) != 1:
-        what = "no plan" if not rows else "several plans"
-        raise PlanError(f"{what} matching {text!r}; `mergedb plans` lists them")
-    return int(rows[0][0])
+    """The plan_id of a plan given by id, name or plan-hash prefix (at least 6 characters), tried
+    in that order: an exact id wins over a name, an exact name over a hash prefix."""
+    text = str(plan).strip()
+    if text.isdigit():
+        rows = con.execute("SELECT plan_id FROM plans WHERE plan_id = ?", [int(text)]).fetchall()
+        if rows:
+            return int(rows[0][0])
+    rows = con.execute("SELECT plan_id FROM plans WHERE name = ?", [text]).fetchall()
+    if len(rows) == 1:
+        return int(rows[0][0])
+    if not rows and len(text) >= 6:
+        rows = con.execute("SELECT plan_id FROM plans WHERE starts_with(plan_hash, ?)", [text.lower()]).fetchall()
+        if len(rows) == 1:
+            return int(rows[0][0])
+    what = "no plan" if not rows else "several plans"
+    raise PlanError(f"{what} matching {text!r}; `mergedb plans` lists them")
 
 
 def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
@@ -76,7 +102,7 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
     p = con.execute(
         "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
         "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
-        "p.bound_blockwise, p.est_error, p.planning_seconds, b.name FROM plans p "
+        "p.bound_blockwise, p.est_error, p.planning_seconds, b.name, p.bound_rounded, p.bound_note FROM plans p "
         "JOIN checkpoints b ON b.checkpoint_id = p.base_id WHERE p.plan_id = ?",
         [plan_id],
     ).fetchall()[0]
@@ -109,6 +135,8 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
         planning_seconds=p[17],
         base=p[18],
         experts=experts,
+        bound_rounded=p[19],
+        bound_note=p[20],
     )
 
 

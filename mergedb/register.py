@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import duckdb
@@ -20,6 +21,7 @@ import pyarrow as pa
 from . import scan
 from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
+from .faults import rollback, unregister
 from .layout import Block, FamilyTensor
 from .units import parse_size
 
@@ -62,21 +64,25 @@ def register(
     block_bytes = parse_size(block_size, what="block size")
     if block_bytes <= 0:
         raise MergeDBError("--block-size must be positive, e.g. 4MiB")
+    if name is not None:
+        _check_name(name, "--name")
     found = [open_checkpoint(p) for p in discover(list(paths))]
     if name is not None:
         if len(found) != 1:
             raise MergeDBError(f"--name applies to one checkpoint, but {len(found)} were found")
         found = [_renamed(found[0], name)]
+    for c in found:
+        _check_name(c.name, f"the name of {c.path}")
     names = [c.name for c in found]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise MergeDBError(f"two checkpoints would be named {dupes[0]!r}; register them separately with --name")
 
-    with cat.duckdb_connection(write=True) as con:
-        existing = {
+    with cat.duckdb_connection(write=True, create=True) as con:
+        existing = {  # name -> (name, checkpoint_id, role, base_id, fingerprint, block_size, path)
             r[0]: r
             for r in con.execute(
-                "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size FROM checkpoints"
+                "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, path FROM checkpoints"
             ).fetchall()
         }
         base_names = {r[1]: r[0] for r in existing.values() if r[2] == "base"}
@@ -116,6 +122,17 @@ def register(
         if row is not None:
             if row[2] != role:
                 raise CatalogError(f"{c.name!r} is already registered as a {row[2]}, not a {role}")
+            if Path(row[6]) != c.path.resolve():  # names are unique: another folder is another checkpoint
+                raise CatalogError(
+                    f"{c.name!r} is already registered from {row[6]}; {c.path} is another checkpoint: "
+                    "register it under another name with --name NEW"
+                )
+            if role == "expert" and row[3] != existing.get(base_ckpt_name or "", (0, -1))[1]:
+                old_base = next((n for n, r in existing.items() if r[1] == row[3]), "?")
+                raise CatalogError(
+                    f"expert {c.name!r} is registered with base {old_base!r}, not {base_ckpt_name!r}; "
+                    "register it for this base under another name with --name NEW"
+                )
             if row[4] == c.fingerprint and (role == "base" or existing.get(base_ckpt_name or "", (0, -1))[1] == row[3]):
                 unchanged.append(c.name)
                 continue
@@ -207,7 +224,7 @@ def register(
                 done.append(e.name)
             con.execute("COMMIT")
         except BaseException:
-            con.execute("ROLLBACK")
+            rollback(con)
             raise
     return RegisterResult(tuple(done), tuple(unchanged), read, time.perf_counter() - t0)
 
@@ -310,6 +327,22 @@ def _tensor_bytes(c: Checkpoint) -> int:
     return sum(t.nbytes for _, t in c.tensors)
 
 
+def _check_name(name: str, what: str) -> None:
+    """Refuse checkpoint names that commands could not address (`--experts a,b` splits on commas
+    and strips spaces)."""
+    why = None
+    if not name.strip():
+        why = "is empty"
+    elif name != name.strip():
+        why = "has leading or trailing spaces"
+    elif "," in name:
+        why = "contains a comma"
+    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        why = "contains a control character"
+    if why:
+        raise MergeDBError(f"{what}, {name!r}, {why}, so commands could not refer to it; pass --name NAME")
+
+
 def _renamed(c: Checkpoint, name: str) -> Checkpoint:
     return Checkpoint(name, c.path, c.root, c.files, c.tensors, c.architecture)
 
@@ -326,7 +359,7 @@ def append_rows(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> N
         cols = ", ".join(data.column_names)
         con.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM _mergedb_rows")
     finally:
-        con.unregister("_mergedb_rows")
+        unregister(con, "_mergedb_rows")
 
 
 def _insert_family(con: duckdb.DuckDBPyConnection, base_id: int, fam: list[FamilyTensor], hashes: list[str]) -> None:
@@ -362,7 +395,10 @@ def _insert_family(con: duckdb.DuckDBPyConnection, base_id: int, fam: list[Famil
                 "byte_start": pa.array([b.byte_start for b in blocks], pa.int64()),
                 "nbytes": pa.array([b.nbytes for b in blocks], pa.int64()),
                 "numel": pa.array([b.numel for b in blocks], pa.int64()),
-                "base_hash": hashes,
+                "base_hash": list(hashes),
+                # scan.hash_base's per-block base statistics (None for pass-through tensors)
+                "base_norm": pa.array(getattr(hashes, "norms", [None] * len(blocks)), pa.float64()),
+                "base_nonfinite": pa.array(getattr(hashes, "nonfinite", [None] * len(blocks)), pa.int64()),
             }
         ),
     )

@@ -24,6 +24,7 @@ from .checkpoint import Checkpoint
 from .errors import AlignmentError
 from .layout import FamilyTensor, element_offset, family_layout
 from .tensorfile import DTYPES, TensorInfo, as_float32, pread_into
+from .units import check_threads
 
 Progress = Callable[[int], None]
 
@@ -128,24 +129,42 @@ class _Scratch(threading.local):
         return buf[:nbytes]
 
 
-def hash_base(base: Checkpoint, family: list[FamilyTensor], threads: int, progress: Progress | None) -> list[str]:
-    """xxh3-128 of every block of the base, in (tensor, block) order."""
+class BaseBlocks(list):
+    """The base's block hashes (xxh3-128, the list itself, in (tensor, block) order) and, per block,
+    ‖θ₀,b‖₂ and the NaN/Inf count of its decoded values (None for pass-through tensors)."""
+
+    def __init__(self, hashes: list[str], norms: list[float | None], nonfinite: list[int | None]) -> None:
+        super().__init__(hashes)
+        self.norms = norms
+        self.nonfinite = nonfinite
+
+
+def hash_base(base: Checkpoint, family: list[FamilyTensor], threads: int, progress: Progress | None) -> BaseBlocks:
+    """Hash every block of the base and, for float tensors, decode it: its norm and NaN/Inf count."""
+    check_threads(threads)
     where = _where(base)
     scratch = _Scratch()
 
-    def one(ft: FamilyTensor) -> list[str]:
+    def one(ft: FamilyTensor) -> list[tuple[str, float | None, int | None]]:
         fi, t = where[ft.name]
-        hashes = []
+        raw_dtype = np.dtype(DTYPES[ft.dtype][1]) if ft.mergeable else None
+        out = []
         for blk in ft.blocks:
             buf = scratch.get("raw", blk.nbytes)
             pread_into(files.fds[fi], memoryview(buf), t.start + blk.byte_start, files.paths[fi])
-            hashes.append(xxhash.xxh3_128_hexdigest(buf))
+            norm: float | None = None
+            bad: int | None = None
+            if ft.mergeable:
+                x = as_float32(buf.view(raw_dtype), ft.dtype, scratch.get("x", blk.numel * 4).view(np.float32))
+                norm, bad = stats.base_block_stats(x)  # x: (numel,) float32
+            out.append((xxhash.xxh3_128_hexdigest(buf), norm, bad))
             if progress:
                 progress(blk.nbytes)
-        return hashes
+        return out
 
     with _opened(base) as files, ThreadPoolExecutor(threads) as pool:
-        return [h for hs in pool.map(one, family) for h in hs]
+        rows = [r for rs in pool.map(one, family) for r in rs]
+    return BaseBlocks([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 
 def scan_expert(
@@ -158,6 +177,7 @@ def scan_expert(
     progress: Progress | None = None,
 ) -> ExpertStats:
     """Read `expert` (and the base blocks it needs) once; exact delta statistics per block and tensor."""
+    check_threads(threads)
     check_aligned(base, expert)
     bwhere, ewhere = _where(base), _where(expert)
     scratch = _Scratch()

@@ -58,6 +58,30 @@ class BlockStats:
 
 
 @numba.njit(nogil=True, cache=True)
+def _base_pass(x):  # pragma: no cover - compiled
+    # x: (n,) float32 decoded base values -> (Σ x² over finite values in float64, count of NaN/Inf)
+    ss = 0.0
+    bad = 0
+    for i in range(x.shape[0]):
+        v = x[i]
+        if np.isfinite(v):
+            ss += np.float64(v) * np.float64(v)
+        else:
+            bad += 1
+    return ss, bad
+
+
+def base_block_stats(x: np.ndarray) -> tuple[float, int]:
+    """‖θ₀,b‖₂ of one base block (its finite values, float64 accumulation) and its NaN/Inf count.
+
+    x: (n,) float32. The planner's output-rounding bound needs the norm; the count lets it blame a
+    non-finite base instead of every expert whose delta inherits the NaN.
+    """
+    ss, bad = _base_pass(x)
+    return float(np.sqrt(ss)), int(bad)
+
+
+@numba.njit(nogil=True, cache=True)
 def _hash_bucket(key, i, dim):  # pragma: no cover - compiled
     z = (key + np.uint64(i)) * np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(32))) * np.uint64(0xBF58476D1CE4E5B9)

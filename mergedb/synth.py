@@ -216,7 +216,7 @@ def simulate(
 
     rng = np.random.default_rng(seed)
     dim = cat.sketch_dim()
-    with cat.duckdb_connection(write=True) as con:
+    with cat.duckdb_connection(write=True, create=True) as con:
         con.execute("BEGIN")
         base_id = int(con.execute("SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints").fetchall()[0][0])
         nb = tensors * blocks_per_tensor

@@ -1,10 +1,22 @@
-"""Parsing and printing byte sizes: `4MiB`, `500MB`, `2GiB`, `1234`."""
+"""Parsing and printing byte sizes: `4MiB`, `500MB`, `1.5GiB`, `1234`.
+
+Sizes are exact (parsed as fractions, never through float). A plain number or a `B` size must be
+a whole number of bytes (`1.5B` is refused); with a larger unit a fractional byte count is rounded
+down (`0.1KiB` = 102 bytes), so a budget never exceeds what was written. Units are bytes in any
+case (`kb` = `KB`), except that a capital prefix with a lowercase `b` (`Mb`, `Gib`) means bits
+and is refused. Every size is at most MAX_BYTES.
+"""
 
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from .errors import MergeDBError
+
+MAX_BYTES = 2**62  # 4 EiB: far above any checkpoint, and sums of such sizes stay inside int64
+MAX_BLOCK_SIZE = 2**40  # 1 TiB: a block larger than this is one whole tensor anyway
+MAX_THREADS = 1024
 
 _UNITS = {
     "b": 1,
@@ -12,12 +24,15 @@ _UNITS = {
     "mb": 10**6,
     "gb": 10**9,
     "tb": 10**12,
+    "pb": 10**15,
     "kib": 2**10,
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
+    "pib": 2**50,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_EXAMPLE = "e.g. 4MiB, 500MB or 2GiB"
 
 
 def parse_size(text: str | int, *, what: str = "size") -> int:
@@ -25,17 +40,49 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise MergeDBError(f"{what} must not be negative, got {text}")
-        return text
+        return _at_most_max(text, text, what)
     m = _SIZE.match(str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS and unit != "":
+    unit = m.group(2) if m else ""
+    if m and len(unit) > 1 and unit[0].isupper() and unit[-1] == "b":
         raise MergeDBError(
-            f"cannot read {what} {text!r}: write a number of bytes with a unit, e.g. 4MiB, 500MB or 2GiB"
+            f"{what} {shown(text)} is in bits (lowercase b); write bytes with a capital B, "
+            f"e.g. {m.group(1)}{unit[:-1]}B"
         )
-    value = float(m.group(1)) * _UNITS.get(unit, 1)
-    if value != int(value) and not unit:
-        raise MergeDBError(f"{what} {text!r} is not a whole number of bytes; e.g. 4MiB")
-    return int(value)
+    if not m or unit.lower() not in _UNITS and unit != "":
+        raise MergeDBError(f"cannot read {what} {shown(text)}: write a number of bytes with a unit, {_EXAMPLE}")
+    if len(m.group(1).lstrip("0").split(".")[0]) > 24:  # past any limit; keeps Fraction's parse short
+        raise MergeDBError(f"{what} {shown(text)} is over the {MAX_BYTES}-byte (4 EiB) limit; {_EXAMPLE}")
+    value = Fraction(m.group(1)) * _UNITS.get(unit.lower(), 1)
+    if value.denominator != 1 and unit.lower() in ("", "b"):
+        raise MergeDBError(f"{what} {shown(text)} is not a whole number of bytes; write e.g. {int(value)}B or 4MiB")
+    return _at_most_max(int(value), text, what)  # int() rounds a fraction of a byte down
+
+
+def _at_most_max(n: int, text: str | int, what: str) -> int:
+    if n > MAX_BYTES:
+        raise MergeDBError(f"{what} {shown(text)} is over the {MAX_BYTES}-byte (4 EiB) limit; {_EXAMPLE}")
+    return n
+
+
+def shown(value: object) -> str:
+    """`value` quoted for a message, shortened when it is long (a pasted number of 5000 digits)."""
+    text = repr(value)
+    return text if len(text) <= 48 else f"{text[:40]}…' ({len(str(value))} characters)"
+
+
+def parse_block_size(text: str | int) -> int:
+    """A registration block size: 1 byte (blocks are whole rows, so: one row per block) to 1 TiB."""
+    n = parse_size(text, what="block size")
+    if not 1 <= n <= MAX_BLOCK_SIZE:
+        raise MergeDBError(f"block size {shown(text)} must be between 1B and 1TiB; e.g. --block-size 4MiB (default)")
+    return n
+
+
+def check_threads(n: int) -> int:
+    """A worker-thread count: 1 to MAX_THREADS."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
+        raise MergeDBError(f"threads must be a whole number from 1 to {MAX_THREADS}, got {n!r}; e.g. --threads 4")
+    return n
 
 
 def format_size(n: float) -> str:

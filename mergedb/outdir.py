@@ -1,0 +1,253 @@
+"""Output folders: where a merged model may be written, one writer at a time, and how it is put in
+place so that a crash at any point leaves the old output or the new one, never a mix, and never
+loses a file mergedb did not create.
+
+The executor builds the new output in `.OUT.mergedb-tmp-PID-XXXX` beside `out` while holding
+`.OUT.mergedb-lock` (an flock: a second run into the same `out` fails at once, naming the first);
+`install` then renames the folder into place, or, over an old output (--force), swaps the files
+mergedb made one by one, manifest out first and in last, so `out` itself never moves and the
+user's own files in it (notes, eval results) are never carried anywhere. `remove_stale` (run under
+the lock) finishes or undoes what a killed run left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .checkpoint import INDEX, SIDE_FILES
+from .errors import MergeDBError
+from .manifest import MANIFEST, MASK
+
+# Names beside `out` (in its parent folder) that mergedb makes while writing it:
+#   .OUT.mergedb-lock           held (flock) for the whole run: one writer per output at a time
+#   .OUT.mergedb-tmp-PID-XXXX   the new output, built there; holds only files mergedb writes
+#   .OUT.mergedb-old-PID-XXXX   during a --force swap, the old output's own files (same PID-XXXX)
+TMP, OLD, LOCK = ".mergedb-tmp-", ".mergedb-old-", ".mergedb-lock"
+_OUR_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def _shown(p: Path | str) -> str:
+    """A path for a message: names that are not valid UTF-8 are shown with \\x escapes."""
+    return os.fsencode(p).decode("utf-8", "backslashreplace")
+
+
+def resolve_out(out: Path) -> Path:
+    """`out` as an absolute path with its parents' links resolved, after refusing what mergedb
+    cannot safely write or replace: a symlink (a swap would move files out of its target), the
+    current folder or one holding it (it cannot be replaced while in use), a name not in UTF-8."""
+    try:
+        os.fspath(out).encode("utf-8")
+    except UnicodeEncodeError:
+        raise MergeDBError(
+            f"--out {_shown(out)} is not valid UTF-8 (the catalog and manifest store text); choose a UTF-8 name"
+        ) from None
+    if out.is_symlink():
+        raise MergeDBError(
+            f"--out {out} is a symbolic link (to {os.readlink(out)}); mergedb writes only real folders: "
+            "pass the link's target, or another --out"
+        )
+    real = out.resolve()
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:
+        cwd = None
+    if cwd is not None and (real == cwd or real in cwd.parents):
+        raise MergeDBError(
+            f"--out {out} is the current folder or holds it ({real}); pass a new subfolder, e.g. --out ./merged"
+        )
+    return real
+
+
+def check_clear_of(out: Path, paths: list[str], what: str) -> None:
+    """Refuse an `out` that is, holds, or lies inside any of `paths` (checkpoint files or folders):
+    writing there would overwrite or swap away the files a merge reads."""
+    real = Path(out).resolve()
+    for p in paths:
+        src = Path(p).resolve()
+        if real == src or src.is_relative_to(real) or real.is_relative_to(src):
+            raise MergeDBError(
+                f"--out {out} overlaps {src}, {what}; mergedb never writes into, over or around a "
+                "checkpoint it reads: choose an --out outside it"
+            )
+
+
+@contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `.OUT.mergedb-lock` beside `out` for the whole run, so two runs
+    into one output cannot both install (the second fails at once, naming the first). The file is
+    removed on release; a lock taken on a file unlinked meanwhile is retried on the new one."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MergeDBError(f"cannot create {out.parent}: {os_advice(e, out)}") from None
+    path = out.parent / f".{out.name}{LOCK}"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise MergeDBError(f"cannot write {out}: {os_advice(e, out)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise MergeDBError(
+                f"another mergedb (process {holder}) is writing {out} now; wait for it to finish, or choose "
+                "another --out"
+            ) from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # its holder removed that file as we opened it: lock the current one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def os_advice(e: OSError, out: Path) -> str:
+    """An OSError's reason and what fixes it."""
+    why = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"{why}; nothing was left behind, free space and retry"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{why}; nothing was left behind: choose an --out in a folder you can write ({out.parent} is not)"
+    return f"{why}; nothing was left behind, fix the cause and retry"
+
+
+def remove_stale(out: Path) -> None:
+    """Finish what killed runs left for `out` (called under its lock, so no live run owns any of it).
+
+    A `.OUT.mergedb-tmp-*` folder only ever holds files mergedb wrote: it is deleted. A
+    `.OUT.mergedb-old-*` folder holds only the old output's own files; if the swap was cut before
+    the new manifest was in place (`out` has none), the old files go back, manifest last, and the
+    new files that had moved in (listed by the new manifest, gone from the temporary folder) are
+    removed. Nothing else in `out` is touched: files mergedb did not create never move."""
+    if not out.parent.is_dir():
+        return
+    for old in sorted(out.parent.glob(f".{out.name}{OLD}*")):
+        _undo_swap(out, old, out.parent / old.name.replace(OLD, TMP, 1))
+    for tmp in out.parent.glob(f".{out.name}{TMP}*"):
+        _remove_ours(tmp)
+
+
+def _undo_swap(out: Path, old: Path, tmp: Path) -> None:
+    """Finish or undo a --force swap between `out`, its old files in `old` and the new ones in `tmp`:
+    cut before the new manifest was in place, the old output comes back whole; then `old` goes."""
+    if (old / MANIFEST).is_file() and not (out / MANIFEST).exists():
+        kept = {p.name for p in old.iterdir()}
+        for name in _listed_files(tmp) - kept - {MANIFEST}:
+            if not (tmp / name).exists():  # it had moved in, and the old output has no such file
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(out / name)
+        for name in sorted(kept - {MANIFEST}):
+            os.replace(old / name, out / name)
+        os.replace(old / MANIFEST, out / MANIFEST)
+    _remove_ours(old)
+
+
+def _listed_files(folder: Path) -> set[str]:
+    """Names the manifest in `folder` lists as mergedb's (run.files), restricted to names mergedb
+    writes (shards, index, mask, manifest, the base's side files); empty when none is readable."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["run"]["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    if not isinstance(files, list):
+        return set()
+    return {
+        f
+        for f in files
+        if isinstance(f, str) and (f in (INDEX, MASK, MANIFEST) or f in SIDE_FILES or _OUR_NAME.fullmatch(f))
+    }
+
+
+def _remove_ours(folder: Path) -> None:
+    """Delete a temporary or old folder mergedb made (only its regular files; a folder found holding
+    anything else is left alone)."""
+    with contextlib.suppress(FileNotFoundError):
+        for p in folder.iterdir():
+            if p.is_file() and not p.is_symlink():
+                p.unlink()
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def check_out(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not force:
+            raise MergeDBError(
+                f"{out} exists and is not empty; choose another --out or pass --force to replace a "
+                "previous mergedb output"
+            )
+        if not (out / MANIFEST).is_file():
+            raise MergeDBError(
+                f"{out} holds files mergedb did not create (no {MANIFEST}); refusing to touch it "
+                "even with --force; choose another --out"
+            )
+
+
+def install(tmp: Path, out: Path) -> None:
+    """Put the finished output in place.
+
+    Into a new or empty folder: one rename. Over an old mergedb output (--force), file by file, so
+    that `out` never moves and files mergedb did not create never leave it: (1) the old manifest
+    moves to `.OUT.mergedb-old-…` (from here `out` no longer looks complete), (2) the old output's
+    own files (its manifest's run.files) follow it, (3) the new files move in, (4) the new manifest
+    last, (5) the old folder is deleted. A crash anywhere is undone or finished by the next run
+    (`remove_stale`)."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        os.rename(tmp, out)  # replaces an empty folder too
+        return
+    ours = _listed_files(out) | {MANIFEST}
+    ours = {n for n in ours if (out / n).is_file() and not (out / n).is_symlink()}
+    new = sorted(p.name for p in tmp.iterdir())
+    clash = sorted(n for n in new if n not in ours and os.path.lexists(out / n))
+    if clash:
+        raise MergeDBError(
+            f"{out / clash[0]} was not created by mergedb (its manifest does not list it) but the new output "
+            "has a file of that name; move it away and retry"
+        )
+    old = out.parent / tmp.name.replace(TMP, OLD, 1)
+    old.mkdir()
+    try:
+        os.rename(out / MANIFEST, old / MANIFEST)
+        for name in sorted(ours - {MANIFEST}):
+            os.rename(out / name, old / name)
+        for name in new:
+            if name != MANIFEST:
+                os.rename(tmp / name, out / name)
+        os.rename(tmp / MANIFEST, out / MANIFEST)  # renames only in between: the window is microseconds
+    except BaseException:
+        _undo_swap(out, old, tmp)
+        raise
+    fsync_dir(out, files=False)
+    _remove_ours(old)
+    tmp.rmdir()
+
+
+def fsync_dir(d: Path, files: bool = True) -> None:
+    for p in d.iterdir() if files else ():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,399 @@
+"""Adversarial end-to-end cases of issue 10, through the CLI on real files: outputs over inputs,
+concurrent writers, crashes inside the --force swap, tampered replays, failed run records,
+edited manifests, symlinked or current-folder outputs. Every data-loss case hashes each file
+under the user's folders before and after and requires them identical."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from mergedb import executor, manifest, synth
+from mergedb.catalog import Catalog
+from mergedb.check import check_output
+from mergedb.cli import app
+from mergedb.errors import CatalogError, MergeDBError
+from mergedb.planner import PlanRequest
+
+runner = CliRunner()
+
+
+def _snapshot(*folders: Path) -> dict[str, str]:
+    """sha256 of every file under `folders` (symlinks by their target text), by path; the
+    catalog, which records failed runs, is left out."""
+    out = {}
+    for folder in folders:
+        for p in sorted(Path(folder).rglob("*")):
+            if ".duckdb" in p.name:
+                continue
+            if p.is_symlink():
+                out[str(p)] = "link:" + os.readlink(p)
+            elif p.is_file():
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    """Run `mergedb ARGS` in-process: (exit code, output); a traceback fails the test."""
+    res = runner.invoke(app, [str(a) for a in args])
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        raise res.exception
+    assert "Traceback" not in res.output
+    return res.exit_code, res.output
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """(folder, catalog path, plan ids {all, half}) over a fresh tiny family of 2 experts."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=11)
+    db = tmp_path / "c.duckdb"
+    cat = Catalog(db)
+    cat.register([fam], base_model="base")
+    full = cat.plan(PlanRequest("base", None, "task_arithmetic", "all")).plan_id
+    half = cat.plan(PlanRequest("base", None, "ties", "50%")).plan_id
+    return fam, db, {"all": full, "half": half}
+
+
+def _leftovers(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.glob(f".{out.name}.mergedb-*"))
+
+
+# -- 2: never write over, into or around a checkpoint being read ------------------------------
+
+
+def test_force_never_overwrites_a_registered_checkpoint(setup, tmp_path):
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    Catalog(db).register([out], base_model="base", name="merged")  # the output is now an expert
+    pid = Catalog(db).plan(PlanRequest("base", None, "task_arithmetic", "all")).plan_id
+    (out / "NOTES.md").write_text("mine")
+    before = _snapshot(tmp_path)
+    for target in (out, fam, fam / "expert_00", fam / "expert_00" / "sub", tmp_path):
+        code, text = _cli("execute", pid, "--out", target, "--force", "-c", db, "-q")
+        assert code == 1 and "overlaps" in text, text
+    assert _snapshot(tmp_path) == before
+    # the executor alone (no catalog) refuses the plan's own inputs too
+    xp = Catalog(db).execution_plan(pid)
+    with pytest.raises(MergeDBError, match="an input of this plan"):
+        executor.execute(xp, out, force=True)
+    assert _snapshot(tmp_path) == before
+
+
+# -- 3: two writers of one output: exactly one wins -------------------------------------------
+
+
+def test_two_executes_into_one_out_exactly_one_wins(setup, tmp_path):
+    fam, db, plan = setup
+    for trial in range(2):
+        out = tmp_path / f"out{trial}"
+        cmd = [sys.executable, "-m", "mergedb.cli", "execute", str(plan["all"]), "--out", str(out)]
+        cmd += ["-c", str(db), "--wait", "60", "-q"]
+        procs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [(p.wait(), p.stderr.read()) for p in procs]  # type: ignore[union-attr]
+        codes = sorted(rc for rc, _ in results)
+        assert codes == [0, 1], results
+        err = next(e for rc, e in results if rc == 1)
+        assert "Traceback" not in err
+        assert "another mergedb" in err or "exists and is not empty" in err, err
+        assert check_output(out) == [] and _leftovers(out) == []
+        runs = Catalog(db).sql("SELECT status FROM runs WHERE out = ? ORDER BY status", [str(out)])
+        assert runs.column("status").to_pylist() == ["failed", "ok"]
+
+
+# -- 4: a crash at any step of the --force swap never loses a user's file ---------------------
+
+_CRASHER = r"""
+import json, os, pickle, sys
+from pathlib import Path
+from typer.testing import CliRunner
+from mergedb import executor
+from mergedb.check import check_output
+from mergedb.cli import app
+
+xps, db, out, ids, shard, points = pickle.loads(Path(sys.argv[1]).read_bytes())
+out = Path(out)
+real_rename, real_replace = os.rename, os.replace
+
+def run_child(fn):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        except BaseException:
+            os._exit(3)
+        os._exit(0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+def crash_at(n, xp):
+    # die (os._exit: no cleanup, no finally) at rename number n, or with n == "cleanup" at the
+    # first unlink after every rename of the swap is done
+    calls = [0]
+    real_unlink = os.unlink
+    def counted(real):
+        def f(a, b):
+            calls[0] += 1
+            if calls[0] == n:
+                os._exit(9)
+            return real(a, b)
+        return f
+    def unlink(p, *a, **k):
+        if n == "cleanup" and (out / "mergedb_manifest.json").exists() and Path(p).parent != out.parent:
+            os._exit(9)
+        return real_unlink(p, *a, **k)
+    os.rename, os.replace, os.unlink = counted(real_rename), counted(real_replace), unlink
+    executor.execute(xp, out, force=True, max_shard_size=shard[xp.plan_id])
+
+def rerun(pid):
+    res = CliRunner().invoke(app, ["execute", str(pid), "--out", str(out), "--force", "-c", db, "-q",
+                                   "--max-shard-size", str(shard[pid])])
+    if res.exit_code != 0:
+        print(res.output, file=sys.stderr)
+        os._exit(4)
+
+log = []
+for n, k in points:  # swap one way (crash, rerun), then back: the rerun restores the other old output
+    xp = xps[k]
+    code = run_child(lambda: crash_at(n, xp))
+    after_crash = check_output(out) if (out / "mergedb_manifest.json").exists() else ["no manifest"]
+    rc = run_child(lambda: rerun(ids[k]))
+    log.append({"n": n, "k": k, "crash": code, "after_crash": after_crash, "rerun": rc, "check": check_output(out),
+                "hash": json.loads((out / "mergedb_manifest.json").read_text())["content_hash"]})
+print(json.dumps(log))
+"""
+
+
+def test_crash_at_every_step_of_the_force_swap_keeps_user_files(setup, tmp_path):
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    cat = Catalog(db)
+    shard = {plan["all"]: 10**9, plan["half"]: 700_000}  # one file one way, two shards and an index the other
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    want = {}
+    for name, pid in plan.items():
+        tmp = tmp_path / f"ref-{name}"
+        want[pid] = executor.execute(cat.execution_plan(pid), tmp, max_shard_size=shard[pid]).manifest["content_hash"]
+    (out / "NOTES.md").write_text("my notes\n")
+    (out / "eval_results").mkdir()
+    (out / "eval_results" / "scores.json").write_bytes(b'{"mmlu": 0.61}\xff')
+    (out / "tokenizer.model.bak").write_bytes(os.urandom(1000))
+    user = {
+        k: v for k, v in _snapshot(out).items() if Path(k).name in ("NOTES.md", "scores.json", "tokenizer.model.bak")
+    }
+    xps = [cat.execution_plan(plan["half"]), cat.execution_plan(plan["all"])]
+    # the swap renames the old manifest, the old files, the new files, the new manifest (r calls);
+    # cut it: after the old manifest left, midway through the new files (all old files gone), just
+    # before the new manifest, and in the cleanup after it. Directions alternate.
+    files = {
+        k: len(json.loads((tmp_path / f"ref-{n}" / manifest.MANIFEST).read_text())["run"]["files"])
+        for k, n in ((0, "half"), (1, "all"))
+    }
+    r = files[0] + files[1]
+    points = []
+    for step in range(4):
+        for k in (0, 1):  # k = 0: "all" is the old output, "half" the new; k = 1: back
+            n_old, n_new = files[1 - k], files[k]
+            points.append(((2, n_old + n_new // 2, r, "cleanup")[step], k))
+    job = tmp_path / "job.pkl"
+    job.write_bytes(pickle.dumps((xps, str(db), str(out), [plan["half"], plan["all"]], shard, points)))
+    res = subprocess.run([sys.executable, "-c", _CRASHER, str(job)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = json.loads(res.stdout)
+    now = _snapshot(out)
+    assert {k: now.get(k) for k in user} == user  # every file of the user's, byte for byte
+    assert [e["crash"] for e in log] == [9] * len(points), log  # every cut landed
+    for e in log:
+        target = [plan["half"], plan["all"]][e["k"]]
+        assert e["rerun"] == 0 and e["check"] == [], e
+        assert e["hash"] == want[target], e
+        # after the crash itself: the old or the new output whole, or (mid-swap) no manifest at all
+        assert e["after_crash"] in ([], ["no manifest"]), e
+    assert _leftovers(out) == []
+
+
+# -- 5: a replay that differs installs nothing -------------------------------------------------
+
+
+def test_tampered_replay_installs_nothing(setup, tmp_path):
+    fam, db, plan = setup
+    out, old = tmp_path / "out", tmp_path / "old"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    assert _cli("execute", plan["half"], "--out", old, "-c", db, "-q")[0] == 0
+    (old / "NOTES.md").write_text("keep")
+    expert = fam / "expert_00" / "model.safetensors"
+    st, original = expert.stat(), expert.read_bytes()
+    tampered = bytearray(original)
+    mid = len(tampered) // 2
+    tampered[mid : mid + 64] = bytes(255 - b for b in tampered[mid : mid + 64])  # same size and mtime
+    expert.write_bytes(bytes(tampered))
+    os.utime(expert, ns=(st.st_atime_ns, st.st_mtime_ns))
+    before = _snapshot(tmp_path)
+    code, text = _cli("replay", out / "mergedb_manifest.json", "--out", tmp_path / "again")
+    assert code == 1 and "differs from the recorded one" in text, text
+    assert not (tmp_path / "again").exists() and _leftovers(tmp_path / "again") == []
+    code, text = _cli("replay", out / "mergedb_manifest.json", "--out", old, "--force")
+    assert code == 1 and "nothing was installed" in text, text
+    assert _snapshot(tmp_path) == before and _leftovers(old) == []
+    expert.write_bytes(original)
+    os.utime(expert, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, text = _cli("check", "--output", out, "-c", db)
+    assert code == 0, text
+
+
+# -- 14: the run record, unwritable --out folders, names not in UTF-8 --------------------------
+
+
+def test_run_record_failure_says_the_output_is_good(setup, tmp_path, monkeypatch):
+    fam, db, plan = setup
+
+    def locked(*a, **k):
+        raise CatalogError(f"catalog {db} is locked by process 1; wait for it to finish, or pass --wait SECONDS")
+
+    monkeypatch.setattr(Catalog, "record_run", locked)
+    code, text = _cli("execute", plan["all"], "--out", tmp_path / "out", "-c", db, "-q")
+    assert code == 1 and "complete and good" in text and "locked by process 1" in text, text
+    assert check_output(tmp_path / "out") == []
+    # a failed merge shows its own error, with the recording failure as a note
+    os.utime(fam / "expert_00" / "model.safetensors", ns=(5, 5))
+    code, text = _cli("execute", plan["all"], "--out", tmp_path / "out2", "-c", db, "-q")
+    assert code == 1 and "changed since it was registered" in text and "failed too" in text, text
+    assert not (tmp_path / "out2").exists()
+
+
+def test_unwritable_and_non_utf8_out_fail_clearly(setup, tmp_path):
+    fam, db, plan = setup
+    (tmp_path / "afile").write_text("x")
+    code, text = _cli("execute", plan["all"], "--out", tmp_path / "afile" / "out", "-c", db, "-q")
+    assert code == 1 and "cannot create" in text, text
+    code, text = _cli("execute", plan["all"], "--out", os.fsdecode(bytes(tmp_path) + b"/out\xff"), "-c", db)
+    assert code == 1 and "not valid UTF-8" in text and "out\\xff" in text, text
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        code, text = _cli("execute", plan["all"], "--out", ro / "out", "-c", db, "-q")
+        assert code == 1 and "folder you can write" in text, text
+    assert [p.name for p in tmp_path.iterdir() if "mergedb" in p.name] == []
+
+
+# -- 16: edited manifests, re-hashed consistently ----------------------------------------------
+
+
+def _edits():
+    def rows_huge(d):
+        d["layout"][0]["rows"] = [[0, 10**12]]
+
+    def shape_huge(d):
+        t = d["layout"][0]
+        t["shape"] = [10**12, 10**6]
+        t["rows"] = [[0, 10**12]]
+        t["base_hashes"] = []
+
+    def drop_key(d):
+        del d["layout"][1]["rows"]
+
+    def wrong_type(d):
+        d["experts"][0]["weight"] = "heavy"
+
+    def bad_dtype(d):
+        d["layout"][0]["dtype"] = "F128"
+
+    def rows_backwards(d):
+        t = next(t for t in d["layout"] if len(t["shape"]) == 2)
+        n = t["shape"][0]
+        t["rows"] = [[n // 2, n], [0, n // 2]]
+
+    def rows_negative(d):
+        t = next(t for t in d["layout"] if len(t["shape"]) == 2)
+        t["rows"] = [[-5, t["shape"][0]]]
+
+    def trim_position(d):
+        d["trims"] = [{"position": 99, "tensor_idx": 0, "t_lo": 0.0, "t_hi": 1.0}]
+
+    def hashes_list(d):
+        d["tensor_hashes"] = list(d["tensor_hashes"])
+
+    return [
+        rows_huge,
+        shape_huge,
+        drop_key,
+        wrong_type,
+        bad_dtype,
+        rows_backwards,
+        rows_negative,
+        trim_position,
+        hashes_list,
+    ]
+
+
+def test_edited_manifests_fail_cleanly(setup, tmp_path):
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    for edit in _edits():
+        copy = tmp_path / edit.__name__
+        shutil.copytree(out, copy)
+        path = copy / manifest.MANIFEST
+        doc = json.loads(path.read_text())
+        edit(doc)
+        doc["content_hash"] = manifest.content_hash(doc)  # edited and re-hashed: consistent
+        path.write_text(json.dumps(doc))
+        code, text = _cli("replay", path, "--out", tmp_path / "again")
+        text = text.replace("\n", "")
+        # refused by the manifest's own checks, or (a huge shape, consistent in itself) by the base's header
+        assert code == 1 and (str(path) in text or "does not describe these files" in text), (edit, text)
+        assert not (tmp_path / "again").exists() and _leftovers(tmp_path / "again") == []
+        code, text = _cli("check", "--output", copy, "-c", db)
+        assert code == 1 and "problem:" in text, (edit, text)
+
+
+def test_edited_mask_fails_cleanly(setup, tmp_path):
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    mask = pq.read_table(out / manifest.MASK)
+    pos = mask.column("block_idx").to_pylist()
+    pos[0] = 10**9
+    mask = mask.set_column(mask.column_names.index("block_idx"), "block_idx", pa.array(pos, pa.int32()))
+    pq.write_table(mask, out / manifest.MASK)
+    doc = json.loads((out / manifest.MANIFEST).read_text())
+    doc["mask_digest"] = manifest.mask_digest(mask)
+    doc["content_hash"] = manifest.content_hash(doc)
+    (out / manifest.MANIFEST).write_text(json.dumps(doc))
+    code, text = _cli("replay", out / manifest.MANIFEST, "--out", tmp_path / "again")
+    assert code == 1 and "refers to no expert block" in text, text
+    code, text = _cli("check", "--output", out, "-c", db)
+    assert code == 1 and "refers to no expert block" in text, text
+
+
+# -- 18: symlinked --out, the current folder ---------------------------------------------------
+
+
+def test_symlink_and_current_folder_out_refused(setup, tmp_path, monkeypatch):
+    fam, db, plan = setup
+    real = tmp_path / "real"
+    assert _cli("execute", plan["all"], "--out", real, "-c", db, "-q")[0] == 0
+    (real / "NOTES.md").write_text("mine")
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    before = _snapshot(tmp_path)
+    code, text = _cli("execute", plan["half"], "--out", tmp_path / "link", "--force", "-c", db, "-q")
+    assert code == 1 and "symbolic link" in text, text
+    work = tmp_path / "work" / "sub"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    for target in (".", "..", str(work)):
+        code, text = _cli("execute", plan["all"], "--out", target, "--force", "-c", db, "-q")
+        assert code == 1 and "current folder" in text, (target, text)
+    shutil.rmtree(tmp_path / "work")
+    assert _snapshot(tmp_path) == before

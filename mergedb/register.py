@@ -9,6 +9,7 @@ as Arrow tables whose columns are named after the schema's (schema/001_catalog.s
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback, unregister
 from .layout import Block, FamilyTensor
-from .units import parse_size
+from .units import check_threads, parse_size
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -50,7 +51,7 @@ def register(
     name: str | None = None,
     block_size: int | str = DEFAULT_BLOCK_SIZE,
     refresh: bool = False,
-    threads: int = 2,
+    threads: int | None = None,
     progress: scan.Progress | None = None,
     on_total: Any = None,
 ) -> RegisterResult:
@@ -59,8 +60,10 @@ def register(
     `paths` are model folders, .safetensors files, or folders of those. With `base=True` they
     are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
     the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
+    `threads` (default: the machine's cores) only changes speed, never a stored row.
     """
     t0 = time.perf_counter()
+    threads = check_threads(os.cpu_count() or 1 if threads is None else threads)
     block_bytes = parse_size(block_size, what="block size")
     if block_bytes <= 0:
         raise MergeDBError("--block-size must be positive, e.g. 4MiB")
@@ -152,12 +155,14 @@ def register(
     if on_total:
         on_total(total)
     read = 0
+    read_lock = threading.Lock()
 
-    def tick(n: int) -> None:
+    def tick(n: int) -> None:  # called from the scan's worker threads
         nonlocal read
-        read += n
-        if progress:
-            progress(n)
+        with read_lock:
+            read += n
+            if progress:
+                progress(n)
 
     # Phase 1: read the files (catalog closed).
     families: dict[str, tuple[Checkpoint, list[FamilyTensor], list[str]]] = {}
@@ -169,10 +174,10 @@ def register(
         if base_ckpt_name not in families:
             families[base_ckpt_name] = _load_family(cat, base_ckpt_name)
     results = []
-    for e in todo_experts:
+    if todo_experts:  # one pool over every (expert, tensor): all cores busy to the end
         b, fam, hashes = families[base_ckpt_name]  # type: ignore[index]
         keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
-        results.append((e, scan.scan_expert(b, e, fam, keyed, dim, threads, tick)))
+        results = list(zip(todo_experts, scan.scan_experts(b, todo_experts, fam, keyed, dim, threads, tick)))
 
     # Phase 2: one transaction. Another process may have registered some of these meanwhile:
     # identical ones are skipped, conflicting ones refused (nothing is written then).

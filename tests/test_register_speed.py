@@ -1,0 +1,109 @@
+"""Registration's faster paths change no stored value: the three-level radix select against a full
+sort, and the catalog rows for every thread count (one pool over all (expert, tensor) units)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mergedb import stats, synth
+from mergedb.catalog import Catalog
+
+
+def _sorted_kth(a: np.ndarray, density: float) -> np.float32:
+    """k-th largest finite |Δ| by a full sort; NaN when k passes the finite elements."""
+    finite = np.sort(a[np.isfinite(a)])[::-1]
+    k = max(1, int(density * a.size))
+    return finite[k - 1] if k <= finite.size else np.float32(np.nan)
+
+
+def _summary(a: np.ndarray) -> np.ndarray:
+    """The magnitude summary as block_stats builds it: finite |Δ| by the top 15 bits."""
+    bits = a[np.isfinite(a)].view(np.uint32) >> np.uint32(stats.SUMMARY_SHIFT)
+    return np.bincount(bits, minlength=stats.SUMMARY_BINS).astype(np.int64)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to the nearest bf16 (ties away), kept as float32."""
+    bits = (x.astype(np.float32).view(np.uint32) + np.uint32(0x8000)) & np.uint32(0xFFFF0000)
+    return bits.view(np.float32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    scale=st.sampled_from([1e-38, 1e-6, 1e-3, 1.0]),  # 1e-38: zeros and subnormals
+    distinct=st.integers(1, 12),
+    n=st.integers(1, 3000),
+    frozen=st.floats(0.0, 0.9),
+    nonfinite=st.integers(0, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_grid_thresholds_equal_full_sort_on_bf16_deltas(scale, distinct, n, frozen, nonfinite, seed):
+    rng = np.random.default_rng(seed)
+    base = _bf16(rng.normal(0, 0.02, n))
+    steps = _bf16(rng.normal(0, scale, distinct))  # a bf16 fine-tune moves weights by few distinct steps
+    expert = _bf16(base + steps[rng.integers(0, distinct, n)])
+    expert[: int(frozen * n)] = base[: int(frozen * n)]  # exact zeros in Δ
+    if nonfinite:
+        expert[rng.integers(0, n, nonfinite)] = [np.nan, np.inf, -np.inf][:nonfinite]
+    a = np.abs(expert - base).astype(np.float32)
+    got = stats.grid_thresholds(a.copy(), _summary(a))
+    want = np.array([_sorted_kth(a, d) for d in stats.DENSITY_GRID], np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_grid_thresholds_one_value_repeated():
+    """A sub-bin that holds the whole tensor (the case the third level exists for)."""
+    a = np.full(100_003, np.float32(3 * 2**-14), np.float32)
+    a[::7] = np.float32(2**-14)
+    want = np.array([_sorted_kth(a, d) for d in stats.DENSITY_GRID], np.float32)
+    np.testing.assert_array_equal(stats.grid_thresholds(a.copy(), _summary(a)), want)
+
+
+def _rows(cat: Catalog) -> dict[str, list[dict]]:
+    return {
+        "blocks": cat.sql("SELECT * FROM blocks ORDER BY base_id, tensor_idx, block_idx").to_pylist(),
+        "expert_blocks": cat.sql(
+            "SELECT c.name, eb.* EXCLUDE (checkpoint_id) FROM expert_blocks eb "
+            "JOIN checkpoints c USING (checkpoint_id) "
+            "ORDER BY c.name, tensor_idx, block_idx"
+        ).to_pylist(),
+        "expert_tensors": cat.sql(
+            "SELECT c.name, et.* EXCLUDE (checkpoint_id) FROM expert_tensors et "
+            "JOIN checkpoints c USING (checkpoint_id) ORDER BY c.name, tensor_idx"
+        ).to_pylist(),
+        "checkpoints": cat.sql("SELECT name, content_hash FROM checkpoints ORDER BY name").to_pylist(),
+    }
+
+
+def test_catalog_rows_identical_for_every_thread_count(tmp_path):
+    fam = synth.make_family(tmp_path / "family", experts=3, size="tiny", seed=11)
+    rows = {}
+    for threads in (1, 2, 3):
+        cat = Catalog(tmp_path / f"t{threads}.duckdb")
+        cat.register([fam], base_model="base", block_size=64 * 1024, threads=threads)
+        rows[threads] = _rows(cat)
+    assert rows[1]["expert_blocks"] and rows[1]["expert_tensors"]
+    for table in rows[1]:
+        assert rows[2][table] == rows[1][table], table
+        assert rows[3][table] == rows[1][table], table
+
+
+def test_register_threads_default_is_the_machines_cores(tmp_path, monkeypatch):
+    from mergedb import scan
+
+    seen = []
+    real = scan.scan_experts
+
+    def spy(*args, **kwargs):
+        seen.append(args[5])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scan, "scan_experts", spy)
+    monkeypatch.setattr("os.cpu_count", lambda: 3)
+    fam = synth.make_family(tmp_path / "family", experts=1, size="tiny", seed=2)
+    from mergedb.register import register
+
+    register(Catalog(tmp_path / "c.duckdb"), [fam], base_model="base")
+    assert seen == [3]

@@ -187,11 +187,47 @@ def _targets(docs: dict) -> list[str]:
     return out
 
 
+def _threads(th: dict | None, phys: dict | None) -> list[str]:
+    """Issue 11: 1 vs 2 compute threads per method (identical outputs), and the share of the cold
+    sequential rate that each execution reaches over the bytes it must read (base + experts)."""
+    if not th:
+        return []
+    rate = phys["gbps"] * 1e9 if phys else None
+    out = [
+        "## Threads (issue 11)",
+        "",
+        "Same plan, `--threads 1` vs `--threads 2`, K=8, cold cache, whole processes; the outputs are "
+        "byte-identical (checked by the benchmark). Share of disk rate = (base + expert bytes read) / "
+        "seconds / the cold sequential rate above.",
+        "",
+        "| method | budget | read | 1 thread s | 2 threads s | 2 vs 1 | disk-rate share (2) | RSS MiB (1 / 2) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in th["rows"]:
+        share = f"{r['read_bytes'] / r['seconds_2'] / rate:.0%}" if rate else "–"
+        out.append(
+            f"| {r['method']} | {r['budget']} | {r['read_bytes'] / 1e9:.2f} GB | {r['seconds_1']:.2f} | "
+            f"{r['seconds_2']:.2f} | {r['speedup_2']:.2f}× | {share} | "
+            f"{r['peak_rss_mib_1']:.0f} / {r['peak_rss_mib_2']:.0f} |"
+        )
+    return [*out, ""]
+
+
 def write_report(quick: bool = False) -> Path:
     suffix = "-quick" if quick else ""
     docs = {
         n: _load(n, quick)
-        for n in ("physical", "execute_targets", "scaling", "fidelity", "overheads", "blocksize", "register", "planner")
+        for n in (
+            "physical",
+            "execute_targets",
+            "threads",
+            "scaling",
+            "fidelity",
+            "overheads",
+            "blocksize",
+            "register",
+            "planner",
+        )
     }
     lines = [
         "# Benchmark results",
@@ -241,6 +277,7 @@ def write_report(quick: bool = False) -> Path:
             f"{b['planning_seconds'] / b['execute_seconds']:.2%} (10%).",
             "",
         ]
+    lines += _threads(docs["threads"], phys)
     sc = docs["scaling"]
     if sc:
         lines += [

@@ -42,8 +42,9 @@ METHOD_PARAMS = {
 
 
 class Suite:
-    def __init__(self, quick: bool, repeats: int) -> None:
+    def __init__(self, quick: bool, repeats: int, threads: int | None = None) -> None:
         self.quick = quick
+        self.exec_threads = threads  # --threads of every execution (None: the executor's default, all cores)
         self.size = "tiny" if quick else "bench"
         self.kmax = 4 if quick else 20
         self.repeats = repeats
@@ -69,7 +70,9 @@ class Suite:
 
     # -- one cold execution in its own process -------------------------------------------------
 
-    def execute(self, cat: Catalog, plan_id: int, size: str | None = None, dtype: str | None = None) -> dict:
+    def execute(
+        self, cat: Catalog, plan_id: int, size: str | None = None, dtype: str | None = None, threads: int | None = None
+    ) -> dict:
         fam = self.family(size)
         out = CACHE / "out"
         shutil.rmtree(out, ignore_errors=True)
@@ -78,6 +81,9 @@ class Suite:
         cmd = CLI + ["execute", str(plan_id), "--out", str(out), "-c", str(cat.path), "-q"]
         if dtype:
             cmd += ["--dtype", dtype]
+        threads = threads or self.exec_threads
+        if threads:
+            cmd += ["--threads", str(threads)]
         subprocess.run(cmd, check=True)
         wall = time.perf_counter() - t0
         run = json.loads((out / "mergedb_manifest.json").read_text())["run"]
@@ -88,6 +94,7 @@ class Suite:
             "physical_bytes": run["physical_read_bytes"],
             "base_bytes": run["base_bytes"],
             "peak_rss_mib": run["peak_rss_bytes"] / 2**20,
+            "content_hash": json.loads((out / "mergedb_manifest.json").read_text())["content_hash"],
         }
 
     def best_of(self, cat: Catalog, plan_id: int, **kw) -> dict:
@@ -153,6 +160,35 @@ class Suite:
                 mk = self.mergekit(method, k)
                 if mk:
                     rows.append({"method": method, "k": k, "series": "mergekit", **mk})
+        return {"rows": rows}
+
+    def threads(self) -> dict:
+        """Issue 11: 1 vs 2 compute threads per method, full read and 10%, K=8; the output must not change."""
+        cat = self.catalog()
+        k = min(8, self.kmax)
+        methods = ("task_arithmetic", "ties", "dare_ties") if self.quick else tuple(METHOD_PARAMS)
+        rows = []
+        for method in methods:
+            for budget in ("all", "10%"):
+                p = cat.plan(PlanRequest("base", self.experts(k), method, budget, params=METHOD_PARAMS[method]))
+                by_threads = {n: self.best_of(cat, p.plan_id, threads=n) for n in (1, 2)}
+                if by_threads[1]["content_hash"] != by_threads[2]["content_hash"]:
+                    raise SystemExit(f"{method} {budget}: the output differs between 1 and 2 threads")
+                one, two = by_threads[1], by_threads[2]
+                rows.append(
+                    {
+                        "method": method,
+                        "k": k,
+                        "budget": budget,
+                        "read_bytes": one["expert_bytes"] + one["base_bytes"],
+                        "seconds_1": one["execute_seconds"],
+                        "seconds_2": two["execute_seconds"],
+                        "speedup_2": one["execute_seconds"] / two["execute_seconds"],
+                        "peak_rss_mib_1": one["peak_rss_mib"],
+                        "peak_rss_mib_2": two["peak_rss_mib"],
+                    }
+                )
+                print(method, budget, f"1: {one['execute_seconds']:.2f}s 2: {two['execute_seconds']:.2f}s", flush=True)
         return {"rows": rows}
 
     def fidelity(self) -> dict:
@@ -313,7 +349,7 @@ def _errors(got: dict, full: dict, base: dict) -> dict:
     }
 
 
-BENCHES = ["physical", "execute_targets", "scaling", "fidelity", "overheads", "blocksize"]
+BENCHES = ["physical", "execute_targets", "threads", "scaling", "fidelity", "overheads", "blocksize"]
 
 
 def main() -> None:
@@ -321,8 +357,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: minutes")
     ap.add_argument("--only", nargs="*", choices=BENCHES)
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="mergedb execute --threads [default: all cores]")
     a = ap.parse_args()
-    suite = Suite(a.quick, a.repeats or (1 if a.quick else 2))
+    suite = Suite(a.quick, a.repeats or (1 if a.quick else 2), a.threads)
     for name in a.only or BENCHES:
         t0 = time.perf_counter()
         doc = getattr(suite, name)()

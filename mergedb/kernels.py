@@ -22,13 +22,19 @@ from .methods import Method
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _splitmix_unit(key, i):  # pragma: no cover - compiled
-    # draw i of stream `key`: splitmix64's finaliser of key + i, top 53 bits as a float64 in [0, 1)
+def _splitmix_top53(key, i):  # pragma: no cover - compiled
+    # splitmix64's finaliser of key + i, top 53 bits as an integer
     z = (key + np.uint64(i)) * np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
-    return np.float64(z >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+    return z >> np.uint64(11)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _splitmix_unit(key, i):  # pragma: no cover - compiled
+    # draw i of stream `key`: the top 53 bits as a float64 in [0, 1)
+    return np.float64(_splitmix_top53(key, i)) * (1.0 / 9007199254740992.0)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -148,3 +154,166 @@ class Accumulator:
             den = np.where(np.abs(den) < 1e-8, np.float32(1), den)
             num = num / den
         return np.float32(self.params.get("lambda", 1.0)) * num
+
+
+# -- fused block kernels ---------------------------------------------------------------------------
+# One pass per group of expert blocks: decode (bf16/f16/f32 bits) → subtract the base → trim or
+# drop → fold into the running sums, chunk by chunk: a chunk's sums (CHUNK elements × 5 float32
+# for TIES-style methods, 320 KiB) stay in cache while every expert of the group is folded in, so
+# the sums go through memory once per group instead of once per expert. Per element the float32
+# operations and their order are exactly those of `sparsify` + `Accumulator` (experts in plan
+# order), so results are bit-identical to them.
+
+CHUNK = 16384  # elements per cache-resident chunk
+IN_KIND = {"BF16": 0, "F16": 1, "F32": 2}  # raw element bits: uint16, uint16, uint32
+MODE = {"none": 0, "magnitude": 1, "band": 1, "random": 2}  # sparsify modes the fused path handles
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _f32_bits(v, kind):  # pragma: no cover - compiled
+    # raw element bits -> float32 bits (exact: every bf16/f16 value is a float32)
+    x = np.uint32(v)
+    if kind == 0:
+        return x << np.uint32(16)
+    if kind == 2:
+        return x
+    s = (x & np.uint32(0x8000)) << np.uint32(16)
+    e = (x >> np.uint32(10)) & np.uint32(0x1F)
+    m = x & np.uint32(0x3FF)
+    if e == 0:
+        if m == 0:
+            return s
+        e2 = np.uint32(113)  # subnormal half: normalise the mantissa
+        while (m & np.uint32(0x400)) == 0:
+            m = m << np.uint32(1)
+            e2 -= np.uint32(1)
+        return s | (e2 << np.uint32(23)) | ((m & np.uint32(0x3FF)) << np.uint32(13))
+    if e == 31:
+        return s | np.uint32(0x7F800000) | (m << np.uint32(13))
+    return s | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+
+
+@numba.njit(nogil=True, cache=True)
+def decode_bits(raw, kind, out):  # pragma: no cover - compiled
+    """Raw element bits (uint16 or uint32) of dtype `kind` -> float32 bits in `out` (uint32)."""
+    for i in range(raw.shape[0]):
+        out[i] = _f32_bits(raw[i], kind)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _decode_chunk(raw, kind, out):  # pragma: no cover - compiled
+    # one branch per dtype outside the loop, so each loop vectorises
+    if kind == 0:
+        for i in range(out.shape[0]):
+            out[i] = np.uint32(raw[i]) << np.uint32(16)
+    elif kind == 2:
+        for i in range(out.shape[0]):
+            out[i] = np.uint32(raw[i])
+    else:
+        for i in range(out.shape[0]):
+            out[i] = _f32_bits(raw[i], kind)
+
+
+@numba.njit(nogil=True, cache=True)
+def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, acc):  # pragma: no cover - compiled
+    """Fold experts ex[0..g) (each (n,) raw bits of one block) into the sums `acc`.
+
+    base (n,) raw bits; ex (g, n) raw bits in plan order; coefs (g,) float32: c_k for additive
+    sums (acc (1, n)), w_k for sign consensus (acc (5, n): total, pos, neg, pos_w, neg_w);
+    mode 0: Δ as is, 1: keep lo_k ≤ |Δ| < hi_k, 2: DARE keep Δ / p where draw < p (stream keys_k
+    at element offset + i)."""
+    n = base.shape[0]
+    g = ex.shape[0]
+    consensus = acc.shape[0] == 5
+    p32 = np.float32(p)
+    p53 = np.uint64(np.ceil(p * 9007199254740992.0))
+    zero = np.float32(0.0)
+    bbits = np.empty(CHUNK, np.uint32)
+    dbits = np.empty(CHUNK, np.uint32)
+    for c0 in range(0, n, CHUNK):
+        m = min(CHUNK, n - c0)
+        bf = bbits[:m].view(np.float32)  # (m,) float32 base
+        df = dbits[:m].view(np.float32)  # (m,) float32 Δ of one expert
+        _decode_chunk(base[c0 : c0 + m], kind, bbits[:m])
+        for k in range(g):
+            _decode_chunk(ex[k, c0 : c0 + m], kind, dbits[:m])
+            for i in range(m):
+                df[i] = df[i] - bf[i]
+            if mode == 1:
+                lo32, hi32 = np.float32(lo[k]), np.float32(hi[k])
+                for i in range(m):
+                    x = df[i]
+                    a = abs(x)
+                    df[i] = x if (a >= lo32) & (a < hi32) else zero
+            elif mode == 2:
+                # draw < p  ⇔  top53 · 2^-53 < p  ⇔  top53 < ceil(p · 2^53): the same test in integers
+                key = keys[k]
+                for i in range(m):
+                    keep = _splitmix_top53(key, offset + c0 + i) < p53
+                    df[i] = df[i] / p32 if keep else zero
+            c = coefs[k]
+            tot = acc[0, c0 : c0 + m]
+            if consensus:
+                # branch-free: a sum that starts at +0 is never -0, so adding +0 leaves it unchanged;
+                # three loops over few arrays each, so each vectorises (fewer aliasing checks)
+                pos, neg = acc[1, c0 : c0 + m], acc[2, c0 : c0 + m]
+                pos_w, neg_w = acc[3, c0 : c0 + m], acc[4, c0 : c0 + m]
+                for i in range(m):
+                    tot[i] += c * df[i]
+                for i in range(m):
+                    x = df[i]
+                    wd = c * x
+                    pos[i] += wd if x > zero else zero
+                    pos_w[i] += c if x > zero else zero
+                for i in range(m):
+                    x = df[i]
+                    wd = c * x
+                    neg[i] += wd if x < zero else zero
+                    neg_w[i] += c if x < zero else zero
+            else:
+                for i in range(m):
+                    tot[i] += c * df[i]
+
+
+@numba.njit(nogil=True, cache=True)
+def finish(base, kind, acc, normalize, lam, res, bf16):  # pragma: no cover - compiled
+    """base + merged update (Accumulator.merged_delta) from the sums of `fold_group`: into `res`
+    (n,) float32, or, when `bf16` (n,) uint16 is not empty, as bfloat16 bits rounded to nearest
+    even (tensorfile.float32_to_bf16; NaN stays NaN)."""
+    n = base.shape[0]
+    consensus = acc.shape[0] == 5
+    lam32 = np.float32(lam)
+    eps = np.float32(1e-8)
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    to_bf16 = bf16.shape[0] > 0
+    bbits = np.empty(CHUNK, np.uint32)
+    rbits = np.empty(CHUNK, np.uint32)
+    for c0 in range(0, n, CHUNK):
+        m = min(CHUNK, n - c0)
+        bf = bbits[:m].view(np.float32)  # (m,) float32 base
+        rf = rbits[:m].view(np.float32) if to_bf16 else res[c0 : c0 + m]  # (m,) float32 result
+        _decode_chunk(base[c0 : c0 + m], kind, bbits[:m])
+        tot = acc[0, c0 : c0 + m]
+        if consensus:
+            pos, neg = acc[1, c0 : c0 + m], acc[2, c0 : c0 + m]
+            pos_w, neg_w = acc[3, c0 : c0 + m], acc[4, c0 : c0 + m]
+            for i in range(m):  # the elected sign's sum; +1 on zero (mergekit)
+                a, b = pos[i], neg[i]  # both loaded: a select, not a branch
+                rf[i] = a if tot[i] >= zero else b
+            if normalize:
+                for i in range(m):
+                    a, b = pos_w[i], neg_w[i]
+                    den = a if tot[i] >= zero else b
+                    rf[i] = rf[i] / (one if abs(den) < eps else den)
+            for i in range(m):
+                rf[i] = bf[i] + lam32 * rf[i]
+        else:
+            for i in range(m):
+                rf[i] = bf[i] + tot[i]
+        if to_bf16:
+            for i in range(m):
+                x = rbits[i]
+                r = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+                bf16[c0 + i] = np.uint16(0x7FC0) if nan else np.uint16(r)

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from mergedb import executor, synth
 from mergedb.catalog import Catalog
+from mergedb.check import check_output
 from mergedb.errors import ChangedFileError, MergeDBError
 from mergedb.planner import PlanRequest
 from tests.conftest import FAMILIES
@@ -188,10 +189,10 @@ def _assert_whole_or_absent(out, want_hash: str) -> None:
     too (the manifest is written last, so one killed before it fails the check)."""
     if out.exists():
         assert (out / "mergedb_manifest.json").is_file(), sorted(p.name for p in out.iterdir())
-        assert executor.check_output(out) == []
+        assert check_output(out) == []
         assert json.loads((out / "mergedb_manifest.json").read_text())["content_hash"] == want_hash
     for side in out.parent.glob(f".{out.name}.mergedb-*"):
-        problems = executor.check_output(side)
+        problems = check_output(side)
         if not problems:
             assert json.loads((side / "mergedb_manifest.json").read_text())["content_hash"] == want_hash
         elif not (side / "mergedb_manifest.json").exists():

@@ -1,0 +1,402 @@
+"""The merge engine: produces a plan's merged tensors, in header order, on all cores.
+
+Threads. The work is a plain list of `Unit`s, one per (tensor, block) that an expert touches (a
+whole tensor for model_stock, whose scale needs all of it). Units write disjoint rows of their
+tensor's output and each element's float32 operations run in the same order on any thread, so
+the output bytes do not depend on the thread count or on the order units run in. `threads`
+compute threads run units (the numba kernels release the GIL); IO_THREADS threads read the base
+and the expert blocks ahead of them; the caller receives tensors in header order from a reorder
+buffer of at most AHEAD_BYTES of later tensors. Memory: per compute thread, the running sums of
+one block (5 float32 per element for TIES-style methods, 1 otherwise) and two groups of
+READ_AHEAD expert blocks (one being folded in, one being read), reused from block to block; plus
+the tensors in the reorder buffer. None of it grows with K.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
+import xxhash
+
+from . import kernels, methods
+from .checkpoint import open_checkpoint
+from .errors import ChangedFileError
+from .layout import TensorLayout, block_bytes, row_elems
+from .manifest import ExecutionPlan, Source
+from .tensorfile import DTYPES, TensorInfo, as_float32, encode, pread_into, tensor_nbytes
+from .units import check_threads
+
+OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+READ_AHEAD = 3  # expert blocks folded in per kernel call; the next group is read meanwhile
+IO_THREADS = 4  # threads that only read (pread releases the GIL)
+AHEAD_BYTES = 64 * 2**20  # later tensors in flight while one is written (the reorder buffer)
+_NO_F32, _NO_BF16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `kernels.finish`'s unused output
+
+
+@dataclass
+class Counters:
+    expert: int = 0
+    base: int = 0
+
+
+class _Inputs:
+    """Open files of every source, checked against their fingerprints."""
+
+    def __init__(self, xp: ExecutionPlan) -> None:
+        self.fds: list[int] = []
+        self.where: list[dict[str, tuple[int, TensorInfo, str]]] = []
+        for i, src in enumerate((xp.base, *xp.experts)):
+            ckpt = open_checkpoint(src.path, name=src.name)
+            if ckpt.fingerprint != src.fingerprint:
+                raise ChangedFileError(
+                    f"{src.name} ({src.path}) changed since it was registered; re-register it with "
+                    "`mergedb register --refresh` and plan again"
+                )
+            fds = []
+            for f in ckpt.files:
+                fd = os.open(ckpt.root / f.relpath, os.O_RDONLY)
+                if i > 0:  # experts: no kernel readahead past the ranges we ask for
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                fds.append(fd)
+                self.fds.append(fd)
+            where = {t.name: (fds[fi], t, str(ckpt.root / ckpt.files[fi].relpath)) for fi, t in ckpt.tensors}
+            self.where.append(where)
+            for t in xp.tensors:  # the plan's sizes come from the files, never from the plan alone
+                info = where.get(t.name)
+                if (i == 0 or t.mergeable) and (info is None or info[1].dtype != t.dtype or info[1].shape != t.shape):
+                    have = f"{info[1].dtype}{list(info[1].shape)}" if info else "nothing"
+                    raise ChangedFileError(
+                        f"{src.path}: the plan describes tensor {t.name!r} as {t.dtype}{list(t.shape)} but the "
+                        f"file holds {have}; the plan or manifest does not describe these files: plan again"
+                    )
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+def output_dtype(t: TensorLayout, dtype: str | None) -> str:
+    return (dtype or t.dtype) if t.mergeable else t.dtype
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One independent piece of work: merge blocks `blocks` of tensor `tensor_idx` into its output.
+
+    Units touch disjoint rows of the output, so any worker may run them in any order; the unit
+    list of a plan is a plain list (the same list could be shipped to remote workers)."""
+
+    tensor_idx: int
+    blocks: tuple[int, ...]
+
+
+class _ThreadBuffers(threading.local):
+    """Per-thread reused buffers (fresh large allocations cost page faults on every block)."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, n: int, dtype: Any) -> np.ndarray:
+        buf = self.bufs.get(name)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            buf = self.bufs[name] = np.empty(n, dtype)
+        return buf[:n]
+
+
+class Merger:
+    """Produces merged tensors of a plan; one per process (or worker), fed tensor indices.
+
+    Arithmetic runs on `threads` compute threads, one `Unit` at a time each; expert and base reads
+    run on I/O threads ahead of it (a group of READ_AHEAD expert blocks is read while the previous
+    group is folded in). Tensors come out in the order asked for: at most AHEAD_BYTES of later
+    tensors are in flight while one is being written (a bounded reorder buffer), so memory is
+    threads × a few blocks plus those tensors, whatever K."""
+
+    def __init__(
+        self,
+        xp: ExecutionPlan,
+        dtype: str | None = None,
+        verify: bool = False,
+        threads: int | None = None,
+        unit_order_seed: int | None = None,
+    ) -> None:
+        self.xp, self.verify = xp, verify
+        self.dtype = OUT_DTYPES.get(dtype, dtype) if dtype else None
+        self.method = methods.get_method(xp.method)
+        self.sel = xp.selected()
+        self.trims = {
+            (p, t): r
+            for p, t, r in zip(
+                xp.trims.column("position").to_pylist(), xp.trims.column("tensor_idx").to_pylist(), xp.trims.to_pylist()
+            )
+        }
+        self.threads = (os.cpu_count() or 1) if threads is None else check_threads(threads)
+        self.order = random.Random(unit_order_seed) if unit_order_seed is not None else None
+        self.fused = self.method.sparsify in kernels.MODE and xp.method != "model_stock"
+        self.inputs = _Inputs(xp)
+        self.count = Counters()
+        self._lock = threading.Lock()
+        self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
+        self.compute = ThreadPoolExecutor(self.threads, thread_name_prefix="mergedb-merge")
+        self.local = _ThreadBuffers()
+
+    def close(self) -> None:
+        self.compute.shutdown(cancel_futures=True)
+        self.io.shutdown(cancel_futures=True)
+        self.inputs.close()
+
+    def _read_base(self, ti: int) -> np.ndarray:
+        """The base's bytes of tensor `ti` (streamed in full, unbudgeted)."""
+        t = self.xp.tensors[ti]
+        fd, info, path = self.inputs.where[0][t.name]
+        base = np.empty(info.nbytes, np.uint8)
+        pread_into(fd, memoryview(base), info.start, path)
+        with self._lock:
+            self.count.base += info.nbytes
+        if self.verify and t.base_hashes:
+            for b in range(len(t.rows)):
+                lo, hi = block_bytes(t, info.nbytes, b)
+                if xxhash.xxh3_128_hexdigest(base[lo:hi]) != t.base_hashes[b]:
+                    raise ChangedFileError(
+                        f"{path}: block {b} of {t.name!r} changed since registration; register the base again"
+                    )
+        return base
+
+    def _read_one(self, ti: int, b: int, pos: int, h: str, raw: np.ndarray | None = None) -> np.ndarray:
+        """Expert `pos`'s bytes of block `b` of tensor `ti` (into `raw` if given; checked against
+        `h` with --verify)."""
+        t = self.xp.tensors[ti]
+        fd, info, path = self.inputs.where[pos + 1][t.name]
+        lo, hi = block_bytes(t, info.nbytes, b)
+        if raw is None:
+            raw = np.empty(hi - lo, np.uint8)
+        pread_into(fd, memoryview(raw), info.start + lo, path)
+        with self._lock:
+            self.count.expert += raw.nbytes
+        if self.verify and xxhash.xxh3_128_hexdigest(raw) != h:
+            raise ChangedFileError(
+                f"{path}: block {b} of {t.name!r} does not match its registered hash; the file changed "
+                "since registration: re-register it with --refresh and plan again"
+            )
+        return raw
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def units(self, ti: int) -> list[Unit]:
+        """The units of tensor `ti`; none when the base's bytes are the output (copied without decoding)."""
+        t = self.xp.tensors[ti]
+        selected = self.sel.get(ti, {})
+        if not t.mergeable or (not selected and output_dtype(t, self.dtype) == t.dtype):
+            return []
+        # Rows of blocks no expert touches keep the base's bytes exactly unless the dtype changes.
+        blocks = list(range(len(t.rows))) if output_dtype(t, self.dtype) != t.dtype else sorted(selected)
+        if self.xp.method == "model_stock":  # its scale t needs every block of the tensor first
+            return [Unit(ti, tuple(blocks))]
+        return [Unit(ti, (b,)) for b in blocks]
+
+    def tensors(self, indices: list[int]) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
+        """(name, dtype, shape, bytes as uint8 array) of each merged tensor, in the order of `indices`."""
+        pending: collections.deque[tuple[int, Future[np.ndarray], list[Future[None]], np.ndarray | None]]
+        pending = collections.deque()
+        ahead = 0  # bytes of tensors started but not yet handed out
+        nxt = 0
+        while nxt < len(indices) or pending:
+            while nxt < len(indices) and (not pending or ahead < AHEAD_BYTES):
+                ti = indices[nxt]
+                nxt += 1
+                pending.append(self._start(ti))
+                ahead += self._nbytes(ti)
+            ti, base_f, futs, out = pending.popleft()
+            for f in futs:
+                f.result()
+            ahead -= self._nbytes(ti)
+            t = self.xp.tensors[ti]
+            yield t.name, output_dtype(t, self.dtype), t.shape, base_f.result() if out is None else out
+
+    def _nbytes(self, ti: int) -> int:
+        t = self.xp.tensors[ti]
+        return tensor_nbytes(t.dtype, t.shape) + tensor_nbytes(output_dtype(t, self.dtype), t.shape)
+
+    def _start(self, ti: int) -> tuple[int, Future[np.ndarray], list[Future[None]], np.ndarray | None]:
+        t = self.xp.tensors[ti]
+        base_f = self.io.submit(self._read_base, ti)
+        units = self.units(ti)
+        if self.order is not None:
+            self.order.shuffle(units)
+        out_dtype = output_dtype(t, self.dtype)
+        out = None  # the base buffer itself, overwritten block by block
+        if units and out_dtype != t.dtype:
+            out = np.empty(tensor_nbytes(out_dtype, t.shape), np.uint8)
+        futs = [self.compute.submit(self.run_unit, u, base_f, out) for u in units]
+        return ti, base_f, futs, out
+
+    # -- arithmetic ----------------------------------------------------------------------------
+
+    def run_unit(self, u: Unit, base_f: Future[np.ndarray], out: np.ndarray | None) -> None:
+        """Merge unit `u` into `out` (or, when None, into the base's buffer in place)."""
+        base_raw = base_f.result()
+        if out is None:
+            out = base_raw
+        if self.fused:
+            for b in u.blocks:
+                self._fused_block(u.tensor_idx, b, base_raw, out)
+        else:
+            self._merge_slow(u, base_raw, out)
+
+    def _fused_block(self, ti: int, b: int, base_raw: np.ndarray, out: np.ndarray) -> None:
+        """One block through the fused kernels: groups of READ_AHEAD experts, the next group read
+        on the I/O threads while this one is folded in."""
+        t = self.xp.tensors[ti]
+        out_dtype = output_dtype(t, self.dtype)
+        raw_dt, out_dt = np.dtype(DTYPES[t.dtype][1]), np.dtype(DTYPES[out_dtype][1])
+        bits_dt = np.uint32 if raw_dt.itemsize == 4 else np.uint16
+        kind = kernels.IN_KIND[t.dtype]
+        r0, r1 = t.rows[b]
+        per_row = row_elems(t.shape)
+        lo, n = r0 * per_row, (r1 - r0) * per_row
+        nb = n * raw_dt.itemsize
+        base = base_raw[lo * raw_dt.itemsize : lo * raw_dt.itemsize + nb].view(bits_dt)  # (n,) raw bits
+        acc = self.local.get("acc", (5 if self.method.consensus else 1) * n, np.float32)
+        acc = acc.reshape(-1, n)  # (1 or 5, n) float32 running sums
+        acc.fill(0)
+        work = self.sel.get(ti, {}).get(b, [])
+        groups = [work[i : i + READ_AHEAD] for i in range(0, len(work), READ_AHEAD)]
+        bufs = [self.local.get(f"ex{j}", READ_AHEAD * nb, np.uint8) for j in range(2)]
+
+        def submit(gi: int) -> list[Future[np.ndarray]]:
+            buf = bufs[gi % 2]
+            return [
+                self.io.submit(self._read_one, ti, b, pos, h, buf[k * nb : (k + 1) * nb])
+                for k, (pos, h) in enumerate(groups[gi])
+            ]
+
+        reads = submit(0) if groups else []
+        density = float(self.xp.params.get("density", 1.0))
+        for gi, grp in enumerate(groups):
+            for f in reads:
+                f.result()
+            if gi + 1 < len(groups):
+                reads = submit(gi + 1)
+            ex = bufs[gi % 2][: len(grp) * nb].view(bits_dt).reshape(len(grp), n)  # (g, n) raw bits
+            srcs = [self.xp.experts[pos] for pos, _ in grp]
+            trims = [self._trim(pos, ti, t, src) for (pos, _), src in zip(grp, srcs)]
+            coefs = np.array([s.weight if self.method.consensus else s.coef for s in srcs], np.float32)
+            t_lo = np.array([tr.t_lo for tr in trims], np.float64)
+            t_hi = np.array([np.inf if tr.t_hi is None else tr.t_hi for tr in trims], np.float64)
+            keys = np.array([tr.key for tr in trims], np.uint64)
+            mode = kernels.MODE[self.method.sparsify]
+            kernels.fold_group(base, ex, kind, mode, lo, coefs, t_lo, t_hi, keys, density, acc)
+        normalize = bool(self.xp.params.get("normalize", True))
+        lam = float(self.xp.params.get("lambda", 1.0))
+        target = out.view(out_dt)[lo : lo + n]
+        if out_dtype == "BF16":  # rounded inside the kernel
+            kernels.finish(base, kind, acc, normalize, lam, _NO_F32, target.view(np.uint16))
+        elif out_dtype == "F32":
+            kernels.finish(base, kind, acc, normalize, lam, target, _NO_BF16)
+        else:  # F16: numpy's float32 -> float16 rounding, from a reused float32 buffer
+            res = self.local.get("res", n, np.float32)  # (n,) float32
+            kernels.finish(base, kind, acc, normalize, lam, res, _NO_BF16)
+            target[...] = res
+
+    def _merge_slow(self, u: Unit, base_raw: np.ndarray, out: np.ndarray) -> None:
+        """DELLA and model_stock, block by block with `sparsify` and `Accumulator` (model_stock's
+        scale t needs every block of the tensor first)."""
+        ti = u.tensor_idx
+        t = self.xp.tensors[ti]
+        out_dtype = output_dtype(t, self.dtype)
+        selected = self.sel.get(ti, {})
+        raw_dt, out_dt = np.dtype(DTYPES[t.dtype][1]), np.dtype(DTYPES[out_dtype][1])
+        stock = _StockDots(self.xp, ti) if self.xp.method == "model_stock" else None
+        pending: list[tuple[int, np.ndarray, np.ndarray]] = []  # model_stock: until t is known
+        per_row = row_elems(t.shape)
+        for b in u.blocks:
+            r0, r1 = t.rows[b]
+            lo, n = r0 * per_row, (r1 - r0) * per_row
+            base = as_float32(base_raw.view(raw_dt)[lo : lo + n], t.dtype, np.empty(n, np.float32))  # (n,) f32
+            acc = kernels.Accumulator(self.method, self.xp.params, n)
+            deltas = []
+            for pos, h in selected.get(b, []):
+                raw = self._read_one(ti, b, pos, h)
+                d = as_float32(raw.view(raw_dt), t.dtype, self.local.get("e", n, np.float32))
+                np.subtract(d, base, out=d)  # Δ in place: (n,) float32
+                src = self.xp.experts[pos]
+                d = kernels.sparsify(self.method, self.xp.params, d, lo, self._trim(pos, ti, t, src))
+                acc.add(src.coef, src.weight, d)
+                if stock is not None:
+                    deltas.append((pos, d.copy()))  # the scratch buffer is reused by the next expert
+            update = acc.merged_delta()
+            if stock is not None:
+                stock.add_block(deltas)
+                pending.append((lo, base, update))
+                continue
+            out.view(out_dt)[lo : lo + n] = encode(base + update, out_dtype)
+        if stock is not None:
+            scale = np.float32(stock.t())
+            for lo, base, update in pending:
+                out.view(out_dt)[lo : lo + base.size] = encode(base + scale * update, out_dtype)
+
+    def _trim(self, pos: int, ti: int, t: TensorLayout, src: Source) -> kernels.Trim:
+        r = self.trims.get((pos, ti))
+        key = kernels.rng_key(self.xp.seed, src.name, t.name)
+        if r is None:
+            return kernels.Trim(key=key)
+        rank = _della_rank(r["rank_codes"], r["rank_counts"]) if r.get("rank_codes") is not None else None
+        return kernels.Trim(r["t_lo"] or 0.0, r["t_hi"], key, rank)
+
+
+def _della_rank(codes: list[int], counts: list[int]) -> Callable[[np.ndarray], np.ndarray]:
+    """DELLA's magnitude rank from a tensor's magnitude summary: the fraction of elements in lower
+    2^-6-wide bins plus half of the element's own bin (see README, "DELLA")."""
+    below = np.zeros(1 << 15)
+    np.add.at(below, np.asarray(codes, np.int64), np.asarray(counts, np.float64))
+    cum = (np.cumsum(below) - below / 2) / max(1.0, below.sum())
+
+    def rank(a: np.ndarray) -> np.ndarray:
+        return cum[np.asarray(a, np.float32).view(np.uint32) >> 17]
+
+    return rank
+
+
+class _StockDots:
+    """model_stock's per-tensor t from the mean pairwise cosine of the task vectors.
+
+    ⟨Δ_j, Δ_k⟩ is exact over blocks where both were read and estimated from the catalog's
+    sketches elsewhere; ‖Δ_k‖² is exact (from the catalog).
+    """
+
+    def __init__(self, xp: ExecutionPlan, ti: int) -> None:
+        self.k = len(xp.experts)
+        self.dots = np.zeros((self.k, self.k))
+        self.norm2 = np.zeros(self.k)
+        if xp.stock is not None:
+            rows = xp.stock.filter(pa.compute.equal(xp.stock.column("tensor_idx"), ti)).to_pylist()
+            for r in rows:
+                if r["j"] == r["k"]:
+                    self.norm2[r["j"]] = r["dot"]
+                else:
+                    self.dots[r["j"], r["k"]] += r["dot"]
+
+    def add_block(self, deltas: list[tuple[int, np.ndarray]]) -> None:
+        for a in range(len(deltas)):
+            for b in range(a + 1, len(deltas)):
+                (j, dj), (k, dk) = deltas[a], deltas[b]
+                self.dots[min(j, k), max(j, k)] += float(np.dot(dj.astype(np.float64), dk.astype(np.float64)))
+
+    def t(self) -> float:
+        cos = []
+        for j in range(self.k):
+            for k in range(j + 1, self.k):
+                den = np.sqrt(self.norm2[j] * self.norm2[k])
+                cos.append(self.dots[j, k] / den if den > 0 else 0.0)
+        c = float(np.mean(cos)) if cos else 0.0
+        return self.k * c / (1 + (self.k - 1) * c) if 1 + (self.k - 1) * c != 0 else 0.0

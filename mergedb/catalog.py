@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from . import faults, planner, plans, register, stats, usersql
+from . import faults, frontier, planner, plans, register, stats, usersql
 from .errors import CatalogError, MergeDBError, RunNotRecordedError
 from .resources import migrations
 
@@ -290,7 +290,7 @@ class Catalog:
         name: str | None = None,
         block_size: int | str = register.DEFAULT_BLOCK_SIZE,
         refresh: bool = False,
-        threads: int = 2,
+        threads: int | None = None,
         progress: Callable[[int], None] | None = None,
         on_total: Callable[[int], None] | None = None,
     ) -> register.RegisterResult:
@@ -330,6 +330,19 @@ class Catalog:
             summary = plans.load_plan(con, plan_id)
         return replace(summary, explain=tuple(steps) if explain else ())
 
+    def frontier(
+        self,
+        request: planner.PlanRequest,
+        budgets: Sequence[str] = frontier.BUDGETS,
+        *,
+        keep: bool = False,
+    ) -> list[plans.PlanSummary]:
+        """Plan `request` at each budget from the catalog alone (no weights read): bytes against bounds.
+
+        All plans are made in one transaction, rolled back unless `keep`, so by default nothing is
+        stored. Kept plans of a named request are named `NAME@BUDGET`."""
+        return frontier.make_plans(self, request, budgets, keep=keep)
+
     def plans(self) -> list[plans.PlanSummary]:
         """Every stored plan, oldest first."""
         with self.duckdb_connection() as con:
@@ -356,6 +369,8 @@ class Catalog:
         verify: bool = False,
         force: bool = False,
         progress: Callable[[int], None] | None = None,
+        on_total: Callable[[int], None] | None = None,
+        threads: int | None = None,
     ) -> ExecuteResult:
         """Execute a stored plan into `out` and record the run (ok, or failed with its error).
 
@@ -376,7 +391,15 @@ class Catalog:
             )
         try:
             res = executor.execute(
-                xp, out, max_shard_size=max_shard_size, dtype=dtype, verify=verify, force=force, progress=progress
+                xp,
+                out,
+                max_shard_size=max_shard_size,
+                dtype=dtype,
+                verify=verify,
+                force=force,
+                progress=progress,
+                on_total=on_total,
+                threads=threads,
             )
         except MergeDBError as e:
             try:

@@ -2,23 +2,38 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
-from typer.core import TyperGroup
+from typer.core import TyperArgument, TyperGroup
 
-from . import render, synth
-from .catalog import Catalog, default_path
+from . import render
 from .errors import MergeDBError
-from .planner import PlanRequest
 from .units import check_threads, format_size, parse_block_size
+
+if TYPE_CHECKING:
+    from .catalog import Catalog
+
+# Only typer and rich load at import: the catalog (DuckDB, pyarrow) and the kernels (numba) are
+# imported inside the commands that need them, so `mergedb --help` answers at once.
 
 
 class _Group(TyperGroup):
-    """Shows a MergeDBError as one clear line and exits 1; anything else is a bug with a traceback."""
+    """Shows a MergeDBError as one clear line and exits 1; anything else is a bug with a traceback.
+    Help shows plain metavars (PATH..., FILE, N) instead of typer's `{paths}...` and `<list[Path]>`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for cmd in self.commands.values():
+            for p in cmd.params:
+                _plain_metavar(p)
+            cmd.get_help_option = _plain_help(cmd.get_help_option)  # type: ignore[method-assign]
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _plain_help(super().get_help_option)(ctx)
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -26,6 +41,33 @@ class _Group(TyperGroup):
         except MergeDBError as e:
             Console(stderr=True).print(f"[bold red]Error:[/] {e}", highlight=False, soft_wrap=True)
             ctx.exit(1)
+
+
+_METAVARS = {"int": "N", "float": "X", "str": "TEXT", "path": "PATH", "list[Path]": "PATH"}
+
+
+def _plain_metavar(p: Any) -> None:
+    """Click-style metavars: `PATH...` for many arguments, `FILE`/`N`/`TEXT` for options, none for flags."""
+    if isinstance(p, TyperArgument):
+        name = p.metavar or (p.name or "ARG").upper()
+        shown = name if p.nargs == 1 else f"{name.rstrip('S')}..."
+        p.metavar = shown
+        p._usage_display_name = lambda: shown if p.required else f"[{shown}]"
+        p.display_type_rich = lambda ctx: None
+    elif p.metavar is None:
+        p.metavar = "" if p.is_flag else _METAVARS.get(p.display_type(None).strip("<>"), "TEXT")
+    if p.help:
+        p.help = p.help.replace("[", "\\[")  # help text is rich markup: keep "[default: …]" as written
+
+
+def _plain_help(get: Any) -> Any:
+    def get_help_option(ctx: Any) -> Any:
+        opt = get(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+    return get_help_option
 
 
 app = typer.Typer(
@@ -38,13 +80,18 @@ app = typer.Typer(
 
 
 CatalogOpt = typer.Option(
-    None, "--catalog", "-c", envvar="MERGEDB_CATALOG", help="Catalog file [default: ./mergedb.duckdb]."
+    None, "--catalog", "-c", envvar="MERGEDB_CATALOG", metavar="FILE", help="Catalog file (default: ./mergedb.duckdb)."
 )
 WaitOpt = typer.Option(0.0, "--wait", help="Seconds to wait for a catalog locked by another process.")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 
 
+FormatOpt = typer.Option("table", "--format", "-f", metavar="FMT", help="table | csv | json.")
+
+
 def _catalog(path: Path | None, wait: float = 0.0) -> Catalog:
+    from .catalog import Catalog, default_path
+
     return Catalog(path or default_path(), wait=wait)
 
 
@@ -56,7 +103,12 @@ def register(
     name: str | None = typer.Option(None, "--name", help="Name for a single checkpoint [default: folder name]."),
     block_size: str = typer.Option("4MiB", "--block-size", help="Target block size of a new base's layout (1B-1TiB)."),
     refresh: bool = typer.Option(False, "--refresh", help="Re-scan experts whose files changed."),
-    threads: int = typer.Option(2, "--threads", help="Worker threads (1 to 1024)."),
+    threads: int = typer.Option(
+        os.cpu_count() or 1,
+        "--threads",
+        show_default=False,
+        help="Worker threads (1 to 1024) [default: this machine's cores].",
+    ),
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
     quiet: bool = QuietOpt,
@@ -100,6 +152,7 @@ def synth_cmd(
 
     Example: mergedb synth ./family --experts 4 --size small
     """
+    from . import synth
     from .units import parse_size
 
     synth.make_family(out_dir, experts, size, dtype, seed, parse_size(shard_size, what="shard size"))
@@ -109,7 +162,7 @@ def synth_cmd(
 @app.command()
 def sql(
     query: str = typer.Argument(..., help="One SQL statement."),
-    fmt: str = typer.Option("table", "--format", "-f", help="table | csv | json."),
+    fmt: str = FormatOpt,
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
 ) -> None:
@@ -117,34 +170,37 @@ def sql(
 
     Example: mergedb sql "SELECT * FROM expert_costs"
     """
-    if fmt not in ("table", "csv", "json"):
-        raise MergeDBError(f"unknown --format {fmt!r}; use table, csv or json")
-    render.print_table(_catalog(catalog, wait).sql(query), fmt)
+    render.print_table(_catalog(catalog, wait).sql(query), render.check_format(fmt))
 
 
 @app.command("ls")
-def ls_cmd(catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
+def ls_cmd(fmt: str = FormatOpt, catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
     """List registered checkpoints.
 
-    Example: mergedb ls
+    Example: mergedb ls --format csv
     """
+    from dataclasses import asdict
+
     rows = _catalog(catalog, wait).checkpoints()
-    t = Table()
-    for c in ("name", "role", "base", "dtype", "tensors", "size", "path"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r.name, r.role, r.base or "", r.dtype, str(r.n_tensors), format_size(r.bytes), r.path)
-    render.out().print(t)
+    render.print_records(render.CHECKPOINT_COLS, [asdict(r) for r in rows], render.check_format(fmt))
 
 
 @app.command()
-def show(name: str, catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
+def show(
+    name: str = typer.Argument(..., metavar="NAME", help="A registered checkpoint."),
+    fmt: str = FormatOpt,
+    catalog: Path | None = CatalogOpt,
+    wait: float = WaitOpt,
+) -> None:
     """Show one checkpoint: its files and, for an expert, what it changed per tensor.
 
     Example: mergedb show expert_00
     """
     cat = _catalog(catalog, wait)
     row = cat.checkpoint(name)
+    if render.check_format(fmt) != "table":  # csv, json: the per-tensor rows (none for a base)
+        render.print_table(cat.tensor_summary(name) if row.role == "expert" else _empty(), fmt)
+        return
     render.out().print(f"[bold]{row.name}[/] ({row.role}{', base ' + row.base if row.base else ''}) {row.path}")
     render.out().print(
         f"{row.n_tensors} tensors, {row.dtype}, {format_size(row.bytes)}, fingerprint {row.fingerprint[:16]}"
@@ -179,7 +235,7 @@ def plan(
     ),
     strategy: str = typer.Option("ranked", "--strategy", help="ranked (value per byte) or random (ablation)."),
     estimate: bool | None = typer.Option(
-        None, "--estimate/--no-estimate", help="Sketch error estimate [default: up to 2M omitted blocks]."
+        None, "--estimate/--no-estimate", help="Sketch error estimate (default: up to 2M omitted blocks)."
     ),
     explain: bool = typer.Option(False, "--explain", help="Print the SQL steps that ran, with row counts."),
     catalog: Path | None = CatalogOpt,
@@ -207,6 +263,8 @@ def plan(
         }.items()
         if v is not None
     }
+    from .planner import PlanRequest
+
     req = PlanRequest(base, names, method, budget, w, params, seed, name, allow_nonfinite, strategy, estimate)
     summary = _catalog(catalog, wait).plan(req, explain=explain)
     if explain:
@@ -217,32 +275,19 @@ def plan(
 
 
 @app.command()
-def plans(catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
+def plans(fmt: str = FormatOpt, catalog: Path | None = CatalogOpt, wait: float = WaitOpt) -> None:
     """List stored plans.
 
-    Example: mergedb plans
+    Example: mergedb plans --format json
     """
-    t = Table()
-    for c in ("id", "name", "method", "experts", "budget", "selected", "of full", "bound", "hash"):
-        t.add_column(c)
-    for p in _catalog(catalog, wait).plans():
-        t.add_row(
-            str(p.plan_id),
-            p.name or "",
-            p.method,
-            str(len(p.experts)),
-            p.budget_spec,
-            format_size(p.selected_bytes),
-            f"{render.pct(p.selected_bytes, p.full_bytes)}",
-            render.cell(p.bound_blockwise),
-            p.plan_hash[:12],
-        )
-    render.out().print(t)
+    records = [render.plan_record(p) for p in _catalog(catalog, wait).plans()]
+    render.print_records(render.PLAN_COLS, records, render.check_format(fmt))
 
 
 @app.command("show-plan")
 def show_plan(
     plan_ref: str = typer.Argument(..., metavar="PLAN", help="Plan id, name or hash prefix."),
+    fmt: str = FormatOpt,
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
 ) -> None:
@@ -250,7 +295,7 @@ def show_plan(
 
     Example: mergedb show-plan 1
     """
-    render.print_plan(_catalog(catalog, wait).get_plan(plan_ref))
+    render.print_plan(_catalog(catalog, wait).get_plan(plan_ref), render.check_format(fmt))
 
 
 @app.command()
@@ -261,6 +306,9 @@ def execute(
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 [default: the base's]."),
     verify: bool = typer.Option(False, "--verify", help="Re-hash every block read against the catalog."),
     force: bool = typer.Option(False, "--force", help="Replace a previous mergedb output in --out."),
+    threads: int | None = typer.Option(
+        None, "--threads", help="Merge threads (1 to 1024; the output does not depend on it) [default: all cores]."
+    ),
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
     quiet: bool = QuietOpt,
@@ -272,9 +320,19 @@ def execute(
     from .units import parse_size
 
     shard = parse_size(max_shard_size, what="shard size")
-    res = _catalog(catalog, wait).execute(
-        plan_ref, out_dir, max_shard_size=shard, dtype=dtype, verify=verify, force=force
-    )
+    cat = _catalog(catalog, wait)
+    with render.progress(quiet, "merge") as (advance, set_total):
+        res = cat.execute(
+            plan_ref,
+            out_dir,
+            max_shard_size=shard,
+            dtype=dtype,
+            verify=verify,
+            force=force,
+            progress=advance,
+            on_total=set_total,
+            threads=threads,
+        )
     if not quiet:
         render.out().print(
             f"wrote {out_dir}: expert bytes {format_size(res.expert_bytes)} "
@@ -305,33 +363,59 @@ def replay(
 @app.command()
 def demo(
     workdir: Path = typer.Option(
-        Path("mergedb-demo"), "--dir", help="Working folder: new or empty; a rerun replaces only what the demo wrote."
+        Path("mergedb-demo"),
+        "--dir",
+        metavar="DIR",
+        help="Working folder: new or empty; a rerun replaces only what the demo wrote.",
     ),
-    experts: int = typer.Option(6, "--experts", "-k"),
+    experts: int = typer.Option(16, "--experts", "-k", help="Number of experts."),
     size: str = typer.Option("small", "--size", help="tiny | small | bench."),
+    repeats: int = typer.Option(3, "--repeats", help="Cold-cache runs per budget; the median is shown."),
+    fmt: str = FormatOpt,
 ) -> None:
-    """Generate a family, register it, merge at 100/50/10% budgets, and compare.
+    """Generate a family, register it, merge at 100/50/10% budgets from a cold cache, and compare.
 
-    Example: mergedb demo
+    Example: mergedb demo --dir ./mergedb-demo
     """
-    from .demo import run_demo
+    from .demo import demo as run
 
-    rows = run_demo(workdir, experts, size)
-    t = Table(title=f"task_arithmetic over {experts} experts ({size} family in {workdir})")
-    for c in ("budget", "expert bytes", "physical", "time", "speed-up", "‖θB−θF‖/‖θF‖", "‖θB−θF‖/‖θF−θ0‖", "bound"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(
-            r.budget,
-            format_size(r.expert_bytes),
-            format_size(r.physical_bytes),
-            f"{r.seconds:.2f}s",
-            f"{r.speedup:.1f}x",
-            f"{r.rel_to_model:.2e}",
-            f"{r.rel_to_update:.2e}",
-            f"{r.bound_rel:.2e}",
-        )
-    render.out().print(t)
+    render.check_format(fmt)
+    res = run(workdir, experts, size, repeats=repeats)
+    render.print_demo(res, fmt, str(workdir))
+
+
+@app.command()
+def frontier(
+    base: str = typer.Option(..., "--base", help="Name of the registered base."),
+    method: str = typer.Option(..., "--method", "-m", help="Merge method, as for `mergedb plan`."),
+    experts: str | None = typer.Option(None, "--experts", help="Comma-separated expert names (default: all)."),
+    lam: float | None = typer.Option(None, "--lambda", help="Scale of the merged delta."),
+    density: float | None = typer.Option(None, "--density", help="Fraction of each delta kept (trimming/DARE)."),
+    out_png: Path | None = typer.Option(None, "--out", "-o", metavar="FILE", help="Also draw it into a PNG."),
+    keep: bool = typer.Option(False, "--keep", help="Store the plans (named NAME@BUDGET with --name)."),
+    name: str | None = typer.Option(None, "--name", help="Base name of kept plans."),
+    fmt: str = FormatOpt,
+    catalog: Path | None = CatalogOpt,
+    wait: float = WaitOpt,
+) -> None:
+    """Bytes read against deviation at 5-100% budgets, from the catalog alone (nothing stored).
+
+    Example: mergedb frontier --base base -m task_arithmetic --out frontier.png
+    """
+    from . import frontier as fr
+    from .planner import PlanRequest
+
+    render.check_format(fmt)
+    names = tuple(e.strip() for e in experts.split(",") if e.strip()) if experts else None
+    params = {k: v for k, v in {"lambda": lam, "density": density}.items() if v is not None}
+    summaries = _catalog(catalog, wait).frontier(PlanRequest(base, names, method, params=params, name=name), keep=keep)
+    rows = fr.records(summaries)
+    title = f"{method} over {len(summaries[0].experts)} experts of {base}"
+    render.print_frontier(rows, fmt, title, kept=keep)
+    if out_png is not None:
+        fr.plot(rows, out_png, title)
+        if fmt == "table":
+            render.out().print(f"wrote {out_png}", highlight=False)
 
 
 @app.command()
@@ -355,6 +439,12 @@ def check(
     if problems:
         raise typer.Exit(1)
     render.out().print("ok: catalog" + (" and outputs" if output else "") + " verified")
+
+
+def _empty() -> Any:
+    import pyarrow as pa
+
+    return pa.table({})
 
 
 def main() -> None:

@@ -1,6 +1,10 @@
 """How results look in a terminal: tables (table, csv, json), plan summaries, progress bars.
 
-Only the CLI imports this module (it prints, through rich); the library returns values.
+Only the CLI imports this module (it prints, through rich); the library returns values. Tables are
+made to be read in 80 columns and in a pipe: short headers with a legend below, numbers with three
+significant digits, long paths shortened from the middle, and — when a row still cannot fit — one
+record per block of `name  value` lines instead of columns folded letter by letter. Nothing heavy
+is imported at module level, so `mergedb --help` stays fast.
 """
 
 from __future__ import annotations
@@ -9,30 +13,43 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
+from rich.markup import escape
 
-from .plans import PlanSummary
-from .units import format_size
-from .usersql import distinct_names, table_rows
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from .plans import PlanSummary
+
+FORMATS = ("table", "csv", "json")
+DASH = "–"  # a value that does not apply
 
 
 def out() -> Console:
     return Console()  # built per call so COLUMNS and redirections are honoured
 
 
+def check_format(fmt: str) -> str:
+    from .errors import MergeDBError
+
+    if fmt not in FORMATS:
+        raise MergeDBError(f"unknown --format {fmt!r}; use table, csv or json")
+    return fmt
+
+
 @contextmanager
 def progress(quiet: bool, label: str) -> Iterator[tuple[Any, Any]]:
-    """(advance, set_total) callbacks driving a rich bytes/throughput bar (no-ops when quiet)."""
+    """(advance, set_total) callbacks driving a rich bar in bytes with rate (MB/s) and ETA."""
     if quiet:
         yield None, None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -46,78 +63,305 @@ def progress(quiet: bool, label: str) -> Iterator[tuple[Any, Any]]:
         yield (lambda n: bar.advance(task, n)), (lambda total: bar.update(task, total=total))
 
 
-def print_table(table: pa.Table, fmt: str = "table", title: str | None = None) -> None:
-    """Print rows by column position (duplicate names keep their values; json keys get _2, _3)."""
-    names, rows = table.column_names, table_rows(table)
-    if fmt == "json":
-        keys = distinct_names(names)
-        out().print_json(json.dumps([dict(zip(keys, r)) for r in rows], default=str))
-    elif fmt == "csv":
-        buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerows([names, *rows])
-        sys.stdout.write(buf.getvalue())
-    else:
-        t = Table(title=title)
-        for c in names:
-            t.add_column(c, overflow="fold")
-        for r in rows:
-            t.add_row(*[cell(v) for v in r])
-        out().print(t)
+# -- cells -------------------------------------------------------------------------------------
+
+
+def num(v: float | None, digits: int = 3) -> str:
+    """A number with `digits` significant digits ('–' for None)."""
+    if v is None:
+        return DASH
+    if v == 0:
+        return "0"
+    return f"{v:.{digits}g}"
+
+
+def size(n: float | None) -> str:
+    """Bytes with three significant digits: 183 MiB, 22.6 MiB, 4.0 KiB."""
+    if n is None:
+        return DASH
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 999.5 or unit == "TiB":
+            if unit == "B":
+                return f"{n:.0f} B"
+            return f"{n:.3g} {unit}" if abs(n) >= 10 else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def pct(a: float, b: float) -> str:
+    if not b:
+        return DASH
+    p = 100 * a / b
+    return f"{p:.0f}%" if p >= 10 or p == 0 else f"{p:.2g}%"
+
+
+def middle(text: str, width: int) -> str:
+    """`text` shortened from the middle to `width` characters (its start and its end stay)."""
+    if len(text) <= width or width < 5:
+        return text
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
 
 
 def cell(v: Any) -> str:
+    """Any SQL value as a table cell: floats with three significant digits, long lists elided."""
     if isinstance(v, float):
-        return f"{v:.6g}"
+        return num(v)
     if isinstance(v, list) and len(v) > 8:
         return "[" + ", ".join(cell(x) for x in v[:8]) + f", … {len(v)} items]"
     return "" if v is None else str(v)
 
 
-def pct(a: float, b: float) -> str:
-    return f"{100 * a / b:.1f}%" if b else "-"
+# -- tables ------------------------------------------------------------------------------------
 
 
-def print_plan(p: PlanSummary) -> None:
+@dataclass(frozen=True)
+class Col:
+    """One column: its short header, the legend line that explains it, how a value is shown."""
+
+    key: str
+    header: str
+    show: Callable[[Any], str] = cell
+    legend: str | None = None
+    right: bool = False
+    shrink: bool = False  # may be shortened from the middle (paths) to fit the terminal
+
+
+def print_records(
+    cols: Sequence[Col],
+    records: Sequence[dict[str, Any]],
+    fmt: str = "table",
+    *,
+    title: str | None = None,
+    notes: Sequence[str] = (),
+) -> None:
+    """Print records (dicts of raw values): csv and json carry the raw values, a table shows them."""
+    if fmt == "json":
+        sys.stdout.write(json.dumps([{c.key: r.get(c.key) for c in cols} for r in records], default=str) + "\n")
+        return
+    if fmt == "csv":
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows(
+            [[c.key for c in cols], *[[r.get(c.key) for c in cols] for r in records]]
+        )
+        sys.stdout.write(buf.getvalue())
+        return
+    rows = [[c.show(r.get(c.key)) for c in cols] for r in records]
+    legend = [f"{c.header}: {c.legend}" for c in cols if c.legend]
+    _print_grid([c.header for c in cols], rows, title, [c.right for c in cols], [c.shrink for c in cols])
     o = out()
+    for line in [*legend, *notes]:
+        o.print(escape(line), highlight=False, soft_wrap=False)
+
+
+def print_table(table: pa.Table, fmt: str = "table", title: str | None = None) -> None:
+    """Print an Arrow result by column position (duplicate names keep their values; json keys get
+    _2, _3). Too wide for the terminal as columns: one `name  value` block per row."""
+    from .usersql import distinct_names, table_rows
+
+    names, rows = table.column_names, table_rows(table)
+    if fmt == "json":
+        keys = distinct_names(names)
+        sys.stdout.write(json.dumps([dict(zip(keys, r)) for r in rows], default=str) + "\n")
+    elif fmt == "csv":
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows([names, *rows])
+        sys.stdout.write(buf.getvalue())
+    else:
+        _print_grid(names, [[cell(v) for v in r] for r in rows], title, [False] * len(names), [False] * len(names))
+
+
+def _print_grid(
+    headers: Sequence[str], rows: list[list[str]], title: str | None, right: Sequence[bool], shrink: Sequence[bool]
+) -> None:
+    from rich import box
+    from rich.table import Table
+
+    o = out()
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    excess = sum(w + 2 for w in widths) - o.width  # SIMPLE_HEAD box, no edge: 1 space each side
+    for i, s in enumerate(shrink):
+        if excess > 0 and s and widths[i] > 16:
+            cut = min(excess, widths[i] - 16)
+            widths[i] -= cut
+            excess -= cut
+            for r in rows:
+                r[i] = middle(r[i], widths[i])
+    if excess > 0:
+        _print_vertical(headers, rows, title)
+        return
+    t = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title_justify="left")
+    for h, r in zip(headers, right):
+        t.add_column(escape(h), no_wrap=True, justify="right" if r else "left", overflow="fold")
+    for row in rows:
+        t.add_row(*(escape(v) for v in row))
+    o.print(t)
+
+
+def _print_vertical(headers: Sequence[str], rows: list[list[str]], title: str | None) -> None:
+    """One block per record (like psql's \\x): used when the columns cannot fit side by side."""
+    o = out()
+    if title:
+        o.print(escape(title), highlight=False)
+    w = max((len(h) for h in headers), default=0)
+    for n, row in enumerate(rows, 1):
+        o.print(f"-[ row {n} ]" + "-" * max(0, min(o.width, 40) - 11 - len(str(n))), highlight=False)
+        for h, v in zip(headers, row):
+            o.print(escape(f"{h.ljust(w)}  {v}"), highlight=False)
+    if not rows:
+        o.print("(no rows)", highlight=False)
+
+
+# -- the tables of each command ----------------------------------------------------------------
+
+CHECKPOINT_COLS = (
+    Col("name", "name"),
+    Col("role", "role"),
+    Col("base", "base"),
+    Col("dtype", "dtype"),
+    Col("n_tensors", "tensors", str, right=True),
+    Col("bytes", "size", size, right=True),
+    Col("path", "path", shrink=True),
+)
+
+PLAN_COLS = (
+    Col("plan_id", "id", str, right=True),
+    Col("name", "name"),
+    Col("method", "method"),
+    Col("experts", "K", str, "number of experts", right=True),
+    Col("budget_spec", "budget"),
+    Col("selected_bytes", "read", size, "expert bytes the plan reads", right=True),
+    Col("coverage", "of full", lambda v: DASH if v is None else f"{100 * v:.3g}%", "share of the full read", True),
+    Col("bound", "bound", num, "bound on ‖θB−θF‖ of the written output", right=True),
+    Col("plan_hash", "hash", lambda v: v[:12]),
+)
+
+EXPERT_COLS = (
+    Col("expert", "expert"),
+    Col("weight", "weight", num, right=True),
+    Col("coef", "coef", num, right=True),
+    Col("selected_bytes", "read", size, right=True),
+    Col("full_bytes", "full", size, right=True),
+    Col("coverage", "cover", lambda v: f"{100 * v:.3g}%", right=True),
+    Col("bound_blockwise", "bound", num, "per expert: block-wise bound of its omitted delta", right=True),
+)
+
+
+def plan_record(p: PlanSummary) -> dict[str, Any]:
+    return {
+        "plan_id": p.plan_id,
+        "name": p.name,
+        "method": p.method,
+        "experts": len(p.experts),
+        "budget_spec": p.budget_spec,
+        "selected_bytes": p.selected_bytes,
+        "full_bytes": p.full_bytes,
+        "coverage": p.selected_bytes / p.full_bytes if p.full_bytes else None,
+        "bound": p.bound_rounded if p.bound_rounded is not None else p.bound_blockwise,
+        "bound_blockwise": p.bound_blockwise,
+        "bound_sum": p.bound_sum,
+        "est_error": p.est_error,
+        "plan_hash": p.plan_hash,
+    }
+
+
+def print_plan(p: PlanSummary, fmt: str = "table") -> None:
+    experts = [
+        {
+            "expert": e.name,
+            "weight": e.weight,
+            "coef": e.coef,
+            "selected_bytes": e.selected_bytes,
+            "full_bytes": e.full_bytes,
+            "coverage": e.coverage,
+            "bound_blockwise": e.bound_blockwise,
+        }
+        for e in p.experts
+    ]
+    if fmt == "json":
+        doc = {**plan_record(p), "params": p.params, "budget_bytes": p.budget_bytes, "base": p.base}
+        doc |= {"bound_rounded": p.bound_rounded, "base_bytes": p.base_bytes, "experts": experts}
+        sys.stdout.write(json.dumps(doc, default=str) + "\n")
+        return
+    if fmt == "csv":
+        print_records(EXPERT_COLS, experts, "csv")
+        return
+    o = out()
+    line = lambda s: o.print(escape(s), highlight=False)  # noqa: E731
     o.print(
-        f"[bold]plan {p.plan_id}[/]{' (' + p.name + ')' if p.name else ''}  {p.method} {p.params}  "
-        f"hash {p.plan_hash[:16]}"
+        f"[bold]plan {p.plan_id}[/]{escape(' (' + p.name + ')') if p.name else ''}  "
+        f"{escape(p.method)} {escape(str(p.params))}  hash {p.plan_hash[:16]}",
+        highlight=False,
     )
-    o.print(
-        f"expert bytes: {format_size(p.selected_bytes)} selected of {format_size(p.full_bytes)} full read "
-        f"({pct(p.selected_bytes, p.full_bytes)}), budget {p.budget_spec} = {format_size(p.budget_bytes)}"
+    line(
+        f"expert bytes: {size(p.selected_bytes)} selected of {size(p.full_bytes)} full read "
+        f"({pct(p.selected_bytes, p.full_bytes)}), budget {p.budget_spec} = {size(p.budget_bytes)}"
     )
-    o.print(
+    line(
         f"blocks: {p.n_selected} selected of {p.n_candidates}; {p.free_blocks} free (identical to base, "
-        f"never read, zero error); base read {format_size(p.base_bytes)} (not budgeted)"
+        f"never read, zero error); base read {size(p.base_bytes)} (not budgeted)"
     )
     if p.bound_sum is not None:
         estimate = (
-            f"sketch estimate {p.est_error:.6g}"
+            f"sketch estimate {num(p.est_error)}"
             if p.est_error is not None
             else "sketch estimate skipped (too many omitted blocks; --estimate computes it)"
         )
         why = p.bound_note or "the plan predates it"
-        written = f"≤ {p.bound_rounded:.6g}" if p.bound_rounded is not None else f"not computed ({why})"
-        o.print(f"error bound ‖θ_B − θ_F‖ of the written output (in the base's dtype) {written}")
-        o.print(
-            f"error bound of the float32 merge before rounding ≤ {p.bound_blockwise:.6g} (block-wise), "
-            f"≤ {p.bound_sum:.6g} (sum); {estimate}"
+        written = f"≤ {num(p.bound_rounded)}" if p.bound_rounded is not None else f"not computed ({why})"
+        line(f"error bound ‖θ_B − θ_F‖ of the written output (in the base's dtype) {written}")
+        line(
+            f"error bound of the float32 merge before rounding ≤ {num(p.bound_blockwise)} (block-wise), "
+            f"≤ {num(p.bound_sum)} (sum); {estimate}"
         )
     else:
-        o.print("error bound: not applicable (the method is not a fixed-coefficient sum of deltas)")
-    t = Table()
-    for c in ("expert", "weight", "coef", "selected", "full", "coverage", "bound"):
-        t.add_column(c)
-    for e in p.experts:
-        t.add_row(
-            e.name,
-            cell(e.weight),
-            cell(e.coef),
-            format_size(e.selected_bytes),
-            format_size(e.full_bytes),
-            f"{100 * e.coverage:.1f}%",
-            cell(e.bound_blockwise),
-        )
-    o.print(t)
-    o.print(f"planned in {p.planning_seconds:.3f}s")
+        line("error bound: not applicable (the method is not a fixed-coefficient sum of deltas)")
+    print_records(EXPERT_COLS, experts)
+    line(f"planned in {p.planning_seconds:.3f}s")
+
+
+def _secs(v: float) -> str:
+    return f"{v:.2f}s" if v < 10 else f"{v:.3g}s"
+
+
+def print_demo(res: Any, fmt: str, workdir: str) -> None:
+    """The demo's table (a demo.DemoResult): one row per budget, a legend, and why a row surprises."""
+    from dataclasses import asdict
+
+    cols = (
+        Col("budget", "budget"),
+        Col("expert_bytes", "read", size, "expert bytes the plan reads", right=True),
+        Col("physical_bytes", "disk", size, "bytes fetched from storage in the run (base included)", right=True),
+        Col("seconds", "time", _secs, f"median of {res.repeats} whole executions, each from a cold cache", True),
+        Col("speedup", "speed-up", lambda v: f"{v:.2f}×", "the full read's time / this time", right=True),
+        Col("rel_to_update", "dev", num, "‖θB−θF‖ / ‖θF−θ0‖: distance to the full merge, per unit of update", True),
+        Col("bound_rel", "bound", num, "the plan's bound on dev, known before reading a byte", right=True),
+    )
+    records = [asdict(r) for r in res.rows]
+    if fmt == "json":
+        doc = {k: v for k, v in asdict(res).items() if k != "rows"}
+        sys.stdout.write(json.dumps({**doc, "rows": records}, default=str) + "\n")
+        return
+    title = f"{res.method}, {res.experts} experts ({res.size} family in {workdir})"
+    footer = f"demo took {res.seconds:.0f}s; the outputs are in {workdir}/merged-*"
+    print_records(cols, records, fmt, title=title, notes=[*res.notes, footer] if fmt == "table" else ())
+
+
+FRONTIER_COLS = (
+    Col("budget", "budget"),
+    Col("selected_bytes", "read", size, "expert bytes the plan reads", right=True),
+    Col(
+        "share",
+        "of all",
+        lambda v: f"{100 * v:.3g}%",
+        "share of all expert bytes (blocks equal to the base are never read)",
+        True,
+    ),
+    Col("est_error", "estimate", num, "sketch estimate of ‖θB−θF‖ (– : not estimated)", right=True),
+    Col("bound", "bound", num, "bound on ‖θB−θF‖ of the output as written (– : method not bounded yet)", True),
+)
+
+
+def print_frontier(rows: list[dict[str, Any]], fmt: str, title: str, kept: bool) -> None:
+    note = "plans stored (mergedb plans lists them)" if kept else "nothing stored (--keep stores these plans)"
+    print_records(FRONTIER_COLS, rows, fmt, title=title, notes=[note] if fmt == "table" else ())

@@ -1,0 +1,107 @@
+"""The budget frontier: for one merge, expert bytes read against the plan's deviation bound and
+estimate at a ladder of budgets, so a budget can be chosen before a byte of weights is read.
+
+`make_plans` (behind `Catalog.frontier`) makes the plans from the catalog alone, in one transaction
+rolled back unless they are to be kept; `records` turns them into rows and `plot`, with the
+optional `plot` extra (matplotlib), into a PNG.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import faults, planner, plans
+from .errors import MergeDBError
+
+if TYPE_CHECKING:
+    from .catalog import Catalog
+    from .plans import PlanSummary
+
+BUDGETS = ("5%", "10%", "25%", "50%", "75%", "100%")  # the default ladder of `mergedb frontier`
+
+
+def make_plans(
+    cat: Catalog, request: planner.PlanRequest, budgets: Sequence[str], *, keep: bool = False
+) -> list[PlanSummary]:
+    """Plan `request` at each budget from the catalog alone (no weights read): bytes against bounds.
+
+    All plans are made in one transaction, rolled back unless `keep`, so by default nothing is
+    stored. Kept plans of a named request are named `NAME@BUDGET`."""
+    reqs = [replace(request, budget=b, name=f"{request.name}@{b}" if keep and request.name else None) for b in budgets]
+    for r in reqs:
+        if r.name is not None:
+            plans.validate_plan_name(r.name)
+    with cat.duckdb_connection(write=True) as con:
+        con.execute("BEGIN")
+        try:
+            out = [plans.load_plan(con, planner.make_plan(con, r)[0]) for r in reqs]
+            con.execute("COMMIT" if keep else "ROLLBACK")
+        except BaseException:
+            faults.rollback(con)
+            raise
+    return out
+
+
+def records(summaries: list[PlanSummary]) -> list[dict[str, Any]]:
+    """One record per plan: budget, bytes read, and the deviation numbers ‖θ_B − θ_F‖ it predicts.
+
+    `bound` is the bound on the output as written (rounded to the base's dtype) when the planner
+    computed it, else the float32 block-wise bound; None for methods the planner does not bound."""
+    return [
+        {
+            "budget": p.budget_spec,
+            "plan_id": p.plan_id,
+            "selected_bytes": p.selected_bytes,
+            "full_bytes": p.full_bytes,
+            "share": p.selected_bytes / p.full_bytes if p.full_bytes else 1.0,
+            "est_error": p.est_error,
+            "bound": p.bound_rounded if p.bound_rounded is not None else p.bound_blockwise,
+            "bound_blockwise": p.bound_blockwise,
+            "bound_sum": p.bound_sum,
+        }
+        for p in summaries
+    ]
+
+
+def plot(rows: list[dict[str, Any]], path: str | os.PathLike[str], title: str) -> Path:
+    """Draw bytes read (x) against bound and estimate (y, log scale) into the PNG `path`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MergeDBError(
+            "writing a frontier picture needs matplotlib; install it with: pip install 'mergedb[plot]' "
+            "(or leave out --out to print the table only)"
+        ) from None
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise MergeDBError(f"--out {path}: the frontier picture is a PNG; give a file name ending in .png")
+    x = [100 * r["share"] for r in rows]
+    fig, ax = plt.subplots(figsize=(5.6, 3.6), dpi=100)
+    for key, label, style in (("bound", "bound", "o-"), ("est_error", "sketch estimate", "s--")):
+        pts = [(xi, r[key]) for xi, r in zip(x, rows) if r[key] is not None and r[key] > 0]
+        if pts:
+            ax.plot(*zip(*pts), style, label=label)
+    if ax.lines:
+        ax.set_yscale("log")
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no bound or estimate for this method yet", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("expert bytes read (% of all expert bytes)")
+    ax.set_ylabel("‖θ_B − θ_F‖")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, format="png")
+    except OSError as e:
+        raise MergeDBError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+    return path

@@ -1,0 +1,81 @@
+"""`mergedb frontier`: bytes against bounds at a ladder of budgets, from the catalog alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mergedb import Catalog, PlanRequest, synth
+from mergedb.cli import app
+from mergedb.frontier import BUDGETS as FRONTIER_BUDGETS
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def catalog(tmp_path_factory):
+    root = tmp_path_factory.mktemp("frontier")
+    fam = synth.make_family(root / "fam", experts=3, size="tiny", seed=3)
+    cat = Catalog(root / "c.duckdb")
+    cat.register([fam], base_model="base")
+    return cat
+
+
+def _n_plans(cat: Catalog) -> int:
+    return cat.sql("SELECT count(*) AS n FROM plans").column("n")[0].as_py()
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties"])
+def test_frontier_equals_plans_made_one_by_one_and_stores_nothing(catalog, method, tmp_path):
+    req = PlanRequest("base", None, method, params={"density": 0.5} if method == "ties" else {})
+    before = _n_plans(catalog)
+    got = catalog.frontier(req)
+    assert _n_plans(catalog) == before  # rolled back
+    assert [p.budget_spec for p in got] == list(FRONTIER_BUDGETS)
+    one = Catalog(tmp_path / "copy.duckdb")
+    one.path.write_bytes(catalog.path.read_bytes())
+    for p in got:
+        q = one.plan(PlanRequest("base", None, method, p.budget_spec, params=req.params))
+        assert (p.selected_bytes, p.full_bytes, p.n_selected) == (q.selected_bytes, q.full_bytes, q.n_selected)
+        assert (p.bound_blockwise, p.bound_sum, p.bound_rounded) == (q.bound_blockwise, q.bound_sum, q.bound_rounded)
+        assert p.est_error == q.est_error
+        assert p.plan_hash == q.plan_hash
+    sel = [p.selected_bytes for p in got]
+    assert sel == sorted(sel)
+
+
+def test_keep_stores_named_plans(catalog):
+    before = _n_plans(catalog)
+    got = catalog.frontier(PlanRequest("base", None, "task_arithmetic", name="ta"), ["10%", "50%"], keep=True)
+    assert _n_plans(catalog) == before + 2
+    assert [catalog.get_plan(f"ta@{b}").plan_id for b in ("10%", "50%")] == [p.plan_id for p in got]
+
+
+def test_cli_table_json_and_png(catalog, tmp_path):
+    before = _n_plans(catalog)
+    png = tmp_path / "f.png"
+    res = runner.invoke(
+        app, ["frontier", "--base", "base", "-m", "task_arithmetic", "-c", str(catalog.path), "--out", str(png)],
+        env={"COLUMNS": "80"},
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output and "nothing stored" in res.output
+    data = png.read_bytes()
+    assert len(data) > 0 and data[:8] == b"\x89PNG\r\n\x1a\n"
+    res = runner.invoke(
+        app, ["frontier", "--base", "base", "-m", "task_arithmetic", "-c", str(catalog.path), "-f", "json"]
+    )
+    rows = json.loads(res.output)
+    want = catalog.frontier(PlanRequest("base", None, "task_arithmetic"))
+    assert [r["selected_bytes"] for r in rows] == [p.selected_bytes for p in want]
+    assert [r["est_error"] for r in rows] == [p.est_error for p in want]
+    assert _n_plans(catalog) == before
+
+
+def test_png_needs_a_png_name(catalog, tmp_path):
+    res = runner.invoke(
+        app, ["frontier", "--base", "base", "-m", "linear", "-c", str(catalog.path), "--out", str(tmp_path / "f.jpg")]
+    )
+    assert res.exit_code == 1 and "PNG" in res.output

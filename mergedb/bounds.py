@@ -50,7 +50,7 @@ def sketch_estimate(con: duckdb.DuckDBPyConnection, coefs: list[float]) -> float
         key = batch.column(0).to_numpy().astype(np.int64) << 32 | batch.column(1).to_numpy()
         c = c_of[batch.column(2).to_numpy()]
         norms = batch.column(3).to_numpy()
-        sk = batch.column(4).combine_chunks() if hasattr(batch.column(4), "combine_chunks") else batch.column(4)
+        sk = batch.column(4)
         dim = len(sk[0]) if len(sk) else 0
         s = sk.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim) if dim else np.zeros((0, 0), np.float32)
         if carry is not None:  # the last block of the previous batch may continue here

@@ -317,8 +317,6 @@ class Catalog:
 
     def plan(self, request: planner.PlanRequest, explain: bool = False) -> plans.PlanSummary:
         """Plan a merge from the catalog alone (no weights are read) and store it; one transaction."""
-        if request.name is not None:
-            plans.validate_plan_name(request.name)
         with self.duckdb_connection(write=True) as con:
             con.execute("BEGIN")
             try:

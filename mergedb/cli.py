@@ -368,6 +368,7 @@ def demo(
         metavar="DIR",
         help="Working folder: new or empty; a rerun replaces only what the demo wrote.",
     ),
+    # the same defaults as mergedb.demo's DEFAULT_* (written out: importing demo would load numpy for --help)
     experts: int = typer.Option(16, "--experts", "-k", help="Number of experts."),
     size: str = typer.Option("small", "--size", help="tiny | small | bench."),
     repeats: int = typer.Option(3, "--repeats", help="Cold-cache runs per budget; the median is shown."),

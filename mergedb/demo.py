@@ -32,7 +32,7 @@ BUDGETS = ("100%", "50%", "10%")
 CATALOG = "mergedb.duckdb"
 # What the demo writes into its folder, and so all a rerun may remove.
 OWNED = ("family", CATALOG, f"{CATALOG}.wal", *(f"merged-{b.rstrip('%')}" for b in BUDGETS))
-DEFAULT_SIZE, DEFAULT_EXPERTS, DEFAULT_REPEATS = "small", 8, 3
+DEFAULT_SIZE, DEFAULT_EXPERTS, DEFAULT_REPEATS = "small", 16, 3
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def _notes(rows: list[DemoRow]) -> list[str]:
         ]
     return [
         f"speed-up below 1 at {names}: at this size fixed costs (start-up, the base read, the output write) "
-        "outweigh the expert bytes saved, or the disk was busy; try more experts (-k 16) or --size bench"
+        "outweigh the expert bytes saved, or the disk was busy; try more experts (-k 32) or --size bench"
     ]
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import xxhash
 
@@ -31,7 +30,7 @@ from .checkpoint import INDEX, open_checkpoint, side_files
 from .errors import MergeDBError
 from .layout import shard_groups, shard_names
 from .manifest import MANIFEST, MASK, ExecutionPlan, build_manifest, mask_table, plan_from_manifest, write_json
-from .merger import OUT_DTYPES, Merger, output_dtype
+from .merger import Merger, normalize_dtype, output_dtype
 from .tensorfile import DTYPES, SafetensorsWriter, tensor_nbytes
 from .units import check_threads
 
@@ -122,9 +121,7 @@ def execute(
         check_threads(threads)
     shown = Path(out)
     out = outdir.resolve_out(shown)
-    out_dt = OUT_DTYPES.get(dtype, dtype) if dtype else None
-    if out_dt is not None and out_dt not in OUT_DTYPES.values():
-        raise MergeDBError(f"unknown --dtype {dtype!r}; use bf16, fp16 or fp32")
+    out_dt = normalize_dtype(dtype)
     outdir.check_clear_of(out, [xp.base.path, *(e.path for e in xp.experts)], "an input of this plan")
     if not force:
         outdir.check_out(out, force)  # early; with --force only after a killed run's swap is undone

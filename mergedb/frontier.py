@@ -32,9 +32,6 @@ def make_plans(
     All plans are made in one transaction, rolled back unless `keep`, so by default nothing is
     stored. Kept plans of a named request are named `NAME@BUDGET`."""
     reqs = [replace(request, budget=b, name=f"{request.name}@{b}" if keep and request.name else None) for b in budgets]
-    for r in reqs:
-        if r.name is not None:
-            plans.validate_plan_name(r.name)
     with cat.duckdb_connection(write=True) as con:
         con.execute("BEGIN")
         try:

@@ -30,7 +30,7 @@ import xxhash
 
 from . import kernels, methods
 from .checkpoint import open_checkpoint
-from .errors import ChangedFileError
+from .errors import ChangedFileError, MergeDBError
 from .layout import TensorLayout, block_bytes, row_elems
 from .manifest import ExecutionPlan, Source
 from .tensorfile import DTYPES, TensorInfo, as_float32, encode, pread_into, tensor_nbytes
@@ -85,6 +85,16 @@ class _Inputs:
             os.close(fd)
 
 
+def normalize_dtype(dtype: str | None) -> str | None:
+    """An output dtype option (bf16 | fp16 | fp32, or BF16 | F16 | F32) as a safetensors dtype."""
+    if not dtype:
+        return None
+    out = OUT_DTYPES.get(dtype, dtype)
+    if out not in OUT_DTYPES.values():
+        raise MergeDBError(f"unknown --dtype {dtype!r}; use bf16, fp16 or fp32")
+    return out
+
+
 def output_dtype(t: TensorLayout, dtype: str | None) -> str:
     return (dtype or t.dtype) if t.mergeable else t.dtype
 
@@ -131,9 +141,10 @@ class Merger:
         unit_order_seed: int | None = None,
     ) -> None:
         self.xp, self.verify = xp, verify
-        self.dtype = OUT_DTYPES.get(dtype, dtype) if dtype else None
+        self.dtype = normalize_dtype(dtype)
         self.method = methods.get_method(xp.method)
         self.sel = xp.selected()
+        self._trim_cache: dict[tuple[int, int], kernels.Trim] = {}
         self.trims = {
             (p, t): r
             for p, t, r in zip(
@@ -326,7 +337,7 @@ class Merger:
             acc = kernels.Accumulator(self.method, self.xp.params, n)
             deltas = []
             for pos, h in selected.get(b, []):
-                raw = self._read_one(ti, b, pos, h)
+                raw = self._read_one(ti, b, pos, h, self.local.get("raw", len(base) * raw_dt.itemsize, np.uint8))
                 d = as_float32(raw.view(raw_dt), t.dtype, self.local.get("e", n, np.float32))
                 np.subtract(d, base, out=d)  # Δ in place: (n,) float32
                 src = self.xp.experts[pos]
@@ -346,6 +357,14 @@ class Merger:
                 out.view(out_dt)[lo : lo + base.size] = encode(base + scale * update, out_dtype)
 
     def _trim(self, pos: int, ti: int, t: TensorLayout, src: Source) -> kernels.Trim:
+        """Expert `pos`'s trim of tensor `ti`, built once (its stream key is a sha256 and DELLA's rank
+        table a 32768-bin pass) and shared by every block; a race only builds the same value twice."""
+        trim = self._trim_cache.get((pos, ti))
+        if trim is None:
+            trim = self._trim_cache[(pos, ti)] = self._make_trim(pos, ti, t, src)
+        return trim
+
+    def _make_trim(self, pos: int, ti: int, t: TensorLayout, src: Source) -> kernels.Trim:
         r = self.trims.get((pos, ti))
         key = kernels.rng_key(self.xp.seed, src.name, t.name)
         if r is None:

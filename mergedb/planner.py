@@ -2,8 +2,7 @@
 
 `make_plan` runs inside the catalog's transaction with the connection the catalog hands it, in
 three steps (resolve the request, select blocks, store the plan); the ranking, the cut and the
-bounds are the SQL files in `queries/` (see each file's header). `execution_plan` reads a stored
-plan back as the plain value the executor runs.
+bounds are the SQL files in `queries/` (see each file's header). plans.py reads stored plans back.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from . import bounds, methods, stats
 from .errors import MergeDBError, PlanError
 from .faults import unregister
 from .manifest import mask_digest
+from .plans import validate_plan_name
 from .resources import query
 from .units import parse_size, shown
 
@@ -128,6 +128,8 @@ def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, li
         raise PlanError(f"seed must be a whole number from 0 to 2^63 - 1, got {shown(req.seed)}; e.g. --seed 42")
     if req.strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {req.strategy!r}; use ranked or random")
+    if req.name is not None:
+        validate_plan_name(req.name)
     if req.name is not None and _rows(con, "SELECT 1 FROM plans WHERE name = ?", [req.name]):
         raise PlanError(f"a plan named {req.name!r} exists already; choose another --name")
     inputs = _resolve(con, req)

@@ -172,7 +172,8 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         "ORDER BY 1, 2, 3",
         params=[pid],
     ).to_arrow_table()
-    della = json.loads(p[2]).get("epsilon") is not None
+    params = json.loads(p[2])
+    della = params.get("epsilon") is not None
     trims = con.sql(
         "SELECT pe.position, et.tensor_idx, t.t_lo, t.t_hi, "
         + (
@@ -192,7 +193,7 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         plan_id=pid,
         plan_hash=p[0],
         method=p[1],
-        params=json.loads(p[2]),
+        params=params,
         seed=p[3],
         base=Source(p[5], p[6], p[7], p[8]),
         experts=tuple(Source(n, path, fp, ch, w, c) for n, path, fp, ch, w, c, _ in experts),

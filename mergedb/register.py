@@ -24,7 +24,7 @@ from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback, unregister
 from .layout import Block, FamilyTensor
-from .units import check_threads, parse_size
+from .units import check_threads, parse_block_size
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -64,9 +64,7 @@ def register(
     """
     t0 = time.perf_counter()
     threads = check_threads(os.cpu_count() or 1 if threads is None else threads)
-    block_bytes = parse_size(block_size, what="block size")
-    if block_bytes <= 0:
-        raise MergeDBError("--block-size must be positive, e.g. 4MiB")
+    block_bytes = parse_block_size(block_size)
     if name is not None:
         _check_name(name, "--name")
     found = [open_checkpoint(p) for p in discover(list(paths))]

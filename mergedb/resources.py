@@ -27,9 +27,9 @@ def query(name: str) -> str:
     return (resource_dir("queries") / f"{name}.sql").read_text()
 
 
-def migrations() -> list[tuple[int, str, str]]:
-    """(version, name, sql) of every `schema/NNN_name.sql`, in order."""
-    out = []
-    for p in sorted(resource_dir("schema").glob("[0-9][0-9][0-9]_*.sql")):
-        out.append((int(p.name[:3]), p.stem, p.read_text()))
-    return out
+@cache
+def migrations() -> tuple[tuple[int, str, str], ...]:
+    """(version, name, sql) of every `schema/NNN_name.sql`, in order (read once per process)."""
+    return tuple(
+        (int(p.name[:3]), p.stem, p.read_text()) for p in sorted(resource_dir("schema").glob("[0-9][0-9][0-9]_*.sql"))
+    )

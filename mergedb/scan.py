@@ -4,7 +4,7 @@ Reads with `os.preadv` into reused buffers at offsets from the headers, one (exp
 per worker thread, units of all experts in one pool, largest first; the numeric work runs in
 numba/numpy with the GIL released. Peak memory is a few blocks per worker plus, per worker, one
 float32 |Δ| buffer of the largest tensor (needed for the exact top-k thresholds). Produces plain
-Python/numpy rows; the catalog module stores them.
+Python/numpy rows; register.py stores them.
 """
 
 from __future__ import annotations
@@ -284,19 +284,6 @@ def scan_experts(
         st.content_hash = content_hash(all_hashes)
         out.append(st)
     return out
-
-
-def scan_expert(
-    base: Checkpoint,
-    expert: Checkpoint,
-    family: list[FamilyTensor],
-    base_hashes: dict[tuple[int, int], str],
-    sketch_dim: int,
-    threads: int,
-    progress: Progress | None = None,
-) -> ExpertStats:
-    """`scan_experts` for one expert."""
-    return scan_experts(base, [expert], family, base_hashes, sketch_dim, threads, progress)[0]
 
 
 def content_hash(block_hashes: list[str]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import time
 
 from mergedb import synth
@@ -50,16 +51,14 @@ def run(size: str = "bench", experts: int = 4, repeats: int = 3, threads: tuple[
                 }
             )
     mine = [r for r in rows if r["threads"] == threads[-1]]  # the headline: the last (default: all cores)
-    by_threads = {
-        n: sorted(r["ratio"] for r in rows if r["threads"] == n)[len(mine) // 2] for n in threads
-    }  # median ratio per thread count
+    by_threads = {n: statistics.median(r["ratio"] for r in rows if r["threads"] == n) for n in threads}
     return {
         "size": size,
         "experts": experts,
         "threads": list(threads),
         "runs": rows,
         "best_ratio": max(r["ratio"] for r in mine),
-        "median_ratio": sorted(r["ratio"] for r in mine)[len(mine) // 2],
+        "median_ratio": statistics.median(r["ratio"] for r in mine),
         "median_ratio_by_threads": by_threads,
         "catalog_fraction": rows[-1]["catalog_fraction"],
     }

@@ -81,11 +81,12 @@ def _plots(scaling: dict | None, fidelity: dict | None, suffix: str) -> list[str
 def _targets(docs: dict) -> list[str]:
     """Each target of issues 2-5 with the measured value, met or missed, and why."""
     out = ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
-    ov = (docs.get("overheads") or {}).get("register") or docs.get("register")
+    ov = docs.get("register") or (docs.get("overheads") or {}).get("register")  # the newest run first
     if ov:
         out.append(
-            f"| register ≥ 70% of cold sequential read | {ov['median_ratio']:.0%} (best {ov['best_ratio']:.0%}) | "
-            f"{'yes' if ov['median_ratio'] >= 0.7 else 'no'} |"
+            "| register ≥ 60% of cold sequential read (issue 11; 70% in issue 2) | "
+            f"{ov['median_ratio']:.0%} (best {ov['best_ratio']:.0%}) | "
+            f"{'yes' if ov['median_ratio'] >= 0.6 else 'no'} |"
         )
         out.append(
             f"| catalog < 1% of checkpoint bytes | {ov['catalog_fraction']:.2%} | "

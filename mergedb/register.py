@@ -423,6 +423,7 @@ _BLOCK_TYPES = {
     "hist_sum": pa.list_(pa.float64()),
     "hist_sumsq": pa.list_(pa.float64()),
     "sketch": pa.list_(pa.float32()),
+    "base_dot": pa.float64(),
 }
 _TENSOR_TYPES = {
     "tensor_idx": pa.int32(),

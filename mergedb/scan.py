@@ -47,6 +47,7 @@ class BlockRow(NamedTuple):
     hist_sum: np.ndarray  # (B,) float64 Σ|Δ| per bin
     hist_sumsq: np.ndarray  # (B,) float64 ΣΔ² per bin
     sketch: np.ndarray  # (D,) float32 CountSketch of Δ
+    base_dot: float  # ⟨θ₀,b, Δ_b⟩ of the decoded block, float64 (schema/006)
 
 
 class TensorRow(NamedTuple):
@@ -249,6 +250,7 @@ def scan_experts(
                     s.hist_sum,
                     s.hist_sumsq,
                     s.sketch,
+                    s.base_dot,
                 )
             )
         if not ft.mergeable:
@@ -311,4 +313,5 @@ def _zero_row(tensor_idx: int, block_idx: int, chash: str, dim: int) -> BlockRow
         np.zeros(0),
         np.zeros(0),
         np.zeros(dim, np.float32),
+        0.0,
     )

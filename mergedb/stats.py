@@ -3,7 +3,8 @@
 Pure numeric code (numpy + numba); nothing here knows of files or catalogs.
 
 Definitions (the planner, the executor and the tests all use these):
-- Δ is computed in float32 from the decoded expert and base values; norms accumulate in float64.
+- Δ is computed in float32 from the decoded expert and base values; norms and the inner product
+  ⟨θ₀, Δ⟩ with the decoded base accumulate in float64.
 - A block histogram bins |Δ| by the top 10 bits of its float32 pattern (exponent plus one mantissa
   bit): bin edges are 2^e and 1.5·2^e, so each bin spans a factor of 1.5 or 4/3.
 - A tensor's magnitude summary bins |Δ| by the top 15 bits (relative width 2^-6): it gives the
@@ -55,6 +56,7 @@ class BlockStats:
     hist_sum: np.ndarray  # (B,) float64 Σ|Δ| per bin
     hist_sumsq: np.ndarray  # (B,) float64 ΣΔ² per bin
     sketch: np.ndarray  # (D,) float32
+    base_dot: float  # ⟨θ₀, Δ⟩, float64 accumulation (NaN when nonfinite > 0, as norm)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -99,6 +101,7 @@ def _delta_pass(e, b, abs_out, abs_bits, key, hcount, hsum, hsq, summary, sk):  
     nnz = 0
     nonfinite = 0
     ss = 0.0
+    bd = 0.0
     for i in range(e.shape[0]):
         dv = e[i] - b[i]
         av = abs(dv)
@@ -111,6 +114,7 @@ def _delta_pass(e, b, abs_out, abs_bits, key, hcount, hsum, hsq, summary, sk):  
         d64 = np.float64(dv)
         q = d64 * d64
         ss += q
+        bd += np.float64(b[i]) * d64
         bits = abs_bits[i]
         hb = bits >> 22
         hcount[hb] += 1
@@ -119,7 +123,7 @@ def _delta_pass(e, b, abs_out, abs_bits, key, hcount, hsum, hsq, summary, sk):  
         summary[bits >> 17] += 1
         j, sign = _hash_bucket(key, i, dim)
         sk[j] += sign * d64
-    return mx, nnz, nonfinite, ss
+    return mx, nnz, nonfinite, ss, bd
 
 
 @numba.njit(nogil=True, cache=True)
@@ -145,14 +149,15 @@ def block_stats(
     hsum = np.zeros(HIST_BINS)
     hsq = np.zeros(HIST_BINS)
     sk = np.zeros(dim)
-    mx, nnz, nonfinite, ss = _delta_pass(
+    mx, nnz, nonfinite, ss, bd = _delta_pass(
         e, b, abs_out, abs_out.view(np.uint32), np.uint64(key), hcount, hsum, hsq, summary, sk
     )
     nz = np.flatnonzero(hcount)
     lo = (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32)
     norm = float(np.sqrt(ss)) if nonfinite == 0 else float("nan")
+    base_dot = float(bd) if nonfinite == 0 else float("nan")
     return BlockStats(
-        norm, float(mx), int(nnz), int(nonfinite), lo, hcount[nz], hsum[nz], hsq[nz], sk.astype(np.float32)
+        norm, float(mx), int(nnz), int(nonfinite), lo, hcount[nz], hsum[nz], hsq[nz], sk.astype(np.float32), base_dot
     )
 
 

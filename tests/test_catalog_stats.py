@@ -21,7 +21,8 @@ def models(family):
 def _blocks(cat, expert):
     return cat.sql(
         """SELECT ft.name, eb.block_idx, bl.row_start, bl.row_end, eb.identical, eb.delta_norm, eb.max_abs,
-                  eb.nnz, eb.nonfinite, eb.hist_lo, eb.hist_hi, eb.hist_count, eb.hist_sum, eb.hist_sumsq, eb.sketch
+                  eb.nnz, eb.nonfinite, eb.hist_lo, eb.hist_hi, eb.hist_count, eb.hist_sum, eb.hist_sumsq, eb.sketch,
+                  eb.base_dot
            FROM expert_blocks eb JOIN checkpoints c USING (checkpoint_id)
            JOIN family_tensors ft ON ft.base_id = c.base_id AND ft.tensor_idx = eb.tensor_idx
            JOIN blocks bl ON bl.base_id = c.base_id AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx
@@ -54,6 +55,7 @@ def test_block_statistics_exact(family, models, expert):
     for r in rows:
         b = base[r["name"]].reshape(base[r["name"]].shape[0] if base[r["name"]].ndim > 1 else 1, -1)
         e = exp[r["name"]].reshape(b.shape)
+        b_blk = b[r["row_start"] : r["row_end"]].astype(np.float32).reshape(-1)
         d = (e[r["row_start"] : r["row_end"]] - b[r["row_start"] : r["row_end"]]).astype(np.float32).reshape(-1)
         row_bytes = len(raw_b[r["name"]]) // b.shape[0]
         sl = slice(r["row_start"] * row_bytes, r["row_end"] * row_bytes)
@@ -65,6 +67,9 @@ def test_block_statistics_exact(family, models, expert):
         assert r["max_abs"] == (np.abs(d).max() if d.size else 0)
         assert r["nnz"] == np.count_nonzero(d)
         assert r["nonfinite"] == 0
+        # ⟨θ₀,b, Δ_b⟩: float64 products of the decoded base and the float32 delta, summed in float64
+        terms = b_blk.astype(np.float64) * d.astype(np.float64)
+        assert abs(r["base_dot"] - terms.sum()) <= 1e-10 * np.abs(terms).sum(), r["name"]
         # histogram: counts and sums per bin, bins from their stored edges
         a = np.abs(d)
         if identical:
@@ -170,6 +175,43 @@ def test_sketch_is_unbiased_on_random_vectors():
     sigma = np.sqrt((np.dot(a, a) * np.dot(b, b) + exact**2) / stats.DEFAULT_SKETCH_DIM)
     assert abs(np.mean(ests) - exact) < 4 * sigma / np.sqrt(len(ests))
     assert 0.7 * sigma < np.std(ests) < 1.3 * sigma
+
+
+def test_base_dot_nan_only_where_delta_not_finite(tmp_path):
+    """A NaN/Inf in Δ makes that block's base_dot NaN (as delta_norm); the tensor's other blocks stay exact."""
+    from safetensors.torch import load_file, save_file
+
+    from mergedb import synth
+    from mergedb.catalog import Catalog
+
+    fam = synth.make_family(tmp_path / "f", experts=1, size="tiny", seed=5)
+    name = "model.layers.0.mlp.up_proj.weight"
+    path = fam / "expert_00" / "model.safetensors"
+    tensors = load_file(str(path))
+    w = tensors[name].clone()
+    w[0, 3] = float("nan")
+    w[1, 0] = float("inf")
+    tensors[name] = w
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base", block_size=4096)
+    base = load_model(fam / "base")[name]
+    rows = cat.sql(
+        "SELECT eb.block_idx, bl.row_start, bl.row_end, eb.nonfinite, eb.base_dot FROM expert_blocks eb "
+        "JOIN family_tensors ft USING (tensor_idx) JOIN blocks bl USING (tensor_idx, block_idx) "
+        "WHERE ft.name = ? ORDER BY eb.block_idx",
+        [name],
+    ).to_pylist()
+    assert len(rows) > 1 and rows[0]["row_start"] == 0 and rows[0]["row_end"] > 1
+    for r in rows:
+        b = base[r["row_start"] : r["row_end"]].astype(np.float64).reshape(-1)
+        d = (w.float().numpy()[r["row_start"] : r["row_end"]] - base[r["row_start"] : r["row_end"]]).reshape(-1)
+        if r["block_idx"] == 0:
+            assert r["nonfinite"] == 2 and np.isnan(r["base_dot"])
+        else:
+            terms = b * d.astype(np.float32).astype(np.float64)
+            assert r["nonfinite"] == 0
+            assert abs(r["base_dot"] - terms.sum()) <= 1e-10 * np.abs(terms).sum()
 
 
 def test_expert_costs_view(family, models):

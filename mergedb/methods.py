@@ -51,7 +51,7 @@ METHODS: dict[str, Method] = {
             "della",
             "della",
             True,
-            "additive",
+            "norm",
             False,
             {"density": 0.7, "epsilon": 0.15, "lambda": 1.0, "normalize": True},
         ),

@@ -45,6 +45,10 @@ class PlanRequest:
     allow_nonfinite: bool = False  # exclude non-finite blocks instead of refusing the expert
     strategy: str = "ranked"  # "ranked" (value per byte) or "random" (an ablation baseline)
     estimate: bool | None = None  # sketch error estimate: None = only up to ESTIMATE_MAX_ROWS omitted blocks
+    # per-(expert, tensor) overrides of `weights` and `params`: columns position int32 (expert position
+    # in this request), tensor string (family tensor name), param string (weight | density | epsilon |
+    # gamma | lambda | t), value float64; lambda and t are per tensor (one value for all positions)
+    tensor_params: pa.Table | None = None
 
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")

@@ -10,21 +10,36 @@ import math
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 
+from .faults import unregister
 from .resources import query
 
 # float32 arithmetic of the executor (unit roundoff 2^-24, smallest subnormal step 2^-149)
 _U32 = 2.0**-24
 
 
-def rounded_bound(con: duckdb.DuckDBPyConnection, base_id: int, n_experts: int) -> tuple[float | None, str | None]:
+def rounded_bound(
+    con: duckdb.DuckDBPyConnection, base_id: int, n_experts: int, scale: np.ndarray
+) -> tuple[float | None, str | None]:
     """The bound on ‖θ_B − θ_F‖ of the written output (queries/plan_bounds_rounded.sql), or None
     and why. Each element is c32_k·Δ_k summed over K experts in float32 plus the base: K + 2
-    roundings, so γ = γ_{K+2} = (K+2)u/(1−(K+2)u); products can underflow by 2^-150 each."""
-    k = n_experts + 2
+    roundings, so γ = γ_{K+2} = (K+2)u/(1−(K+2)u); products can underflow by 2^-150 each. A base
+    scale s ≠ 1 (`scale[tensor_idx]`, SLERP) adds two (s rounded to float32, s·θ₀) and a product."""
+    scaled = bool(np.any(scale != 1.0))
+    k = n_experts + 2 + (2 if scaled else 0)
     gamma = k * _U32 / (1 - k * _U32)
-    eta32 = n_experts * 2.0**-150
-    bound, missing, overflow = con.execute(query("plan_bounds_rounded"), [base_id, gamma, eta32]).fetchall()[0]
+    eta32 = (n_experts + scaled) * 2.0**-150
+    con.register(
+        "_plan_scale",
+        pa.table(
+            {"tensor_idx": pa.array(np.arange(len(scale)), pa.int32()), "base_scale": pa.array(scale, pa.float64())}
+        ),
+    )
+    try:
+        bound, missing, overflow = con.execute(query("plan_bounds_rounded"), [base_id, gamma, eta32]).fetchall()[0]
+    finally:
+        unregister(con, "_plan_scale")
     if missing:
         return None, (
             f"{missing} blocks' base norms are unknown (the base was registered before mergedb stored them); "
@@ -35,20 +50,21 @@ def rounded_bound(con: duckdb.DuckDBPyConnection, base_id: int, n_experts: int) 
     return float(bound), None
 
 
-def sketch_estimate(con: duckdb.DuckDBPyConnection, coefs: list[float]) -> float:
+def sketch_estimate(con: duckdb.DuckDBPyConnection, coefs: np.ndarray) -> float:
     """‖Σ_omitted c_k Δ_kb‖ estimated per block: exact diagonal c_k²‖Δ_kb‖² plus sketched cross
-    terms ⟨c_j S Δ_jb, c_k S Δ_kb⟩. Streams the omitted rows in batches: memory stays bounded."""
+    terms ⟨c_j S Δ_jb, c_k S Δ_kb⟩, c_k = coefs[position, tensor_idx]. Streams the omitted rows in
+    batches: memory stays bounded."""
     reader = con.sql(
         "SELECT r.tensor_idx, r.block_idx, r.position, eb.delta_norm, eb.sketch FROM plan_ranked r "
         "JOIN expert_blocks eb USING (checkpoint_id, tensor_idx, block_idx) WHERE NOT r.selected AND NOT r.free "
         "ORDER BY r.tensor_idx, r.block_idx, r.position"
     ).to_arrow_reader(1 << 18)
-    c_of = np.asarray(coefs, np.float64)
+    c_of = np.asarray(coefs, np.float64)  # (K, T)
     total = 0.0
     carry: tuple[np.ndarray, ...] | None = None
     for batch in reader:
         key = batch.column(0).to_numpy().astype(np.int64) << 32 | batch.column(1).to_numpy()
-        c = c_of[batch.column(2).to_numpy()]
+        c = c_of[batch.column(2).to_numpy(), batch.column(0).to_numpy()]
         norms = batch.column(3).to_numpy()
         sk = batch.column(4)
         dim = len(sk[0]) if len(sk) else 0

@@ -276,13 +276,15 @@ def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, acc):  # pr
 
 
 @numba.njit(nogil=True, cache=True)
-def finish(base, kind, acc, normalize, lam, res, bf16):  # pragma: no cover - compiled
-    """base + merged update (Accumulator.merged_delta) from the sums of `fold_group`: into `res`
-    (n,) float32, or, when `bf16` (n,) uint16 is not empty, as bfloat16 bits rounded to nearest
-    even (tensorfile.float32_to_bf16; NaN stays NaN)."""
+def finish(base, kind, acc, normalize, lam, res, bf16, scale=1.0):  # pragma: no cover - compiled
+    """scale·base + merged update (Accumulator.merged_delta) from the sums of `fold_group`: into
+    `res` (n,) float32, or, when `bf16` (n,) uint16 is not empty, as bfloat16 bits rounded to nearest
+    even (tensorfile.float32_to_bf16; NaN stays NaN). scale (SLERP's s0 + s1) is 1.0 for every other
+    method, and x·1.0 == x exactly, so their outputs do not change."""
     n = base.shape[0]
     consensus = acc.shape[0] == 5
     lam32 = np.float32(lam)
+    s32 = np.float32(scale)
     eps = np.float32(1e-8)
     one = np.float32(1.0)
     zero = np.float32(0.0)
@@ -307,10 +309,10 @@ def finish(base, kind, acc, normalize, lam, res, bf16):  # pragma: no cover - co
                     den = a if tot[i] >= zero else b
                     rf[i] = rf[i] / (one if abs(den) < eps else den)
             for i in range(m):
-                rf[i] = bf[i] + lam32 * rf[i]
+                rf[i] = s32 * bf[i] + lam32 * rf[i]
         else:
             for i in range(m):
-                rf[i] = bf[i] + tot[i]
+                rf[i] = s32 * bf[i] + tot[i]
         if to_bf16:
             for i in range(m):
                 x = rbits[i]

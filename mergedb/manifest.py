@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import tensorparams
 from .errors import MergeDBError
 from .layout import TensorLayout
 from .methods import validate
@@ -60,6 +61,33 @@ class ExecutionPlan:
     budget_bytes: int = 0
     stock: pa.Table | None = None  # model_stock: (tensor_idx, j, k, dot) over blocks not both read,
     # from sketches, with j == k rows holding the exact ‖Δ_k‖² of the whole tensor
+    tensor_params: pa.Table | None = None  # per-(position, tensor_idx) effective values (the columns
+    # of tensorparams.COLUMNS) of a plan whose values differ by tensor; None: per expert (Source, params)
+
+    def tensor_values(self) -> dict[tuple[int, int], tensorparams.TensorParams]:
+        """(position, tensor_idx) -> the values the merge uses there; pairs absent from the plan's
+        tensor_params (all of them for a plan with per-expert values) take `default_values`."""
+        if self.tensor_params is None:
+            return {}
+        out = {}
+        for r in self.tensor_params.to_pylist():
+            out[(r["position"], r["tensor_idx"])] = tensorparams.TensorParams(
+                weight=r["weight"],
+                coef=r["coef"],
+                density=1.0 if r["density"] is None else r["density"],
+                epsilon=r["epsilon"],
+                lam=1.0 if r["lam"] is None else r["lam"],
+                base_scale=r["base_scale"],
+            )
+        return out
+
+    def default_values(self, pos: int) -> tensorparams.TensorParams:
+        """Expert `pos`'s values from the plan-level parameters and its Source."""
+        src = self.experts[pos]
+        p = self.params
+        return tensorparams.TensorParams(
+            src.weight, src.coef, float(p.get("density", 1.0)), p.get("epsilon"), float(p.get("lambda", 1.0))
+        )
 
     def selected(self) -> dict[int, dict[int, list[tuple[int, str]]]]:
         """tensor_idx -> block_idx -> [(position, content_hash)] in plan order."""
@@ -133,6 +161,7 @@ def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str
         ],
         "trims": xp.trims.to_pylist(),
         "stock": xp.stock.to_pylist() if xp.stock is not None else None,
+        "tensor_params": xp.tensor_params.to_pylist() if xp.tensor_params is not None else None,
         "mask_digest": mask_digest(xp.mask),
         "tensor_hashes": tensor_hashes,
     }
@@ -279,6 +308,13 @@ def _problems(doc: dict[str, Any], mask: pa.Table | None) -> list[str]:
                 and _is(r.get("dot"), float)
             ):
                 return [f"stock[{i}] needs tensor_idx < {len(layout)}, j and k < {k} and a finite dot"]
+    rows = doc.get("tensor_params")
+    if rows is not None:
+        if not isinstance(rows, list):
+            return ["tensor_params is not a list"]
+        for i, r in enumerate(rows):
+            if problem := tensorparams.row_problem(r, k, len(layout)):
+                return [f"tensor_params[{i}]: {problem}"]
     if mask is not None:
         return _mask_problems(doc, mask, k)
     return []
@@ -371,6 +407,7 @@ def plan_from_manifest(manifest_path: str | os.PathLike[str]) -> tuple[Execution
         trims,
         doc["budget_bytes"],
         pa.Table.from_pylist(doc["stock"]) if doc.get("stock") else None,
+        tensorparams.table_from_rows(doc["tensor_params"]) if doc.get("tensor_params") else None,
     )
     return xp, doc
 

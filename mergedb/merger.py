@@ -34,6 +34,7 @@ from .errors import ChangedFileError, MergeDBError
 from .layout import TensorLayout, block_bytes, row_elems
 from .manifest import ExecutionPlan, Source
 from .tensorfile import DTYPES, TensorInfo, as_float32, encode, pread_into, tensor_nbytes
+from .tensorparams import TensorParams
 from .units import check_threads
 
 OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
@@ -154,6 +155,9 @@ class Merger:
         self.threads = (os.cpu_count() or 1) if threads is None else check_threads(threads)
         self.order = random.Random(unit_order_seed) if unit_order_seed is not None else None
         self.fused = self.method.sparsify in kernels.MODE and xp.method != "model_stock"
+        self.values = xp.tensor_values()  # per (position, tensor_idx), where the plan sets them per tensor
+        self.defaults = [xp.default_values(p) for p in range(len(xp.experts))]
+        self.scale = {ti: v.base_scale for (_, ti), v in self.values.items()}  # factor on θ₀ per tensor
         self.inputs = _Inputs(xp)
         self.count = Counters()
         self._lock = threading.Lock()
@@ -207,10 +211,12 @@ class Merger:
         """The units of tensor `ti`; none when the base's bytes are the output (copied without decoding)."""
         t = self.xp.tensors[ti]
         selected = self.sel.get(ti, {})
-        if not t.mergeable or (not selected and output_dtype(t, self.dtype) == t.dtype):
+        # Rows of blocks no expert touches keep the base's bytes exactly unless the dtype changes or
+        # the base is scaled (SLERP off its lerp branch: there every block is s·θ₀ + s1·Δ)
+        rescale = self.scale.get(ti, 1.0) != 1.0
+        if not t.mergeable or (not selected and output_dtype(t, self.dtype) == t.dtype and not rescale):
             return []
-        # Rows of blocks no expert touches keep the base's bytes exactly unless the dtype changes.
-        blocks = list(range(len(t.rows))) if output_dtype(t, self.dtype) != t.dtype else sorted(selected)
+        blocks = list(range(len(t.rows))) if output_dtype(t, self.dtype) != t.dtype or rescale else sorted(selected)
         if self.xp.method == "model_stock":  # its scale t needs every block of the tensor first
             return [Unit(ti, tuple(blocks))]
         return [Unit(ti, (b,)) for b in blocks]
@@ -292,7 +298,7 @@ class Merger:
             ]
 
         reads = submit(0) if groups else []
-        density = float(self.xp.params.get("density", 1.0))
+        mode = kernels.MODE[self.method.sparsify]
         for gi, grp in enumerate(groups):
             for f in reads:
                 f.result()
@@ -300,23 +306,33 @@ class Merger:
                 reads = submit(gi + 1)
             ex = bufs[gi % 2][: len(grp) * nb].view(bits_dt).reshape(len(grp), n)  # (g, n) raw bits
             srcs = [self.xp.experts[pos] for pos, _ in grp]
+            vals = [self._values(pos, ti) for pos, _ in grp]
             trims = [self._trim(pos, ti, t, src) for (pos, _), src in zip(grp, srcs)]
-            coefs = np.array([s.weight if self.method.consensus else s.coef for s in srcs], np.float32)
+            coefs = np.array([v.weight if self.method.consensus else v.coef for v in vals], np.float32)
             t_lo = np.array([tr.t_lo for tr in trims], np.float64)
             t_hi = np.array([np.inf if tr.t_hi is None else tr.t_hi for tr in trims], np.float64)
             keys = np.array([tr.key for tr in trims], np.uint64)
-            mode = kernels.MODE[self.method.sparsify]
-            kernels.fold_group(base, ex, kind, mode, lo, coefs, t_lo, t_hi, keys, density, acc)
+            dens = [v.density for v in vals]
+            a = 0
+            while a < len(grp):  # one call per run of experts with one DARE density (each element's
+                b = a + 1  # operations and their order do not depend on where a group is cut)
+                while b < len(grp) and (mode != 2 or dens[b] == dens[a]):
+                    b += 1
+                kernels.fold_group(
+                    base, ex[a:b], kind, mode, lo, coefs[a:b], t_lo[a:b], t_hi[a:b], keys[a:b], dens[a], acc
+                )
+                a = b
         normalize = bool(self.xp.params.get("normalize", True))
-        lam = float(self.xp.params.get("lambda", 1.0))
+        tv = self._values(0, ti)  # λ and the base scale are per tensor: the same at every position
+        lam, scale = tv.lam, tv.base_scale
         target = out.view(out_dt)[lo : lo + n]
         if out_dtype == "BF16":  # rounded inside the kernel
-            kernels.finish(base, kind, acc, normalize, lam, _NO_F32, target.view(np.uint16))
+            kernels.finish(base, kind, acc, normalize, lam, _NO_F32, target.view(np.uint16), scale)
         elif out_dtype == "F32":
-            kernels.finish(base, kind, acc, normalize, lam, target, _NO_BF16)
+            kernels.finish(base, kind, acc, normalize, lam, target, _NO_BF16, scale)
         else:  # F16: numpy's float32 -> float16 rounding, from a reused float32 buffer
             res = self.local.get("res", n, np.float32)  # (n,) float32
-            kernels.finish(base, kind, acc, normalize, lam, res, _NO_BF16)
+            kernels.finish(base, kind, acc, normalize, lam, res, _NO_BF16, scale)
             target[...] = res
 
     def _merge_slow(self, u: Unit, base_raw: np.ndarray, out: np.ndarray) -> None:
@@ -334,15 +350,16 @@ class Merger:
             r0, r1 = t.rows[b]
             lo, n = r0 * per_row, (r1 - r0) * per_row
             base = as_float32(base_raw.view(raw_dt)[lo : lo + n], t.dtype, np.empty(n, np.float32))  # (n,) f32
-            acc = kernels.Accumulator(self.method, self.xp.params, n)
+            acc = kernels.Accumulator(self.method, {**self.xp.params, "lambda": self._values(0, ti).lam}, n)
             deltas = []
             for pos, h in selected.get(b, []):
                 raw = self._read_one(ti, b, pos, h, self.local.get("raw", len(base) * raw_dt.itemsize, np.uint8))
                 d = as_float32(raw.view(raw_dt), t.dtype, self.local.get("e", n, np.float32))
                 np.subtract(d, base, out=d)  # Δ in place: (n,) float32
-                src = self.xp.experts[pos]
-                d = kernels.sparsify(self.method, self.xp.params, d, lo, self._trim(pos, ti, t, src))
-                acc.add(src.coef, src.weight, d)
+                src, v = self.xp.experts[pos], self._values(pos, ti)
+                params = {**self.xp.params, "density": v.density, "epsilon": v.epsilon}
+                d = kernels.sparsify(self.method, params, d, lo, self._trim(pos, ti, t, src))
+                acc.add(v.coef, v.weight, d)
                 if stock is not None:
                     deltas.append((pos, d.copy()))  # the scratch buffer is reused by the next expert
             update = acc.merged_delta()
@@ -355,6 +372,10 @@ class Merger:
             scale = np.float32(stock.t())
             for lo, base, update in pending:
                 out.view(out_dt)[lo : lo + base.size] = encode(base + scale * update, out_dtype)
+
+    def _values(self, pos: int, ti: int) -> TensorParams:
+        """Expert `pos`'s weight, coefficient, density, ε, λ and base scale in tensor `ti`."""
+        return self.values.get((pos, ti)) or self.defaults[pos]
 
     def _trim(self, pos: int, ti: int, t: TensorLayout, src: Source) -> kernels.Trim:
         """Expert `pos`'s trim of tensor `ti`, built once (its stream key is a sha256 and DELLA's rank

@@ -57,6 +57,8 @@ METHODS: dict[str, Method] = {
         ),
         Method("della_linear", "della", False, "norm", False, {"density": 0.7, "epsilon": 0.15, "lambda": 1.0}),
         Method("model_stock", "none", False, "norm", False, {}),
+        # θ₀ scaled by s0 + s1 plus s1·Δ, with s0, s1 fixed per tensor by the catalog (see slerp_coefficients)
+        Method("slerp", "none", False, "norm", True, {"t": None}),
     ]
 }
 
@@ -76,6 +78,8 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
         raise PlanError(f"method {method} has no parameter {unknown[0]!r} (its parameters: {allowed})")
     p = {**m.defaults, **{k: v for k, v in params.items() if v is not None}}
     for k, v in p.items():
+        if v is None and m.defaults.get(k, 0) is None:  # required, but may come per tensor (slerp's t)
+            continue
         if k == "normalize":
             if not isinstance(v, bool):
                 raise PlanError(f"normalize must be true or false, got {v!r}")
@@ -101,6 +105,10 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
         raise PlanError("a plan needs at least one expert")
     if method == "model_stock" and n_experts < 2:
         raise PlanError("model_stock needs at least two experts")
+    if method == "slerp" and n_experts != 1:
+        raise PlanError(f"slerp interpolates between the base and exactly one expert, got {n_experts} experts")
+    if method == "slerp" and any(w != 1.0 for w in weights):
+        raise PlanError("slerp takes no weights: t sets the mix of base and expert (e.g. --param t=0.5)")
     if len(weights) != n_experts:
         raise PlanError(f"{len(weights)} weights for {n_experts} experts; give one weight per expert, in order")
     for i, w in enumerate(weights):
@@ -132,4 +140,33 @@ def coefficients(method: str, params: dict[str, Any], weights: list[float]) -> l
         return [w / total for w in weights]
     if method == "model_stock":
         return [1.0 / len(weights)] * len(weights)
+    if method == "slerp":  # lerp's coefficient; the plan's per-tensor s1 comes from slerp_coefficients
+        return [params["t"] if params["t"] is not None else 0.5] * len(weights)
     return [params.get("lambda", 1.0) * w for w in weights]
+
+
+SLERP_DOT_THRESHOLD = 0.9995  # mergekit's: above it (|cos| of the angle) SLERP is a plain lerp
+SLERP_EPS = 1e-8  # mergekit's: a norm at or below it is taken as 1
+
+
+def slerp_coefficients(
+    base_sq: np.ndarray, delta_sq: np.ndarray, base_dot: np.ndarray, t: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """SLERP of θ₀ and θ₁ = θ₀ + Δ per tensor, as mergekit 0.1.5 defines it, from ‖θ₀‖², ‖Δ‖² and
+    ⟨θ₀, Δ⟩ (float64 arrays, one entry per tensor): (base scale s0 + s1, coefficient s1 on Δ).
+
+    mergekit: a = θ₀/‖θ₀‖, b = θ₁/‖θ₁‖ (a norm ≤ 1e-8 counts as 1), cos = clamp(⟨a, b⟩, −1, 1);
+    |cos| > 0.9995: lerp, s0 = 1 − t, s1 = t; else θ = arccos(cos), s0 = sin((1−t)θ)/sin θ,
+    s1 = sin(tθ)/sin θ; result s0·θ₀ + s1·θ₁ = (s0 + s1)·θ₀ + s1·Δ. For lerp the scale is exactly 1
+    (θ₀ + tΔ), so tensors that stay on the lerp branch keep the base's bytes where Δ is not read."""
+    na = np.sqrt(base_sq)
+    nb = np.sqrt(np.maximum(base_sq + 2 * base_dot + delta_sq, 0.0))
+    na = np.where(na > SLERP_EPS, na, 1.0)
+    nb = np.where(nb > SLERP_EPS, nb, 1.0)
+    cos = np.clip((base_sq + base_dot) / (na * nb), -1.0, 1.0)
+    lerp = np.abs(cos) > SLERP_DOT_THRESHOLD
+    theta = np.arccos(np.where(lerp, 0.0, cos))
+    sin = np.where(lerp, 1.0, np.sin(theta))
+    s0 = np.where(lerp, 1.0 - t, np.sin((1.0 - t) * theta) / sin)
+    s1 = np.where(lerp, t, np.sin(t * theta) / sin)
+    return np.where(lerp, 1.0, s0 + s1), s1

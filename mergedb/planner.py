@@ -18,7 +18,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import bounds, methods, stats
+from . import bounds, methods, planstats, tensorparams
 from .errors import MergeDBError, PlanError
 from .faults import unregister
 from .manifest import mask_digest
@@ -96,7 +96,9 @@ class _Inputs:
     contents: tuple[str, ...]
     weights: tuple[float, ...]
     params: dict[str, Any]
-    coefs: tuple[float, ...]
+    coefs: tuple[float, ...]  # per expert (plan_experts.coef): per element, averaged over tensors
+    values: tensorparams.TensorValues  # per (expert, tensor): what the SQL, thresholds and executor use
+    mergeable: tuple[bool, ...]  # per tensor_idx
     method: methods.Method
     nonfinite: tuple[tuple[str, str, int], ...]  # (expert, tensor, count) with NaN/Inf deltas
 
@@ -169,6 +171,20 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
     weights = list(req.weights) if req.weights is not None else [1.0] * len(names)
     params = methods.validate(req.method, req.params, weights, len(names))
     ids = [by_name[n][1] for n in names]
+    tensors = _rows(
+        con, "SELECT name, mergeable, numel FROM family_tensors WHERE base_id = ? ORDER BY tensor_idx", [base_id]
+    )
+    mergeable = [bool(r[1]) for r in tensors]
+    values = tensorparams.resolve(
+        req.method, params, weights, req.tensor_params, tuple(names), [r[0] for r in tensors], mergeable
+    )
+    if req.method == "slerp":
+        values = planstats.slerp_values(con, values, base_id, ids[0], names[0])
+    coefs = (
+        values.expert_coefs(np.array([r[2] for r in tensors]), mergeable)
+        if values.per_tensor
+        else methods.coefficients(req.method, params, weights)
+    )
     bad = _rows(
         con,
         "SELECT c.name, ft.name, CAST(sum(eb.nonfinite) AS BIGINT) FROM expert_blocks eb "
@@ -194,7 +210,9 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
         contents=tuple(by_name[n][3] for n in names),
         weights=tuple(weights),
         params=params,
-        coefs=tuple(methods.coefficients(req.method, params, weights)),
+        coefs=tuple(coefs),
+        values=values,
+        mergeable=tuple(mergeable),
         method=methods.get_method(req.method),
         nonfinite=tuple(bad),
     )
@@ -239,17 +257,19 @@ def _select(
 ) -> _Selection:
     """Rank every (expert, block) candidate and cut at the budget: fills the temporary table
     plan_ranked (see queries/plan_*.sql) and measures the bounds and the estimate."""
+    k, n = inp.values.coef.shape
     con.register(
-        "_plan_experts",
+        "_plan_experts",  # one row per (expert, tensor): its coefficient there
         pa.table(
             {
-                "checkpoint_id": pa.array(inp.ids, pa.int32()),
-                "position": pa.array(range(len(inp.ids)), pa.int32()),
-                "coef": pa.array(inp.coefs, pa.float64()),
+                "checkpoint_id": pa.array(np.repeat(inp.ids, n), pa.int32()),
+                "position": pa.array(np.repeat(np.arange(k), n), pa.int32()),
+                "tensor_idx": pa.array(np.tile(np.arange(n), k), pa.int32()),
+                "coef": pa.array(inp.values.coef.reshape(-1), pa.float64()),
             }
         ),
     )
-    trims = _thresholds(con, inp.method, inp.params, list(inp.ids))
+    trims = planstats.thresholds(con, inp.method, inp.values, list(inp.ids))
     con.register("_plan_trim", trims)
     try:
         candidates = "plan_candidates_trimmed" if inp.method.score == "trimmed" else "plan_candidates"
@@ -278,7 +298,7 @@ def _select(
         steps.append(("bounds", query("plan_bounds"), len(bound_rows)))
         rounded, note = None, None
         if inp.method.linear:
-            rounded, note = bounds.rounded_bound(con, inp.base_id, len(inp.ids))
+            rounded, note = bounds.rounded_bound(con, inp.base_id, len(inp.ids), inp.values.scale)
             steps.append(("bounds_rounded", query("plan_bounds_rounded"), 1))
     finally:
         unregister(con, "_plan_experts")
@@ -304,7 +324,7 @@ def _select(
         bound_rounded=rounded,
         bound_note=note,
         per_expert=per_expert,
-        est_error=bounds.sketch_estimate(con, list(inp.coefs)) if linear and want_estimate else None,
+        est_error=bounds.sketch_estimate(con, inp.values.coef) if linear and want_estimate else None,
         trims=trims,
         mask_digest=mask_digest(selected),
     )
@@ -344,6 +364,9 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
         "thresholds": hashlib.sha256(_canonical_table(sel.trims)).hexdigest(),
         "mask": sel.mask_digest,
     }
+    per_tensor = inp.values.table(list(inp.mergeable)) if inp.values.per_tensor else None
+    if per_tensor is not None:  # plans with per-expert values keep the hash they always had
+        description["tensor_params"] = hashlib.sha256(_canonical_table(per_tensor)).hexdigest()
     plan_hash = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
     plan_id = int(_rows(con, "SELECT coalesce(max(plan_id), 0) + 1 FROM plans")[0][0])
     row = {
@@ -402,6 +425,17 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
         )
     finally:
         unregister(con, "_plan_trim")
+    if per_tensor is not None:
+        con.register("_plan_tensor_params", per_tensor)
+        try:
+            con.execute(
+                "INSERT INTO plan_tensor_params (plan_id, position, tensor_idx, weight, coef, density, epsilon, gamma, "
+                "lam, t, base_scale) SELECT ?, position, tensor_idx, weight, coef, density, epsilon, gamma, lam, t, "
+                "base_scale FROM _plan_tensor_params",
+                [plan_id],
+            )
+        finally:
+            unregister(con, "_plan_tensor_params")
     con.execute(
         "INSERT INTO plan_mask (plan_id, checkpoint_id, tensor_idx, block_idx, selected, free, score, value, nbytes) "
         "SELECT ?, checkpoint_id, tensor_idx, block_idx, selected, free, score, value, nbytes FROM plan_ranked",
@@ -420,46 +454,6 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict[str, Any]) -> 
 def _run(con: duckdb.DuckDBPyConnection, steps: list, name: str, sql: str, params: list[Any], count_sql: str) -> None:
     con.execute(sql, params).fetchall()
     steps.append((name, sql, int(_rows(con, count_sql)[0][0])))
-
-
-def _thresholds(con: duckdb.DuckDBPyConnection, m: methods.Method, params: dict[str, Any], ids: list[int]) -> pa.Table:
-    """Per (expert, tensor) trim thresholds: exact from the density grid when the density is on it."""
-    cols: dict[str, list[Any]] = {"checkpoint_id": [], "tensor_idx": [], "t_lo": [], "t_hi": [], "exact": []}
-    if m.sparsify in ("magnitude", "band"):
-        gamma = params.get("gamma", 0.0) if m.sparsify == "band" else 0.0
-        rows = _rows(
-            con,
-            "SELECT et.checkpoint_id, et.tensor_idx, et.grid_threshold, et.summary_code, et.summary_count, ft.numel "
-            "FROM expert_tensors et JOIN checkpoints c USING (checkpoint_id) JOIN family_tensors ft "
-            "ON ft.base_id = c.base_id AND ft.tensor_idx = et.tensor_idx WHERE list_contains(?, et.checkpoint_id) "
-            "ORDER BY 1, 2",
-            [ids],
-        )
-        for cid, tidx, grid, codes, counts, numel in rows:
-            lo, lo_exact = _threshold_at(gamma + params["density"], grid, codes, counts, numel)
-            hi, hi_exact = (None, True)
-            if gamma > 0 and int(gamma * numel) >= 1:
-                hi, hi_exact = _threshold_at(gamma, grid, codes, counts, numel)
-            for k, v in zip(cols, (cid, tidx, lo, hi, lo_exact and hi_exact)):
-                cols[k].append(v)
-    return pa.table(
-        {
-            "checkpoint_id": pa.array(cols["checkpoint_id"], pa.int32()),
-            "tensor_idx": pa.array(cols["tensor_idx"], pa.int32()),
-            "t_lo": pa.array(cols["t_lo"], pa.float32()),
-            "t_hi": pa.array(cols["t_hi"], pa.float32()),
-            "exact": pa.array(cols["exact"], pa.bool_()),
-        }
-    )
-
-
-def _threshold_at(
-    density: float, grid: list[float], codes: list[int], counts: list[int], numel: int
-) -> tuple[float, bool]:
-    hit = np.flatnonzero(np.abs(stats.DENSITY_GRID - density) < 1e-12)
-    if len(hit):
-        return float(grid[int(hit[0])]), True
-    return stats.threshold_from_summary(np.asarray(codes), np.asarray(counts), numel, density), False
 
 
 def _canonical_table(t: pa.Table) -> bytes:

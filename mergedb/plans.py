@@ -14,6 +14,7 @@ import pyarrow as pa
 from .errors import ChangedFileError, PlanError
 from .layout import TensorLayout
 from .manifest import ExecutionPlan, Source
+from .tensorparams import COLUMNS as TENSOR_PARAM_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,11 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         params=[pid],
     ).to_arrow_table()
     stock = _stock_dots(con, pid, len(experts)) if p[1] == "model_stock" else None
+    per_tensor = con.sql(
+        f"SELECT {', '.join(TENSOR_PARAM_COLUMNS)} FROM plan_tensor_params WHERE plan_id = $1 "
+        "ORDER BY position, tensor_idx",
+        params=[pid],
+    ).to_arrow_table()
     return ExecutionPlan(
         plan_id=pid,
         plan_hash=p[0],
@@ -204,6 +210,7 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         trims=trims,
         budget_bytes=p[4],
         stock=stock,
+        tensor_params=per_tensor if per_tensor.num_rows else None,
     )
 
 

@@ -1,7 +1,8 @@
 -- plan_candidates_trimmed: like plan_candidates, for trimming methods (TIES, breadcrumbs): value
 -- = |c_k|·‖Δ_kb surviving the trim‖, the survivors estimated from the block histogram: bins
 -- wholly inside [t_lo, t_hi) count fully, a straddling bin by the overlapping fraction of its width.
--- Reads temp tables _plan_experts(checkpoint_id, position, coef) and
+-- Reads temp tables _plan_experts(checkpoint_id, position, tensor_idx,
+--   coef): one row per (expert, tensor), c_k of that tensor and
 --   _plan_trim(checkpoint_id, tensor_idx, t_lo, t_hi).
 -- Parameters: $1 base_id.
 -- Result: temp table plan_candidates(checkpoint_id, position, tensor_idx, block_idx, nbytes, free,
@@ -24,7 +25,7 @@ FROM (
                 )), 0.0))
            END AS value
     FROM expert_blocks eb
-    JOIN _plan_experts pe ON pe.checkpoint_id = eb.checkpoint_id
+    JOIN _plan_experts pe ON pe.checkpoint_id = eb.checkpoint_id AND pe.tensor_idx = eb.tensor_idx
     JOIN blocks bl ON bl.base_id = $1 AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx
     LEFT JOIN _plan_trim tr ON tr.checkpoint_id = eb.checkpoint_id AND tr.tensor_idx = eb.tensor_idx
 );

@@ -367,7 +367,9 @@ class Merger:
                 stock.add_block(deltas)
                 pending.append((lo, base, update))
                 continue
-            out.view(out_dt)[lo : lo + n] = encode(base + update, out_dtype)
+            scale = self._values(0, ti).base_scale
+            merged = base + update if scale == 1.0 else np.float32(scale) * base + update  # (n,) float32
+            out.view(out_dt)[lo : lo + n] = encode(merged, out_dtype)
         if stock is not None:
             scale = np.float32(stock.t())
             for lo, base, update in pending:

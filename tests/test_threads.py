@@ -17,7 +17,13 @@ from tests.conftest import FAMILIES
 
 EXPERTS = ("expert_00", "expert_01", "expert_02", "expert_03")  # more than one READ_AHEAD group
 WEIGHTS = (1.0, 0.6, -0.3, 0.8)
-PARAMS = {"linear": {"normalize": False}, "ties": {"density": 0.3}, "dare_ties": {"density": 0.4}}
+PARAMS = {"linear": {"normalize": False}, "ties": {"density": 0.3}, "dare_ties": {"density": 0.4}, "slerp": {"t": 0.3}}
+
+
+def _request(method: str, budget: str, seed: int) -> PlanRequest:
+    if method == "slerp":  # the base and one expert
+        return PlanRequest("base", EXPERTS[:1], method, budget, None, PARAMS[method], seed=seed)
+    return PlanRequest("base", EXPERTS, method, budget, WEIGHTS, PARAMS.get(method, {}), seed=seed)
 
 
 @pytest.fixture(scope="module", params=["bf16", "fp16-sharded"])
@@ -41,7 +47,7 @@ def _digest(out: Path) -> tuple[dict[str, str], str]:
 @pytest.mark.parametrize("budget", ["all", "40%"])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_output_independent_of_threads_and_unit_order(fam, tmp_path, method, budget):
-    plan = fam.plan(PlanRequest("base", EXPERTS, method, budget, WEIGHTS, PARAMS.get(method, {}), seed=3))
+    plan = fam.plan(_request(method, budget, 3))
     xp = fam.execution_plan(plan.plan_id)
     runs = [
         executor.execute(xp, tmp_path / "t1", threads=1),
@@ -59,7 +65,7 @@ def test_output_independent_of_threads_and_unit_order(fam, tmp_path, method, bud
 @pytest.mark.parametrize("method", [m for m, s in METHODS.items() if s.sparsify in kernels.MODE])
 def test_fused_kernels_equal_per_step_path(fam, tmp_path, monkeypatch, method, dtype):
     """The fused path (decode, Δ, trim, fold in one pass) against `sparsify` + `Accumulator`, bit for bit."""
-    plan = fam.plan(PlanRequest("base", EXPERTS, method, "60%", WEIGHTS, PARAMS.get(method, {}), seed=4))
+    plan = fam.plan(_request(method, "60%", 4))
     xp = fam.execution_plan(plan.plan_id)
     fused = executor.execute(xp, tmp_path / "fused", dtype=dtype, threads=2)
     monkeypatch.setattr(kernels, "MODE", {})  # every method on the per-step path

@@ -127,7 +127,7 @@ def resolve(
         if len(missing):
             raise PlanError(
                 f"slerp needs t for every tensor, and tensor {tensors[missing[0]]!r} has none; give a plan-level t "
-                "(e.g. --param t=0.5) or a t row for it in tensor_params"
+                "(e.g. t: 0.5) or a t row for that tensor in tensor_params"
             )
     _check(method, full, experts, tensors, merge)
     w = full["weight"]

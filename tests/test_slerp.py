@@ -86,6 +86,9 @@ def test_slerp_full_equals_mergekit_formula(far, tmp_path, per_tensor):
         branches.add(abs(cos) > 0.9995)
         assert rel(got[name], want) <= 1e-6, (name, cos, rel(got[name], want))
     assert branches == {True, False}  # both the lerp and the angle branch were checked
+    rep = executor.replay(tmp_path / "out" / "mergedb_manifest.json", tmp_path / "again")  # no catalog needed
+    assert load_model(tmp_path / "again").keys() == got.keys()
+    assert all(np.array_equal(load_model(tmp_path / "again")[n], got[n]) for n in floats) and rep.manifest
 
 
 def test_slerp_on_every_family_dtype(family, tmp_path):

@@ -3,6 +3,8 @@ refusals, hashes and replay."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -10,7 +12,8 @@ import torch
 
 from mergedb import executor, synth
 from mergedb.catalog import Catalog
-from mergedb.errors import PlanError
+from mergedb.errors import MergeDBError, PlanError
+from mergedb.manifest import content_hash
 from mergedb.planner import PlanRequest
 from tests.conftest import FAMILIES
 from tests.reference import cast_like, drop_key, kth_largest, load_model, splitmix64_draws
@@ -276,3 +279,27 @@ def test_hash_follows_the_per_tensor_values(family):
     assert plan([(0, T0, "weight", 2.0)]) == one != plain
     assert plan([(0, T0, "weight", 2.5)]) != one
     assert plan([]) == plain  # no rows: the plan-level values everywhere, the plain plan's hash
+
+
+def test_edited_per_tensor_values_in_a_manifest_are_refused(family, tmp_path):
+    """A manifest whose tensor_params were edited and re-hashed consistently is still refused."""
+    kind, folder, cat = family
+    rows = [(p, T0, "density", 0.3) for p in range(3)]
+    plan = cat.plan(PlanRequest("base", tuple(EXPERTS), "dare_ties", "all", tensor_params=as_table(rows)))
+    executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "out")
+    path = tmp_path / "out" / "mergedb_manifest.json"
+    doc = json.loads(path.read_text())
+    assert doc["tensor_params"] and {r["density"] for r in doc["tensor_params"]} == {0.3, 0.5}
+    for field, value, match in [
+        ("density", 2.0, r"tensor_params\[0\]: density must be in \(0, 1\]"),
+        ("coef", float("inf"), r"tensor_params\[0\]: coef must be a finite number"),
+        ("position", 7, r"tensor_params\[0\]: position must be an expert index below 3"),
+    ]:
+        bad = json.loads(path.read_text())
+        bad["tensor_params"][0][field] = value
+        bad["content_hash"] = content_hash(bad)
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        (tmp_path / "bad" / "mergedb_manifest.json").write_text(json.dumps(bad))
+        (tmp_path / "bad" / "mask.parquet").write_bytes((tmp_path / "out" / "mask.parquet").read_bytes())
+        with pytest.raises(MergeDBError, match=match):
+            executor.replay(tmp_path / "bad" / "mergedb_manifest.json", tmp_path / "replayed")

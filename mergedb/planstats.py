@@ -31,8 +31,8 @@ def slerp_values(
         if missing:
             raise PlanError(
                 f"slerp needs ⟨θ₀, Δ⟩ and ‖θ₀‖ per block, which this catalog lacks for {expert!r} (registered before "
-                f"mergedb stored them); register the family again into a new catalog (`mergedb register PATH "
-                f"--catalog new.duckdb`) and plan there"
+                "mergedb stored them); register the family again into a new catalog (`mergedb register FOLDER "
+                "--base-model BASE --catalog new.duckdb`) and plan there"
             )
         base_sq[tidx], delta_sq[tidx], dot[tidx] = bsq, dsq, bd
     scale, s1 = methods.slerp_coefficients(base_sq, delta_sq, dot, np.nan_to_num(values.t))

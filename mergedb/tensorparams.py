@@ -166,14 +166,21 @@ def _apply(
     if not isinstance(tbl, pa.Table) or set(tbl.column_names) != set(_COLUMNS):
         have = tbl.column_names if isinstance(tbl, pa.Table) else type(tbl).__name__
         raise PlanError(f"tensor_params must be an Arrow table with the columns {list(_COLUMNS)}, got {have}")
-    for c in _COLUMNS:
+    types = tbl.schema
+    kinds = {
+        "position": pa.types.is_integer(types.field("position").type),
+        "tensor": pa.types.is_string(types.field("tensor").type)
+        or pa.types.is_large_string(types.field("tensor").type),
+        "param": pa.types.is_string(types.field("param").type) or pa.types.is_large_string(types.field("param").type),
+        "value": pa.types.is_floating(types.field("value").type) or pa.types.is_integer(types.field("value").type),
+    }
+    for c, want in _COLUMNS.items():
+        if not kinds[c]:
+            raise PlanError(f"tensor_params column {c!r} is {types.field(c).type}, not {want}")
         if tbl.column(c).null_count:
             raise PlanError(f"tensor_params column {c!r} holds nulls; give every row a {c}")
-    try:
-        pos = [int(x) for x in tbl.column("position").to_pylist()]
-        vals = [float(x) for x in tbl.column("value").to_pylist()]
-    except (TypeError, ValueError) as e:
-        raise PlanError(f"tensor_params: position must be integers and value numbers ({e})") from None
+    pos = [int(x) for x in tbl.column("position").to_pylist()]
+    vals = [float(x) for x in tbl.column("value").to_pylist()]
     names, what = tbl.column("tensor").to_pylist(), tbl.column("param").to_pylist()
     index = {t: i for i, t in enumerate(tensors)}
     allowed = [p for p in PARAMS if p in full]

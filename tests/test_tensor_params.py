@@ -262,6 +262,9 @@ def test_bad_tables_refused(family):
     good = as_table([(0, T0, "weight", 1.0)])
     with pytest.raises(PlanError, match=r"the columns \['position', 'tensor', 'param', 'value'\]"):
         cat.plan(PlanRequest("base", None, "linear", tensor_params=good.drop(["value"])))
+    floats = good.set_column(0, "position", pa.array([0.5], pa.float64()))
+    with pytest.raises(PlanError, match="column 'position' is double, not int32"):
+        cat.plan(PlanRequest("base", None, "linear", tensor_params=floats))
     nulls = good.set_column(3, "value", pa.array([None], pa.float64()))
     with pytest.raises(PlanError, match="column 'value' holds nulls"):
         cat.plan(PlanRequest("base", None, "linear", tensor_params=nulls))

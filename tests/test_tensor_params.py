@@ -16,7 +16,7 @@ from mergedb.errors import MergeDBError, PlanError
 from mergedb.manifest import content_hash
 from mergedb.planner import PlanRequest
 from tests.conftest import FAMILIES
-from tests.reference import cast_like, drop_key, kth_largest, load_model, splitmix64_draws
+from tests.reference import cast_like, drop_key, kth_largest, load_model, ref_merge, splitmix64_draws
 
 EXPERTS = ["expert_00", "expert_01", "expert_02"]
 WEIGHTS = (1.0, 0.6, 0.3)
@@ -306,3 +306,38 @@ def test_edited_per_tensor_values_in_a_manifest_are_refused(family, tmp_path):
         (tmp_path / "bad" / "mask.parquet").write_bytes((tmp_path / "out" / "mask.parquet").read_bytes())
         with pytest.raises(MergeDBError, match=match):
             executor.replay(tmp_path / "bad" / "mergedb_manifest.json", tmp_path / "replayed")
+
+
+@pytest.mark.parametrize(
+    "method,params,per_tensor",
+    [
+        (
+            "della",
+            {"density": 0.6, "epsilon": 0.2},
+            [{"density": 0.5, "epsilon": 0.1}, {"density": 0.8, "epsilon": 0.15}],
+        ),
+        (
+            "breadcrumbs",
+            {"density": 0.8, "gamma": 0.05},
+            [{"density": 0.6, "gamma": 0.1}, {"density": 0.9, "gamma": 0.0}],
+        ),
+    ],
+)
+def test_per_tensor_della_and_breadcrumbs_equal_reference(family, loaded, tmp_path, method, params, per_tensor):
+    """ε and γ per tensor (one value for every expert of a tensor, so tests/reference.ref_merge,
+    given that tensor's parameters, is the reference)."""
+    kind, folder, cat = family
+    floats = sorted(n for n, a in loaded["base"].items() if a.dtype.kind == "f")
+    chosen = {name: per_tensor[i % 2] for i, name in enumerate(floats) if i % 3 != 2}
+    rows = [(p, name, k, v) for name, ps in chosen.items() for k, v in ps.items() for p in range(len(EXPERTS))]
+    plan = cat.plan(
+        PlanRequest("base", tuple(EXPERTS), method, "all", WEIGHTS, params, seed=2, tensor_params=as_table(rows))
+    )
+    executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "out")
+    got = load_model(tmp_path / "out")
+    for name in floats:
+        p = {**params, **chosen.get(name, {})}
+        ex = [loaded[e][name] for e in EXPERTS]
+        full = ref_merge(method, p, list(WEIGHTS), loaded["base"][name], ex, seed=2, expert_names=EXPERTS, tensor=name)
+        want = cast_like(full, FAMILIES[kind][0])
+        assert np.array_equal(got[name], want), (method, name)

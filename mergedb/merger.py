@@ -313,15 +313,14 @@ class Merger:
             t_hi = np.array([np.inf if tr.t_hi is None else tr.t_hi for tr in trims], np.float64)
             keys = np.array([tr.key for tr in trims], np.uint64)
             dens = [v.density for v in vals]
-            a = 0
-            while a < len(grp):  # one call per run of experts with one DARE density (each element's
-                b = a + 1  # operations and their order do not depend on where a group is cut)
-                while b < len(grp) and (mode != 2 or dens[b] == dens[a]):
-                    b += 1
-                kernels.fold_group(
-                    base, ex[a:b], kind, mode, lo, coefs[a:b], t_lo[a:b], t_hi[a:b], keys[a:b], dens[a], acc
-                )
-                a = b
+            j0 = 0  # (not `b`: `submit` reads the block index b when the next group is read)
+            while j0 < len(grp):  # one call per run of experts with one DARE density (each element's
+                j1 = j0 + 1  # operations and their order do not depend on where a group is cut)
+                while j1 < len(grp) and (mode != 2 or dens[j1] == dens[j0]):
+                    j1 += 1
+                sl = slice(j0, j1)
+                kernels.fold_group(base, ex[sl], kind, mode, lo, coefs[sl], t_lo[sl], t_hi[sl], keys[sl], dens[j0], acc)
+                j0 = j1
         normalize = bool(self.xp.params.get("normalize", True))
         tv = self._values(0, ti)  # λ and the base scale are per tensor: the same at every position
         lam, scale = tv.lam, tv.base_scale

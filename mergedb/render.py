@@ -371,14 +371,16 @@ SWEEP_COLS = (
     Col("plan_id", "id", str, right=True),
     Col("name", "plan"),
     Col("selected_bytes", "read", size, "expert bytes the plan reads (alone)", right=True),
-    Col("out", "output", shrink=True),
+    Col("bound", "bound", num, "bound on ‖θB−θF‖ of the written output", right=True),
 )
 
 
 def print_sweep(res: Any, fmt: str) -> None:
     """A sweep.SweepResult: one row per plan written, then what the sweep read against separate runs."""
     records = [{**plan_record(p), "out": str(r.out)} for p, r in res.runs]
+    where = f"outputs: {res.runs[0][1].out.parent}/<plan>/" if res.runs else "no outputs"
     notes = [
+        where,
         f"{len(res.runs)} plans in {_secs(res.seconds)}: expert bytes read {size(res.expert_bytes_read)} "
         f"(separate runs: {size(res.expert_bytes_served)}), disk {size(res.physical_read_bytes)}, "
         f"peak RSS {size(res.peak_rss)}"

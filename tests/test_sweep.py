@@ -253,3 +253,14 @@ def test_record_score_returns_ids_in_order(fam):
         {"plan": "scored", "metric": "loss", "value": 2.5},
         {"plan": "scored", "metric": "acc", "value": 0.75},
     ]
+
+
+def test_readme_sweep_example_runs(tmp_path, monkeypatch):
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"## Sweeps and searches\n.*?```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    scores = Catalog(tmp_path / "catalog.duckdb").sql("SELECT plan FROM plan_scores ORDER BY plan").to_pylist()
+    assert [r["plan"] for r in scores] == sorted(f"s-{d}-{lam}" for d in (0.1, 0.3) for lam in (0.5, 1.0))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -48,10 +49,16 @@ def _run_record(out: Path) -> dict:
     }
 
 
+def _cpu() -> float:
+    """CPU seconds (user + system) of every finished child process so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _execute(db: Path, plan_id: int, out: Path) -> dict:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     subprocess.run(CLI + ["execute", str(plan_id), "--out", str(out), "-c", str(db), "-q"], check=True)
-    return {"wall": time.perf_counter() - t0, **_run_record(out)}
+    return {"wall": time.perf_counter() - t0, "cpu_seconds": _cpu() - c0, **_run_record(out)}
 
 
 def run(n: int, k: int, family: Path, catalog: Path, work: Path) -> dict:
@@ -69,7 +76,7 @@ def run(n: int, k: int, family: Path, catalog: Path, work: Path) -> dict:
     shutil.rmtree(work / "one")
 
     evict(files)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     ids = [str(p.plan_id) for p in plans]
     child = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_sweep", "--child", str(db), str(work / "sweep"), *ids],
@@ -77,7 +84,11 @@ def run(n: int, k: int, family: Path, catalog: Path, work: Path) -> dict:
         capture_output=True,
         text=True,
     )
-    doc["sweep"] = {"wall": time.perf_counter() - t0, **json.loads(child.stdout.splitlines()[-1])}
+    doc["sweep"] = {
+        "wall": time.perf_counter() - t0,
+        "cpu_seconds": _cpu() - c0,
+        **json.loads(child.stdout.splitlines()[-1]),
+    }
     hashes = {p.name: _run_record(work / "sweep" / p.name)["content_hash"] for p in plans}
     shutil.rmtree(work / "sweep")
 
@@ -90,6 +101,7 @@ def run(n: int, k: int, family: Path, catalog: Path, work: Path) -> dict:
         shutil.rmtree(work / "separate" / p.name)
     doc["separate"] = {
         "wall": sum(r["wall"] for r in runs),
+        "cpu_seconds": sum(r["cpu_seconds"] for r in runs),
         "expert_bytes": sum(r["expert_bytes"] for r in runs),
         "physical_bytes": sum(r["physical_bytes"] for r in runs),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in runs),

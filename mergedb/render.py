@@ -383,6 +383,6 @@ def print_sweep(res: Any, fmt: str) -> None:
         where,
         f"{len(res.runs)} plans in {_secs(res.seconds)}: expert bytes read {size(res.expert_bytes_read)} "
         f"(separate runs: {size(res.expert_bytes_served)}), disk {size(res.physical_read_bytes)}, "
-        f"peak RSS {size(res.peak_rss)}"
+        f"peak RSS {size(res.peak_rss)}",
     ]
     print_records(SWEEP_COLS, records, fmt, notes=notes if fmt == "table" else ())

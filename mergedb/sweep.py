@@ -108,8 +108,10 @@ class SharedReads:
                     e.ready.set()  # waiters find no data and read it themselves
                 raise
             if e is not None:
-                e.data = raw.copy()  # the Merger reuses `raw` for its next block
-                e.ready.set()
+                try:
+                    e.data = raw.copy()  # the Merger reuses `raw` for its next block
+                finally:
+                    e.ready.set()
             return
         e.ready.wait()
         if e.data is None:
@@ -339,7 +341,8 @@ def in_memory(
     `state` is a dict name -> numpy array (as `executor.merge_to_dict`), or, with `into=model` (a
     torch module whose state_dict names match the checkpoint's tensors), the model itself with
     the plan's tensors copied into its parameters and buffers, valid until the next plan is
-    yielded. A wave's states are held until they are yielded: memory is max_parallel models."""
+    yielded. A wave's states are held until they are yielded: memory is max_parallel models.
+    A generator: planning starts with the iteration."""
     from . import executor
     from .merger import Merger
 

@@ -264,3 +264,18 @@ def test_readme_sweep_example_runs(tmp_path, monkeypatch):
     exec(compile(code, "README.md", "exec"), {})
     scores = Catalog(tmp_path / "catalog.duckdb").sql("SELECT plan FROM plan_scores ORDER BY plan").to_pylist()
     assert [r["plan"] for r in scores] == sorted(f"s-{d}-{lam}" for d in (0.1, 0.3) for lam in (0.5, 1.0))
+
+
+def test_a_failing_wave_is_recorded_and_stops_the_sweep(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=9)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plans = grid.plan_all(cat, grid.grid_requests(PlanRequest("base", None, "ties"), {"density": [0.2, 0.4]}, "f"))
+    f = next((fam / "expert_01").glob("*.safetensors"))
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file: every plan reading it fails
+    with pytest.raises(MergeDBError, match=r"1 plan\(s\) of the sweep failed: f-density=0.2: .*changed since"):
+        sw.sweep(cat, [p.plan_id for p in plans], tmp_path / "out", max_parallel=1)
+    runs = cat.sql("SELECT plan_id, status FROM runs ORDER BY run_id").to_pylist()
+    assert runs == [{"plan_id": plans[0].plan_id, "status": "failed"}]  # the second wave never started
+    assert not [p for p in (tmp_path / "out").glob("*") if not p.name.startswith(".")]

@@ -15,6 +15,7 @@ from .errors import PlanError
 
 if TYPE_CHECKING:
     from .catalog import Catalog
+    from .manifest import ExecutionPlan
     from .plans import PlanSummary
 
 GRID_SPECIAL = ("budget", "seed")  # grid keys that are request fields, not method parameters
@@ -94,6 +95,13 @@ def default_prefix(cat: Catalog, method: str) -> str:
 def plan_all(cat: Catalog, items: Sequence[planner.PlanRequest | int | str]) -> list[PlanSummary]:
     """Plan every request and resolve every stored plan (id, name or hash prefix), in one
     transaction: all new plans are stored, or none."""
+    return plan_and_load(cat, items, load=False)[0]
+
+
+def plan_and_load(
+    cat: Catalog, items: Sequence[planner.PlanRequest | int | str], load: bool = True
+) -> tuple[list[PlanSummary], list[ExecutionPlan]]:
+    """`plan_all`, and with `load` each plan's ExecutionPlan, read in the same short connection."""
     if not items:
         raise PlanError("a sweep needs at least one plan request")
     with cat.duckdb_connection(write=True) as con:
@@ -107,4 +115,5 @@ def plan_all(cat: Catalog, items: Sequence[planner.PlanRequest | int | str]) -> 
         except BaseException:
             faults.rollback(con)
             raise
-        return [plans.load_plan(con, i) for i in ids]
+        summaries = [plans.load_plan(con, i) for i in ids]
+        return summaries, [plans.execution_plan(con, i) for i in ids] if load else []

@@ -255,8 +255,7 @@ def sweep(
     _check_parallel(max_parallel)
     root = Path(out_dir)
     _check_outs(cat, [root / r.name for r in requests if isinstance(r, planner.PlanRequest) and r.name])
-    summaries = grid.plan_all(cat, requests)
-    xps = [cat.execution_plan(s.plan_id) for s in summaries]
+    summaries, xps = grid.plan_and_load(cat, requests)
     outs = [root / (s.name or f"plan-{s.plan_id}") for s in summaries]
     _check_outs(cat, outs)
     t0, phys0 = time.perf_counter(), executor.physical_read_bytes()
@@ -347,8 +346,7 @@ def in_memory(
     from .merger import Merger
 
     _check_parallel(max_parallel)
-    summaries = grid.plan_all(cat, requests)
-    xps = [cat.execution_plan(s.plan_id) for s in summaries]
+    summaries, xps = grid.plan_and_load(cat, requests)
     for idx in _waves(len(xps), max_parallel):
         wave = _Wave(xps, idx, cache_bytes, threads)
 

@@ -279,3 +279,82 @@ def test_a_failing_wave_is_recorded_and_stops_the_sweep(tmp_path):
     runs = cat.sql("SELECT plan_id, status FROM runs ORDER BY run_id").to_pylist()
     assert runs == [{"plan_id": plans[0].plan_id, "status": "failed"}]  # the second wave never started
     assert not [p for p in (tmp_path / "out").glob("*") if not p.name.startswith(".")]
+
+
+def test_shared_reads_read_once_serve_all_and_hold_nothing_after():
+    import threading
+    from collections import Counter
+
+    calls = Counter()
+
+    def pread_of(key, fail=False):
+        def pread(buf):
+            calls[key] += 1
+            if fail:
+                raise OSError("disk went away")
+            buf[...] = np.frombuffer(key[1].encode().ljust(buf.size, b"."), np.uint8)[: buf.size]
+
+        return pread
+
+    a, b = ("e0", "t-a", 0, "h"), ("e0", "t-b", 0, "h")
+    shared = sw.SharedReads(Counter({a: 3, b: 2}), cap=1 << 20)
+    got = []
+
+    def consumer(key):
+        raw = np.zeros(8, np.uint8)
+        shared.read(key, raw, pread_of(key))
+        got.append((key, raw.tobytes()))
+
+    threads = [threading.Thread(target=consumer, args=(k,)) for k in (a, a, b, a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == {a: 1, b: 1} and shared.read_bytes == 16 and shared.reread_bytes == 0
+    assert sorted(got) == sorted([(a, b"t-a.....")] * 3 + [(b, b"t-b.....")] * 2)
+    assert shared.entries == {} and shared.held == 0 and shared.peak in (8, 16)  # a copy is held until its last read
+
+    # nothing fits: every consumer reads for itself, counted as rereads after the first
+    calls.clear()
+    tight = sw.SharedReads(Counter({a: 3}), cap=0)
+    for _ in range(3):
+        tight.read(a, np.zeros(8, np.uint8), pread_of(a))
+    assert calls[a] == 3 and tight.reread_bytes == 16 and tight.entries == {}
+
+    # a failed first read raises for its plan only; the next consumer reads for itself
+    failing = sw.SharedReads(Counter({a: 2}), cap=1 << 20)
+    with pytest.raises(OSError):
+        failing.read(a, np.zeros(8, np.uint8), pread_of(a, fail=True))
+    raw = np.zeros(8, np.uint8)
+    failing.read(a, raw, pread_of(a))
+    assert raw.tobytes() == b"t-a....." and failing.entries == {} and failing.held == 0
+
+    # a plan that stops early releases what it will not take: the held copy goes
+    early = sw.SharedReads(Counter({a: 2}), cap=1 << 20)
+    early.read(a, np.zeros(8, np.uint8), pread_of(a))
+    assert early.held == 8
+    early.release([a])
+    assert early.entries == {} and early.held == 0
+
+
+def test_pace_holds_the_leader_and_never_the_slowest():
+    import threading
+
+    pace = sw._Pace(2)
+    steps = []
+
+    def leader():
+        for i in range(sw.LEAD + 3):
+            pace.step(0)
+            steps.append(i)
+
+    t = threading.Thread(target=leader)
+    t.start()
+    t.join(timeout=2)
+    assert t.is_alive() and len(steps) == sw.LEAD  # waits once LEAD tensors ahead of plan 1
+    pace.step(1)  # the slowest never waits
+    t.join(timeout=0.5)
+    assert len(steps) == sw.LEAD + 1
+    pace.finish(1)  # a finished plan holds nobody back
+    t.join(timeout=2)
+    assert not t.is_alive() and len(steps) == sw.LEAD + 3

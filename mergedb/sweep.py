@@ -168,22 +168,31 @@ def plan_keys(xp: ExecutionPlan) -> dict[tuple[int, int, int], Key]:
 
 
 class _Pace:
-    """Keeps the plans of a wave within LEAD tensors of the slowest (which never waits)."""
+    """Keeps the plans of a wave within LEAD tensors of the slowest (which never waits); after
+    `cancel` every plan stops at its next tensor."""
 
     def __init__(self, n: int) -> None:
         self.done = [0.0] * n
         self.cv = threading.Condition()
+        self.cancelled = False
 
     def step(self, i: int) -> None:
         with self.cv:
             self.done[i] += 1
             self.cv.notify_all()
-            while self.done[i] > min(self.done) + LEAD:
+            while not self.cancelled and self.done[i] > min(self.done) + LEAD:
                 self.cv.wait()
+            if self.cancelled:
+                raise MergeDBError("the sweep was stopped; this plan's output was not installed")
 
     def finish(self, i: int) -> None:
         with self.cv:
             self.done[i] = math.inf
+            self.cv.notify_all()
+
+    def cancel(self) -> None:
+        with self.cv:
+            self.cancelled = True
             self.cv.notify_all()
 
 
@@ -209,7 +218,12 @@ class _Wave:
     def results(self, work: Callable[[int], Callable[[_Reader, Callable[[], None], int], Any]]) -> Iterator[Any]:
         """Run `work(i)` for every plan of the wave at once; their futures in order."""
         with ThreadPoolExecutor(len(self.idx), thread_name_prefix="mergedb-sweep") as pool:
-            yield from [pool.submit(self.run, j, work(i)) for j, i in enumerate(self.idx)]
+            futs = [pool.submit(self.run, j, work(i)) for j, i in enumerate(self.idx)]
+            try:
+                yield from futs
+            except BaseException:  # the caller stopped (Ctrl-C, an abandoned generator): stop the others
+                self.pace.cancel()
+                raise
 
 
 def _waves(n: int, max_parallel: int) -> Iterator[list[int]]:

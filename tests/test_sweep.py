@@ -358,3 +358,37 @@ def test_pace_holds_the_leader_and_never_the_slowest():
     pace.finish(1)  # a finished plan holds nobody back
     t.join(timeout=2)
     assert not t.is_alive() and len(steps) == sw.LEAD + 3
+
+
+def test_an_abandoned_in_memory_sweep_stops_its_other_plans(fam):
+    import threading
+
+    root, cat = fam
+    reqs = grid.grid_requests(PlanRequest("base", None, "ties", "all"), {"density": [0.2, 0.4, 0.6]}, "abandon")
+    it = cat.sweep(reqs, max_parallel=3)
+    plan, state = next(it)
+    assert plan.name == reqs[0].name and state
+    it.close()  # the other two plans of the wave are finished or stopped, their threads gone
+    assert not [t for t in threading.enumerate() if t.name.startswith(("mergedb-sweep", "mergedb-merge", "mergedb-io"))]
+
+
+def test_a_cancelled_pace_stops_a_waiting_plan():
+    import threading
+
+    pace = sw._Pace(2)
+    errors = []
+
+    def leader():
+        try:
+            for _ in range(sw.LEAD + 2):
+                pace.step(0)
+        except MergeDBError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=leader)
+    t.start()
+    t.join(timeout=1)
+    assert t.is_alive()  # waiting for plan 1
+    pace.cancel()
+    t.join(timeout=2)
+    assert not t.is_alive() and errors and "stopped" in errors[0]

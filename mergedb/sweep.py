@@ -21,6 +21,7 @@ many). Waves run one after another, so P < N plans read the union once per wave.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -290,16 +291,17 @@ def sweep(
                 read_block=reader,
             )
 
-        for i, f in zip(idx, wave.results(work)):
-            try:
-                res = f.result()
-            except MergeDBError as e:
-                failed.append(f"{summaries[i].name or summaries[i].plan_id}: {e}")
-                cat.record_run(xps[i].plan_id, outs[i], error=str(e), wait=RECORD_WAIT)
-                continue
-            results[i] = res
-            served += res.expert_bytes
-            cat.record_run(xps[i].plan_id, outs[i], res, wait=RECORD_WAIT)
+        with contextlib.closing(wave.results(work)) as futures:  # closed at once on Ctrl-C: stops the wave
+            for i, f in zip(idx, futures):
+                try:
+                    res = f.result()
+                except MergeDBError as e:
+                    failed.append(f"{summaries[i].name or summaries[i].plan_id}: {e}")
+                    cat.record_run(xps[i].plan_id, outs[i], error=str(e), wait=RECORD_WAIT)
+                    continue
+                results[i] = res
+                served += res.expert_bytes
+                cat.record_run(xps[i].plan_id, outs[i], res, wait=RECORD_WAIT)
         read, reread = read + wave.shared.read_bytes, reread + wave.shared.reread_bytes
         peak = max(peak, wave.shared.peak)
         if failed:
@@ -378,9 +380,10 @@ def in_memory(
 
             return merge
 
-        for i, f in zip(idx, wave.results(work)):
-            state = f.result()
-            yield summaries[i], state if into is None else load_into(into, state)
+        with contextlib.closing(wave.results(work)) as futures:
+            for i, f in zip(idx, futures):
+                state = f.result()
+                yield summaries[i], state if into is None else load_into(into, state)
 
 
 def load_into(model: Any, state: dict[str, np.ndarray]) -> Any:

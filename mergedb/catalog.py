@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from . import faults, frontier, planner, plans, register, stats, usersql
+from . import faults, frontier, planner, plans, register, scores, stats, usersql
 from .errors import CatalogError, MergeDBError, RunNotRecordedError
 from .resources import migrations
+from .sweep import in_memory as _sweep_in_memory
 
 if TYPE_CHECKING:
     from .executor import ExecuteResult
@@ -450,6 +451,9 @@ class Catalog:
         except duckdb.Error as e:  # disk full, read-only file system, …
             raise CatalogError(f"cannot write to catalog {self.path}: {e}") from None
         return rid
+
+    sweep = _sweep_in_memory  # many plans merged in memory, each expert block read once (sweep.py)
+    record_score = scores.record  # a measurement of a stored plan, for searches (scores.py)
 
 
 RECORD_WAIT = 30.0  # seconds a finished merge waits for the catalog to record its run

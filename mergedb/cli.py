@@ -1,4 +1,7 @@
-"""The `mergedb` command: a thin adapter over the library. Parses, calls one function, prints."""
+"""The `mergedb` command: a thin adapter over the library. Parses, calls one function, prints.
+
+It is long because every command declares its options as typer parameters (a dozen lines each); the
+bodies stay a few lines that parse, call one library function and print."""
 
 from __future__ import annotations
 
@@ -440,6 +443,72 @@ def check(
     if problems:
         raise typer.Exit(1)
     render.out().print("ok: catalog" + (" and outputs" if output else "") + " verified")
+
+
+@app.command()
+def sweep(
+    base: str = typer.Option(..., "--base", help="Name of the registered base."),
+    experts: str | None = typer.Option(None, "--experts", help="Comma-separated expert names, in order."),
+    all_experts: bool = typer.Option(False, "--all", help="Every expert of the base."),
+    method: str = typer.Option(..., "--method", "-m", help="Merge method, as for `mergedb plan`."),
+    grid: list[str] = typer.Option(
+        [], "--grid", help="NAME=V1,V2,...: a parameter's values (density, lambda, gamma, epsilon, budget, seed)."
+    ),
+    budget: str = typer.Option("all", "--budget", "-b", help="Expert bytes each plan may read: 500MB, 25%, all."),
+    weights: str | None = typer.Option(None, "--weights", help="Comma-separated weights, one per expert."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random drops (DARE, DELLA)."),
+    name: str | None = typer.Option(None, "--name", help="Prefix of the plans' names [default: METHOD-sweepN]."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Folder that receives one output folder per plan."),
+    max_parallel: int = typer.Option(8, "--max-parallel", help="Plans merged at once (memory grows with it)."),
+    threads: int | None = typer.Option(None, "--threads", help="Merge threads per plan [default: cores / plans]."),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 [default: the base's]."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard."),
+    fmt: str = FormatOpt,
+    catalog: Path | None = CatalogOpt,
+    wait: float = WaitOpt,
+) -> None:
+    """Plan every point of a parameter grid and merge them all in one pass over the experts.
+
+    Example: mergedb sweep --base base --all -m ties --grid density=0.1,0.2,0.3 --grid lambda=0.5,1 --out sweeps
+    """
+    from . import grid as grids
+    from . import sweep as sw
+    from .planner import PlanRequest
+    from .units import parse_size
+
+    render.check_format(fmt)
+    if (experts is None) == (not all_experts):
+        raise MergeDBError("name the experts with --experts a,b,c or pass --all")
+    names = tuple(e.strip() for e in experts.split(",") if e.strip()) if experts else None
+    try:
+        w = tuple(float(x) for x in weights.split(",")) if weights else None
+    except ValueError:
+        raise MergeDBError(f"--weights {weights!r}: give comma-separated numbers, e.g. --weights 1,0.5,0.5") from None
+    shard = parse_size(max_shard_size, what="shard size")
+    cat = _catalog(catalog, wait)
+    points = grids.parse_grid(grid)
+    template = PlanRequest(base, names, method, budget, w, seed=seed)
+    requests = grids.grid_requests(template, points, name or grids.default_prefix(cat, method))
+    res = sw.sweep(
+        cat, requests, out_dir, max_parallel=max_parallel, threads=threads, dtype=dtype, max_shard_size=shard
+    )
+    render.print_sweep(res, fmt)
+
+
+@app.command()
+def score(
+    plan_ref: str = typer.Argument(..., metavar="PLAN", help="Plan id, name or hash prefix."),
+    metric: str = typer.Argument(..., metavar="METRIC", help="What was measured, e.g. loss."),
+    value: float = typer.Argument(..., metavar="VALUE", help="The measurement (a finite number)."),
+    catalog: Path | None = CatalogOpt,
+    wait: float = WaitOpt,
+) -> None:
+    """Record a measurement of a plan's merge, to query in SQL (the plan_scores view).
+
+    Example: mergedb score ties-sweep1-density=0.2 loss 1.87
+    """
+    score_id = _catalog(catalog, wait).record_score(plan_ref, metric, value)
+    render.out().print(f"score {score_id}: {metric} = {value:g} for plan {plan_ref}", highlight=False)
 
 
 def _empty() -> Any:

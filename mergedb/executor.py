@@ -30,7 +30,7 @@ from .checkpoint import INDEX, open_checkpoint, side_files
 from .errors import MergeDBError
 from .layout import shard_groups, shard_names
 from .manifest import MANIFEST, MASK, ExecutionPlan, build_manifest, mask_table, plan_from_manifest, write_json
-from .merger import Merger, normalize_dtype, output_dtype
+from .merger import Merger, ReadBlock, normalize_dtype, output_dtype
 from .tensorfile import DTYPES, SafetensorsWriter, tensor_nbytes
 from .units import check_threads
 
@@ -47,7 +47,7 @@ class ExecuteResult:
     peak_rss: int
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     """This process's peak resident set (VmHWM). Not ru_maxrss: on Linux a child started by fork and
     exec inherits its parent's high-water mark there, so a small merge run from a big process
     would report the parent's memory."""
@@ -78,21 +78,27 @@ def output_shards(xp: ExecutionPlan, max_shard_size: int, dtype: str | None = No
     return shard_groups(sizes, max_shard_size)
 
 
-def merge_to_dict(xp: ExecutionPlan, dtype: str | None = None, threads: int | None = None) -> dict[str, np.ndarray]:
+def merge_to_dict(
+    xp: ExecutionPlan, dtype: str | None = None, threads: int | None = None, read_block: ReadBlock | None = None
+) -> dict[str, np.ndarray]:
     """The merged model in memory: name -> float32 (mergeable) or raw-typed array (packed sub-byte
-    dtypes such as F4 as their raw uint8 bytes). For embedding."""
-    m = Merger(xp, dtype, threads=threads)
+    dtypes such as F4 as their raw uint8 bytes). For embedding. `read_block`: see merger.ReadBlock."""
+    m = Merger(xp, dtype, threads=threads, read_block=read_block)
     try:
-        out = {}
-        for name, dt, shape, data in m.tensors(list(range(len(xp.tensors)))):
-            if dt not in DTYPES:  # packed sub-byte dtype: no numpy type, keep the bytes
-                out[name] = data
-                continue
-            arr = data.view(np.dtype(DTYPES[dt][1])).reshape(shape)
-            out[name] = (arr.astype(np.uint32) << 16).view(np.float32) if dt == "BF16" else arr
-        return out
+        return {
+            name: tensor_array(dt, shape, data) for name, dt, shape, data in m.tensors(list(range(len(xp.tensors))))
+        }
     finally:
         m.close()
+
+
+def tensor_array(dt: str, shape: tuple[int, ...], data: np.ndarray) -> np.ndarray:
+    """A merged tensor's bytes as an array: float32 for BF16, its own type otherwise (packed sub-byte
+    dtypes such as F4, which have no numpy type, stay raw uint8 bytes)."""
+    if dt not in DTYPES:
+        return data
+    arr = data.view(np.dtype(DTYPES[dt][1])).reshape(shape)
+    return (arr.astype(np.uint32) << 16).view(np.float32) if dt == "BF16" else arr
 
 
 def execute(
@@ -108,6 +114,7 @@ def execute(
     expect_hashes: dict[str, str] | None = None,
     threads: int | None = None,
     unit_order_seed: int | None = None,
+    read_block: ReadBlock | None = None,
 ) -> ExecuteResult:
     """Merge into `out` (a new folder, or an old mergedb output with force=True), atomically.
 
@@ -116,7 +123,8 @@ def execute(
     `on_total(n)` is told the output's tensor bytes first, then `progress(k)` each tensor's bytes
     as it is written (for a byte-based progress bar).
     `threads` compute threads (default: os.cpu_count()) merge; the output's bytes and manifest do
-    not depend on it, nor on `unit_order_seed` (shuffles the order units are run in; for tests)."""
+    not depend on it, nor on `unit_order_seed` (shuffles the order units are run in; for tests).
+    `read_block` serves expert blocks instead of reading them (merger.ReadBlock; a sweep's shared reads)."""
     if threads is not None:
         check_threads(threads)
     shown = Path(out)
@@ -133,7 +141,7 @@ def execute(
         merger = None
         try:
             tmp.mkdir()
-            merger = Merger(xp, out_dt, verify, threads, unit_order_seed)
+            merger = Merger(xp, out_dt, verify, threads, unit_order_seed, read_block)
             if on_total:
                 on_total(sum(tensor_nbytes(output_dtype(t, out_dt), t.shape) for t in xp.tensors))
             manifest, run, written = _write(xp, merger, tmp, out, out_dt, max_shard_size, progress, expect_hashes)
@@ -205,7 +213,7 @@ def _write(
         "expert_bytes_logical": merger.count.expert,
         "base_bytes": merger.count.base,
         "bytes_written": written,
-        "peak_rss_bytes": _peak_rss(),
+        "peak_rss_bytes": peak_rss(),
         "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
     }
     return build_manifest(xp, out_dt, hashes), run, written

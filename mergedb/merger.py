@@ -44,6 +44,12 @@ AHEAD_BYTES = 64 * 2**20  # later tensors in flight while one is written (the re
 _NO_F32, _NO_BF16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `kernels.finish`'s unused output
 
 
+# read_block(tensor_idx, block_idx, position, raw, pread): fill `raw` (uint8, the block's exact size)
+# with expert `position`'s bytes of that block; `pread(buf)` reads them from the file into `buf`.
+# None: pread(raw). A sweep passes one that serves a block read once to every plan (sweep.py).
+ReadBlock = Callable[[int, int, int, np.ndarray, Callable[[np.ndarray], None]], None]
+
+
 @dataclass
 class Counters:
     expert: int = 0
@@ -140,8 +146,10 @@ class Merger:
         verify: bool = False,
         threads: int | None = None,
         unit_order_seed: int | None = None,
+        read_block: ReadBlock | None = None,
     ) -> None:
         self.xp, self.verify = xp, verify
+        self.read_block = read_block
         self.dtype = normalize_dtype(dtype)
         self.method = methods.get_method(xp.method)
         self.sel = xp.selected()
@@ -187,6 +195,13 @@ class Merger:
                     )
         return base
 
+    def pread_block(self, ti: int, b: int, pos: int, raw: np.ndarray) -> None:
+        """Fill `raw` with expert `pos`'s bytes of block `b` of tensor `ti`, from its file."""
+        t = self.xp.tensors[ti]
+        fd, info, path = self.inputs.where[pos + 1][t.name]
+        lo, _ = block_bytes(t, info.nbytes, b)
+        pread_into(fd, memoryview(raw), info.start + lo, path)
+
     def _read_one(self, ti: int, b: int, pos: int, h: str, raw: np.ndarray | None = None) -> np.ndarray:
         """Expert `pos`'s bytes of block `b` of tensor `ti` (into `raw` if given; checked against
         `h` with --verify)."""
@@ -195,7 +210,10 @@ class Merger:
         lo, hi = block_bytes(t, info.nbytes, b)
         if raw is None:
             raw = np.empty(hi - lo, np.uint8)
-        pread_into(fd, memoryview(raw), info.start + lo, path)
+        if self.read_block is None:
+            self.pread_block(ti, b, pos, raw)
+        else:
+            self.read_block(ti, b, pos, raw, lambda buf: self.pread_block(ti, b, pos, buf))
         with self._lock:
             self.count.expert += raw.nbytes
         if self.verify and xxhash.xxh3_128_hexdigest(raw) != h:

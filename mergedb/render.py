@@ -365,3 +365,24 @@ FRONTIER_COLS = (
 def print_frontier(rows: list[dict[str, Any]], fmt: str, title: str, kept: bool) -> None:
     note = "plans stored (mergedb plans lists them)" if kept else "nothing stored (--keep stores these plans)"
     print_records(FRONTIER_COLS, rows, fmt, title=title, notes=[note] if fmt == "table" else ())
+
+
+SWEEP_COLS = (
+    Col("plan_id", "id", str, right=True),
+    Col("name", "plan"),
+    Col("selected_bytes", "read", size, "expert bytes the plan reads (alone)", right=True),
+    Col("bound", "bound", num, "bound on ‖θB−θF‖ of the written output", right=True),
+)
+
+
+def print_sweep(res: Any, fmt: str) -> None:
+    """A sweep.SweepResult: one row per plan written, then what the sweep read against separate runs."""
+    records = [{**plan_record(p), "out": str(r.out)} for p, r in res.runs]
+    where = f"outputs: {res.runs[0][1].out.parent}/<plan>/" if res.runs else "no outputs"
+    notes = [
+        where,
+        f"{len(res.runs)} plans in {_secs(res.seconds)}: expert bytes read {size(res.expert_bytes_read)} "
+        f"(separate runs: {size(res.expert_bytes_served)}), disk {size(res.physical_read_bytes)}, "
+        f"peak RSS {size(res.peak_rss)}",
+    ]
+    print_records(SWEEP_COLS, records, fmt, notes=notes if fmt == "table" else ())

@@ -89,6 +89,8 @@ def _old_catalog(path: Path, version: int, source: Path) -> dict[str, tuple[list
             con.execute(
                 "INSERT INTO runs (run_id, plan_id, out, status, error) VALUES (1, 1, '/nowhere', 'failed', 'killed')"
             )
+        if "scores" in _tables(con):  # and a score
+            con.execute("INSERT INTO scores (score_id, plan_id, metric, value) VALUES (1, 1, 'loss', 1.5)")
         rows = {t: _rows(con, t, _columns(con, t)) for t in _tables(con) if t != "schema_version"}
     finally:
         con.close()

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,58 @@ def test_kill_execute(tmp_path):
         if i % 2:
             shutil.rmtree(out)  # alternate: kill into a fresh folder, and over a previous output (--force)
     print("execute kills:", outcomes)
+
+
+def test_kill_sweep(tmp_path):
+    """SIGKILL `mergedb sweep` anywhere: its plans are all stored or none, every output folder under
+    its final name is complete and has the bytes of an uninterrupted sweep, every run recorded ok
+    names a complete output, and `mergedb execute` finishes the rest with the same bytes."""
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=43)
+    db = tmp_path / "c.duckdb"
+    cat = Catalog(db)
+    cat.register([fam], base_model="base")
+    points = [f"density={d}-lambda={lam}" for d in ("0.2", "0.5") for lam in ("0.5", "1")]
+
+    grid = ["--grid", "density=0.2,0.5", "--grid", "lambda=0.5,1", "--max-parallel", "2", "-c", str(db)]
+
+    def sweep(prefix: str, out) -> list[str]:
+        return (
+            CLI
+            + ["sweep", "--base", "base", "--all", "-m", "ties", "-b", "60%", "--name", prefix, "--out", str(out)]
+            + grid
+        )
+
+    t0 = time.perf_counter()
+    subprocess.run(sweep("ref", tmp_path / "ref"), check=True, capture_output=True)
+    duration = time.perf_counter() - t0
+    want = {p: (tmp_path / "ref" / f"ref-{p}" / "model.safetensors").read_bytes() for p in points}
+    rng = random.Random(2)
+    outcomes = {"planned": 0, "not planned": 0, "outputs complete": 0}
+    for i in range(KILLS):
+        prefix, out = f"k{i}", tmp_path / f"out{i}"
+        kill_after(sweep(prefix, out), rng.uniform(0, duration))
+        stored = [
+            r["name"] for r in cat.sql("SELECT name FROM plans WHERE starts_with(name, ?)", [f"{prefix}-"]).to_pylist()
+        ]
+        assert sorted(stored) in ([], sorted(f"{prefix}-{p}" for p in points)), f"torn plans after kill {i}"
+        assert check_catalog(cat) == []
+        outcomes["planned" if stored else "not planned"] += 1
+        for d in sorted(out.iterdir()) if out.exists() else []:
+            if d.name.startswith("."):  # a killed run's temporary folder or lock: never under a plan's name
+                continue
+            assert check_output(d) == [], f"torn output {d.name} after kill {i}"
+            assert (d / "model.safetensors").read_bytes() == want[d.name.removeprefix(f"{prefix}-")]
+            outcomes["outputs complete"] += 1
+        for r in cat.sql("SELECT out FROM runs WHERE status = 'ok' AND starts_with(out, ?)", [str(out)]).to_pylist():
+            assert check_output(Path(r["out"])) == [], f"a run recorded ok without its output after kill {i}"
+        for name in stored:  # finish the sweep plan by plan
+            r = subprocess.run(
+                CLI + ["execute", name, "--out", str(out / name), "--force", "-q", "-c", str(db)],
+                capture_output=True,
+                text=True,
+            )
+            assert r.returncode == 0, r.stderr
+            assert (out / name / "model.safetensors").read_bytes() == want[name.removeprefix(f"{prefix}-")]
+        if stored:
+            assert not [p for p in out.iterdir() if "mergedb-tmp" in p.name], "stale temporary folders pile up"
+    print("sweep kills:", outcomes)

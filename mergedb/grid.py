@@ -1,0 +1,119 @@
+"""Grids of plan requests for sweeps: `--grid NAME=V1,V2` parsed, expanded into one named request
+per point (`PREFIX-k1=v1-k2=v2`, so a person can find each plan), and planned in one transaction.
+sweep.py executes what this plans."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from . import faults, planner, plans
+from .errors import PlanError
+
+if TYPE_CHECKING:
+    from .catalog import Catalog
+    from .manifest import ExecutionPlan
+    from .plans import PlanSummary
+
+GRID_SPECIAL = ("budget", "seed")  # grid keys that are request fields, not method parameters
+
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def parse_grid(specs: Sequence[str]) -> dict[str, list[Any]]:
+    """`["density=0.1,0.2", "lambda=1"]` -> {"density": [0.1, 0.2], "lambda": [1.0]} (the CLI's --grid).
+
+    Numbers become floats (seed: ints), true/false booleans; `budget` values stay text (25%, 1GiB)."""
+    grid: dict[str, list[Any]] = {}
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        key = key.strip()
+        items = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not key or not items:
+            raise PlanError(f"--grid {spec!r}: write NAME=V1,V2,..., e.g. --grid density=0.1,0.2,0.3")
+        if key in grid:
+            raise PlanError(f"--grid {key} is given twice; put all its values in one --grid {key}=V1,V2")
+        grid[key] = [_grid_value(key, v, spec) for v in items]
+    return grid
+
+
+def _grid_value(key: str, v: str, spec: str) -> Any:
+    if key == "budget":
+        return v
+    if key == "seed":
+        if not v.isdigit():
+            raise PlanError(f"--grid {spec!r}: seeds are whole numbers, e.g. --grid seed=0,1,2")
+        return int(v)
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    if not _NUMBER.match(v):
+        raise PlanError(f"--grid {spec!r}: {v!r} is not a number; e.g. --grid {key}=0.1,0.2")
+    return float(v)
+
+
+def grid_requests(
+    template: planner.PlanRequest, grid: dict[str, Sequence[Any]], prefix: str
+) -> list[planner.PlanRequest]:
+    """One request per point of the grid (the product of its value lists, in the order given), each
+    `template` with those parameters and named `PREFIX-k1=v1-k2=v2` so a person can find it."""
+    if not grid:
+        return [replace(template, name=prefix)]
+    keys = list(grid)
+    out = []
+    for point in itertools.product(*(grid[k] for k in keys)):
+        params = dict(template.params)
+        fields: dict[str, Any] = {}
+        for k, v in zip(keys, point):
+            if k in GRID_SPECIAL:
+                fields[k] = v
+            else:
+                params[k] = v
+        name = prefix + "".join(f"-{k}={_shown(v)}" for k, v in zip(keys, point))
+        out.append(replace(template, params=params, name=name, **fields))
+    return out
+
+
+def _shown(v: Any) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def default_prefix(cat: Catalog, method: str) -> str:
+    """`METHOD-sweepN` with the first N no stored plan name starts with."""
+    names = {r["name"] for r in cat.sql("SELECT name FROM plans WHERE name IS NOT NULL").to_pylist()}
+    for n in itertools.count(1):
+        prefix = f"{method}-sweep{n}"
+        if not any(x == prefix or x.startswith(prefix + "-") for x in names):
+            return prefix
+    raise AssertionError("unreachable")
+
+
+def plan_all(cat: Catalog, items: Sequence[planner.PlanRequest | int | str]) -> list[PlanSummary]:
+    """Plan every request and resolve every stored plan (id, name or hash prefix), in one
+    transaction: all new plans are stored, or none."""
+    return plan_and_load(cat, items, load=False)[0]
+
+
+def plan_and_load(
+    cat: Catalog, items: Sequence[planner.PlanRequest | int | str], load: bool = True
+) -> tuple[list[PlanSummary], list[ExecutionPlan]]:
+    """`plan_all`, and with `load` each plan's ExecutionPlan, read in the same short connection."""
+    if not items:
+        raise PlanError("a sweep needs at least one plan request")
+    with cat.duckdb_connection(write=True) as con:
+        con.execute("BEGIN")
+        try:
+            ids = [
+                planner.make_plan(con, it)[0] if isinstance(it, planner.PlanRequest) else plans.resolve_plan(con, it)
+                for it in items
+            ]
+            con.execute("COMMIT")
+        except BaseException:
+            faults.rollback(con)
+            raise
+        summaries = [plans.load_plan(con, i) for i in ids]
+        return summaries, [plans.execution_plan(con, i) for i in ids] if load else []

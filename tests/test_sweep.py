@@ -1,0 +1,394 @@
+"""Sweeps: many plans merged in one pass over the experts, each output exactly its plan alone.
+
+The reference for every output is the same stored plan executed alone (`executor.execute`), and
+for bytes read the plans' masks themselves (the union of their selected (expert, tensor, block)
+with the catalog's block sizes), counted in SQL independently of the sweep."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mergedb import executor, grid, synth
+from mergedb import sweep as sw
+from mergedb.catalog import Catalog
+from mergedb.check import check_output
+from mergedb.cli import app
+from mergedb.errors import MergeDBError, PlanError
+from mergedb.manifest import MANIFEST
+from mergedb.planner import PlanRequest
+
+runner = CliRunner(env={"COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def fam(tmp_path_factory):
+    """A registered small bf16 family of 4 experts, sharded output folders, small blocks."""
+    root = tmp_path_factory.mktemp("sweep")
+    synth.make_family(root / "fam", experts=4, size="tiny", seed=11, shard_size=600_000)
+    cat = Catalog(root / "c.duckdb")
+    cat.register([root / "fam"], base_model="base", block_size="64KiB")
+    return root, cat
+
+
+def _files(out: Path) -> dict[str, str]:
+    """sha256 of every file of an output, the manifest by its content hash (its `run` part differs)."""
+    got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.name != MANIFEST}
+    got[MANIFEST] = json.loads((out / MANIFEST).read_text())["content_hash"]
+    return got
+
+
+def _union_bytes(cat: Catalog, plan_ids: list[int]) -> int:
+    """Expert bytes of the union of the plans' selected blocks, straight from the stored masks."""
+    ids = ", ".join(str(int(i)) for i in plan_ids)
+    return int(
+        cat.sql(
+            "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) AS n FROM (SELECT DISTINCT checkpoint_id, tensor_idx, "
+            f"block_idx, nbytes FROM plan_mask WHERE selected AND NOT free AND plan_id IN ({ids}))"
+        ).to_pylist()[0]["n"]
+    )
+
+
+@pytest.mark.parametrize("method", ["ties", "dare_ties", "della", "model_stock"])
+def test_sweep_outputs_are_each_plan_executed_alone(fam, tmp_path, method):
+    root, cat = fam
+    points = {"ties": {"density": [0.1, 0.3, 0.6], "lambda": [0.5, 1.0]}, "dare_ties": {"density": [0.2, 0.5, 0.9]}}
+    points["della"] = {"density": [0.4, 0.6, 0.8]}
+    points["model_stock"] = {"budget": ["30%", "60%", "all"]}
+    reqs = grid.grid_requests(PlanRequest("base", None, method, "70%", seed=5), points[method], f"{method}-t")
+    res = sw.sweep(cat, reqs, tmp_path / "sweep", max_parallel=8, threads=2)
+    assert len(res.runs) == len(reqs) >= 3
+    for plan, run in res.runs:
+        assert run.out == tmp_path / "sweep" / plan.name
+        alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name, threads=1)
+        assert _files(run.out) == _files(alone.out), plan.name
+        assert run.expert_bytes == alone.expert_bytes == plan.selected_bytes
+        assert check_output(run.out) == []
+    ids = [p.plan_id for p, _ in res.runs]
+    runs = cat.sql("SELECT plan_id, status, out FROM runs WHERE plan_id >= ? ORDER BY run_id", [min(ids)])
+    assert {(r["plan_id"], r["status"], r["out"]) for r in runs.to_pylist()} == {
+        (p.plan_id, "ok", str(run.out)) for p, run in res.runs
+    }
+    assert res.expert_bytes_read == _union_bytes(cat, [p.plan_id for p, _ in res.runs])
+
+
+def test_one_mask_is_read_once_and_masks_share_their_union(fam, tmp_path):
+    root, cat = fam
+    same = grid.grid_requests(PlanRequest("base", None, "ties", "60%"), {"lambda": [0.3, 0.6, 0.9, 1.2]}, "one-mask")
+    res = sw.sweep(cat, same, tmp_path / "a", max_parallel=4)
+    one = res.runs[0][0].selected_bytes
+    assert len({_union_bytes(cat, [p.plan_id]) for p, _ in res.runs}) == 1  # the masks are one mask
+    assert res.expert_bytes_read == one > 0 and res.reread_bytes == 0
+    assert res.expert_bytes_served == 4 * one
+    mixed = grid.grid_requests(PlanRequest("base", None, "task_arithmetic"), {"budget": ["20%", "50%", "80%"]}, "mix")
+    res = sw.sweep(cat, mixed, tmp_path / "b", max_parallel=3)
+    ids = [p.plan_id for p, _ in res.runs]
+    assert res.expert_bytes_read == _union_bytes(cat, ids) < sum(p.selected_bytes for p, _ in res.runs)
+    # waves of 2: the union of each wave, once per wave
+    again = sw.sweep(cat, ids, tmp_path / "c", max_parallel=2)
+    assert again.expert_bytes_read == _union_bytes(cat, ids[:2]) + _union_bytes(cat, ids[2:])
+
+
+def test_a_cache_too_small_rereads_but_writes_the_same_bytes(fam, tmp_path):
+    root, cat = fam
+    reqs = grid.grid_requests(PlanRequest("base", None, "ties", "all"), {"density": [0.2, 0.4]}, "tiny-cache")
+    res = sw.sweep(cat, reqs, tmp_path / "s", cache_bytes=0)
+    assert res.reread_bytes > 0 and res.expert_bytes_read == res.expert_bytes_served
+    for plan, run in res.runs:
+        alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name)
+        assert _files(run.out) == _files(alone.out)
+
+
+def _evict(paths):
+    os.sync()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def test_physical_reads_of_one_mask_are_one_plans(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=4)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    reqs = grid.grid_requests(PlanRequest("base", None, "ties", "50%"), {"lambda": [0.5, 0.75, 1.0, 1.25]}, "phys")
+    plans = grid.plan_all(cat, reqs)
+    for f in (fam / "base").glob("*.safetensors"):
+        f.read_bytes()  # base warm: physical reads are then the experts' alone
+    _evict([p for e in ("expert_00", "expert_01", "expert_02") for p in (fam / e).glob("*.safetensors")])
+    res = sw.sweep(cat, [p.plan_id for p in plans], tmp_path / "out")
+    one = plans[0].selected_bytes
+    assert res.expert_bytes_read == one
+    if res.physical_read_bytes == 0:
+        pytest.skip("this filesystem does not report read_bytes")
+    assert 0.5 * one <= res.physical_read_bytes <= 1.05 * one + 256 * 1024  # 4 plans, read as one
+
+
+def test_in_memory_states_equal_merge_to_dict_and_load_into_a_module(fam):
+    torch = pytest.importorskip("torch")
+    root, cat = fam
+    reqs = grid.grid_requests(PlanRequest("base", None, "dare_ties", "60%", seed=2), {"density": [0.3, 0.7]}, "mem")
+    reqs.append(PlanRequest("base", None, "linear", "40%", name="mem-linear"))
+    got = list(cat.sweep(reqs, max_parallel=2))
+    assert [p.name for p, _ in got] == [r.name for r in reqs]
+    for plan, state in got:
+        want = executor.merge_to_dict(cat.execution_plan(plan.plan_id))
+        assert state.keys() == want.keys()
+        for k in want:
+            assert state[k].dtype == want[k].dtype and np.array_equal(state[k], want[k]), (plan.name, k)
+
+    model = _module_like(torch, got[0][1])
+    for (plan, state), (p2, m) in zip(got, cat.sweep([p.plan_id for p, _ in got], into=model)):
+        assert p2.plan_id == plan.plan_id and m is model
+        sd = model.state_dict()
+        for k, v in state.items():
+            assert torch.equal(sd[k], torch.from_numpy(v).to(sd[k].dtype)), k
+    other = _module_like(torch, {"not.in.checkpoint": np.zeros(3, np.float32)})
+    with pytest.raises(MergeDBError, match="no parameter or buffer named"):
+        next(iter(cat.sweep([got[0][0].plan_id], into=other)))
+
+
+def _module_like(torch, state):
+    """A torch module whose state_dict names are `state`'s (dots make submodules), in bf16."""
+    root = torch.nn.Module()
+    for name, arr in state.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(torch.zeros(arr.shape, dtype=torch.bfloat16)))
+    return root
+
+
+def test_grid_names_and_bad_grids():
+    reqs = grid.grid_requests(
+        PlanRequest("base", None, "ties", params={"lambda": 2.0}),
+        grid.parse_grid(["density=0.1,0.25", "budget=25%,all", "normalize=false"]),
+        "s",
+    )
+    assert [r.name for r in reqs] == [
+        "s-density=0.1-budget=25%-normalize=false",
+        "s-density=0.1-budget=all-normalize=false",
+        "s-density=0.25-budget=25%-normalize=false",
+        "s-density=0.25-budget=all-normalize=false",
+    ]
+    assert reqs[3].params == {"lambda": 2.0, "density": 0.25, "normalize": False} and reqs[3].budget == "all"
+    for bad, match in [
+        (["density"], "NAME=V1,V2"),
+        (["density=0.1", "density=0.2"], "twice"),
+        (["density=abc"], "not a number"),
+        (["seed=1.5"], "whole numbers"),
+    ]:
+        with pytest.raises(PlanError, match=match):
+            grid.parse_grid(bad)
+
+
+def test_bad_sweeps_store_nothing(fam, tmp_path):
+    root, cat = fam
+    before = cat.sql("SELECT count(*) AS n FROM plans").to_pylist()
+    bad = grid.grid_requests(PlanRequest("base", None, "ties"), {"density": [0.5, 1.5]}, "bad")
+    with pytest.raises(PlanError, match="density must be in"):
+        sw.sweep(cat, bad, tmp_path / "x")
+    with pytest.raises(MergeDBError, match="max-parallel"):
+        sw.sweep(cat, [PlanRequest("base", None, "ties", name="bad-p")], tmp_path / "x", max_parallel=0)
+    (tmp_path / "y" / "taken").mkdir(parents=True)
+    (tmp_path / "y" / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(MergeDBError, match="not empty"):
+        sw.sweep(cat, [PlanRequest("base", None, "ties", name="taken")], tmp_path / "y")
+    assert not (tmp_path / "x").exists()
+    assert (tmp_path / "y" / "taken" / "notes.txt").read_text() == "mine"
+    assert cat.sql("SELECT count(*) AS n FROM plans").to_pylist() == before
+
+
+def test_cli_sweep_and_score(fam, tmp_path):
+    root, cat = fam
+    c = ["-c", str(cat.path)]
+    args = ["sweep", "--base", "base", "--all", "-m", "ties", "--budget", "50%", "--out", str(tmp_path / "o")]
+    r = runner.invoke(app, [*args, "--grid", "density=0.1,0.3", "--grid", "lambda=0.5,1", *c])
+    assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in (tmp_path / "o").iterdir())
+    prefix = names[0].split("-density")[0]
+    assert prefix.startswith("ties-sweep")
+    assert names == sorted(f"{prefix}-density={d}-lambda={lam}" for d in ("0.1", "0.3") for lam in ("0.5", "1"))
+    assert "4 plans" in r.output and "separate runs" in r.output
+    losses = {(0.1, 0.5): 3.0, (0.3, 0.5): 2.0, (0.1, 1.0): 1.0, (0.3, 1.0): 4.0}
+    for (d, lam), v in losses.items():
+        name = f"{prefix}-density={d:g}-lambda={lam:g}"
+        r = runner.invoke(app, ["score", name, "loss", str(v), *c])
+        assert r.exit_code == 0 and "loss = " in r.output, r.output
+    best = cat.sql(
+        "SELECT CAST(params->>'lambda' AS DOUBLE) AS lam, arg_min(CAST(params->>'density' AS DOUBLE), value) AS d "
+        "FROM plan_scores WHERE metric = 'loss' AND starts_with(plan, ?) GROUP BY ALL ORDER BY lam",
+        [prefix],
+    ).to_pylist()
+    assert best == [{"lam": 0.5, "d": 0.3}, {"lam": 1.0, "d": 0.1}]
+    # a second sweep picks the next free prefix; bad input fails clearly with the catalog unchanged
+    r = runner.invoke(app, [*args[:-1], str(tmp_path / "o2"), "--grid", "density=0.2", *c])
+    assert r.exit_code == 0 and (tmp_path / "o2").iterdir().__next__().name.startswith("ties-sweep"), r.output
+    n = cat.sql("SELECT count(*) AS n FROM scores").to_pylist()
+    for bad in (["no-such-plan", "loss", "1"], [names[0], "loss", "nan"], [names[0], " ", "1"]):
+        r = runner.invoke(app, ["score", *bad, *c])
+        assert r.exit_code == 1 and "Error" in r.output, r.output
+    assert cat.sql("SELECT count(*) AS n FROM scores").to_pylist() == n
+    r = runner.invoke(app, ["sweep", "--base", "base", "--all", "-m", "ties", "--grid", "density", "--out", "z", *c])
+    assert r.exit_code == 1 and "NAME=V1,V2" in r.output
+
+
+def test_record_score_returns_ids_in_order(fam):
+    root, cat = fam
+    plan = cat.plan(PlanRequest("base", None, "linear", "10%", name="scored"))
+    a = cat.record_score("scored", "loss", 2.5)
+    b = cat.record_score(plan.plan_id, "acc", 0.75)
+    assert b == a + 1
+    rows = cat.sql("SELECT plan, metric, value FROM plan_scores WHERE score_id >= ? ORDER BY score_id", [a])
+    assert rows.to_pylist() == [
+        {"plan": "scored", "metric": "loss", "value": 2.5},
+        {"plan": "scored", "metric": "acc", "value": 0.75},
+    ]
+
+
+def test_readme_sweep_example_runs(tmp_path, monkeypatch):
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"## Sweeps and searches\n.*?```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    scores = Catalog(tmp_path / "catalog.duckdb").sql("SELECT plan FROM plan_scores ORDER BY plan").to_pylist()
+    assert [r["plan"] for r in scores] == sorted(f"s-{d}-{lam}" for d in (0.1, 0.3) for lam in (0.5, 1.0))
+
+
+def test_a_failing_wave_is_recorded_and_stops_the_sweep(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=9)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plans = grid.plan_all(cat, grid.grid_requests(PlanRequest("base", None, "ties"), {"density": [0.2, 0.4]}, "f"))
+    f = next((fam / "expert_01").glob("*.safetensors"))
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file: every plan reading it fails
+    with pytest.raises(MergeDBError, match=r"1 plan\(s\) of the sweep failed: f-density=0.2: .*changed since"):
+        sw.sweep(cat, [p.plan_id for p in plans], tmp_path / "out", max_parallel=1)
+    runs = cat.sql("SELECT plan_id, status FROM runs ORDER BY run_id").to_pylist()
+    assert runs == [{"plan_id": plans[0].plan_id, "status": "failed"}]  # the second wave never started
+    assert not [p for p in (tmp_path / "out").glob("*") if not p.name.startswith(".")]
+
+
+def test_shared_reads_read_once_serve_all_and_hold_nothing_after():
+    import threading
+    from collections import Counter
+
+    calls = Counter()
+
+    def pread_of(key, fail=False):
+        def pread(buf):
+            calls[key] += 1
+            if fail:
+                raise OSError("disk went away")
+            buf[...] = np.frombuffer(key[1].encode().ljust(buf.size, b"."), np.uint8)[: buf.size]
+
+        return pread
+
+    a, b = ("e0", "t-a", 0, "h"), ("e0", "t-b", 0, "h")
+    shared = sw.SharedReads(Counter({a: 3, b: 2}), cap=1 << 20)
+    got = []
+
+    def consumer(key):
+        raw = np.zeros(8, np.uint8)
+        shared.read(key, raw, pread_of(key))
+        got.append((key, raw.tobytes()))
+
+    threads = [threading.Thread(target=consumer, args=(k,)) for k in (a, a, b, a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == {a: 1, b: 1} and shared.read_bytes == 16 and shared.reread_bytes == 0
+    assert sorted(got) == sorted([(a, b"t-a.....")] * 3 + [(b, b"t-b.....")] * 2)
+    assert shared.entries == {} and shared.held == 0 and shared.peak in (8, 16)  # a copy is held until its last read
+
+    # nothing fits: every consumer reads for itself, counted as rereads after the first
+    calls.clear()
+    tight = sw.SharedReads(Counter({a: 3}), cap=0)
+    for _ in range(3):
+        tight.read(a, np.zeros(8, np.uint8), pread_of(a))
+    assert calls[a] == 3 and tight.reread_bytes == 16 and tight.entries == {}
+
+    # a failed first read raises for its plan only; the next consumer reads for itself
+    failing = sw.SharedReads(Counter({a: 2}), cap=1 << 20)
+    with pytest.raises(OSError):
+        failing.read(a, np.zeros(8, np.uint8), pread_of(a, fail=True))
+    raw = np.zeros(8, np.uint8)
+    failing.read(a, raw, pread_of(a))
+    assert raw.tobytes() == b"t-a....." and failing.entries == {} and failing.held == 0
+
+    # a plan that stops early releases what it will not take: the held copy goes
+    early = sw.SharedReads(Counter({a: 2}), cap=1 << 20)
+    early.read(a, np.zeros(8, np.uint8), pread_of(a))
+    assert early.held == 8
+    early.release([a])
+    assert early.entries == {} and early.held == 0
+
+
+def test_pace_holds_the_leader_and_never_the_slowest():
+    import threading
+
+    pace = sw._Pace(2)
+    steps = []
+
+    def leader():
+        for i in range(sw.LEAD + 3):
+            pace.step(0)
+            steps.append(i)
+
+    t = threading.Thread(target=leader)
+    t.start()
+    t.join(timeout=2)
+    assert t.is_alive() and len(steps) == sw.LEAD  # waits once LEAD tensors ahead of plan 1
+    pace.step(1)  # the slowest never waits
+    t.join(timeout=0.5)
+    assert len(steps) == sw.LEAD + 1
+    pace.finish(1)  # a finished plan holds nobody back
+    t.join(timeout=2)
+    assert not t.is_alive() and len(steps) == sw.LEAD + 3
+
+
+def test_an_abandoned_in_memory_sweep_stops_its_other_plans(fam):
+    import threading
+
+    root, cat = fam
+    reqs = grid.grid_requests(PlanRequest("base", None, "ties", "all"), {"density": [0.2, 0.4, 0.6]}, "abandon")
+    it = cat.sweep(reqs, max_parallel=3)
+    plan, state = next(it)
+    assert plan.name == reqs[0].name and state
+    it.close()  # the other two plans of the wave are finished or stopped, their threads gone
+    assert not [t for t in threading.enumerate() if t.name.startswith(("mergedb-sweep", "mergedb-merge", "mergedb-io"))]
+
+
+def test_a_cancelled_pace_stops_a_waiting_plan():
+    import threading
+
+    pace = sw._Pace(2)
+    errors = []
+
+    def leader():
+        try:
+            for _ in range(sw.LEAD + 2):
+                pace.step(0)
+        except MergeDBError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=leader)
+    t.start()
+    t.join(timeout=1)
+    assert t.is_alive()  # waiting for plan 1
+    pace.cancel()
+    t.join(timeout=2)
+    assert not t.is_alive() and errors and "stopped" in errors[0]

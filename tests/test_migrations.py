@@ -8,9 +8,11 @@ that version had.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pytest
 
 from mergedb import synth
@@ -22,6 +24,20 @@ FILES = sorted(SCHEMA.glob("[0-9][0-9][0-9]_*.sql"))
 LATEST = int(FILES[-1].name[:3])
 TIES = PlanRequest("base", None, "ties", "50%", params={"density": 0.3})
 TASK = PlanRequest("base", None, "task_arithmetic", "30%", weights=(1.0, -0.5), params={"lambda": 0.7})
+PER_TENSOR_SINCE = 7  # plans with per-(expert, tensor) values (plan_tensor_params) exist from 007 on
+
+
+def _per_tensor(tensor: str) -> PlanRequest:
+    """A linear plan whose second expert weighs 3 on one tensor (rows in plan_tensor_params)."""
+    tp = pa.table(
+        {
+            "position": pa.array([1], pa.int32()),
+            "tensor": [tensor],
+            "param": ["weight"],
+            "value": pa.array([3.0], pa.float64()),
+        }
+    )
+    return PlanRequest("base", None, "linear", "all", tensor_params=tp, name="per-tensor")
 
 
 def _tables(con: duckdb.DuckDBPyConnection, schema: str = "main") -> list[str]:
@@ -59,7 +75,8 @@ def source(tmp_path_factory):
     fam = synth.make_family(root / "fam", experts=2, size="tiny", seed=21)
     cat = Catalog(root / "source.duckdb")
     cat.register([fam], base_model="base", block_size="32KiB")
-    plans = [cat.plan(TIES), cat.plan(TASK)]
+    tensor = cat.sql("SELECT name FROM family_tensors WHERE mergeable ORDER BY tensor_idx LIMIT 1").to_pylist()[0]
+    plans = [cat.plan(TIES), cat.plan(TASK), cat.plan(_per_tensor(tensor["name"]))]
     return fam, root / "source.duckdb", plans
 
 
@@ -85,6 +102,10 @@ def _old_catalog(path: Path, version: int, source: Path) -> dict[str, tuple[list
             con.execute(f"DELETE FROM {table}")  # density_grid is filled by 001 itself
             con.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM src.{table}")
         con.execute("DETACH src")
+        if version < PER_TENSOR_SINCE:  # such a plan could not exist then: drop it from every plan table
+            for table in _tables(con):
+                if "plan_id" in _columns(con, table):
+                    con.execute(f"DELETE FROM {table} WHERE plan_id = 3")
         if "runs" in _tables(con):  # a run, so that every table of the version holds a row
             con.execute(
                 "INSERT INTO runs (run_id, plan_id, out, status, error) VALUES (1, 1, '/nowhere', 'failed', 'killed')"
@@ -144,11 +165,13 @@ def test_old_catalog_upgrades_keeps_rows_and_plans(source, tmp_path, version, op
     # the same tables, columns, types and defaults as a catalog created at the latest version
     assert _layout(path) == _layout(src_path)
     # old plans still load and execute-plan; new plans match the ones the source catalog made
+    kept = src_plans if version >= PER_TENSOR_SINCE else src_plans[:2]
     if version >= 2:
-        assert [p.plan_hash for p in cat.plans()] == [p.plan_hash for p in src_plans]
-        xp = cat.execution_plan(src_plans[0].plan_id)
-        assert xp.plan_hash == src_plans[0].plan_hash
-    again = [cat.plan(TIES), cat.plan(TASK)]
-    assert [p.plan_hash for p in again] == [p.plan_hash for p in src_plans]
+        assert [p.plan_hash for p in cat.plans()] == [p.plan_hash for p in kept]
+        for p in kept:
+            assert cat.execution_plan(p.plan_id).plan_hash == p.plan_hash
+    tensor = cat.sql("SELECT name FROM family_tensors WHERE mergeable ORDER BY tensor_idx LIMIT 1").to_pylist()[0]
+    again = [cat.plan(TIES), cat.plan(TASK), cat.plan(replace(_per_tensor(tensor["name"]), name="again"))]
+    assert [p.plan_hash for p in again] == [p.plan_hash for p in src_plans]  # the name is not hashed
     assert [p.selected_bytes for p in again] == [p.selected_bytes for p in src_plans]
     assert Catalog(path).sql("SELECT max(version) AS v FROM schema_version").to_pylist() == [{"v": LATEST}]

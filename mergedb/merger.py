@@ -1,7 +1,8 @@
 """The merge engine: produces a plan's merged tensors, in header order, on all cores.
 
-Threads. The work is a plain list of `Unit`s, one per (tensor, block) that an expert touches (a
-whole tensor for model_stock, whose scale needs all of it). Units write disjoint rows of their
+Threads. The work is a plain list of `Unit`s, one per (tensor, block) that an expert touches
+(model_stock's scale t needs the whole tensor: its block units fold their sums and dots, and the
+tensor's last unit applies t; see stock.py). Units write disjoint rows of their
 tensor's output and each element's float32 operations run in the same order on any thread, so
 the output bytes do not depend on the thread count or on the order units run in. `threads`
 compute threads run units (the numba kernels release the GIL); IO_THREADS threads read the base
@@ -9,7 +10,8 @@ and the expert blocks ahead of them; the caller receives tensors in header order
 buffer of at most AHEAD_BYTES of later tensors. Memory: per compute thread, the running sums of
 one block (5 float32 per element for TIES-style methods, 1 otherwise) and two groups of
 READ_AHEAD expert blocks (one being folded in, one being read), reused from block to block; plus
-the tensors in the reorder buffer. None of it grows with K.
+the tensors in the reorder buffer. None of it grows with K, except for model_stock: every expert
+block of one block at once per thread (its pairwise dots), and its tensor's float32 update.
 """
 
 from __future__ import annotations

@@ -297,17 +297,22 @@ def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks,
                 # the draws first (a loop of 32-bit integer ops only, vectorised), then the test
                 k0, k1 = np.uint32(keys[k] & np.uint64(0xFFFFFFFF)), np.uint32(keys[k] >> np.uint64(32))
                 _draws(k0, k1, np.uint64(offset + c0), rbits[:m])
+                # branch-free (a 50% branch mispredicts): divide everything, then clear dropped bits
                 if mode == 2:  # u < p  ⇔  r·2^-32 < p  ⇔  r < ceil(p·2^32): the same test in integers
                     for i in range(m):
-                        x = df[i]
-                        df[i] = x / p32 if (rbits[i] < thr32) | keep_all else zero
+                        df[i] = df[i] / p32
+                    if not keep_all:
+                        for i in range(m):
+                            dbits[i] = dbits[i] & (np.uint32(0) - np.uint32(rbits[i] < thr32))
                 else:
                     tab = ranks[k]
                     for i in range(m):
-                        x = df[i]
                         pi = np.float32(p_lo + two_eps * tab[(dbits[i] & np.uint32(0x7FFFFFFF)) >> np.uint32(17)])
                         u = np.float64(rbits[i]) * inv32  # exact: `uniform`'s draw
-                        df[i] = x / pi if u < np.float64(pi) else zero
+                        rbits[i] = np.uint32(0) - np.uint32(u < np.float64(pi))  # keep mask
+                        df[i] = df[i] / pi
+                    for i in range(m):
+                        dbits[i] = dbits[i] & rbits[i]
             c = coefs[k]
             tot = acc[0, c0 : c0 + m]
             if consensus:

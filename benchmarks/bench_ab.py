@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -33,16 +34,22 @@ def run_once(tree: Path, catalog: Path, plan_id: int, out: Path, threads: int, f
     evict(files)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "mergedb.cli", "execute", str(plan_id), "--out", str(out), "-c", str(catalog), "-q"]
-    t0 = time.perf_counter()
-    subprocess.run([*cmd, "--threads", str(threads)], check=True, env=env)
-    wall = time.perf_counter() - t0
+    r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    subprocess.run(
+        [*cmd, "--threads", str(threads)], check=True, env=env, cwd=out.parent
+    )  # not cwd: `-m` puts it first
+    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     doc = json.loads((out / "mergedb_manifest.json").read_text())
     return {
         "wall": wall,
         "execute": doc["run"]["seconds"],
         "fixed": wall - doc["run"]["seconds"],
+        # CPU seconds of the process (user + system): far less sensitive than wall time to other
+        # work on a shared machine
+        "cpu": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
         "read_bytes": doc["run"]["expert_bytes_logical"] + doc["run"]["base_bytes"],
         "hash": doc["content_hash"],
+        "rng": doc.get("rng"),  # shows which tree ran (DARE/DELLA)
     }
 
 
@@ -82,13 +89,14 @@ def main() -> None:
                 row = {"method": method, "threads": threads, "repeat": rep, **{k: v for k, v in got.items()}}
                 row["execute_ratio"] = got["after"]["execute"] / got["before"]["execute"]
                 row["wall_ratio"] = got["after"]["wall"] / got["before"]["wall"]
+                row["cpu_ratio"] = got["after"]["cpu"] / got["before"]["cpu"]
                 row["share_of_disk_after"] = got["after"]["read_bytes"] / got["after"]["wall"] / (n / secs)
                 rows.append(row)
                 print(
                     f"{method:16} t={threads} before {got['before']['wall']:6.2f}s "
                     f"(exec {got['before']['execute']:6.2f}) after {got['after']['wall']:6.2f}s "
                     f"(exec {got['after']['execute']:6.2f})  "
-                    f"exec ×{row['execute_ratio']:.2f}",
+                    f"exec ×{row['execute_ratio']:.2f} cpu {got['before']['cpu']:.1f}s -> {got['after']['cpu']:.1f}s",
                     file=sys.stderr,
                     flush=True,
                 )

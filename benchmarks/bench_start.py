@@ -77,6 +77,7 @@ def main() -> None:
             p = subprocess.run(
                 [sys.executable, "-c", DRIVER, str(catalog), str(pid), str(out), "2", str(t)],
                 env=env,
+                cwd=work,  # not the checkout: `python -m`/`-c` put the working directory first on sys.path
                 check=True,
                 capture_output=True,
                 text=True,
@@ -87,7 +88,7 @@ def main() -> None:
             evict(files)
             t = time.perf_counter()
             cmd = [sys.executable, "-m", "mergedb.cli", "execute", str(pid), "--out", str(out), "-c", str(catalog)]
-            subprocess.run([*cmd, "-q", "--threads", "2"], env=env, check=True)
+            subprocess.run([*cmd, "-q", "--threads", "2"], env=env, check=True, cwd=work)
             row["cli_wall"] = time.perf_counter() - t
             row["cli_executor_seconds"] = json.loads((out / "mergedb_manifest.json").read_text())["run"]["seconds"]
             row["cli_fixed"] = row["cli_wall"] - row["cli_executor_seconds"]

@@ -439,3 +439,17 @@ def stock_fold(base, ex, kind, coefs, acc, dots):  # pragma: no cover - compiled
         for a in range(g):
             for b in range(a + 1, g):
                 dots[a, b] += _dot_chunk(dbits[a, :m].view(np.float32), dbits[b, :m].view(np.float32), m)
+
+
+def warm(bits: Any, stock: bool = False) -> None:
+    """Load (or compile) the fused kernels for raw element bits of dtype `bits` (np.uint16 or
+    np.uint32) on tiny arrays, with the argument types the merger passes. The first call of a
+    cached numba function in a process costs ~0.2 s of CPU (cache index, LLVM object load): the
+    merger runs this on a compute thread while the I/O threads read the first inputs."""
+    base, ex = np.zeros(8, bits), np.zeros((1, 8), bits)
+    acc, one, zeros = np.zeros((1, 8), np.float32), np.ones(1, np.float32), np.zeros(1)
+    if stock:
+        stock_fold(base, ex, 0, one, acc, np.zeros((1, 1)))
+    else:
+        fold_group(base, ex, 0, 0, 0, one, zeros, zeros, np.zeros(1, np.uint64), 1.0, 0.0, NO_RANKS, acc)
+    finish(base, 0, acc, True, 1.0, np.empty(0, np.float32), np.empty(8, np.uint16))

@@ -162,6 +162,11 @@ class Merger:
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
         self.compute = ThreadPoolExecutor(self.threads, thread_name_prefix="mergedb-merge")
         self.local = _ThreadBuffers()
+        if self.fused:  # numba's cache load overlaps the first reads (the pools run FIFO)
+            stock = xp.method == "model_stock"
+            kinds = {t.dtype for t in xp.tensors if t.mergeable and t.dtype in kernels.IN_KIND}
+            for bits in {np.uint32 if k == "F32" else np.uint16 for k in kinds}:
+                self.compute.submit(kernels.warm, bits, stock)
 
     def close(self) -> None:
         self.compute.shutdown(cancel_futures=True)

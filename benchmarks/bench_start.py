@@ -23,16 +23,16 @@ from .common import CACHE, evict
 
 DRIVER = r"""
 import json, sys, time
-t0 = time.perf_counter()
+c0, t0 = time.process_time(), time.perf_counter()
 import mergedb.cli  # noqa: F401
-t1 = time.perf_counter()
+c1, t1 = time.process_time(), time.perf_counter()
 from mergedb.catalog import Catalog
-t2 = time.perf_counter()
+c2, t2 = time.process_time(), time.perf_counter()
 from mergedb import executor
-t3 = time.perf_counter()
+c3, t3 = time.process_time(), time.perf_counter()
 cat = Catalog(sys.argv[1])
 xp = cat.execution_plan(int(sys.argv[2]))
-t4 = time.perf_counter()
+c4, t4 = time.process_time(), time.perf_counter()
 import numpy as np
 from mergedb import kernels
 base = np.zeros(8, np.uint16); ex = np.zeros((1, 8), np.uint16); acc = np.zeros((5, 8), np.float32)
@@ -41,12 +41,14 @@ args = (base, ex, 0, 1, 0, one, z, z, np.zeros(1, np.uint64), 1.0)
 extra = (0.0, kernels.NO_RANKS) if hasattr(kernels, "NO_RANKS") else ()
 kernels.fold_group(*args, *extra, acc)
 kernels.finish(base, 0, acc, True, 1.0, np.empty(0, np.float32), np.empty(8, np.uint16))
-t5 = time.perf_counter()
+c5, t5 = time.process_time(), time.perf_counter()
 res = executor.execute(xp, sys.argv[3], threads=int(sys.argv[4]))
-t6 = time.perf_counter()
+c6, t6 = time.process_time(), time.perf_counter()
 print(json.dumps({"import_cli": t1 - t0, "import_catalog": t2 - t1, "import_executor": t3 - t2,
   "catalog_and_plan": t4 - t3, "numba_load": t5 - t4, "execute_call": t6 - t5, "executor_seconds": res.seconds,
-  "execute_outside_merge": t6 - t5 - res.seconds, "pid_start_to_t0": t0 - float(sys.argv[5])}))
+  "execute_outside_merge": t6 - t5 - res.seconds, "pid_start_to_t0": t0 - float(sys.argv[5]),
+  "cpu_import_cli": c1 - c0, "cpu_import_catalog": c2 - c1, "cpu_import_executor": c3 - c2,
+  "cpu_catalog_and_plan": c4 - c3, "cpu_numba_load": c5 - c4, "cpu_execute_call": c6 - c5, "cpu_to_t0": c0}))
 """
 
 

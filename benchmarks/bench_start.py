@@ -23,6 +23,7 @@ from .common import CACHE, evict
 
 DRIVER = r"""
 import json, sys, time
+started = time.time() - float(sys.argv[5])  # process start (fork + exec + interpreter) until here
 c0, t0 = time.process_time(), time.perf_counter()
 import mergedb.cli  # noqa: F401
 c1, t1 = time.process_time(), time.perf_counter()
@@ -46,7 +47,7 @@ res = executor.execute(xp, sys.argv[3], threads=int(sys.argv[4]))
 c6, t6 = time.process_time(), time.perf_counter()
 print(json.dumps({"import_cli": t1 - t0, "import_catalog": t2 - t1, "import_executor": t3 - t2,
   "catalog_and_plan": t4 - t3, "numba_load": t5 - t4, "execute_call": t6 - t5, "executor_seconds": res.seconds,
-  "execute_outside_merge": t6 - t5 - res.seconds, "pid_start_to_t0": t0 - float(sys.argv[5]),
+  "execute_outside_merge": t6 - t5 - res.seconds, "spawn_to_first_line": started,
   "cpu_import_cli": c1 - c0, "cpu_import_catalog": c2 - c1, "cpu_import_executor": c3 - c2,
   "cpu_catalog_and_plan": c4 - c3, "cpu_numba_load": c5 - c4, "cpu_execute_call": c6 - c5, "cpu_to_t0": c0}))
 """

@@ -25,11 +25,20 @@ import numpy as np
 import pyarrow.parquet as pq
 import xxhash
 
-from . import outdir
+from . import kernels, methods, outdir
 from .checkpoint import INDEX, open_checkpoint, side_files
 from .errors import MergeDBError
 from .layout import shard_groups, shard_names
-from .manifest import MANIFEST, MASK, ExecutionPlan, build_manifest, mask_table, plan_from_manifest, write_json
+from .manifest import (
+    MANIFEST,
+    MASK,
+    ExecutionPlan,
+    build_manifest,
+    content_hash,
+    mask_table,
+    plan_from_manifest,
+    write_json,
+)
 from .merger import Merger, ReadBlock, normalize_dtype, output_dtype
 from .tensorfile import DTYPES, SafetensorsWriter, tensor_nbytes
 from .units import check_threads
@@ -216,10 +225,31 @@ def _write(
         "peak_rss_bytes": peak_rss(),
         "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
     }
-    return build_manifest(xp, out_dt, hashes), run, written
+    return _with_rng(xp, build_manifest(xp, out_dt, hashes)), run, written
+
+
+def _with_rng(xp: ExecutionPlan, doc: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a DARE/DELLA output names its random stream (`rng`, deterministic part), so a
+    replay by a mergedb that draws differently refuses instead of writing other bytes."""
+    if methods.get_method(xp.method).sparsify not in kernels.RANDOM:
+        return doc
+    doc = {**doc, "rng": kernels.RNG}
+    doc["content_hash"] = content_hash(doc)
+    return doc
+
+
+def _check_rng(path: str | os.PathLike[str], xp: ExecutionPlan, doc: dict[str, Any]) -> None:
+    if methods.get_method(xp.method).sparsify in kernels.RANDOM and doc.get("rng") != kernels.RNG:
+        wrote = doc.get("rng") or "splitmix64 (mergedb before manifests named their stream)"
+        raise MergeDBError(
+            f"{path}: this {xp.method} output's random draws come from the stream {wrote!r}, but this "
+            f"mergedb draws from {kernels.RNG!r}, so a replay would write other bytes; replay it with the "
+            "mergedb version that wrote it, or execute the plan again to get a new, replayable output"
+        )
 
 
 def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *, force: bool = False) -> ExecuteResult:
     """Re-execute an output from its manifest and mask, installing it only if every tensor hash matches."""
     xp, doc = plan_from_manifest(manifest_path)
+    _check_rng(manifest_path, xp, doc)
     return execute(xp, out, dtype=doc["dtype"], force=force, expect_hashes=doc["tensor_hashes"])

@@ -5,8 +5,9 @@ element offset `offset`) and folds it into per-block running sums, so memory doe
 the number of experts. Omitted blocks contribute nothing; coefficients never change. The order of
 operations is fixed (experts in plan order, float32), so results repeat bit for bit.
 
-Random draws (DARE, DELLA) are counter-based: draw i of stream `key` is splitmix64(key + i)
-mapped to [0, 1) by its top 53 bits, so a block's draws equal the whole tensor's at its offset.
+Random draws (DARE, DELLA) are counter-based: draw i of stream `key` is word 0 of Threefry-2x32
+with 20 rounds (Random123), keyed by the 64-bit `key` with the 64-bit element index i as counter,
+divided by 2^32; so a block's draws equal the whole tensor's at its offset, whatever the threads.
 """
 
 from __future__ import annotations
@@ -20,38 +21,65 @@ import numpy as np
 
 from .methods import Method
 
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _splitmix_top53(key, i):  # pragma: no cover - compiled
-    # splitmix64's finaliser of key + i, top 53 bits as an integer
-    z = (key + np.uint64(i)) * np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return z >> np.uint64(11)
+RNG = "threefry2x32-20"  # the stream's name: recorded in manifests of DARE/DELLA outputs
+RANDOM = frozenset({"random", "della"})  # sparsify modes that draw from it
+_PARITY = 0x1BD11BDA  # Threefry's key-schedule parity constant (Skein)
+_ROT = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32 rotation constants, rounds mod 8
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _splitmix_unit(key, i):  # pragma: no cover - compiled
-    # draw i of stream `key`: the top 53 bits as a float64 in [0, 1)
-    return np.float64(_splitmix_top53(key, i)) * (1.0 / 9007199254740992.0)
+def _rotl(x, r):  # pragma: no cover - compiled
+    return np.uint32((x << np.uint32(r)) | (x >> np.uint32(32 - r)))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rounds4(x0, x1, r0, r1, r2, r3):  # pragma: no cover - compiled
+    # four Threefry rounds: x0 += x1; x1 = rotl(x1, r) ^ x0
+    x0 = np.uint32(x0 + x1)
+    x1 = _rotl(x1, r0) ^ x0
+    x0 = np.uint32(x0 + x1)
+    x1 = _rotl(x1, r1) ^ x0
+    x0 = np.uint32(x0 + x1)
+    x1 = _rotl(x1, r2) ^ x0
+    x0 = np.uint32(x0 + x1)
+    x1 = _rotl(x1, r3) ^ x0
+    return x0, x1
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _draw32(k0, k1, i):  # pragma: no cover - compiled
+    """Draw i of stream (k1:k0): word 0 of Threefry-2x32-20 (Salmon et al. 2011, Random123) with
+    key (k0, k1) and counter (low, high 32 bits of i). Only 32-bit adds, xors and rotations, so a
+    loop of draws vectorises (8 lanes on AVX2)."""
+    k2 = k0 ^ k1 ^ np.uint32(_PARITY)
+    x0 = np.uint32(np.uint32(i & np.uint64(0xFFFFFFFF)) + k0)
+    x1 = np.uint32(np.uint32(i >> np.uint64(32)) + k1)
+    x0, x1 = _rounds4(x0, x1, 13, 15, 26, 6)
+    x0, x1 = np.uint32(x0 + k1), np.uint32(x1 + k2 + np.uint32(1))
+    x0, x1 = _rounds4(x0, x1, 17, 29, 16, 24)
+    x0, x1 = np.uint32(x0 + k2), np.uint32(x1 + k0 + np.uint32(2))
+    x0, x1 = _rounds4(x0, x1, 13, 15, 26, 6)
+    x0, x1 = np.uint32(x0 + k0), np.uint32(x1 + k1 + np.uint32(3))
+    x0, x1 = _rounds4(x0, x1, 17, 29, 16, 24)
+    x0, x1 = np.uint32(x0 + k1), np.uint32(x1 + k2 + np.uint32(4))
+    x0, x1 = _rounds4(x0, x1, 13, 15, 26, 6)
+    return np.uint32(x0 + k2)  # word 1 (x1 + k0 + 5) is not used
+
+
+@numba.njit(nogil=True, cache=True)
+def _draws(k0, k1, i0, out):  # pragma: no cover - compiled
+    # draws i0 … i0+len(out)−1 of stream (k1:k0) into `out` (uint32)
+    for i in range(out.shape[0]):
+        out[i] = _draw32(k0, k1, i0 + np.uint64(i))
 
 
 @numba.njit(nogil=True, cache=True)
 def _uniform(key, offset, n):  # pragma: no cover - compiled
+    k0, k1 = np.uint32(key & np.uint64(0xFFFFFFFF)), np.uint32(key >> np.uint64(32))
     out = np.empty(n, np.float64)
     for i in range(n):
-        out[i] = _splitmix_unit(key, offset + i)
+        out[i] = np.float64(_draw32(k0, k1, offset + np.uint64(i))) * (1.0 / 4294967296.0)
     return out
-
-
-@numba.njit(nogil=True, cache=True)
-def _drop_random(d, key, offset, p):  # pragma: no cover - compiled
-    # DARE in place: keep d[i] / p where u_i < p, else 0
-    p32 = np.float32(p)
-    for i in range(d.shape[0]):
-        u = _splitmix_unit(key, offset + i)
-        d[i] = d[i] / p32 if u < p else np.float32(0.0)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -88,7 +116,16 @@ def _add_consensus(total, pos, neg, pos_w, neg_w, d, w):  # pragma: no cover - c
 
 def uniform(key: int, offset: int, n: int) -> np.ndarray:
     """Uniform [0, 1) draws for elements offset … offset+n−1 of the stream `key` (float64)."""
-    return _uniform(np.uint64(key), offset, n)
+    return _uniform(np.uint64(key), np.uint64(offset), n)
+
+
+def rank_table(codes: list[int], counts: list[int]) -> np.ndarray:
+    """DELLA's magnitude rank from a tensor's magnitude summary, indexed by the float32 bits of |Δ|
+    shifted right by 17 (2^-6-wide bins): the fraction of elements in lower bins plus half of the
+    element's own bin (see README, "DELLA"). (32768,) float64."""
+    below = np.zeros(1 << 15)
+    np.add.at(below, np.asarray(codes, np.int64), np.asarray(counts, np.float64))
+    return (np.cumsum(below) - below / 2) / max(1.0, below.sum())
 
 
 def rng_key(seed: int, expert: str, tensor: str) -> int:
@@ -104,7 +141,7 @@ class Trim:
     t_lo: float = 0.0  # magnitude / band: keep |Δ| ≥ t_lo
     t_hi: float | None = None  # band: and |Δ| < t_hi
     key: int = 0  # random / della: stream key
-    rank: Any = None  # della: callable |Δ| -> rank fraction in [0, 1] (0 = smallest)
+    rank: Any = None  # della: (32768,) float64 rank fraction of |Δ| by its bits >> 17 (rank_table)
 
 
 def sparsify(m: Method, params: dict[str, Any], delta: np.ndarray, offset: int, trim: Trim) -> np.ndarray:
@@ -114,13 +151,17 @@ def sparsify(m: Method, params: dict[str, Any], delta: np.ndarray, offset: int, 
     if m.sparsify in ("magnitude", "band"):  # in place
         _keep_band(delta, trim.t_lo, np.inf if trim.t_hi is None else trim.t_hi)
         return delta
-    if m.sparsify == "random":  # in place
-        _drop_random(delta, np.uint64(trim.key), offset, float(params["density"]))
+    if m.sparsify == "random":  # in place: keep Δ / p where the draw is below p
+        u = uniform(trim.key, offset, delta.size)  # (n,) float64
+        p = float(params["density"])
+        np.divide(delta, np.float32(p), out=delta)
+        delta[u >= p] = 0
         return delta
     a = np.abs(delta)
     u = uniform(trim.key, offset, delta.size).reshape(delta.shape)
     # della: keep probability rises linearly with magnitude rank from density−ε to density+ε
-    p = (params["density"] - params["epsilon"] + 2 * params["epsilon"] * trim.rank(a)).astype(np.float32)
+    rank = trim.rank[np.asarray(a, np.float32).view(np.uint32) >> 17]  # (n,) float64
+    p = (params["density"] - params["epsilon"] + 2 * params["epsilon"] * rank).astype(np.float32)
     return np.where(u < p, delta / p, np.float32(0)).astype(np.float32)
 
 
@@ -166,7 +207,8 @@ class Accumulator:
 
 CHUNK = 16384  # elements per cache-resident chunk
 IN_KIND = {"BF16": 0, "F16": 1, "F32": 2}  # raw element bits: uint16, uint16, uint32
-MODE = {"none": 0, "magnitude": 1, "band": 1, "random": 2}  # sparsify modes the fused path handles
+MODE = {"none": 0, "magnitude": 1, "band": 1, "random": 2, "della": 3}  # sparsify modes the fused path handles
+NO_RANKS = np.zeros((0, 1 << 15))  # `fold_group`'s rank tables when the mode is not DELLA
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -215,21 +257,27 @@ def _decode_chunk(raw, kind, out):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, acc):  # pragma: no cover - compiled
+def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc):  # pragma: no cover - compiled
     """Fold experts ex[0..g) (each (n,) raw bits of one block) into the sums `acc`.
 
     base (n,) raw bits; ex (g, n) raw bits in plan order; coefs (g,) float32: c_k for additive
     sums (acc (1, n)), w_k for sign consensus (acc (5, n): total, pos, neg, pos_w, neg_w);
-    mode 0: Δ as is, 1: keep lo_k ≤ |Δ| < hi_k, 2: DARE keep Δ / p where draw < p (stream keys_k
-    at element offset + i)."""
+    mode 0: Δ as is, 1: keep lo_k ≤ |Δ| < hi_k, 2: DARE keep Δ / p where draw < p, 3: DELLA keep
+    Δ / p_i where draw < p_i, p_i = float32(p − ε + 2ε·ranks[k, bits(|Δ_i|) >> 17]) (draws of
+    stream keys_k at element offset + i, as `uniform`)."""
     n = base.shape[0]
     g = ex.shape[0]
     consensus = acc.shape[0] == 5
     p32 = np.float32(p)
-    p53 = np.uint64(np.ceil(p * 9007199254740992.0))
+    p_lo, two_eps = p - eps, 2.0 * eps  # DELLA: float64, as `sparsify` computes them
+    inv32 = 1.0 / 4294967296.0
+    thr = np.ceil(min(max(p, 0.0), 1.0) * 4294967296.0)  # DARE: keep draws r < thr
+    keep_all = thr >= 4294967296.0
+    thr32 = np.uint32(min(thr, 4294967295.0))
     zero = np.float32(0.0)
     bbits = np.empty(CHUNK, np.uint32)
     dbits = np.empty(CHUNK, np.uint32)
+    rbits = np.empty(CHUNK, np.uint32)  # (m,) the chunk's draws
     for c0 in range(0, n, CHUNK):
         m = min(CHUNK, n - c0)
         bf = bbits[:m].view(np.float32)  # (m,) float32 base
@@ -245,12 +293,26 @@ def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, acc):  # pr
                     x = df[i]
                     a = abs(x)
                     df[i] = x if (a >= lo32) & (a < hi32) else zero
-            elif mode == 2:
-                # draw < p  ⇔  top53 · 2^-53 < p  ⇔  top53 < ceil(p · 2^53): the same test in integers
-                key = keys[k]
-                for i in range(m):
-                    keep = _splitmix_top53(key, offset + c0 + i) < p53
-                    df[i] = df[i] / p32 if keep else zero
+            elif mode >= 2:
+                # the draws first (a loop of 32-bit integer ops only, vectorised), then the test
+                k0, k1 = np.uint32(keys[k] & np.uint64(0xFFFFFFFF)), np.uint32(keys[k] >> np.uint64(32))
+                _draws(k0, k1, np.uint64(offset + c0), rbits[:m])
+                # branch-free (a 50% branch mispredicts): divide everything, then clear dropped bits
+                if mode == 2:  # u < p  ⇔  r·2^-32 < p  ⇔  r < ceil(p·2^32): the same test in integers
+                    for i in range(m):
+                        df[i] = df[i] / p32
+                    if not keep_all:
+                        for i in range(m):
+                            dbits[i] = dbits[i] & (np.uint32(0) - np.uint32(rbits[i] < thr32))
+                else:
+                    tab = ranks[k]
+                    for i in range(m):
+                        pi = np.float32(p_lo + two_eps * tab[(dbits[i] & np.uint32(0x7FFFFFFF)) >> np.uint32(17)])
+                        u = np.float64(rbits[i]) * inv32  # exact: `uniform`'s draw
+                        rbits[i] = np.uint32(0) - np.uint32(u < np.float64(pi))  # keep mask
+                        df[i] = df[i] / pi
+                    for i in range(m):
+                        dbits[i] = dbits[i] & rbits[i]
             c = coefs[k]
             tot = acc[0, c0 : c0 + m]
             if consensus:
@@ -319,3 +381,77 @@ def finish(base, kind, acc, normalize, lam, res, bf16, scale=1.0):  # pragma: no
                 r = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
                 nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
                 bf16[c0 + i] = np.uint16(0x7FC0) if nan else np.uint16(r)
+
+
+# -- model_stock -------------------------------------------------------------------------------
+# Its scale t needs ⟨Δ_j, Δ_k⟩ over the whole tensor, so each block's unit folds Σ c_k Δ_k and
+# returns the block's exact pairwise dots; the tensor's last unit sums them (blocks in order) and
+# applies t. A dot is summed in float64 in a fixed order whatever the machine (BLAS picks its own
+# order per CPU, which would make a replay elsewhere differ): per CHUNK of the block, 8 lanes by
+# element index mod 8, the lanes added 0..7, the chunks in order.
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _dot_chunk(a, b, m):  # pragma: no cover - compiled
+    lanes = np.zeros(8, np.float64)
+    m8 = m - m % 8
+    for i in range(0, m8, 8):
+        for j in range(8):
+            lanes[j] += np.float64(a[i + j]) * np.float64(b[i + j])
+    for i in range(m8, m):
+        lanes[i - m8] += np.float64(a[i]) * np.float64(b[i])
+    s = 0.0
+    for j in range(8):
+        s += lanes[j]
+    return s
+
+
+@numba.njit(nogil=True, cache=True)
+def dot64(a, b):  # pragma: no cover - compiled
+    """⟨a, b⟩ of two (n,) float32 arrays in float64, in the fixed order `stock_fold` uses."""
+    s = 0.0
+    for c0 in range(0, a.shape[0], CHUNK):
+        m = min(CHUNK, a.shape[0] - c0)
+        s += _dot_chunk(a[c0 : c0 + m], b[c0 : c0 + m], m)
+    return s
+
+
+@numba.njit(nogil=True, cache=True)
+def stock_fold(base, ex, kind, coefs, acc, dots):  # pragma: no cover - compiled
+    """model_stock's block: acc (1, n) float32 = Σ_k coefs_k Δ_k (experts in plan order, as
+    `fold_group` mode 0) and dots (g, g) float64, upper triangle += ⟨Δ_a, Δ_b⟩ as `dot64`.
+    base (n,) raw bits; ex (g, n) raw bits of every expert of the block."""
+    n = base.shape[0]
+    g = ex.shape[0]
+    bbits = np.empty(CHUNK, np.uint32)
+    dbits = np.empty((g, CHUNK), np.uint32)
+    for c0 in range(0, n, CHUNK):
+        m = min(CHUNK, n - c0)
+        bf = bbits[:m].view(np.float32)  # (m,) float32 base
+        _decode_chunk(base[c0 : c0 + m], kind, bbits[:m])
+        tot = acc[0, c0 : c0 + m]
+        for k in range(g):
+            df = dbits[k, :m].view(np.float32)  # (m,) float32 Δ_k
+            _decode_chunk(ex[k, c0 : c0 + m], kind, dbits[k, :m])
+            c = coefs[k]
+            for i in range(m):
+                df[i] = df[i] - bf[i]
+            for i in range(m):
+                tot[i] += c * df[i]
+        for a in range(g):
+            for b in range(a + 1, g):
+                dots[a, b] += _dot_chunk(dbits[a, :m].view(np.float32), dbits[b, :m].view(np.float32), m)
+
+
+def warm(bits: Any, stock: bool = False) -> None:
+    """Load (or compile) the fused kernels for raw element bits of dtype `bits` (np.uint16 or
+    np.uint32) on tiny arrays, with the argument types the merger passes. The first call of a
+    cached numba function in a process costs ~0.2 s of CPU (cache index, LLVM object load): the
+    merger runs this on a compute thread while the I/O threads read the first inputs."""
+    base, ex = np.zeros(8, bits), np.zeros((1, 8), bits)
+    acc, one, zeros = np.zeros((1, 8), np.float32), np.ones(1, np.float32), np.zeros(1)
+    if stock:
+        stock_fold(base, ex, 0, one, acc, np.zeros((1, 1)))
+    else:
+        fold_group(base, ex, 0, 0, 0, one, zeros, zeros, np.zeros(1, np.uint64), 1.0, 0.0, NO_RANKS, acc)
+    finish(base, 0, acc, True, 1.0, np.empty(0, np.float32), np.empty(8, np.uint16))

@@ -1,7 +1,8 @@
 """The merge engine: produces a plan's merged tensors, in header order, on all cores.
 
-Threads. The work is a plain list of `Unit`s, one per (tensor, block) that an expert touches (a
-whole tensor for model_stock, whose scale needs all of it). Units write disjoint rows of their
+Threads. The work is a plain list of `Unit`s, one per (tensor, block) that an expert touches
+(model_stock's scale t needs the whole tensor: its block units fold their sums and dots, and the
+tensor's last unit applies t; see stock.py). Units write disjoint rows of their
 tensor's output and each element's float32 operations run in the same order on any thread, so
 the output bytes do not depend on the thread count or on the order units run in. `threads`
 compute threads run units (the numba kernels release the GIL); IO_THREADS threads read the base
@@ -9,7 +10,8 @@ and the expert blocks ahead of them; the caller receives tensors in header order
 buffer of at most AHEAD_BYTES of later tensors. Memory: per compute thread, the running sums of
 one block (5 float32 per element for TIES-style methods, 1 otherwise) and two groups of
 READ_AHEAD expert blocks (one being folded in, one being read), reused from block to block; plus
-the tensors in the reorder buffer. None of it grows with K.
+the tensors in the reorder buffer. None of it grows with K, except for model_stock: every expert
+block of one block at once per thread (its pairwise dots), and its tensor's float32 update.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
 import xxhash
 
 from . import kernels, methods
@@ -33,6 +33,7 @@ from .checkpoint import open_checkpoint
 from .errors import ChangedFileError, MergeDBError
 from .layout import TensorLayout, block_bytes, row_elems
 from .manifest import ExecutionPlan, Source
+from .stock import StockDots, StockTensor
 from .tensorfile import DTYPES, TensorInfo, as_float32, encode, pread_into, tensor_nbytes
 from .tensorparams import TensorParams
 from .units import check_threads
@@ -162,7 +163,8 @@ class Merger:
         }
         self.threads = (os.cpu_count() or 1) if threads is None else check_threads(threads)
         self.order = random.Random(unit_order_seed) if unit_order_seed is not None else None
-        self.fused = self.method.sparsify in kernels.MODE and xp.method != "model_stock"
+        self.fused = self.method.sparsify in kernels.MODE
+        self._stock: dict[int, StockTensor] = {}  # model_stock: tensors whose blocks are running
         self.values = xp.tensor_values()  # per (position, tensor_idx), where the plan sets them per tensor
         self.defaults = [xp.default_values(p) for p in range(len(xp.experts))]
         self.scale = {ti: v.base_scale for (_, ti), v in self.values.items()}  # factor on θ₀ per tensor
@@ -172,6 +174,11 @@ class Merger:
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
         self.compute = ThreadPoolExecutor(self.threads, thread_name_prefix="mergedb-merge")
         self.local = _ThreadBuffers()
+        if self.fused:  # numba's cache load overlaps the first reads (the pools run FIFO)
+            stock = xp.method == "model_stock"
+            kinds = {t.dtype for t in xp.tensors if t.mergeable and t.dtype in kernels.IN_KIND}
+            for bits in {np.uint32 if k == "F32" else np.uint16 for k in kinds}:
+                self.compute.submit(kernels.warm, bits, stock)
 
     def close(self) -> None:
         self.compute.shutdown(cancel_futures=True)
@@ -229,13 +236,12 @@ class Merger:
         """The units of tensor `ti`; none when the base's bytes are the output (copied without decoding)."""
         t = self.xp.tensors[ti]
         selected = self.sel.get(ti, {})
-        # Rows of blocks no expert touches keep the base's bytes exactly unless the dtype changes or
-        # the base is scaled (SLERP off its lerp branch: there every block is s·θ₀ + s1·Δ)
+        # untouched rows keep the base's bytes unless the dtype changes or SLERP scales θ₀ (s0 + s1 ≠ 1)
         rescale = self.scale.get(ti, 1.0) != 1.0
         if not t.mergeable or (not selected and output_dtype(t, self.dtype) == t.dtype and not rescale):
             return []
         blocks = list(range(len(t.rows))) if output_dtype(t, self.dtype) != t.dtype or rescale else sorted(selected)
-        if self.xp.method == "model_stock":  # its scale t needs every block of the tensor first
+        if self.xp.method == "model_stock" and not self.fused:  # per-step path: the tensor in one unit
             return [Unit(ti, tuple(blocks))]
         return [Unit(ti, (b,)) for b in blocks]
 
@@ -272,6 +278,8 @@ class Merger:
         out = None  # the base buffer itself, overwritten block by block
         if units and out_dtype != t.dtype:
             out = np.empty(tensor_nbytes(out_dtype, t.shape), np.uint8)
+        if units and self.fused and self.xp.method == "model_stock":
+            self._stock[ti] = StockTensor(self.xp, ti, sorted(b for u in units for b in u.blocks))
         futs = [self.compute.submit(self.run_unit, u, base_f, out) for u in units]
         return ti, base_f, futs, out
 
@@ -282,25 +290,30 @@ class Merger:
         base_raw = base_f.result()
         if out is None:
             out = base_raw
-        if self.fused:
+        if self.fused and self.xp.method == "model_stock":
+            self._stock_block(u.tensor_idx, u.blocks[0], base_raw, out)
+        elif self.fused:
             for b in u.blocks:
                 self._fused_block(u.tensor_idx, b, base_raw, out)
         else:
             self._merge_slow(u, base_raw, out)
 
+    def _block(self, ti: int, b: int, base_raw: np.ndarray) -> tuple[int, int, np.dtype, np.ndarray]:
+        """Block `b` of tensor `ti`: first element, element count, raw-bits dtype, the base's (n,) raw bits."""
+        t = self.xp.tensors[ti]
+        raw_dt = np.dtype(DTYPES[t.dtype][1])
+        bits_dt = np.dtype(np.uint32 if raw_dt.itemsize == 4 else np.uint16)
+        r0, r1 = t.rows[b]
+        lo, n = r0 * row_elems(t.shape), (r1 - r0) * row_elems(t.shape)
+        return lo, n, bits_dt, base_raw[lo * raw_dt.itemsize : (lo + n) * raw_dt.itemsize].view(bits_dt)
+
     def _fused_block(self, ti: int, b: int, base_raw: np.ndarray, out: np.ndarray) -> None:
         """One block through the fused kernels: groups of READ_AHEAD experts, the next group read
         on the I/O threads while this one is folded in."""
         t = self.xp.tensors[ti]
-        out_dtype = output_dtype(t, self.dtype)
-        raw_dt, out_dt = np.dtype(DTYPES[t.dtype][1]), np.dtype(DTYPES[out_dtype][1])
-        bits_dt = np.uint32 if raw_dt.itemsize == 4 else np.uint16
         kind = kernels.IN_KIND[t.dtype]
-        r0, r1 = t.rows[b]
-        per_row = row_elems(t.shape)
-        lo, n = r0 * per_row, (r1 - r0) * per_row
-        nb = n * raw_dt.itemsize
-        base = base_raw[lo * raw_dt.itemsize : lo * raw_dt.itemsize + nb].view(bits_dt)  # (n,) raw bits
+        lo, n, bits_dt, base = self._block(ti, b, base_raw)
+        nb = base.nbytes
         acc = self.local.get("acc", (5 if self.method.consensus else 1) * n, np.float32)
         acc = acc.reshape(-1, n)  # (1 or 5, n) float32 running sums
         acc.fill(0)
@@ -317,6 +330,7 @@ class Merger:
 
         reads = submit(0) if groups else []
         mode = kernels.MODE[self.method.sparsify]
+        draws = self.method.sparsify in kernels.RANDOM
         for gi, grp in enumerate(groups):
             for f in reads:
                 f.result()
@@ -330,15 +344,30 @@ class Merger:
             t_lo = np.array([tr.t_lo for tr in trims], np.float64)
             t_hi = np.array([np.inf if tr.t_hi is None else tr.t_hi for tr in trims], np.float64)
             keys = np.array([tr.key for tr in trims], np.uint64)
-            dens = [v.density for v in vals]
+            dens = [(v.density, v.epsilon) for v in vals]
+            ranks = np.stack([tr.rank for tr in trims]) if mode == kernels.MODE["della"] else kernels.NO_RANKS
             j0 = 0  # (not `b`: `submit` reads the block index b when the next group is read)
-            while j0 < len(grp):  # one call per run of experts with one DARE density (each element's
-                j1 = j0 + 1  # operations and their order do not depend on where a group is cut)
-                while j1 < len(grp) and (mode != 2 or dens[j1] == dens[j0]):
+            while j0 < len(grp):  # one call per run of experts with one DARE/DELLA density and ε (each
+                j1 = j0 + 1  # element's operations and their order do not depend on where a group is cut)
+                while j1 < len(grp) and (not draws or dens[j1] == dens[j0]):
                     j1 += 1
                 sl = slice(j0, j1)
-                kernels.fold_group(base, ex[sl], kind, mode, lo, coefs[sl], t_lo[sl], t_hi[sl], keys[sl], dens[j0], acc)
+                rk = ranks[sl] if len(ranks) else ranks
+                p, eps = dens[j0]
+                kernels.fold_group(
+                    base, ex[sl], kind, mode, lo, coefs[sl], t_lo[sl], t_hi[sl], keys[sl], p, eps, rk, acc
+                )
                 j0 = j1
+        self._finish(ti, b, base_raw, acc, out)
+
+    def _finish(self, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray, out: np.ndarray) -> None:
+        """Write block `b` of tensor `ti`: the base (times the tensor's base scale) plus the merged
+        update of the sums `acc`."""
+        t = self.xp.tensors[ti]
+        out_dtype = output_dtype(t, self.dtype)
+        out_dt = np.dtype(DTYPES[out_dtype][1])
+        kind = kernels.IN_KIND[t.dtype]
+        lo, n, _, base = self._block(ti, b, base_raw)
         normalize = bool(self.xp.params.get("normalize", True))
         tv = self._values(0, ti)  # λ and the base scale are per tensor: the same at every position
         lam, scale = tv.lam, tv.base_scale
@@ -352,6 +381,34 @@ class Merger:
             kernels.finish(base, kind, acc, normalize, lam, res, _NO_BF16, scale)
             target[...] = res
 
+    def _stock_block(self, ti: int, b: int, base_raw: np.ndarray, out: np.ndarray) -> None:
+        """model_stock's block: Σ c_k Δ_k into the tensor's update and the block's pairwise dots;
+        the tensor's last block computes t and writes every block (see StockTensor)."""
+        t = self.xp.tensors[ti]
+        lo, n, bits_dt, base = self._block(ti, b, base_raw)
+        nb = base.nbytes
+        work = self.sel.get(ti, {}).get(b, [])
+        buf = self.local.get("stock", max(1, len(work)) * nb, np.uint8)  # every expert of the block at once
+        for f in [
+            self.io.submit(self._read_one, ti, b, pos, h, buf[k * nb : k * nb + nb]) for k, (pos, h) in enumerate(work)
+        ]:
+            f.result()
+        state = self._stock[ti]
+        acc = state.update[lo : lo + n].reshape(1, n)  # (1, n) float32: this block's rows of the update
+        acc.fill(0)
+        dots = np.zeros((len(work), len(work)))  # (g, g) float64, upper triangle
+        ex = buf[: len(work) * nb].view(bits_dt).reshape(len(work), n)  # (g, n) raw bits
+        coefs = np.array([self._values(pos, ti).coef for pos, _ in work], np.float32)
+        kernels.stock_fold(base, ex, kernels.IN_KIND[t.dtype], coefs, acc, dots)
+        if state.done(b, [pos for pos, _ in work], dots):  # the tensor's last block: t is known
+            scale = np.float32(state.t())
+            for blk in state.blocks:
+                lo, n, _, _ = self._block(ti, blk, base_raw)
+                upd = state.update[lo : lo + n]
+                np.multiply(upd, scale, out=upd)  # t·Σ c_k Δ_k, float32 as the per-step path
+                self._finish(ti, blk, base_raw, upd.reshape(1, n), out)
+            del self._stock[ti]
+
     def _merge_slow(self, u: Unit, base_raw: np.ndarray, out: np.ndarray) -> None:
         """DELLA and model_stock, block by block with `sparsify` and `Accumulator` (model_stock's
         scale t needs every block of the tensor first)."""
@@ -360,7 +417,7 @@ class Merger:
         out_dtype = output_dtype(t, self.dtype)
         selected = self.sel.get(ti, {})
         raw_dt, out_dt = np.dtype(DTYPES[t.dtype][1]), np.dtype(DTYPES[out_dtype][1])
-        stock = _StockDots(self.xp, ti) if self.xp.method == "model_stock" else None
+        stock = StockDots(self.xp, ti) if self.xp.method == "model_stock" else None
         pending: list[tuple[int, np.ndarray, np.ndarray]] = []  # model_stock: until t is known
         per_row = row_elems(t.shape)
         for b in u.blocks:
@@ -409,53 +466,5 @@ class Merger:
         key = kernels.rng_key(self.xp.seed, src.name, t.name)
         if r is None:
             return kernels.Trim(key=key)
-        rank = _della_rank(r["rank_codes"], r["rank_counts"]) if r.get("rank_codes") is not None else None
+        rank = kernels.rank_table(r["rank_codes"], r["rank_counts"]) if r.get("rank_codes") is not None else None
         return kernels.Trim(r["t_lo"] or 0.0, r["t_hi"], key, rank)
-
-
-def _della_rank(codes: list[int], counts: list[int]) -> Callable[[np.ndarray], np.ndarray]:
-    """DELLA's magnitude rank from a tensor's magnitude summary: the fraction of elements in lower
-    2^-6-wide bins plus half of the element's own bin (see README, "DELLA")."""
-    below = np.zeros(1 << 15)
-    np.add.at(below, np.asarray(codes, np.int64), np.asarray(counts, np.float64))
-    cum = (np.cumsum(below) - below / 2) / max(1.0, below.sum())
-
-    def rank(a: np.ndarray) -> np.ndarray:
-        return cum[np.asarray(a, np.float32).view(np.uint32) >> 17]
-
-    return rank
-
-
-class _StockDots:
-    """model_stock's per-tensor t from the mean pairwise cosine of the task vectors.
-
-    ⟨Δ_j, Δ_k⟩ is exact over blocks where both were read and estimated from the catalog's
-    sketches elsewhere; ‖Δ_k‖² is exact (from the catalog).
-    """
-
-    def __init__(self, xp: ExecutionPlan, ti: int) -> None:
-        self.k = len(xp.experts)
-        self.dots = np.zeros((self.k, self.k))
-        self.norm2 = np.zeros(self.k)
-        if xp.stock is not None:
-            rows = xp.stock.filter(pa.compute.equal(xp.stock.column("tensor_idx"), ti)).to_pylist()
-            for r in rows:
-                if r["j"] == r["k"]:
-                    self.norm2[r["j"]] = r["dot"]
-                else:
-                    self.dots[r["j"], r["k"]] += r["dot"]
-
-    def add_block(self, deltas: list[tuple[int, np.ndarray]]) -> None:
-        for a in range(len(deltas)):
-            for b in range(a + 1, len(deltas)):
-                (j, dj), (k, dk) = deltas[a], deltas[b]
-                self.dots[min(j, k), max(j, k)] += float(np.dot(dj.astype(np.float64), dk.astype(np.float64)))
-
-    def t(self) -> float:
-        cos = []
-        for j in range(self.k):
-            for k in range(j + 1, self.k):
-                den = np.sqrt(self.norm2[j] * self.norm2[k])
-                cos.append(self.dots[j, k] / den if den > 0 else 0.0)
-        c = float(np.mean(cos)) if cos else 0.0
-        return self.k * c / (1 + (self.k - 1) * c) if 1 + (self.k - 1) * c != 0 else 0.0

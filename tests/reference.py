@@ -67,11 +67,6 @@ def block_rows(shape: tuple[int, ...], itemsize: int, block_size: int) -> list[t
 
 # -- the documented definitions of coefficients and random draws, written out again -------------
 
-# splitmix64's constants (Steele, Lea & Flood 2014; Vigna's splitmix64.c)
-_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-
 
 def ref_coefficients(method: str, params: dict, weights: list[float]) -> list[float]:
     """c_k on Δ_k as the README's table defines them, from the request's own parameters.
@@ -97,19 +92,26 @@ def drop_key(seed: int, expert: str, tensor: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def splitmix64_draws(key: int, n: int) -> np.ndarray:
-    """Draws u_0 … u_{n−1} of stream `key`: u_i = top 53 bits of splitmix64(key + i), in [0, 1).
-
-    splitmix64(x): z = x·0x9E3779B97F4A7C15 (mod 2^64), then its finaliser
-    z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31.
-    (That is the textbook generator's (i+1)-th output from the state (key − 1)·γ.) Plain numpy
-    uint64 arrays: multiplication wraps mod 2^64. float64, (n,).
+def threefry_draws(key: int, n: int, offset: int = 0) -> np.ndarray:
+    """Draws u_offset … u_{offset+n−1} of stream `key`: u_i = word 0 of Threefry-2x32 with 20 rounds
+    (Salmon, Moraes, Dror & Shaw 2011, "Parallel random numbers: as easy as 1, 2, 3"; Random123's
+    threefry2x32_R(20, ctr, key)) with key (low, high 32 bits of `key`) and counter (low, high
+    32 bits of i), divided by 2^32. Written out from the paper on plain numpy uint32 arrays (adds
+    wrap mod 2^32). float64, (n,).
     """
-    z = (np.uint64(key) + np.arange(n, dtype=np.uint64)) * _GOLDEN_GAMMA
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    rot = (13, 15, 26, 6, 17, 29, 16, 24)
+    ks = [np.uint32(key & 0xFFFFFFFF), np.uint32(key >> 32)]
+    ks.append(ks[0] ^ ks[1] ^ np.uint32(0x1BD11BDA))
+    i = np.arange(offset, offset + n, dtype=np.uint64)
+    x = [(i & np.uint64(0xFFFFFFFF)).astype(np.uint32) + ks[0], (i >> np.uint64(32)).astype(np.uint32) + ks[1]]
+    for r in range(20):
+        x[0] = x[0] + x[1]
+        x[1] = ((x[1] << np.uint32(rot[r % 8])) | (x[1] >> np.uint32(32 - rot[r % 8]))) ^ x[0]
+        if r % 4 == 3:  # key injection s = (r + 1) / 4
+            s = (r + 1) // 4
+            x[0] = x[0] + ks[s % 3]
+            x[1] = x[1] + ks[(s + 1) % 3] + np.uint32(s)
+    return x[0].astype(np.float64) / 2.0**32
 
 
 def ref_merge(
@@ -127,7 +129,7 @@ def ref_merge(
 
     `params` are the request's parameters as given (λ defaults to 1, normalize to true; densities
     must be given); coefficients and random draws are derived here (`ref_coefficients`,
-    `drop_key`, `splitmix64_draws`), never taken from mergedb.
+    `drop_key`, `threefry_draws`), never taken from mergedb.
 
     linear / task_arithmetic: θ0 + Σ_k c_k Δ_k.  TIES: trim each Δ_k to |Δ| ≥ its k-th largest
     (k = max(1, int(density·n))), elect sign(Σ w_k Δ'_k) with +1 on zero, average the agreeing
@@ -152,7 +154,7 @@ def ref_merge(
                 keep &= a < float(kth_largest(a.numpy(), params["gamma"]))
             d = torch.where(keep, d, torch.zeros_like(d))
         elif method in ("dare_linear", "dare_ties"):
-            u = torch.from_numpy(splitmix64_draws(drop_key(seed, expert_names[i], tensor), d.numel()))
+            u = torch.from_numpy(threefry_draws(drop_key(seed, expert_names[i], tensor), d.numel()))
             p = params["density"]
             d = torch.where(u < p, d / p, torch.zeros_like(d))
         elif method in ("della", "della_linear"):
@@ -164,7 +166,7 @@ def ref_merge(
             mid = (np.cumsum(counts) - counts / 2) / counts.sum()
             rank = torch.from_numpy(mid[codes])
             p = (params["density"] - params["epsilon"] + 2 * params["epsilon"] * rank).to(torch.float32)
-            u = torch.from_numpy(splitmix64_draws(drop_key(seed, expert_names[i], tensor), d.numel()))
+            u = torch.from_numpy(threefry_draws(drop_key(seed, expert_names[i], tensor), d.numel()))
             d = torch.where(u < p, d / p, torch.zeros_like(d))
         deltas.append(d)
     if method in ("linear", "task_arithmetic", "dare_linear", "breadcrumbs", "della_linear"):

@@ -344,7 +344,7 @@ class Merger:
             t_lo = np.array([tr.t_lo for tr in trims], np.float64)
             t_hi = np.array([np.inf if tr.t_hi is None else tr.t_hi for tr in trims], np.float64)
             keys = np.array([tr.key for tr in trims], np.uint64)
-            dens = [(v.density, v.epsilon) for v in vals]
+            dens = [(v.density, v.epsilon or 0.0) for v in vals]
             ranks = np.stack([tr.rank for tr in trims]) if mode == kernels.MODE["della"] else kernels.NO_RANKS
             j0 = 0  # (not `b`: `submit` reads the block index b when the next group is read)
             while j0 < len(grp):  # one call per run of experts with one DARE/DELLA density and ε (each

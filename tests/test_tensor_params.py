@@ -16,7 +16,7 @@ from mergedb.errors import MergeDBError, PlanError
 from mergedb.manifest import content_hash
 from mergedb.planner import PlanRequest
 from tests.conftest import FAMILIES
-from tests.reference import cast_like, drop_key, kth_largest, load_model, ref_merge, splitmix64_draws
+from tests.reference import cast_like, drop_key, kth_largest, load_model, ref_merge, threefry_draws
 
 EXPERTS = ["expert_00", "expert_01", "expert_02"]
 WEIGHTS = (1.0, 0.6, 0.3)
@@ -83,7 +83,7 @@ def ref_tensor(method, params, w, dens, lam, base, experts, names, tensor, seed)
             t = float(kth_largest(d.abs().numpy(), dens[i]))
             d = torch.where(d.abs() >= t, d, torch.zeros_like(d))
         elif method == "dare_ties":
-            u = torch.from_numpy(splitmix64_draws(drop_key(seed, names[i], tensor), d.numel()))
+            u = torch.from_numpy(threefry_draws(drop_key(seed, names[i], tensor), d.numel()))
             d = torch.where(u < dens[i], d / dens[i], torch.zeros_like(d))
         deltas.append(d)
     if method in ("linear", "task_arithmetic"):

@@ -45,9 +45,8 @@ import numpy as np
 from .common import CACHE, save
 
 CLI = [sys.executable, "-m", "mergedb.cli"]
-MERGEKIT_YAML = Path(
-    os.environ.get("MERGEKIT_YAML", Path(__file__).parent / "cache" / "mergekit-venv" / "bin" / "mergekit-yaml")
-)
+# like run.py's mergekit series: the venv under the benchmarks' cache (MERGEDB_BENCH_DIR moves it)
+MERGEKIT_YAML = Path(os.environ.get("MERGEKIT_YAML", CACHE / "mergekit-venv" / "bin" / "mergekit-yaml"))
 MAKE_VENV = (
     "python3 -m venv benchmarks/cache/mergekit-venv && "
     "benchmarks/cache/mergekit-venv/bin/pip install torch==2.13.0 mergekit==0.1.5"
@@ -349,8 +348,49 @@ def report_lines(doc: dict | None) -> list[str]:
             f"| {r['config']} | {r['family']} | {r['expect']} | {r['mergedb']} | {r['rel']:.2e} | "
             f"{r['rel_update']:.2e} | {r['diff_frac']:.2e} | {r['max_ulp']:.3g} | {ties} | {ok} |"
         )
-    lines += ["", "Predicted differences: " + "; ".join(f"{c.name}: {c.why}" for c in CONFIGS) + ".", ""]
+    lines += ["", *_summary(doc["rows"]), ""]
+    lines += ["Predicted differences: " + "; ".join(f"{c.name}: {c.why}" for c in CONFIGS) + ".", ""]
     return lines
+
+
+def _summary(rows: list[dict]) -> list[str]:
+    """What the rows say against the acceptance (issue 12), one bullet each."""
+    ran = [r for r in rows if "rel" in r]
+    exact32 = [r for r in ran if r["expect"] == "exact" and r["out_dtypes"] == ["torch.float32"]]
+    exact_rounded = [r for r in ran if r["expect"] == "exact" and r["out_dtypes"] != ["torch.float32"]]
+    ties = [r for r in ran if "tie_frac" in r]
+    out = []
+    if exact32:
+        worst = max(exact32, key=lambda r: r["rel"])
+        out.append(
+            f"- Exact configs written as float32 ({len(exact32)}): largest rel {worst['rel']:.2e} "
+            f"({worst['config']}, {worst['family']}); within {EXACT_REL:g}: "
+            f"{'yes' if worst['rel'] <= EXACT_REL else 'no'}."
+        )
+    if exact_rounded:
+        worst = max(exact_rounded, key=lambda r: r["rel"])
+        one = all(r["rounding_only"] for r in exact_rounded)
+        out.append(
+            f"- Exact configs rounded to bfloat16/float16 ({len(exact_rounded)}): largest rel {worst['rel']:.2e} "
+            f"({worst['config']}, {worst['family']}); every difference one rounding step (≤ 1 ulp): "
+            f"{'yes' if one else 'no'}. Both sum in float32, in another order (mergedb folds c_k = λ·w_k "
+            "into each Δ_k; mergekit scales Σ w_k Δ_k by λ, and linear sums w_k θ_k / Σw), so an element near "
+            "a rounding boundary can round the other way; one flipped bfloat16 element is already ~1e-5 of a "
+            "small tensor's norm. 1e-6 on a rounded output needs mergekit's float32 order exactly."
+        )
+    if ties:
+        out.append(
+            f"- TIES ({len(ties)}): elements that differ beyond rounding outside the positions where an expert's "
+            f"|Δ| ties at its threshold: {sum(r['diff_outside_ties'] for r in ties)} (the README's difference "
+            "predicts 0: mergedb keeps every tied element, mergekit exactly k)."
+        )
+    pending = [r for r in rows if r["mergedb"].startswith("pending")]
+    if pending:
+        out.append(
+            f"- Pending ({len(pending)}): configs today's `mergedb plan` flags cannot express; they run through "
+            "`mergedb plan --config` once it is on main (mergekit ran each of them here)."
+        )
+    return out
 
 
 def mergekit_version() -> str:

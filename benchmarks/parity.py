@@ -14,7 +14,9 @@ style of mergekit's examples: gradients, filter lists, scalar weights, dtype/out
   near 0 can come from cancelling large terms, whose rounding is what differs).
 
 Expectations: "exact" configs (linear, task arithmetic and model stock computed in float32, SLERP)
-must be within 1e-6 relative; "documented" ones differ as the README says (TIES keeps every
+must be within 1e-6 relative when written as float32, and at most one rounding step (1 ulp) apart
+when rounded to bfloat16/float16 (both tools sum in float32, in different orders, so an element
+near a rounding boundary may round the other way); "documented" ones differ as the README says (TIES keeps every
 element tied at the threshold: on bf16 deltas many tie — `tie_frac` counts those positions from
 the inputs, and `diff_outside_ties` the elements elsewhere that differ by more than rounding
 (1 ulp of the output dtype or 8 float32 ulps), which should be none; DARE/DELLA draw
@@ -143,8 +145,11 @@ def plan_flags_fallback(config_path: Path) -> tuple[list[str], str | None]:
     for value in [*glob.values(), *(v for p in per for v in p.values())]:
         if isinstance(value, (list, dict)):
             raise NotExpressible("gradient or filter parameters need --config")
-    flags = ["--base", "base", "--experts", ",".join(Path(m["model"]).name for m in models), "--method", method]
+    experts = ",".join(Path(m["model"]).name for m in models)
+    flags = ["--base", Path(base).name if base else "base", "--experts", experts, "--method", method]
     if method != "model_stock":
+        if any("weight" not in p for p in per):
+            raise NotExpressible(f"{method} needs a weight for every model (mergekit requires one too)")
         flags += ["--weights", ",".join(str(float(p["weight"])) for p in per)]
     normalize = glob.get("normalize", method in ("linear", "ties"))  # mergekit 0.1.5's defaults
     if glob.get("rescale", False) or (method == "task_arithmetic" and normalize):

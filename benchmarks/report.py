@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from .common import RESULTS, machine
+from .parity import report_lines as parity_lines
 
 OUT = RESULTS.parent / "RESULTS.md"
 
@@ -228,6 +229,7 @@ def write_report(quick: bool = False) -> Path:
             "blocksize",
             "register",
             "planner",
+            "parity",
         )
     }
     lines = [
@@ -344,6 +346,7 @@ def write_report(quick: bool = False) -> Path:
                 "```",
                 "",
             ]
+    lines += parity_lines(docs["parity"])  # written by python -m benchmarks.parity (issue 12)
     lines += _targets(docs)
     for png in _plots(sc, fi, suffix):
         lines += [f"![{png}](results/{png})", ""]

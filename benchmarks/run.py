@@ -262,6 +262,14 @@ class Suite:
                 )
         return {"rows": rows}
 
+    def parity(self) -> dict:
+        """mergekit parity (issue 12): every config on fp32 and bf16 families; --quick: a few, fp32."""
+        from . import parity
+
+        if self.quick:
+            return parity.suite_doc(CACHE / "parity", "tiny", ["fp32"], list(parity.QUICK), validate_pending=False)
+        return parity.suite_doc(CACHE / "parity", "small", ["fp32", "bf16"], None)
+
     def mergekit(self, method: str, k: int) -> dict | None:
         exe = CACHE / "mergekit-venv" / "bin" / "mergekit-yaml"
         if not exe.exists():
@@ -349,7 +357,7 @@ def _errors(got: dict, full: dict, base: dict) -> dict:
     }
 
 
-BENCHES = ["physical", "execute_targets", "threads", "scaling", "fidelity", "overheads", "blocksize"]
+BENCHES = ["physical", "execute_targets", "threads", "scaling", "fidelity", "overheads", "blocksize", "parity"]
 
 
 def main() -> None:

@@ -209,6 +209,9 @@ def scan_experts(
         hashes: list[str] = []
         abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32) if ft.mergeable else None
         summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+        # room for the exceptions of an eighth of the tensor: beyond that the radix select is cheaper
+        cap = ft.numel // 8 + 1024 if ft.mergeable else 0
+        exceptions = stats.Exceptions(scratch.get("exc", cap * 4).view(np.uint32))
         all_identical = True
         for blk in ft.blocks:
             eraw = scratch.get("e", blk.nbytes)
@@ -231,9 +234,13 @@ def scan_experts(
                 rows.append(_zero_row(ft.tensor_idx, blk.block_idx, chash, sketch_dim))
                 continue
             all_identical = False
-            ef = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", blk.numel * 4).view(np.float32))
-            bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
-            s = stats.block_stats(ef, bf, seg, stats.sketch_key(ft.name, blk.block_idx), summary, sketch_dim)
+            if ft.dtype in ("BF16", "F32"):  # decoded inside the statistics pass
+                ef, bf = eraw.view(raw_dtype), braw.view(raw_dtype)
+            else:
+                ef = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", blk.numel * 4).view(np.float32))
+                bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
+            skey = stats.sketch_key(ft.name, blk.block_idx)
+            s = stats.block_stats(ef, bf, seg, skey, summary, sketch_dim, exceptions)
             rows.append(
                 BlockRow(
                     ft.tensor_idx,
@@ -258,7 +265,7 @@ def scan_experts(
         if all_identical:
             thresholds = np.zeros(len(stats.DENSITY_GRID), np.float32)
         else:
-            thresholds = stats.grid_thresholds(abs_delta, summary)
+            thresholds = stats.grid_thresholds(abs_delta, summary, exceptions)
         codes, counts = stats.summary_bins(summary)
         return rows, TensorRow(ft.tensor_idx, all_identical, thresholds, codes, counts), hashes
 

@@ -93,19 +93,32 @@ def _hash_bucket(key, i, dim):  # pragma: no cover - compiled
     return np.int64(j), sign
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _decode(raw, i, shift):  # pragma: no cover - compiled
+    # element i of a float32 bit pattern array (shift 0) or of bf16 patterns (uint16, shift 16)
+    return np.uint32(np.uint32(raw[i]) << np.uint32(shift)).view(np.float32)
+
+
 @numba.njit(nogil=True, cache=True)
-def _delta_pass(e, b, abs_out, abs_bits, key, hcount, hsum, hsq, summary, sk):  # pragma: no cover
-    # e, b: (n,) float32 decoded values; abs_out: (n,) float32 receives |Δ| (abs_bits: same memory as uint32)
+def _delta_pass(e, b, shift, abs_bits, key, hsum, hsq, counts, sk, exc, n_exc):  # pragma: no cover
+    # e, b: (n,) bit patterns, decoded here (_decode); abs_bits: (n,) uint32 receives |Δ|'s float32
+    # pattern. hsum, hsq: (HIST_BINS,) float64; counts: (SUMMARY_BINS,) this block's magnitude
+    # summary (finite |Δ| by their top 15 bits), from which its histogram counts follow.
+    # exc: patterns of finite |Δ| whose low 17 bits are not all zero, appended from index n_exc
+    # while there is room; returns how many there are in all (n_exc plus this block's).
     dim = sk.shape[0]
+    cap = exc.shape[0]
     mx = np.float32(0.0)
     nnz = 0
     nonfinite = 0
     ss = 0.0
     bd = 0.0
     for i in range(e.shape[0]):
-        dv = e[i] - b[i]
+        bv = _decode(b, i, shift)
+        dv = _decode(e, i, shift) - bv
         av = abs(dv)
-        abs_out[i] = av
+        bits = np.float32(av).view(np.uint32)
+        abs_bits[i] = bits
         nnz += dv != 0
         if not av <= np.float32(3.4028234663852886e38):
             nonfinite += 1
@@ -114,16 +127,18 @@ def _delta_pass(e, b, abs_out, abs_bits, key, hcount, hsum, hsq, summary, sk):  
         d64 = np.float64(dv)
         q = d64 * d64
         ss += q
-        bd += np.float64(b[i]) * d64
-        bits = abs_bits[i]
+        bd += np.float64(bv) * d64
         hb = bits >> 22
-        hcount[hb] += 1
         hsum[hb] += av
         hsq[hb] += q
-        summary[bits >> 17] += 1
+        counts[bits >> 17] += 1
+        if bits & np.uint32(0x1FFFF):  # rare for bf16/fp16 deltas: a few units in the last place
+            if n_exc < cap:
+                exc[n_exc] = bits
+            n_exc += 1
         j, sign = _hash_bucket(key, i, dim)
         sk[j] += sign * d64
-    return mx, nnz, nonfinite, ss, bd
+    return mx, nnz, nonfinite, ss, bd, n_exc
 
 
 @numba.njit(nogil=True, cache=True)
@@ -141,17 +156,50 @@ def sketch(x: np.ndarray, key: np.uint64, dim: int = DEFAULT_SKETCH_DIM) -> np.n
     return out
 
 
+class Exceptions:
+    """A tensor's |Δ| values that its magnitude summary does not pin exactly: the float32 patterns
+    of finite |Δ| whose low 17 bits are not all zero (a bf16 or fp16 delta is a few units in the
+    last place of its base value, so it rarely has any). Filled by block_stats across the blocks
+    of one tensor; `complete` while they fit in the buffer."""
+
+    def __init__(self, buf: np.ndarray) -> None:
+        self.buf = buf  # (cap,) uint32
+        self.n = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.n <= len(self.buf)
+
+    def values(self) -> np.ndarray:
+        return self.buf[: self.n]
+
+
 def block_stats(
-    e: np.ndarray, b: np.ndarray, abs_out: np.ndarray, key: np.uint64, summary: np.ndarray, dim: int
+    e: np.ndarray,
+    b: np.ndarray,
+    abs_out: np.ndarray,
+    key: np.uint64,
+    summary: np.ndarray,
+    dim: int,
+    exceptions: Exceptions | None = None,
 ) -> BlockStats:
-    """Statistics of Δ = e − b (float32, flat); writes |Δ| into `abs_out` and adds to `summary`."""
-    hcount = np.zeros(HIST_BINS, np.int64)
+    """Statistics of Δ = e − b (flat, equal dtypes); writes |Δ| (float32) into `abs_out`, adds to
+    `summary` and collects `exceptions`. e, b: float32, or bf16 bit patterns as uint16 (decoded in
+    the same pass)."""
+    shift = 16 if e.dtype == np.uint16 else 0
+    if shift == 0:
+        e, b = e.view(np.uint32), b.view(np.uint32)  # float32 patterns
     hsum = np.zeros(HIST_BINS)
     hsq = np.zeros(HIST_BINS)
+    counts = np.zeros(SUMMARY_BINS, np.int64)  # this block's magnitude summary
     sk = np.zeros(dim)
-    mx, nnz, nonfinite, ss, bd = _delta_pass(
-        e, b, abs_out, abs_out.view(np.uint32), np.uint64(key), hcount, hsum, hsq, summary, sk
+    exc = exceptions if exceptions is not None else Exceptions(np.zeros(0, np.uint32))
+    mx, nnz, nonfinite, ss, bd, exc.n = _delta_pass(
+        e, b, shift, abs_out.view(np.uint32), np.uint64(key), hsum, hsq, counts, sk, exc.buf, exc.n
     )
+    summary += counts
+    # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins
+    hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)
     nz = np.flatnonzero(hcount)
     lo = (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32)
     norm = float(np.sqrt(ss)) if nonfinite == 0 else float("nan")
@@ -198,8 +246,27 @@ def _locate(counts: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return digit, rank - (cum[rows, j] - counts[rows, digit])
 
 
-def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray) -> np.ndarray:
+def _wanted(summary: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For every density of the grid: whether it has a threshold (rank k within the finite
+    elements), and for those, the summary code holding the k-th largest |Δ| and its 0-based rank
+    from the top of that code's bin. Returns (ks, valid, codes, rank)."""
+    ks = np.array([kth_count(d, n) for d in DENSITY_GRID], np.int64)
+    desc = summary[::-1]
+    cum_desc = np.cumsum(desc)
+    pos = np.searchsorted(cum_desc, ks, side="left")  # index (descending-code order) of rank k's bin
+    valid = pos < len(summary)  # ranks past the finite elements (non-finite Δ) have no threshold
+    pos_v = pos[valid]
+    codes = len(summary) - 1 - pos_v
+    rank = ks[valid] - 1 - (cum_desc[pos_v] - desc[pos_v])  # 0-based rank from the top of its bin
+    return ks, valid, codes, rank
+
+
+def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray, exceptions: Exceptions | None = None) -> np.ndarray:
     """Exact k-th largest |Δ| for every density of DENSITY_GRID: (G,) float32.
+
+    With complete `exceptions` (block_stats') no pass over |Δ| is needed: a finite |Δ| outside
+    them equals its bin's lower edge (code << 17) exactly, and a bin's exceptions lie above it,
+    so the r-th largest of a bin is its r-th largest exception, or else the edge itself.
 
     A three-level radix select on the float32 bit patterns (non-negative floats order as their
     patterns): `summary` (the tensor's magnitude summary from block_stats) gives the top 15 bits of
@@ -212,18 +279,14 @@ def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray) -> np.ndarray:
     if n == 0:
         return np.zeros(len(DENSITY_GRID), np.float32)
     assert SUMMARY_SHIFT == 17 and SUB_SHIFT == 9  # the kernels hard-code these shifts
-    bits = abs_delta.view(np.uint32).reshape(-1)
-    ks = np.array([kth_count(d, n) for d in DENSITY_GRID], np.int64)
-    desc = summary[::-1]
-    cum_desc = np.cumsum(desc)
-    pos = np.searchsorted(cum_desc, ks, side="left")  # index (descending-code order) of rank k's bin
-    valid = pos < len(summary)  # ranks past the finite elements (non-finite Δ) have no threshold
+    ks, valid, codes, rank = _wanted(summary, n)
     out = np.full(len(ks), 0x7FC00000, np.uint32)  # NaN where there is no threshold
     if not valid.any():
         return out.view(np.float32)
-    pos_v = pos[valid]
-    codes = len(summary) - 1 - pos_v
-    rank = ks[valid] - 1 - (cum_desc[pos_v] - desc[pos_v])  # 0-based rank from the top of its bin
+    if exceptions is not None and exceptions.complete:
+        out[valid] = _from_exceptions(exceptions.values(), codes, rank)
+        return out.view(np.float32)
+    bits = abs_delta.view(np.uint32).reshape(-1)
     # level 2: wanted bins by their next 8 bits
     # small tables stay in L1: slots and pairs are at most len(DENSITY_GRID) + 1, counts at most n
     count_t = np.int32 if n < 2**31 else np.int64
@@ -243,6 +306,20 @@ def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray) -> np.ndarray:
     out[valid] = (codes.astype(np.uint32) << np.uint32(SUMMARY_SHIFT)) | (s.astype(np.uint32) << np.uint32(SUB_SHIFT))
     out[valid] |= lowbits.astype(np.uint32)
     return out.view(np.float32)
+
+
+def _from_exceptions(exc: np.ndarray, codes: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """The rank-th largest pattern of each code's bin, from that bin's exceptions (all above its
+    lower edge) and otherwise the edge. exc: (m,) uint32; codes, rank: (G,) int64 -> (G,) uint32."""
+    edge = codes.astype(np.uint32) << np.uint32(SUMMARY_SHIFT)
+    wanted = exc[np.isin(exc >> np.uint32(SUMMARY_SHIFT), codes)]
+    asc = np.sort(wanted)  # (m',) uint32 ascending: a code's exceptions are one run
+    hi = np.searchsorted(asc, edge + np.uint32(1 << SUMMARY_SHIFT), side="left")  # end of the code's run
+    lo = np.searchsorted(asc, edge, side="left")
+    if len(asc) == 0:
+        return edge
+    picked = asc[np.clip(hi - 1 - rank, 0, len(asc) - 1)]  # meaningful where rank < the run's length
+    return np.where(rank < hi - lo, picked, edge)
 
 
 def summary_bins(summary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -53,6 +53,64 @@ def test_grid_thresholds_equal_full_sort_on_bf16_deltas(scale, distinct, n, froz
     np.testing.assert_array_equal(got, want)
 
 
+def _exceptions(a: np.ndarray, cap: int) -> stats.Exceptions:
+    """The exceptions as defined: patterns of finite |Δ| whose low 17 bits are not all zero."""
+    bits = a[np.isfinite(a)].view(np.uint32)
+    exc = bits[(bits & np.uint32(0x1FFFF)) != 0]
+    out = stats.Exceptions(np.zeros(cap, np.uint32))
+    out.buf[: min(cap, exc.size)] = exc[:cap]
+    out.n = exc.size
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    scale=st.sampled_from([1e-38, 1e-6, 1e-3, 1.0]),
+    distinct=st.integers(1, 12),
+    n=st.integers(1, 3000),
+    nonfinite=st.integers(0, 3),
+    fp32=st.booleans(),  # full float32 mantissas: every element is an exception
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_grid_thresholds_from_exceptions_equal_full_sort(scale, distinct, n, nonfinite, fp32, seed):
+    """Without any pass over |Δ| (the exceptions complete) and with the radix fallback (too many)."""
+    rng = np.random.default_rng(seed)
+    base = _bf16(rng.normal(0, 0.02, n))
+    steps = rng.normal(0, scale, distinct).astype(np.float32)
+    expert = base + steps[rng.integers(0, distinct, n)]
+    expert = expert.astype(np.float32) if fp32 else _bf16(expert)
+    expert[: n // 3] = base[: n // 3]
+    if nonfinite:
+        expert[rng.integers(0, n, nonfinite)] = [np.nan, np.inf, -np.inf][:nonfinite]
+    a = np.abs(expert - base).astype(np.float32)
+    want = np.array([_sorted_kth(a, d) for d in stats.DENSITY_GRID], np.float32)
+    for cap in (n + 1, n // 8 + 1):
+        exc = _exceptions(a, cap)
+        got = stats.grid_thresholds(a.copy(), _summary(a), exc)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_exceptions_collected_by_block_stats():
+    """block_stats collects exactly the finite |Δ| with low bits set, across blocks, in any count."""
+    rng = np.random.default_rng(4)
+    base = _bf16(rng.normal(0, 0.02, 5000))
+    expert = _bf16(base + rng.normal(0, 1e-3, 5000))
+    expert[17] = base[17] * 3 + np.float32(2**-20)  # far from the base: low bits set
+    expert[99] = np.nan
+    a = np.abs(expert - base).astype(np.float32)
+    for cap in (5000, 3):
+        exc = stats.Exceptions(np.zeros(cap, np.uint32))
+        out = np.empty(5000, np.float32)
+        summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+        for s in range(0, 5000, 1024):
+            stats.block_stats(expert[s : s + 1024], base[s : s + 1024], out[s : s + 1024], 7, summary, 8, exc)
+        want = _exceptions(a, 5000)
+        assert exc.n == want.n >= 1 and exc.complete == (cap >= want.n)
+        if exc.complete:
+            np.testing.assert_array_equal(np.sort(exc.values()), np.sort(want.values()))
+        np.testing.assert_array_equal(summary, _summary(a))
+
+
 def test_grid_thresholds_one_value_repeated():
     """A sub-bin that holds the whole tensor (the case the third level exists for)."""
     a = np.full(100_003, np.float32(3 * 2**-14), np.float32)

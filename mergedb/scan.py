@@ -131,6 +131,33 @@ class _Scratch(threading.local):
         return buf[:nbytes]
 
 
+class _SharedCodes:
+    """Sketch codes (stats.sketch_codes) of the blocks of the tensors in flight, computed by the
+    first unit that needs a block and dropped after the tensor's last unit: an element's bucket and
+    sign depend on (tensor, block, position) only, so K experts hash each element once, not K times."""
+
+    def __init__(self, units_per_tensor: dict[int, int], dim: int) -> None:
+        self.left = dict(units_per_tensor)
+        self.dim = dim
+        self.lock = threading.Lock()
+        self.tensors: dict[int, tuple[threading.Lock, dict[int, np.ndarray]]] = {}
+
+    def get(self, ft: FamilyTensor, block_idx: int, numel: int) -> np.ndarray:
+        with self.lock:
+            lock, tables = self.tensors.setdefault(ft.tensor_idx, (threading.Lock(), {}))
+        with lock:  # one unit hashes a block while the others of the tensor wait for it
+            codes = tables.get(block_idx)
+            if codes is None:
+                codes = tables[block_idx] = stats.sketch_codes(stats.sketch_key(ft.name, block_idx), numel, self.dim)
+        return codes  # (numel,) uint16
+
+    def release(self, tensor_idx: int) -> None:
+        with self.lock:
+            self.left[tensor_idx] -= 1
+            if self.left[tensor_idx] == 0:
+                self.tensors.pop(tensor_idx, None)
+
+
 class BaseBlocks(list):
     """The base's block hashes (xxh3-128, the list itself, in (tensor, block) order) and, per block,
     ‖θ₀,b‖₂ and the NaN/Inf count of its decoded values (None for pass-through tensors)."""
@@ -199,7 +226,13 @@ def scan_experts(
     scratch = _Scratch()
 
     def one(unit: tuple[int, FamilyTensor]) -> tuple[list[BlockRow], TensorRow | None, list[str]]:
-        k, ft = unit
+        try:
+            return scan_unit(*unit)
+        finally:
+            if shared is not None:
+                shared.release(unit[1].tensor_idx)
+
+    def scan_unit(k: int, ft: FamilyTensor) -> tuple[list[BlockRow], TensorRow | None, list[str]]:
         efiles = expert_files[k]
         bfi, bt = bwhere[ft.name]
         efi, et = ewhere[k][ft.name]
@@ -240,7 +273,8 @@ def scan_experts(
                 ef = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", blk.numel * 4).view(np.float32))
                 bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
             skey = stats.sketch_key(ft.name, blk.block_idx)
-            s = stats.block_stats(ef, bf, seg, skey, summary, sketch_dim, exceptions)
+            codes = shared.get(ft, blk.block_idx, blk.numel) if shared is not None else None
+            s = stats.block_stats(ef, bf, seg, skey, summary, sketch_dim, exceptions, codes)
             rows.append(
                 BlockRow(
                     ft.tensor_idx,
@@ -269,10 +303,12 @@ def scan_experts(
         codes, counts = stats.summary_bins(summary)
         return rows, TensorRow(ft.tensor_idx, all_identical, thresholds, codes, counts), hashes
 
+    # largest first; a tensor's units (one per expert) next to each other, so they share its codes
     units = sorted(
         ((k, ft) for k in range(len(experts)) for ft in family),
-        key=lambda u: (-u[1].nbytes, u[0], u[1].tensor_idx),
+        key=lambda u: (-u[1].nbytes, u[1].tensor_idx, u[0]),
     )
+    shared = _SharedCodes({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if len(experts) > 1 else None
     done: dict[tuple[int, int], tuple[list[BlockRow], TensorRow | None, list[str]]] = {}
     with ExitStack() as stack:
         bfiles = stack.enter_context(_opened(base))

@@ -93,6 +93,25 @@ def _hash_bucket(key, i, dim):  # pragma: no cover - compiled
     return np.int64(j), sign
 
 
+@numba.njit(nogil=True, cache=True)
+def _bucket_codes(key, dim, out):  # pragma: no cover - compiled
+    # out: (n,) uint16 receives 2·bucket + (sign < 0) of every element i under `key`
+    for i in range(out.shape[0]):
+        j, sign = _hash_bucket(key, i, dim)
+        out[i] = np.uint16(2 * j + (sign < 0))
+
+
+def sketch_codes(key: np.uint64, n: int, dim: int) -> np.ndarray:
+    """The CountSketch bucket and sign of each of `n` elements under `key`, as (n,) uint16 codes
+    2·bucket + (sign < 0). They depend on the tensor, block and position only, never on the
+    checkpoint, so one table serves every expert's block; block_stats takes it instead of hashing."""
+    if not 0 < dim <= 2**15:
+        raise ValueError(f"sketch dimension {dim} does not fit a uint16 code (1..32768)")
+    out = np.empty(n, np.uint16)
+    _bucket_codes(np.uint64(key), dim, out)
+    return out
+
+
 @numba.njit(nogil=True, cache=True, inline="always")
 def _decode(raw, i, shift):  # pragma: no cover - compiled
     # element i of a float32 bit pattern array (shift 0) or of bf16 patterns (uint16, shift 16)
@@ -100,13 +119,15 @@ def _decode(raw, i, shift):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _delta_pass(e, b, shift, abs_bits, key, hsum, hsq, counts, sk, exc, n_exc):  # pragma: no cover
+def _delta_pass(e, b, shift, abs_bits, key, codes, hsum, hsq, counts, sk, exc, n_exc):  # pragma: no cover
     # e, b: (n,) bit patterns, decoded here (_decode); abs_bits: (n,) uint32 receives |Δ|'s float32
     # pattern. hsum, hsq: (HIST_BINS,) float64; counts: (SUMMARY_BINS,) this block's magnitude
     # summary (finite |Δ| by their top 15 bits), from which its histogram counts follow.
     # exc: patterns of finite |Δ| whose low 17 bits are not all zero, appended from index n_exc
     # while there is room; returns how many there are in all (n_exc plus this block's).
+    # codes: (n,) uint16 sketch_codes of the block, or empty: hash each element here.
     dim = sk.shape[0]
+    hashed = codes.shape[0] == 0
     cap = exc.shape[0]
     mx = np.float32(0.0)
     nnz = 0
@@ -136,7 +157,12 @@ def _delta_pass(e, b, shift, abs_bits, key, hsum, hsq, counts, sk, exc, n_exc): 
             if n_exc < cap:
                 exc[n_exc] = bits
             n_exc += 1
-        j, sign = _hash_bucket(key, i, dim)
+        if hashed:
+            j, sign = _hash_bucket(key, i, dim)
+        else:
+            c = np.int64(codes[i])
+            j = c >> 1
+            sign = 1.0 - 2.0 * np.float64(c & 1)
         sk[j] += sign * d64
     return mx, nnz, nonfinite, ss, bd, n_exc
 
@@ -154,6 +180,9 @@ def sketch(x: np.ndarray, key: np.uint64, dim: int = DEFAULT_SKETCH_DIM) -> np.n
     out = np.zeros(dim)
     _sketch(np.ascontiguousarray(x).reshape(-1), np.uint64(key), out)
     return out
+
+
+_NO_CODES = np.zeros(0, np.uint16)
 
 
 class Exceptions:
@@ -182,10 +211,11 @@ def block_stats(
     summary: np.ndarray,
     dim: int,
     exceptions: Exceptions | None = None,
+    codes: np.ndarray | None = None,
 ) -> BlockStats:
     """Statistics of Δ = e − b (flat, equal dtypes); writes |Δ| (float32) into `abs_out`, adds to
     `summary` and collects `exceptions`. e, b: float32, or bf16 bit patterns as uint16 (decoded in
-    the same pass)."""
+    the same pass). `codes`: the block's sketch_codes(key, n, dim), when the caller shares them."""
     shift = 16 if e.dtype == np.uint16 else 0
     if shift == 0:
         e, b = e.view(np.uint32), b.view(np.uint32)  # float32 patterns
@@ -195,7 +225,18 @@ def block_stats(
     sk = np.zeros(dim)
     exc = exceptions if exceptions is not None else Exceptions(np.zeros(0, np.uint32))
     mx, nnz, nonfinite, ss, bd, exc.n = _delta_pass(
-        e, b, shift, abs_out.view(np.uint32), np.uint64(key), hsum, hsq, counts, sk, exc.buf, exc.n
+        e,
+        b,
+        shift,
+        abs_out.view(np.uint32),
+        np.uint64(key),
+        _NO_CODES if codes is None else codes,
+        hsum,
+        hsq,
+        counts,
+        sk,
+        exc.buf,
+        exc.n,
     )
     summary += counts
     # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins

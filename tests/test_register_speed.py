@@ -165,3 +165,36 @@ def test_register_threads_default_is_the_machines_cores(tmp_path, monkeypatch):
 
     register(Catalog(tmp_path / "c.duckdb"), [fam], base_model="base")
     assert seen == [3]
+
+
+def _ref_bucket_sign(key: int, n: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sketch's hash as documented (splitmix64-style mix of key + i), in numpy uint64."""
+    with np.errstate(over="ignore"):
+        z = (np.uint64(key) + np.arange(n, dtype=np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(32))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = z ^ (z >> np.uint64(29))
+        j = ((z & np.uint64(0xFFFFFFFF)) * np.uint64(dim)) >> np.uint64(32)
+    return j.astype(np.int64), np.where(z >> np.uint64(63), -1.0, 1.0)
+
+
+def test_shared_sketch_codes_give_the_same_sketch():
+    """One code table per block, shared by every expert, is the same CountSketch as hashing inline."""
+    rng = np.random.default_rng(9)
+    base = rng.normal(0, 0.02, 3001).astype(np.float32)
+    for dim in (16, 64):
+        key = stats.sketch_key("model.layers.0.mlp.up_proj.weight", 3)
+        codes = stats.sketch_codes(key, base.size, dim)
+        j, sign = _ref_bucket_sign(int(key), base.size, dim)
+        np.testing.assert_array_equal(codes >> 1, j)
+        np.testing.assert_array_equal(np.where(codes & 1, -1.0, 1.0), sign)
+        for _ in range(3):  # several experts against one table
+            expert = base + rng.normal(0, 1e-3, base.size).astype(np.float32)
+            d = (expert - base).astype(np.float32)
+            want = np.zeros(dim)
+            np.add.at(want, j, sign * d.astype(np.float64))
+            out = np.empty(base.size, np.float32)
+            summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+            shared = stats.block_stats(expert, base, out, key, summary, dim, codes=codes)
+            inline = stats.block_stats(expert, base, out, key, summary, dim)
+            np.testing.assert_array_equal(shared.sketch, inline.sketch)
+            np.testing.assert_allclose(shared.sketch, want.astype(np.float32), rtol=1e-5, atol=1e-9)

@@ -119,44 +119,34 @@ def _decode(raw, i, shift):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _delta_pass(e, b, shift, abs_bits, key, codes, hsum, hsq, counts, sk, exc, n_exc):  # pragma: no cover
+def _delta_pass(e, b, shift, abs_bits, key, codes, counts, sk, bd, exc, n_exc):  # pragma: no cover
     # e, b: (n,) bit patterns, decoded here (_decode); abs_bits: (n,) uint32 receives |Δ|'s float32
-    # pattern. hsum, hsq: (HIST_BINS,) float64; counts: (SUMMARY_BINS,) this block's magnitude
-    # summary (finite |Δ| by their top 15 bits), from which its histogram counts follow.
-    # exc: patterns of finite |Δ| whose low 17 bits are not all zero, appended from index n_exc
-    # while there is room; returns how many there are in all (n_exc plus this block's).
-    # codes: (n,) uint16 sketch_codes of the block, or empty: hash each element here.
+    # pattern. counts: (SUMMARY_BINS,) this block's magnitude summary (finite |Δ| by their top 15
+    # bits). exc: patterns of finite |Δ| whose low 17 bits are not all zero, appended from index
+    # n_exc while there is room. codes: (n,) uint16 sketch_codes of the block, or empty: hash each
+    # element here. bd: (4,) float64 partial sums of θ₀·Δ, element i in bd[i % 4] (independent add
+    # chains). Returns (NaN/Inf count, exceptions in all: n_exc plus this block's).
+    # The other statistics follow from counts and exceptions (block_stats), or _abs_pass.
     dim = sk.shape[0]
     hashed = codes.shape[0] == 0
     cap = exc.shape[0]
-    mx = np.float32(0.0)
-    nnz = 0
     nonfinite = 0
-    ss = 0.0
-    bd = 0.0
     for i in range(e.shape[0]):
         bv = _decode(b, i, shift)
         dv = _decode(e, i, shift) - bv
         av = abs(dv)
         bits = np.float32(av).view(np.uint32)
         abs_bits[i] = bits
-        nnz += dv != 0
         if not av <= np.float32(3.4028234663852886e38):
             nonfinite += 1
             continue
-        mx = max(mx, av)
-        d64 = np.float64(dv)
-        q = d64 * d64
-        ss += q
-        bd += np.float64(bv) * d64
-        hb = bits >> 22
-        hsum[hb] += av
-        hsq[hb] += q
         counts[bits >> 17] += 1
         if bits & np.uint32(0x1FFFF):  # rare for bf16/fp16 deltas: a few units in the last place
             if n_exc < cap:
                 exc[n_exc] = bits
             n_exc += 1
+        d64 = np.float64(dv)
+        bd[i & 3] += np.float64(bv) * d64
         if hashed:
             j, sign = _hash_bucket(key, i, dim)
         else:
@@ -164,7 +154,26 @@ def _delta_pass(e, b, shift, abs_bits, key, codes, hsum, hsq, counts, sk, exc, n
             j = c >> 1
             sign = 1.0 - 2.0 * np.float64(c & 1)
         sk[j] += sign * d64
-    return mx, nnz, nonfinite, ss, bd, n_exc
+    return nonfinite, n_exc
+
+
+@numba.njit(nogil=True, cache=True)
+def _abs_pass(abs_bits, abs_val, hsum, hsq):  # pragma: no cover - compiled
+    # The statistics of |Δ| that do not follow from the summary when a block's exceptions did not
+    # fit: per histogram bin Σ|Δ| and ΣΔ² (float64), and max |Δ|, over finite |Δ|; zeros count.
+    mx = np.float32(0.0)
+    zeros = 0
+    for i in range(abs_bits.shape[0]):
+        bits = abs_bits[i]
+        zeros += bits == 0
+        if bits >= np.uint32(0x7F800000):  # NaN or Inf
+            continue
+        av = abs_val[i]
+        mx = max(mx, av)
+        q = np.float64(av) * np.float64(av)
+        hsum[bits >> 22] += av
+        hsq[bits >> 22] += q
+    return mx, zeros
 
 
 @numba.njit(nogil=True, cache=True)
@@ -203,6 +212,13 @@ class Exceptions:
         return self.buf[: self.n]
 
 
+# lower edge of every summary bin, and its square, as float64 (both exact); 0 for the codes of
+# Inf/NaN patterns, which the summary never counts
+_EDGE = np.arange(SUMMARY_BINS, dtype=np.uint32) << np.uint32(SUMMARY_SHIFT)
+_EDGE = np.where(_EDGE < np.uint32(0x7F800000), _EDGE, np.uint32(0)).view(np.float32).astype(np.float64)
+_EDGE_SQ = _EDGE * _EDGE
+
+
 def block_stats(
     e: np.ndarray,
     b: np.ndarray,
@@ -215,38 +231,58 @@ def block_stats(
 ) -> BlockStats:
     """Statistics of Δ = e − b (flat, equal dtypes); writes |Δ| (float32) into `abs_out`, adds to
     `summary` and collects `exceptions`. e, b: float32, or bf16 bit patterns as uint16 (decoded in
-    the same pass). `codes`: the block's sketch_codes(key, n, dim), when the caller shares them."""
+    the same pass). `codes`: the block's sketch_codes(key, n, dim), when the caller shares them.
+
+    One pass over the elements counts the block's summary and collects its exceptions; a finite
+    |Δ| that is no exception equals its summary bin's lower edge exactly, so the histogram (counts,
+    Σ|Δ|, ΣΔ²), ‖Δ‖, max |Δ| and the non-zeros follow from the counts plus the exceptions, exact up
+    to float64 rounding of the sums. A block whose exceptions do not fit gets a second pass over
+    its |Δ| (_abs_pass) instead."""
     shift = 16 if e.dtype == np.uint16 else 0
     if shift == 0:
         e, b = e.view(np.uint32), b.view(np.uint32)  # float32 patterns
-    hsum = np.zeros(HIST_BINS)
-    hsq = np.zeros(HIST_BINS)
+    n = e.shape[0]
     counts = np.zeros(SUMMARY_BINS, np.int64)  # this block's magnitude summary
     sk = np.zeros(dim)
+    bd = np.zeros(4)  # Σ θ₀·Δ in four interleaved partial sums
     exc = exceptions if exceptions is not None else Exceptions(np.zeros(0, np.uint32))
-    mx, nnz, nonfinite, ss, bd, exc.n = _delta_pass(
-        e,
-        b,
-        shift,
-        abs_out.view(np.uint32),
-        np.uint64(key),
-        _NO_CODES if codes is None else codes,
-        hsum,
-        hsq,
-        counts,
-        sk,
-        exc.buf,
-        exc.n,
+    first = exc.n
+    abs_bits = abs_out.view(np.uint32)
+    nonfinite, exc.n = _delta_pass(
+        e, b, shift, abs_bits, np.uint64(key), _NO_CODES if codes is None else codes, counts, sk, bd, exc.buf, exc.n
     )
     summary += counts
     # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins
     hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)
+    if exc.complete:
+        mine = exc.buf[first : exc.n]  # (m,) uint32 this block's exceptions
+        v = mine.view(np.float32).astype(np.float64)
+        plain = counts - np.bincount(mine >> np.uint32(SUMMARY_SHIFT), minlength=SUMMARY_BINS)  # = their edge
+        hbin = mine >> np.uint32(HIST_SHIFT)
+        hsum = (plain * _EDGE).reshape(HIST_BINS, -1).sum(axis=1) + np.bincount(hbin, v, HIST_BINS)
+        hsq = (plain * _EDGE_SQ).reshape(HIST_BINS, -1).sum(axis=1) + np.bincount(hbin, v * v, HIST_BINS)
+        top = np.flatnonzero(plain)
+        mx = max(float(v.max()) if len(v) else 0.0, float(_EDGE[top[-1]]) if len(top) else 0.0)
+        zeros = int(plain[0])  # code 0 outside the exceptions is exactly zero
+    else:
+        hsum = np.zeros(HIST_BINS)
+        hsq = np.zeros(HIST_BINS)
+        mx, zeros = _abs_pass(abs_bits, abs_out, hsum, hsq)
     nz = np.flatnonzero(hcount)
     lo = (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32)
-    norm = float(np.sqrt(ss)) if nonfinite == 0 else float("nan")
-    base_dot = float(bd) if nonfinite == 0 else float("nan")
+    norm = float(np.sqrt(hsq.sum())) if nonfinite == 0 else float("nan")
+    base_dot = float((bd[0] + bd[1]) + (bd[2] + bd[3])) if nonfinite == 0 else float("nan")
     return BlockStats(
-        norm, float(mx), int(nnz), int(nonfinite), lo, hcount[nz], hsum[nz], hsq[nz], sk.astype(np.float32), base_dot
+        norm,
+        float(mx),
+        n - int(zeros),
+        int(nonfinite),
+        lo,
+        hcount[nz],
+        hsum[nz],
+        hsq[nz],
+        sk.astype(np.float32),
+        base_dot,
     )
 
 

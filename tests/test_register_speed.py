@@ -198,3 +198,48 @@ def test_shared_sketch_codes_give_the_same_sketch():
             inline = stats.block_stats(expert, base, out, key, summary, dim)
             np.testing.assert_array_equal(shared.sketch, inline.sketch)
             np.testing.assert_allclose(shared.sketch, want.astype(np.float32), rtol=1e-5, atol=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 5000),
+    fp32=st.booleans(),
+    frozen=st.floats(0.0, 0.9),
+    tiny=st.booleans(),  # denormal deltas: code 0 holds values other than zero
+    nonfinite=st.integers(0, 2),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_block_statistics_from_summary_and_from_a_second_pass(n, fp32, frozen, tiny, nonfinite, seed):
+    """Both ways block_stats gets the histogram, norm, max and non-zeros — from the summary plus the
+    exceptions, or (exceptions overflowing) a pass over |Δ| — against numpy on the whole block."""
+    rng = np.random.default_rng(seed)
+    scale = 1e-40 if tiny else 1e-3
+    base = _bf16(rng.normal(0, 0.02, n))
+    expert = base + rng.normal(0, scale, n).astype(np.float32)
+    expert = expert.astype(np.float32) if fp32 else _bf16(expert)
+    expert[: int(frozen * n)] = base[: int(frozen * n)]
+    if nonfinite:
+        expert[rng.integers(0, n, nonfinite)] = [np.inf, np.nan][:nonfinite]
+    d = (expert - base).astype(np.float32)
+    a = np.abs(d)
+    fin = np.isfinite(a)
+    a64 = a[fin].astype(np.float64)
+    for cap in (n, 0):
+        out = np.empty(n, np.float32)
+        summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+        s = stats.block_stats(expert, base, out, 5, summary, 8, stats.Exceptions(np.zeros(cap, np.uint32)))
+        np.testing.assert_array_equal(out.view(np.uint32), a.view(np.uint32))
+        assert s.nnz == np.count_nonzero(d) and s.nonfinite == (~fin).sum()
+        assert s.max_abs == (a[fin].max() if fin.any() else 0)
+        if s.nonfinite == 0:
+            np.testing.assert_allclose(s.norm, np.sqrt((a64**2).sum()), rtol=1e-12)
+            terms = base.astype(np.float64) * d.astype(np.float64)
+            assert abs(s.base_dot - terms.sum()) <= 1e-12 * np.abs(terms).sum()
+        else:
+            assert np.isnan(s.norm) and np.isnan(s.base_dot)
+        assert s.hist_count.sum() == fin.sum()
+        for lo, cnt, sm, sq in zip(s.hist_lo, s.hist_count, s.hist_sum, s.hist_sumsq):
+            hi = stats.hist_hi(np.array([lo]))[0]
+            inside = a64[(a[fin] >= lo) & (a[fin] < hi)]
+            assert cnt == inside.size
+            np.testing.assert_allclose([sm, sq], [inside.sum(), (inside**2).sum()], rtol=1e-12)

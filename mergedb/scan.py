@@ -242,9 +242,9 @@ def scan_experts(
         hashes: list[str] = []
         abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32) if ft.mergeable else None
         summary = np.zeros(stats.SUMMARY_BINS, np.int64)
-        # room for the exceptions of an eighth of the tensor: beyond that the radix select is cheaper
-        cap = ft.numel // 8 + 1024 if ft.mergeable else 0
-        exceptions = stats.Exceptions(scratch.get("exc", cap * 4).view(np.uint32))
+        # room for the exceptions of half the tensor: beyond that the radix select is cheaper
+        cap = ft.numel // 2 + 1024 if ft.mergeable else 0
+        exceptions = stats.Exceptions(cap, scratch.get("exc", cap * 4 + 4).view(np.uint32))
         all_identical = True
         for blk in ft.blocks:
             eraw = scratch.get("e", blk.nbytes)

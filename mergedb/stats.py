@@ -122,14 +122,14 @@ def _decode(raw, i, shift):  # pragma: no cover - compiled
 def _delta_pass(e, b, shift, abs_bits, key, codes, counts, sk, bd, exc, n_exc):  # pragma: no cover
     # e, b: (n,) bit patterns, decoded here (_decode); abs_bits: (n,) uint32 receives |Δ|'s float32
     # pattern. counts: (SUMMARY_BINS,) this block's magnitude summary (finite |Δ| by their top 15
-    # bits). exc: patterns of finite |Δ| whose low 17 bits are not all zero, appended from index
-    # n_exc while there is room. codes: (n,) uint16 sketch_codes of the block, or empty: hash each
+    # bits). exc: (cap + 1,) patterns of finite |Δ| whose low 17 bits are not all zero, appended
+    # from index n_exc while there is room. codes: (n,) uint16 sketch_codes of the block, or empty: hash each
     # element here. bd: (4,) float64 partial sums of θ₀·Δ, element i in bd[i % 4] (independent add
     # chains). Returns (NaN/Inf count, exceptions in all: n_exc plus this block's).
     # The other statistics follow from counts and exceptions (block_stats), or _abs_pass.
     dim = sk.shape[0]
     hashed = codes.shape[0] == 0
-    cap = exc.shape[0]
+    cap = exc.shape[0] - 1  # the last slot takes the writes once the buffer is full
     nonfinite = 0
     for i in range(e.shape[0]):
         bv = _decode(b, i, shift)
@@ -141,10 +141,8 @@ def _delta_pass(e, b, shift, abs_bits, key, codes, counts, sk, bd, exc, n_exc): 
             nonfinite += 1
             continue
         counts[bits >> 17] += 1
-        if bits & np.uint32(0x1FFFF):  # rare for bf16/fp16 deltas: a few units in the last place
-            if n_exc < cap:
-                exc[n_exc] = bits
-            n_exc += 1
+        exc[min(n_exc, cap)] = bits  # kept only if an exception: no branch to mispredict
+        n_exc += (bits & np.uint32(0x1FFFF)) != 0
         d64 = np.float64(dv)
         bd[i & 3] += np.float64(bv) * d64
         if hashed:
@@ -200,13 +198,17 @@ class Exceptions:
     last place of its base value, so it rarely has any). Filled by block_stats across the blocks
     of one tensor; `complete` while they fit in the buffer."""
 
-    def __init__(self, buf: np.ndarray) -> None:
-        self.buf = buf  # (cap,) uint32
+    def __init__(self, capacity: int, buf: np.ndarray | None = None) -> None:
+        # (capacity + 1,) uint32: the statistics pass writes every element's pattern into the next
+        # free slot (the last slot once full) and advances only for an exception: no branch
+        self.buf = np.empty(capacity + 1, np.uint32) if buf is None else buf[: capacity + 1]
+        if len(self.buf) != capacity + 1:
+            raise ValueError(f"an exceptions buffer for {capacity} needs {capacity + 1} slots, not {len(self.buf)}")
         self.n = 0
 
     @property
     def complete(self) -> bool:
-        return self.n <= len(self.buf)
+        return self.n < len(self.buf)
 
     def values(self) -> np.ndarray:
         return self.buf[: self.n]
@@ -245,7 +247,7 @@ def block_stats(
     counts = np.zeros(SUMMARY_BINS, np.int64)  # this block's magnitude summary
     sk = np.zeros(dim)
     bd = np.zeros(4)  # Σ θ₀·Δ in four interleaved partial sums
-    exc = exceptions if exceptions is not None else Exceptions(np.zeros(0, np.uint32))
+    exc = exceptions if exceptions is not None else Exceptions(0)
     first = exc.n
     abs_bits = abs_out.view(np.uint32)
     nonfinite, exc.n = _delta_pass(

@@ -57,7 +57,7 @@ def _exceptions(a: np.ndarray, cap: int) -> stats.Exceptions:
     """The exceptions as defined: patterns of finite |Δ| whose low 17 bits are not all zero."""
     bits = a[np.isfinite(a)].view(np.uint32)
     exc = bits[(bits & np.uint32(0x1FFFF)) != 0]
-    out = stats.Exceptions(np.zeros(cap, np.uint32))
+    out = stats.Exceptions(cap)
     out.buf[: min(cap, exc.size)] = exc[:cap]
     out.n = exc.size
     return out
@@ -99,7 +99,7 @@ def test_exceptions_collected_by_block_stats():
     expert[99] = np.nan
     a = np.abs(expert - base).astype(np.float32)
     for cap in (5000, 3):
-        exc = stats.Exceptions(np.zeros(cap, np.uint32))
+        exc = stats.Exceptions(cap)
         out = np.empty(5000, np.float32)
         summary = np.zeros(stats.SUMMARY_BINS, np.int64)
         for s in range(0, 5000, 1024):
@@ -227,7 +227,7 @@ def test_block_statistics_from_summary_and_from_a_second_pass(n, fp32, frozen, t
     for cap in (n, 0):
         out = np.empty(n, np.float32)
         summary = np.zeros(stats.SUMMARY_BINS, np.int64)
-        s = stats.block_stats(expert, base, out, 5, summary, 8, stats.Exceptions(np.zeros(cap, np.uint32)))
+        s = stats.block_stats(expert, base, out, 5, summary, 8, stats.Exceptions(cap))
         np.testing.assert_array_equal(out.view(np.uint32), a.view(np.uint32))
         assert s.nnz == np.count_nonzero(d) and s.nonfinite == (~fin).sum()
         assert s.max_abs == (a[fin].max() if fin.any() else 0)

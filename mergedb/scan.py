@@ -184,8 +184,10 @@ def hash_base(base: Checkpoint, family: list[FamilyTensor], threads: int, progre
             norm: float | None = None
             bad: int | None = None
             if ft.mergeable:
-                x = as_float32(buf.view(raw_dtype), ft.dtype, scratch.get("x", blk.numel * 4).view(np.float32))
-                norm, bad = stats.base_block_stats(x)  # x: (numel,) float32
+                x = buf.view(raw_dtype)  # BF16 and F32 are decoded inside base_block_stats
+                if ft.dtype not in ("BF16", "F32"):
+                    x = as_float32(x, ft.dtype, scratch.get("x", blk.numel * 4).view(np.float32))
+                norm, bad = stats.base_block_stats(x)
             out.append((xxhash.xxh3_128_hexdigest(buf), norm, bad))
             if progress:
                 progress(blk.nbytes)

@@ -60,26 +60,28 @@ class BlockStats:
 
 
 @numba.njit(nogil=True, cache=True)
-def _base_pass(x):  # pragma: no cover - compiled
-    # x: (n,) float32 decoded base values -> (Σ x² over finite values in float64, count of NaN/Inf)
-    ss = 0.0
+def _base_pass(x, shift):  # pragma: no cover - compiled
+    # x: (n,) bit patterns (_decode) -> (Σ x² over finite values in float64, in four interleaved
+    # partial sums: element i in lane i % 4, added as (l0 + l1) + (l2 + l3); count of NaN/Inf)
+    s = np.zeros(4)
     bad = 0
     for i in range(x.shape[0]):
-        v = x[i]
-        if np.isfinite(v):
-            ss += np.float64(v) * np.float64(v)
-        else:
-            bad += 1
-    return ss, bad
+        v = np.float64(_decode(x, i, shift))
+        ok = np.isfinite(v)
+        s[i & 3] += v * v if ok else 0.0
+        bad += not ok
+    return (s[0] + s[1]) + (s[2] + s[3]), bad
 
 
 def base_block_stats(x: np.ndarray) -> tuple[float, int]:
     """‖θ₀,b‖₂ of one base block (its finite values, float64 accumulation) and its NaN/Inf count.
 
-    x: (n,) float32. The planner's output-rounding bound needs the norm; the count lets it blame a
-    non-finite base instead of every expert whose delta inherits the NaN.
+    x: (n,) float32, or bf16 bit patterns as uint16. The planner's output-rounding bound needs the
+    norm; the count lets it blame a non-finite base instead of every expert whose delta inherits
+    the NaN.
     """
-    ss, bad = _base_pass(x)
+    shift = 16 if x.dtype == np.uint16 else 0
+    ss, bad = _base_pass(x if shift else x.view(np.uint32), shift)
     return float(np.sqrt(ss)), int(bad)
 
 

@@ -1,10 +1,11 @@
 """Registration's one streaming pass: block layout, base block hashes, and expert delta statistics.
 
 Reads with `os.preadv` into reused buffers at offsets from the headers, one (expert, tensor) unit
-per worker thread, units of all experts in one pool, largest first; the numeric work runs in
-numba/numpy with the GIL released. Peak memory is a few blocks per worker plus, per worker, one
-float32 |Δ| buffer of the largest tensor (needed for the exact top-k thresholds). Produces plain
-Python/numpy rows; register.py stores them.
+per worker thread, units of all experts in one pool, largest first and a tensor's units together;
+the numeric work runs in numba/numpy with the GIL released. Peak memory is a few blocks per
+worker plus, per worker, a float32 |Δ| buffer and a half-size exceptions buffer of the largest
+tensor (exact top-k thresholds), plus the sketch codes (2 bytes per element) of the tensors in
+flight. Produces plain Python/numpy rows; register.py stores them.
 """
 
 from __future__ import annotations
@@ -212,13 +213,13 @@ def scan_experts(
     """Read every expert (and the base blocks it needs) once; exact delta statistics per block and tensor.
 
     One pool of (expert, tensor) units over all experts, largest tensor first, so the tail where
-    one thread finishes a large tensor alone is one small unit long. At most `threads` units are
-    in flight, each holding a few blocks and the |Δ| buffer of its tensor (per-thread scratch), so
-    peak memory is `threads` × (largest tensor × 4 bytes + a few blocks), flat in the number of
-    experts. The base is decoded again for each expert: decoding it once per tensor would need the
-    |Δ| buffers of every expert of that tensor at once (memory growing with K) for a saving of
-    ~1.5 ns of ~10 ns per element. Rows come back in (tensor, block) order per expert, whatever
-    the thread count or the order units finish in.
+    one thread finishes a large tensor alone is one small unit long; a tensor's units run next to
+    each other and share its sketch codes (_SharedCodes). At most `threads` units are in flight,
+    each holding a few blocks and the |Δ| and exceptions buffers of its tensor (per-thread
+    scratch), so peak memory is `threads` × (largest tensor × 6 bytes + a few blocks) plus 2 bytes
+    per element of the tensors in flight, flat in the number of experts. The base is decoded again
+    for each expert, inside the statistics pass (a shift per bf16 element). Rows come back in
+    (tensor, block) order per expert, whatever the thread count or the order units finish in.
     """
     check_threads(threads)
     for expert in experts:

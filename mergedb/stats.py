@@ -9,6 +9,12 @@ Definitions (the planner, the executor and the tests all use these):
   bit): bin edges are 2^e and 1.5·2^e, so each bin spans a factor of 1.5 or 4/3.
 - A tensor's magnitude summary bins |Δ| by the top 15 bits (relative width 2^-6): it gives the
   exact count above every bin edge, hence any top-k threshold within 0.8% (bin's geometric mid).
+- An exception is a finite |Δ| whose low 17 bits are not all zero; every other finite |Δ| equals
+  its summary bin's lower edge exactly. A bf16/fp16 delta is a few units in the last place of its
+  base value, so exceptions are rare, and the histogram sums, ‖Δ‖, max |Δ| and the exact top-k
+  thresholds follow from the summary counts plus the exceptions, with no second pass over |Δ|
+  (one is made when a tensor has too many: fp32 deltas). Float64 sums are taken in a fixed order
+  that depends on neither the thread count nor the order units run in.
 - A linear sketch is a CountSketch: element i of block b of tensor t goes to bucket h(i) with sign
   s(i), both from a 64-bit hash of (key(t, b), i) — never of the checkpoint, so
   sketch(θ_k) − sketch(θ_0) = sketch(Δ_k) and E⟨S a, S b⟩ = ⟨a, b⟩.

@@ -127,11 +127,12 @@ def _decode(raw, i, shift):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _delta_pass(e, b, shift, abs_bits, key, codes, counts, sk, bd, exc, n_exc):  # pragma: no cover
+def _delta_pass(e, b, shift, abs_bits, key, codes, counts, sk, bd, exc, n_exc, rare):  # pragma: no cover
     # e, b: (n,) bit patterns, decoded here (_decode); abs_bits: (n,) uint32 receives |Δ|'s float32
     # pattern. counts: (SUMMARY_BINS,) this block's magnitude summary (finite |Δ| by their top 15
     # bits). exc: (cap + 1,) patterns of finite |Δ| whose low 17 bits are not all zero, appended
-    # from index n_exc while there is room. codes: (n,) uint16 sketch_codes of the block, or empty: hash each
+    # from index n_exc while there is room (rare: exceptions have been rare so far, so branch on
+    # them). codes: (n,) uint16 sketch_codes of the block, or empty: hash each
     # element here. bd: (4,) float64 partial sums of θ₀·Δ, element i in bd[i % 4] (independent add
     # chains). Returns (NaN/Inf count, exceptions in all: n_exc plus this block's).
     # The other statistics follow from counts and exceptions (block_stats), or _abs_pass.
@@ -149,8 +150,13 @@ def _delta_pass(e, b, shift, abs_bits, key, codes, counts, sk, bd, exc, n_exc): 
             nonfinite += 1
             continue
         counts[bits >> 17] += 1
-        exc[min(n_exc, cap)] = bits  # kept only if an exception: no branch to mispredict
-        n_exc += (bits & np.uint32(0x1FFFF)) != 0
+        if rare:  # a branch that is almost never taken costs less than a store per element
+            if bits & np.uint32(0x1FFFF):
+                exc[min(n_exc, cap)] = bits
+                n_exc += 1
+        else:  # kept only if an exception: no branch to mispredict
+            exc[min(n_exc, cap)] = bits
+            n_exc += (bits & np.uint32(0x1FFFF)) != 0
         d64 = np.float64(dv)
         bd[i & 3] += np.float64(bv) * d64
         if hashed:
@@ -213,6 +219,12 @@ class Exceptions:
         if len(self.buf) != capacity + 1:
             raise ValueError(f"an exceptions buffer for {capacity} needs {capacity + 1} slots, not {len(self.buf)}")
         self.n = 0
+        self.seen = 0  # elements scanned so far
+
+    @property
+    def rare(self) -> bool:
+        """At most one exception in 64 elements so far (true before the first block)."""
+        return self.n * 64 <= self.seen
 
     @property
     def complete(self) -> bool:
@@ -258,9 +270,22 @@ def block_stats(
     exc = exceptions if exceptions is not None else Exceptions(0)
     first = exc.n
     abs_bits = abs_out.view(np.uint32)
-    nonfinite, exc.n = _delta_pass(
-        e, b, shift, abs_bits, np.uint64(key), _NO_CODES if codes is None else codes, counts, sk, bd, exc.buf, exc.n
+    nonfinite, n_exc = _delta_pass(
+        e,
+        b,
+        shift,
+        abs_bits,
+        np.uint64(key),
+        _NO_CODES if codes is None else codes,
+        counts,
+        sk,
+        bd,
+        exc.buf,
+        exc.n,
+        exc.rare,
     )
+    exc.n = n_exc
+    exc.seen += n
     summary += counts
     # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins
     hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)

@@ -1,10 +1,11 @@
 """Registration's one streaming pass: block layout, base block hashes, and expert delta statistics.
 
 Reads with `os.preadv` into reused buffers at offsets from the headers, one (expert, tensor) unit
-per worker thread, units of all experts in one pool, largest first; the numeric work runs in
-numba/numpy with the GIL released. Peak memory is a few blocks per worker plus, per worker, one
-float32 |Δ| buffer of the largest tensor (needed for the exact top-k thresholds). Produces plain
-Python/numpy rows; register.py stores them.
+per worker thread, units of all experts in one pool, largest first and a tensor's units together;
+the numeric work runs in numba/numpy with the GIL released. Peak memory is a few blocks per
+worker plus, per worker, a float32 |Δ| buffer and a half-size exceptions buffer of the largest
+tensor (exact top-k thresholds), plus the sketch codes (2 bytes per element) of the tensors in
+flight. Produces plain Python/numpy rows; register.py stores them.
 """
 
 from __future__ import annotations
@@ -131,6 +132,33 @@ class _Scratch(threading.local):
         return buf[:nbytes]
 
 
+class _SharedCodes:
+    """Sketch codes (stats.sketch_codes) of the blocks of the tensors in flight, computed by the
+    first unit that needs a block and dropped after the tensor's last unit: an element's bucket and
+    sign depend on (tensor, block, position) only, so K experts hash each element once, not K times."""
+
+    def __init__(self, units_per_tensor: dict[int, int], dim: int) -> None:
+        self.left = dict(units_per_tensor)
+        self.dim = dim
+        self.lock = threading.Lock()
+        self.tensors: dict[int, tuple[threading.Lock, dict[int, np.ndarray]]] = {}
+
+    def get(self, ft: FamilyTensor, block_idx: int, numel: int) -> np.ndarray:
+        with self.lock:
+            lock, tables = self.tensors.setdefault(ft.tensor_idx, (threading.Lock(), {}))
+        with lock:  # one unit hashes a block while the others of the tensor wait for it
+            codes = tables.get(block_idx)
+            if codes is None:
+                codes = tables[block_idx] = stats.sketch_codes(stats.sketch_key(ft.name, block_idx), numel, self.dim)
+        return codes  # (numel,) uint16
+
+    def release(self, tensor_idx: int) -> None:
+        with self.lock:
+            self.left[tensor_idx] -= 1
+            if self.left[tensor_idx] == 0:
+                self.tensors.pop(tensor_idx, None)
+
+
 class BaseBlocks(list):
     """The base's block hashes (xxh3-128, the list itself, in (tensor, block) order) and, per block,
     ‖θ₀,b‖₂ and the NaN/Inf count of its decoded values (None for pass-through tensors)."""
@@ -157,8 +185,10 @@ def hash_base(base: Checkpoint, family: list[FamilyTensor], threads: int, progre
             norm: float | None = None
             bad: int | None = None
             if ft.mergeable:
-                x = as_float32(buf.view(raw_dtype), ft.dtype, scratch.get("x", blk.numel * 4).view(np.float32))
-                norm, bad = stats.base_block_stats(x)  # x: (numel,) float32
+                x = buf.view(raw_dtype)  # BF16 and F32 are decoded inside base_block_stats
+                if ft.dtype not in ("BF16", "F32"):
+                    x = as_float32(x, ft.dtype, scratch.get("x", blk.numel * 4).view(np.float32))
+                norm, bad = stats.base_block_stats(x)
             out.append((xxhash.xxh3_128_hexdigest(buf), norm, bad))
             if progress:
                 progress(blk.nbytes)
@@ -183,13 +213,13 @@ def scan_experts(
     """Read every expert (and the base blocks it needs) once; exact delta statistics per block and tensor.
 
     One pool of (expert, tensor) units over all experts, largest tensor first, so the tail where
-    one thread finishes a large tensor alone is one small unit long. At most `threads` units are
-    in flight, each holding a few blocks and the |Δ| buffer of its tensor (per-thread scratch), so
-    peak memory is `threads` × (largest tensor × 4 bytes + a few blocks), flat in the number of
-    experts. The base is decoded again for each expert: decoding it once per tensor would need the
-    |Δ| buffers of every expert of that tensor at once (memory growing with K) for a saving of
-    ~1.5 ns of ~10 ns per element. Rows come back in (tensor, block) order per expert, whatever
-    the thread count or the order units finish in.
+    one thread finishes a large tensor alone is one small unit long; a tensor's units run next to
+    each other and share its sketch codes (_SharedCodes). At most `threads` units are in flight,
+    each holding a few blocks and the |Δ| and exceptions buffers of its tensor (per-thread
+    scratch), so peak memory is `threads` × (largest tensor × 6 bytes + a few blocks) plus 2 bytes
+    per element of the tensors in flight, flat in the number of experts. The base is decoded again
+    for each expert, inside the statistics pass (a shift per bf16 element). Rows come back in
+    (tensor, block) order per expert, whatever the thread count or the order units finish in.
     """
     check_threads(threads)
     for expert in experts:
@@ -199,7 +229,13 @@ def scan_experts(
     scratch = _Scratch()
 
     def one(unit: tuple[int, FamilyTensor]) -> tuple[list[BlockRow], TensorRow | None, list[str]]:
-        k, ft = unit
+        try:
+            return scan_unit(*unit)
+        finally:
+            if shared is not None:
+                shared.release(unit[1].tensor_idx)
+
+    def scan_unit(k: int, ft: FamilyTensor) -> tuple[list[BlockRow], TensorRow | None, list[str]]:
         efiles = expert_files[k]
         bfi, bt = bwhere[ft.name]
         efi, et = ewhere[k][ft.name]
@@ -209,6 +245,9 @@ def scan_experts(
         hashes: list[str] = []
         abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32) if ft.mergeable else None
         summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+        # room for the exceptions of half the tensor: beyond that the radix select is cheaper
+        cap = ft.numel // 2 + 1024 if ft.mergeable else 0
+        exceptions = stats.Exceptions(cap, scratch.get("exc", cap * 4 + 4).view(np.uint32))
         all_identical = True
         for blk in ft.blocks:
             eraw = scratch.get("e", blk.nbytes)
@@ -231,9 +270,14 @@ def scan_experts(
                 rows.append(_zero_row(ft.tensor_idx, blk.block_idx, chash, sketch_dim))
                 continue
             all_identical = False
-            ef = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", blk.numel * 4).view(np.float32))
-            bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
-            s = stats.block_stats(ef, bf, seg, stats.sketch_key(ft.name, blk.block_idx), summary, sketch_dim)
+            if ft.dtype in ("BF16", "F32"):  # decoded inside the statistics pass
+                ef, bf = eraw.view(raw_dtype), braw.view(raw_dtype)
+            else:
+                ef = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", blk.numel * 4).view(np.float32))
+                bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
+            skey = stats.sketch_key(ft.name, blk.block_idx)
+            codes = shared.get(ft, blk.block_idx, blk.numel) if shared is not None else None
+            s = stats.block_stats(ef, bf, seg, skey, summary, sketch_dim, exceptions, codes)
             rows.append(
                 BlockRow(
                     ft.tensor_idx,
@@ -258,14 +302,16 @@ def scan_experts(
         if all_identical:
             thresholds = np.zeros(len(stats.DENSITY_GRID), np.float32)
         else:
-            thresholds = stats.grid_thresholds(abs_delta, summary)
+            thresholds = stats.grid_thresholds(abs_delta, summary, exceptions)
         codes, counts = stats.summary_bins(summary)
         return rows, TensorRow(ft.tensor_idx, all_identical, thresholds, codes, counts), hashes
 
+    # largest first; a tensor's units (one per expert) next to each other, so they share its codes
     units = sorted(
         ((k, ft) for k in range(len(experts)) for ft in family),
-        key=lambda u: (-u[1].nbytes, u[0], u[1].tensor_idx),
+        key=lambda u: (-u[1].nbytes, u[1].tensor_idx, u[0]),
     )
+    shared = _SharedCodes({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if len(experts) > 1 else None
     done: dict[tuple[int, int], tuple[list[BlockRow], TensorRow | None, list[str]]] = {}
     with ExitStack() as stack:
         bfiles = stack.enter_context(_opened(base))

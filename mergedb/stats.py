@@ -9,6 +9,12 @@ Definitions (the planner, the executor and the tests all use these):
   bit): bin edges are 2^e and 1.5·2^e, so each bin spans a factor of 1.5 or 4/3.
 - A tensor's magnitude summary bins |Δ| by the top 15 bits (relative width 2^-6): it gives the
   exact count above every bin edge, hence any top-k threshold within 0.8% (bin's geometric mid).
+- An exception is a finite |Δ| whose low 17 bits are not all zero; every other finite |Δ| equals
+  its summary bin's lower edge exactly. A bf16/fp16 delta is a few units in the last place of its
+  base value, so exceptions are rare, and the histogram sums, ‖Δ‖, max |Δ| and the exact top-k
+  thresholds follow from the summary counts plus the exceptions, with no second pass over |Δ|
+  (one is made when a tensor has too many: fp32 deltas). Float64 sums are taken in a fixed order
+  that depends on neither the thread count nor the order units run in.
 - A linear sketch is a CountSketch: element i of block b of tensor t goes to bucket h(i) with sign
   s(i), both from a 64-bit hash of (key(t, b), i) — never of the checkpoint, so
   sketch(θ_k) − sketch(θ_0) = sketch(Δ_k) and E⟨S a, S b⟩ = ⟨a, b⟩.
@@ -60,26 +66,28 @@ class BlockStats:
 
 
 @numba.njit(nogil=True, cache=True)
-def _base_pass(x):  # pragma: no cover - compiled
-    # x: (n,) float32 decoded base values -> (Σ x² over finite values in float64, count of NaN/Inf)
-    ss = 0.0
+def _base_pass(x, shift):  # pragma: no cover - compiled
+    # x: (n,) bit patterns (_decode) -> (Σ x² over finite values in float64, in four interleaved
+    # partial sums: element i in lane i % 4, added as (l0 + l1) + (l2 + l3); count of NaN/Inf)
+    s = np.zeros(4)
     bad = 0
     for i in range(x.shape[0]):
-        v = x[i]
-        if np.isfinite(v):
-            ss += np.float64(v) * np.float64(v)
-        else:
-            bad += 1
-    return ss, bad
+        v = np.float64(_decode(x, i, shift))
+        ok = np.isfinite(v)
+        s[i & 3] += v * v if ok else 0.0
+        bad += not ok
+    return (s[0] + s[1]) + (s[2] + s[3]), bad
 
 
 def base_block_stats(x: np.ndarray) -> tuple[float, int]:
     """‖θ₀,b‖₂ of one base block (its finite values, float64 accumulation) and its NaN/Inf count.
 
-    x: (n,) float32. The planner's output-rounding bound needs the norm; the count lets it blame a
-    non-finite base instead of every expert whose delta inherits the NaN.
+    x: (n,) float32, or bf16 bit patterns as uint16. The planner's output-rounding bound needs the
+    norm; the count lets it blame a non-finite base instead of every expert whose delta inherits
+    the NaN.
     """
-    ss, bad = _base_pass(x)
+    shift = 16 if x.dtype == np.uint16 else 0
+    ss, bad = _base_pass(x if shift else x.view(np.uint32), shift)
     return float(np.sqrt(ss)), int(bad)
 
 
@@ -94,36 +102,90 @@ def _hash_bucket(key, i, dim):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _delta_pass(e, b, abs_out, abs_bits, key, hcount, hsum, hsq, summary, sk):  # pragma: no cover
-    # e, b: (n,) float32 decoded values; abs_out: (n,) float32 receives |Δ| (abs_bits: same memory as uint32)
+def _bucket_codes(key, dim, out):  # pragma: no cover - compiled
+    # out: (n,) uint16 receives 2·bucket + (sign < 0) of every element i under `key`
+    for i in range(out.shape[0]):
+        j, sign = _hash_bucket(key, i, dim)
+        out[i] = np.uint16(2 * j + (sign < 0))
+
+
+def sketch_codes(key: np.uint64, n: int, dim: int) -> np.ndarray:
+    """The CountSketch bucket and sign of each of `n` elements under `key`, as (n,) uint16 codes
+    2·bucket + (sign < 0). They depend on the tensor, block and position only, never on the
+    checkpoint, so one table serves every expert's block; block_stats takes it instead of hashing."""
+    if not 0 < dim <= 2**15:
+        raise ValueError(f"sketch dimension {dim} does not fit a uint16 code (1..32768)")
+    out = np.empty(n, np.uint16)
+    _bucket_codes(np.uint64(key), dim, out)
+    return out
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _decode(raw, i, shift):  # pragma: no cover - compiled
+    # element i of a float32 bit pattern array (shift 0) or of bf16 patterns (uint16, shift 16)
+    return np.uint32(np.uint32(raw[i]) << np.uint32(shift)).view(np.float32)
+
+
+@numba.njit(nogil=True, cache=True)
+def _delta_pass(e, b, shift, abs_bits, key, codes, counts, sk, bd, exc, n_exc, rare):  # pragma: no cover
+    # e, b: (n,) bit patterns, decoded here (_decode); abs_bits: (n,) uint32 receives |Δ|'s float32
+    # pattern. counts: (SUMMARY_BINS,) this block's magnitude summary (finite |Δ| by their top 15
+    # bits). exc: (cap + 1,) patterns of finite |Δ| whose low 17 bits are not all zero, appended
+    # from index n_exc while there is room (rare: exceptions have been rare so far, so branch on
+    # them). codes: (n,) uint16 sketch_codes of the block, or empty: hash each
+    # element here. bd: (4,) float64 partial sums of θ₀·Δ, element i in bd[i % 4] (independent add
+    # chains). Returns (NaN/Inf count, exceptions in all: n_exc plus this block's).
+    # The other statistics follow from counts and exceptions (block_stats), or _abs_pass.
     dim = sk.shape[0]
-    mx = np.float32(0.0)
-    nnz = 0
+    hashed = codes.shape[0] == 0
+    cap = exc.shape[0] - 1  # the last slot takes the writes once the buffer is full
     nonfinite = 0
-    ss = 0.0
-    bd = 0.0
     for i in range(e.shape[0]):
-        dv = e[i] - b[i]
+        bv = _decode(b, i, shift)
+        dv = _decode(e, i, shift) - bv
         av = abs(dv)
-        abs_out[i] = av
-        nnz += dv != 0
+        bits = np.float32(av).view(np.uint32)
+        abs_bits[i] = bits
         if not av <= np.float32(3.4028234663852886e38):
             nonfinite += 1
             continue
-        mx = max(mx, av)
+        counts[bits >> 17] += 1
+        if rare:  # a branch that is almost never taken costs less than a store per element
+            if bits & np.uint32(0x1FFFF):
+                exc[min(n_exc, cap)] = bits
+                n_exc += 1
+        else:  # kept only if an exception: no branch to mispredict
+            exc[min(n_exc, cap)] = bits
+            n_exc += (bits & np.uint32(0x1FFFF)) != 0
         d64 = np.float64(dv)
-        q = d64 * d64
-        ss += q
-        bd += np.float64(b[i]) * d64
-        bits = abs_bits[i]
-        hb = bits >> 22
-        hcount[hb] += 1
-        hsum[hb] += av
-        hsq[hb] += q
-        summary[bits >> 17] += 1
-        j, sign = _hash_bucket(key, i, dim)
+        bd[i & 3] += np.float64(bv) * d64
+        if hashed:
+            j, sign = _hash_bucket(key, i, dim)
+        else:
+            c = np.int64(codes[i])
+            j = c >> 1
+            sign = 1.0 - 2.0 * np.float64(c & 1)
         sk[j] += sign * d64
-    return mx, nnz, nonfinite, ss, bd
+    return nonfinite, n_exc
+
+
+@numba.njit(nogil=True, cache=True)
+def _abs_pass(abs_bits, abs_val, hsum, hsq):  # pragma: no cover - compiled
+    # The statistics of |Δ| that do not follow from the summary when a block's exceptions did not
+    # fit: per histogram bin Σ|Δ| and ΣΔ² (float64), and max |Δ|, over finite |Δ|; zeros count.
+    mx = np.float32(0.0)
+    zeros = 0
+    for i in range(abs_bits.shape[0]):
+        bits = abs_bits[i]
+        zeros += bits == 0
+        if bits >= np.uint32(0x7F800000):  # NaN or Inf
+            continue
+        av = abs_val[i]
+        mx = max(mx, av)
+        q = np.float64(av) * np.float64(av)
+        hsum[bits >> 22] += av
+        hsq[bits >> 22] += q
+    return mx, zeros
 
 
 @numba.njit(nogil=True, cache=True)
@@ -141,23 +203,121 @@ def sketch(x: np.ndarray, key: np.uint64, dim: int = DEFAULT_SKETCH_DIM) -> np.n
     return out
 
 
+_NO_CODES = np.zeros(0, np.uint16)
+
+
+class Exceptions:
+    """A tensor's |Δ| values that its magnitude summary does not pin exactly: the float32 patterns
+    of finite |Δ| whose low 17 bits are not all zero (a bf16 or fp16 delta is a few units in the
+    last place of its base value, so it rarely has any). Filled by block_stats across the blocks
+    of one tensor; `complete` while they fit in the buffer."""
+
+    def __init__(self, capacity: int, buf: np.ndarray | None = None) -> None:
+        # (capacity + 1,) uint32: the statistics pass writes every element's pattern into the next
+        # free slot (the last slot once full) and advances only for an exception: no branch
+        self.buf = np.empty(capacity + 1, np.uint32) if buf is None else buf[: capacity + 1]
+        if len(self.buf) != capacity + 1:
+            raise ValueError(f"an exceptions buffer for {capacity} needs {capacity + 1} slots, not {len(self.buf)}")
+        self.n = 0
+        self.seen = 0  # elements scanned so far
+
+    @property
+    def rare(self) -> bool:
+        """At most one exception in 64 elements so far (true before the first block)."""
+        return self.n * 64 <= self.seen
+
+    @property
+    def complete(self) -> bool:
+        return self.n < len(self.buf)
+
+    def values(self) -> np.ndarray:
+        return self.buf[: self.n]
+
+
+# lower edge of every summary bin, and its square, as float64 (both exact); 0 for the codes of
+# Inf/NaN patterns, which the summary never counts
+_EDGE = np.arange(SUMMARY_BINS, dtype=np.uint32) << np.uint32(SUMMARY_SHIFT)
+_EDGE = np.where(_EDGE < np.uint32(0x7F800000), _EDGE, np.uint32(0)).view(np.float32).astype(np.float64)
+_EDGE_SQ = _EDGE * _EDGE
+
+
 def block_stats(
-    e: np.ndarray, b: np.ndarray, abs_out: np.ndarray, key: np.uint64, summary: np.ndarray, dim: int
+    e: np.ndarray,
+    b: np.ndarray,
+    abs_out: np.ndarray,
+    key: np.uint64,
+    summary: np.ndarray,
+    dim: int,
+    exceptions: Exceptions | None = None,
+    codes: np.ndarray | None = None,
 ) -> BlockStats:
-    """Statistics of Δ = e − b (float32, flat); writes |Δ| into `abs_out` and adds to `summary`."""
-    hcount = np.zeros(HIST_BINS, np.int64)
-    hsum = np.zeros(HIST_BINS)
-    hsq = np.zeros(HIST_BINS)
+    """Statistics of Δ = e − b (flat, equal dtypes); writes |Δ| (float32) into `abs_out`, adds to
+    `summary` and collects `exceptions`. e, b: float32, or bf16 bit patterns as uint16 (decoded in
+    the same pass). `codes`: the block's sketch_codes(key, n, dim), when the caller shares them.
+
+    One pass over the elements counts the block's summary and collects its exceptions; a finite
+    |Δ| that is no exception equals its summary bin's lower edge exactly, so the histogram (counts,
+    Σ|Δ|, ΣΔ²), ‖Δ‖, max |Δ| and the non-zeros follow from the counts plus the exceptions, exact up
+    to float64 rounding of the sums. A block whose exceptions do not fit gets a second pass over
+    its |Δ| (_abs_pass) instead."""
+    shift = 16 if e.dtype == np.uint16 else 0
+    if shift == 0:
+        e, b = e.view(np.uint32), b.view(np.uint32)  # float32 patterns
+    n = e.shape[0]
+    counts = np.zeros(SUMMARY_BINS, np.int64)  # this block's magnitude summary
     sk = np.zeros(dim)
-    mx, nnz, nonfinite, ss, bd = _delta_pass(
-        e, b, abs_out, abs_out.view(np.uint32), np.uint64(key), hcount, hsum, hsq, summary, sk
+    bd = np.zeros(4)  # Σ θ₀·Δ in four interleaved partial sums
+    exc = exceptions if exceptions is not None else Exceptions(0)
+    first = exc.n
+    abs_bits = abs_out.view(np.uint32)
+    nonfinite, n_exc = _delta_pass(
+        e,
+        b,
+        shift,
+        abs_bits,
+        np.uint64(key),
+        _NO_CODES if codes is None else codes,
+        counts,
+        sk,
+        bd,
+        exc.buf,
+        exc.n,
+        exc.rare,
     )
+    exc.n = n_exc
+    exc.seen += n
+    summary += counts
+    # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins
+    hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)
+    if exc.complete:
+        mine = exc.buf[first : exc.n]  # (m,) uint32 this block's exceptions
+        v = mine.view(np.float32).astype(np.float64)
+        plain = counts - np.bincount(mine >> np.uint32(SUMMARY_SHIFT), minlength=SUMMARY_BINS)  # = their edge
+        hbin = mine >> np.uint32(HIST_SHIFT)
+        hsum = (plain * _EDGE).reshape(HIST_BINS, -1).sum(axis=1) + np.bincount(hbin, v, HIST_BINS)
+        hsq = (plain * _EDGE_SQ).reshape(HIST_BINS, -1).sum(axis=1) + np.bincount(hbin, v * v, HIST_BINS)
+        top = np.flatnonzero(plain)
+        mx = max(float(v.max()) if len(v) else 0.0, float(_EDGE[top[-1]]) if len(top) else 0.0)
+        zeros = int(plain[0])  # code 0 outside the exceptions is exactly zero
+    else:
+        hsum = np.zeros(HIST_BINS)
+        hsq = np.zeros(HIST_BINS)
+        mx, zeros = _abs_pass(abs_bits, abs_out, hsum, hsq)
     nz = np.flatnonzero(hcount)
     lo = (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32)
-    norm = float(np.sqrt(ss)) if nonfinite == 0 else float("nan")
-    base_dot = float(bd) if nonfinite == 0 else float("nan")
+    norm = float(np.sqrt(hsq.sum())) if nonfinite == 0 else float("nan")
+    base_dot = float((bd[0] + bd[1]) + (bd[2] + bd[3])) if nonfinite == 0 else float("nan")
     return BlockStats(
-        norm, float(mx), int(nnz), int(nonfinite), lo, hcount[nz], hsum[nz], hsq[nz], sk.astype(np.float32), base_dot
+        norm,
+        float(mx),
+        n - int(zeros),
+        int(nonfinite),
+        lo,
+        hcount[nz],
+        hsum[nz],
+        hsq[nz],
+        sk.astype(np.float32),
+        base_dot,
     )
 
 
@@ -198,8 +358,27 @@ def _locate(counts: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return digit, rank - (cum[rows, j] - counts[rows, digit])
 
 
-def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray) -> np.ndarray:
+def _wanted(summary: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For every density of the grid: whether it has a threshold (rank k within the finite
+    elements), and for those, the summary code holding the k-th largest |Δ| and its 0-based rank
+    from the top of that code's bin. Returns (ks, valid, codes, rank)."""
+    ks = np.array([kth_count(d, n) for d in DENSITY_GRID], np.int64)
+    desc = summary[::-1]
+    cum_desc = np.cumsum(desc)
+    pos = np.searchsorted(cum_desc, ks, side="left")  # index (descending-code order) of rank k's bin
+    valid = pos < len(summary)  # ranks past the finite elements (non-finite Δ) have no threshold
+    pos_v = pos[valid]
+    codes = len(summary) - 1 - pos_v
+    rank = ks[valid] - 1 - (cum_desc[pos_v] - desc[pos_v])  # 0-based rank from the top of its bin
+    return ks, valid, codes, rank
+
+
+def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray, exceptions: Exceptions | None = None) -> np.ndarray:
     """Exact k-th largest |Δ| for every density of DENSITY_GRID: (G,) float32.
+
+    With complete `exceptions` (block_stats') no pass over |Δ| is needed: a finite |Δ| outside
+    them equals its bin's lower edge (code << 17) exactly, and a bin's exceptions lie above it,
+    so the r-th largest of a bin is its r-th largest exception, or else the edge itself.
 
     A three-level radix select on the float32 bit patterns (non-negative floats order as their
     patterns): `summary` (the tensor's magnitude summary from block_stats) gives the top 15 bits of
@@ -212,18 +391,14 @@ def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray) -> np.ndarray:
     if n == 0:
         return np.zeros(len(DENSITY_GRID), np.float32)
     assert SUMMARY_SHIFT == 17 and SUB_SHIFT == 9  # the kernels hard-code these shifts
-    bits = abs_delta.view(np.uint32).reshape(-1)
-    ks = np.array([kth_count(d, n) for d in DENSITY_GRID], np.int64)
-    desc = summary[::-1]
-    cum_desc = np.cumsum(desc)
-    pos = np.searchsorted(cum_desc, ks, side="left")  # index (descending-code order) of rank k's bin
-    valid = pos < len(summary)  # ranks past the finite elements (non-finite Δ) have no threshold
+    ks, valid, codes, rank = _wanted(summary, n)
     out = np.full(len(ks), 0x7FC00000, np.uint32)  # NaN where there is no threshold
     if not valid.any():
         return out.view(np.float32)
-    pos_v = pos[valid]
-    codes = len(summary) - 1 - pos_v
-    rank = ks[valid] - 1 - (cum_desc[pos_v] - desc[pos_v])  # 0-based rank from the top of its bin
+    if exceptions is not None and exceptions.complete:
+        out[valid] = _from_exceptions(exceptions.values(), codes, rank)
+        return out.view(np.float32)
+    bits = abs_delta.view(np.uint32).reshape(-1)
     # level 2: wanted bins by their next 8 bits
     # small tables stay in L1: slots and pairs are at most len(DENSITY_GRID) + 1, counts at most n
     count_t = np.int32 if n < 2**31 else np.int64
@@ -243,6 +418,20 @@ def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray) -> np.ndarray:
     out[valid] = (codes.astype(np.uint32) << np.uint32(SUMMARY_SHIFT)) | (s.astype(np.uint32) << np.uint32(SUB_SHIFT))
     out[valid] |= lowbits.astype(np.uint32)
     return out.view(np.float32)
+
+
+def _from_exceptions(exc: np.ndarray, codes: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """The rank-th largest pattern of each code's bin, from that bin's exceptions (all above its
+    lower edge) and otherwise the edge. exc: (m,) uint32; codes, rank: (G,) int64 -> (G,) uint32."""
+    edge = codes.astype(np.uint32) << np.uint32(SUMMARY_SHIFT)
+    wanted = exc[np.isin(exc >> np.uint32(SUMMARY_SHIFT), codes)]
+    asc = np.sort(wanted)  # (m',) uint32 ascending: a code's exceptions are one run
+    hi = np.searchsorted(asc, edge + np.uint32(1 << SUMMARY_SHIFT), side="left")  # end of the code's run
+    lo = np.searchsorted(asc, edge, side="left")
+    if len(asc) == 0:
+        return edge
+    picked = asc[np.clip(hi - 1 - rank, 0, len(asc) - 1)]  # meaningful where rank < the run's length
+    return np.where(rank < hi - lo, picked, edge)
 
 
 def summary_bins(summary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

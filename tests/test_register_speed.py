@@ -53,6 +53,64 @@ def test_grid_thresholds_equal_full_sort_on_bf16_deltas(scale, distinct, n, froz
     np.testing.assert_array_equal(got, want)
 
 
+def _exceptions(a: np.ndarray, cap: int) -> stats.Exceptions:
+    """The exceptions as defined: patterns of finite |Δ| whose low 17 bits are not all zero."""
+    bits = a[np.isfinite(a)].view(np.uint32)
+    exc = bits[(bits & np.uint32(0x1FFFF)) != 0]
+    out = stats.Exceptions(cap)
+    out.buf[: min(cap, exc.size)] = exc[:cap]
+    out.n = exc.size
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    scale=st.sampled_from([1e-38, 1e-6, 1e-3, 1.0]),
+    distinct=st.integers(1, 12),
+    n=st.integers(1, 3000),
+    nonfinite=st.integers(0, 3),
+    fp32=st.booleans(),  # full float32 mantissas: every element is an exception
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_grid_thresholds_from_exceptions_equal_full_sort(scale, distinct, n, nonfinite, fp32, seed):
+    """Without any pass over |Δ| (the exceptions complete) and with the radix fallback (too many)."""
+    rng = np.random.default_rng(seed)
+    base = _bf16(rng.normal(0, 0.02, n))
+    steps = rng.normal(0, scale, distinct).astype(np.float32)
+    expert = base + steps[rng.integers(0, distinct, n)]
+    expert = expert.astype(np.float32) if fp32 else _bf16(expert)
+    expert[: n // 3] = base[: n // 3]
+    if nonfinite:
+        expert[rng.integers(0, n, nonfinite)] = [np.nan, np.inf, -np.inf][:nonfinite]
+    a = np.abs(expert - base).astype(np.float32)
+    want = np.array([_sorted_kth(a, d) for d in stats.DENSITY_GRID], np.float32)
+    for cap in (n + 1, n // 8 + 1):
+        exc = _exceptions(a, cap)
+        got = stats.grid_thresholds(a.copy(), _summary(a), exc)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_exceptions_collected_by_block_stats():
+    """block_stats collects exactly the finite |Δ| with low bits set, across blocks, in any count."""
+    rng = np.random.default_rng(4)
+    base = _bf16(rng.normal(0, 0.02, 5000))
+    expert = _bf16(base + rng.normal(0, 1e-3, 5000))
+    expert[17] = base[17] * 3 + np.float32(2**-20)  # far from the base: low bits set
+    expert[99] = np.nan
+    a = np.abs(expert - base).astype(np.float32)
+    for cap in (5000, 3):
+        exc = stats.Exceptions(cap)
+        out = np.empty(5000, np.float32)
+        summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+        for s in range(0, 5000, 1024):
+            stats.block_stats(expert[s : s + 1024], base[s : s + 1024], out[s : s + 1024], 7, summary, 8, exc)
+        want = _exceptions(a, 5000)
+        assert exc.n == want.n >= 1 and exc.complete == (cap >= want.n)
+        if exc.complete:
+            np.testing.assert_array_equal(np.sort(exc.values()), np.sort(want.values()))
+        np.testing.assert_array_equal(summary, _summary(a))
+
+
 def test_grid_thresholds_one_value_repeated():
     """A sub-bin that holds the whole tensor (the case the third level exists for)."""
     a = np.full(100_003, np.float32(3 * 2**-14), np.float32)
@@ -107,3 +165,81 @@ def test_register_threads_default_is_the_machines_cores(tmp_path, monkeypatch):
 
     register(Catalog(tmp_path / "c.duckdb"), [fam], base_model="base")
     assert seen == [3]
+
+
+def _ref_bucket_sign(key: int, n: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sketch's hash as documented (splitmix64-style mix of key + i), in numpy uint64."""
+    with np.errstate(over="ignore"):
+        z = (np.uint64(key) + np.arange(n, dtype=np.uint64)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(32))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = z ^ (z >> np.uint64(29))
+        j = ((z & np.uint64(0xFFFFFFFF)) * np.uint64(dim)) >> np.uint64(32)
+    return j.astype(np.int64), np.where(z >> np.uint64(63), -1.0, 1.0)
+
+
+def test_shared_sketch_codes_give_the_same_sketch():
+    """One code table per block, shared by every expert, is the same CountSketch as hashing inline."""
+    rng = np.random.default_rng(9)
+    base = rng.normal(0, 0.02, 3001).astype(np.float32)
+    for dim in (16, 64):
+        key = stats.sketch_key("model.layers.0.mlp.up_proj.weight", 3)
+        codes = stats.sketch_codes(key, base.size, dim)
+        j, sign = _ref_bucket_sign(int(key), base.size, dim)
+        np.testing.assert_array_equal(codes >> 1, j)
+        np.testing.assert_array_equal(np.where(codes & 1, -1.0, 1.0), sign)
+        for _ in range(3):  # several experts against one table
+            expert = base + rng.normal(0, 1e-3, base.size).astype(np.float32)
+            d = (expert - base).astype(np.float32)
+            want = np.zeros(dim)
+            np.add.at(want, j, sign * d.astype(np.float64))
+            out = np.empty(base.size, np.float32)
+            summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+            shared = stats.block_stats(expert, base, out, key, summary, dim, codes=codes)
+            inline = stats.block_stats(expert, base, out, key, summary, dim)
+            np.testing.assert_array_equal(shared.sketch, inline.sketch)
+            np.testing.assert_allclose(shared.sketch, want.astype(np.float32), rtol=1e-5, atol=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 5000),
+    fp32=st.booleans(),
+    frozen=st.floats(0.0, 0.9),
+    tiny=st.booleans(),  # denormal deltas: code 0 holds values other than zero
+    nonfinite=st.integers(0, 2),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_block_statistics_from_summary_and_from_a_second_pass(n, fp32, frozen, tiny, nonfinite, seed):
+    """Both ways block_stats gets the histogram, norm, max and non-zeros — from the summary plus the
+    exceptions, or (exceptions overflowing) a pass over |Δ| — against numpy on the whole block."""
+    rng = np.random.default_rng(seed)
+    scale = 1e-40 if tiny else 1e-3
+    base = _bf16(rng.normal(0, 0.02, n))
+    expert = base + rng.normal(0, scale, n).astype(np.float32)
+    expert = expert.astype(np.float32) if fp32 else _bf16(expert)
+    expert[: int(frozen * n)] = base[: int(frozen * n)]
+    if nonfinite:
+        expert[rng.integers(0, n, nonfinite)] = [np.inf, np.nan][:nonfinite]
+    d = (expert - base).astype(np.float32)
+    a = np.abs(d)
+    fin = np.isfinite(a)
+    a64 = a[fin].astype(np.float64)
+    for cap in (n, 0):
+        out = np.empty(n, np.float32)
+        summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+        s = stats.block_stats(expert, base, out, 5, summary, 8, stats.Exceptions(cap))
+        np.testing.assert_array_equal(out.view(np.uint32), a.view(np.uint32))
+        assert s.nnz == np.count_nonzero(d) and s.nonfinite == (~fin).sum()
+        assert s.max_abs == (a[fin].max() if fin.any() else 0)
+        if s.nonfinite == 0:
+            np.testing.assert_allclose(s.norm, np.sqrt((a64**2).sum()), rtol=1e-12)
+            terms = base.astype(np.float64) * d.astype(np.float64)
+            assert abs(s.base_dot - terms.sum()) <= 1e-12 * np.abs(terms).sum()
+        else:
+            assert np.isnan(s.norm) and np.isnan(s.base_dot)
+        assert s.hist_count.sum() == fin.sum()
+        for lo, cnt, sm, sq in zip(s.hist_lo, s.hist_count, s.hist_sum, s.hist_sumsq):
+            hi = stats.hist_hi(np.array([lo]))[0]
+            inside = a64[(a[fin] >= lo) & (a[fin] < hi)]
+            assert cnt == inside.size
+            np.testing.assert_allclose([sm, sq], [inside.sum(), (inside**2).sum()], rtol=1e-12)

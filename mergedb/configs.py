@@ -446,14 +446,17 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
 # -- export ----------------------------------------------------------------------------------------
 
 
-def to_mergekit_yaml(res: Resolution, paths: dict[str, str], tensor_names: list[str] | None = None) -> str:
+def to_mergekit_yaml(
+    res: Resolution, paths: dict[str, str], tensor_names: list[str] | None = None, base_dtype: str | None = None
+) -> str:
     """A mergekit config equivalent to `res` (a stored plan's method, weights, params, overrides).
 
     `paths` maps checkpoint names to their registered paths. Overrides become filter lists (full
     tensor names, longest first, so one name inside another never catches it; `tensor_names`
-    adds an explicit entry for any other tensor whose name contains an overridden one).
+    adds an explicit entry for any other tensor whose name contains an overridden one). The output
+    dtype is the plan's, else `base_dtype` (the base's `CheckpointRow.dtype`: BF16, F16, F32).
     """
     from .mkresolve import export_dict
 
-    d = export_dict(res, paths, tensor_names or [])
+    d = export_dict(res, paths, tensor_names or [], base_dtype)
     return "# written by mergedb: an equivalent mergekit config\n" + yaml.safe_dump(d, sort_keys=False)

@@ -253,8 +253,13 @@ def _setting(scalar: float, over: dict[str, float], names: list[str]) -> Any:
     return [{"filter": n, "value": v} for n, v in entries] + [{"value": fallback}]
 
 
-def export_dict(res: Resolution, paths: dict[str, str], names: list[str]) -> dict[str, Any]:
+_CATALOG_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}  # CheckpointRow.dtype -> execute --dtype
+
+
+def export_dict(res: Resolution, paths: dict[str, str], names: list[str], base_dtype: str | None) -> dict[str, Any]:
     """The mergekit config of `res` as plain data (see configs.to_mergekit_yaml)."""
+    if res.base is None:
+        raise ConfigError("this linear config names no base_model; bind it to the catalog (bind_models) first")
     m, n = res.method, len(res.experts)
     over: dict[tuple[int, str], dict[str, float]] = defaultdict(dict)
     for r in res.tensor_params.to_pylist():
@@ -294,8 +299,9 @@ def export_dict(res: Resolution, paths: dict[str, str], names: list[str]) -> dic
     out: dict[str, Any] = {"merge_method": m, "base_model": paths[res.base], "models": models}
     if top:
         out["parameters"] = top
-    out["dtype"] = "float32"  # mergedb computes in float32
-    if res.output_dtype:
-        out["out_dtype"] = {v: k for k, v in DTYPES.items()}[res.output_dtype]
+    out_dtype = res.output_dtype or _CATALOG_DTYPES.get(base_dtype or "")
+    if out_dtype:  # mergedb computes in float32 and writes out_dtype (by default the base's dtype)
+        out["dtype"] = "float32"
+        out["out_dtype"] = {v: k for k, v in DTYPES.items()}[out_dtype]
     out["tokenizer_source"] = "base"
     return out

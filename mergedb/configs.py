@@ -21,55 +21,39 @@ tensor `model.layers.N.…` of an L-layer model has t = N/(L−1) (t = 1 when L 
 tensor — embeddings, the final norm, lm_head — is planned with t = 0. A per-model parameter is
 looked up under the model, then the slice, then the top level, falling through where a scope
 does not set it; merge-wide (shared) parameters are looked up only in the slice and the top level.
-`to_mergekit_yaml` writes a plan back as a config (mkresolve.py holds the evaluation and export).
+`to_mergekit_yaml` writes a plan back as a config (mkresolve.py holds mergekit's tables, the evaluation and the export).
 """
 
 from __future__ import annotations
 
 import math
-import re
 import shlex
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from os import PathLike
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import yaml
 
 from .errors import ConfigError
-from .methods import METHODS
+from .mkresolve import (  # noqa: F401 - mergekit's tables and the value types are part of this module's interface
+    BOOLEAN,
+    DTYPES,
+    MERGEDB_PARAMS,
+    MERGEKIT_DEFAULTS,
+    PER_MODEL,
+    REQUIRED,
+    RESCALE,
+    WHY_RESCALE,
+    Cond,
+    ModelEntry,
+    Resolution,
+    Setting,
+    export_dict,
+    resolve,
+)
 
-REQUIRED = "required"  # mergekit has no default: a config without the parameter fails there
-
-# mergekit 0.1.5's parameters and their defaults, per method (merge_methods/registry.py,
-# generalized_task_arithmetic.py, linear.py, slerp.py, model_stock.py). The README's
-# "Coming from mergekit" table is this dict.
-_GTA = {"weight": REQUIRED, "density": 1.0, "lambda": 1.0, "int8_mask": False}
-MERGEKIT_DEFAULTS: dict[str, dict[str, Any]] = {
-    "linear": {"weight": REQUIRED, "normalize": True},
-    "task_arithmetic": {**_GTA, "normalize": False, "rescale": False},
-    "ties": {**_GTA, "normalize": True, "rescale": False},
-    "dare_ties": {**_GTA, "normalize": False, "rescale": True},
-    "dare_linear": {**_GTA, "normalize": False, "rescale": True},
-    "breadcrumbs": {**_GTA, "gamma": 0.01, "normalize": False, "rescale": False},
-    "breadcrumbs_ties": {**_GTA, "gamma": 0.01, "normalize": False, "rescale": False},
-    "della": {**_GTA, "epsilon": 0.15, "normalize": True, "rescale": True},
-    "della_linear": {**_GTA, "epsilon": 0.15, "normalize": False, "rescale": True},
-    "model_stock": {"filter_wise": False},
-    "slerp": {"t": REQUIRED},
-}
-PER_MODEL = frozenset({"weight", "density", "gamma", "epsilon"})  # mergekit's INPUT / NON_BASE scope
-BOOLEAN = frozenset({"normalize", "rescale", "int8_mask", "filter_wise"})
-# the values mergedb can honour for mergekit's switches (a method missing here ignores the switch)
-_RESCALE = {"ties": False, "breadcrumbs": False, "breadcrumbs_ties": False}
-_RESCALE.update(dict.fromkeys(["dare_ties", "dare_linear", "della", "della_linear"], True))
-_WHY_RESCALE = {
-    False: "mergedb's magnitude and band trims never rescale what they keep",
-    True: "mergedb's random drops always rescale the kept values by 1/keep-probability",
-}
 OTHER_METHODS = {  # mergekit 0.1.5 methods mergedb does not implement
     "passthrough": "passthrough builds frankenmerges (stacked layer slices), which mergedb does not plan",
     "nuslerp": "mergedb has no nuslerp", "multislerp": "mergedb has no multislerp", "karcher": "mergedb has no karcher",
@@ -82,28 +66,6 @@ REFUSED_KEYS = {
     "tokenizer": "tokenizer: builds a merged vocabulary; mergedb keeps the base's tokenizer (tokenizer_source: base)",
     "chat_template": "mergedb copies the base's chat template; remove chat_template",
 }
-MERGEDB_PARAMS = {name: tuple(m.defaults) for name, m in METHODS.items()} | {"slerp": ("t",)}  # what plans take
-DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # mergekit name -> `execute --dtype`
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class Cond:
-    """One entry of a filter list: `value` applies to tensors whose name contains `filter`."""
-
-    filter: str | None  # None or "*": every tensor
-    value: float | tuple[float, ...]
-
-
-Setting = Any  # bool | float | tuple[float, ...] (gradient) | tuple[Cond, ...] (filter list)
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """One entry of `models:` (or one source of a full-range slice)."""
-
-    model: str
-    parameters: dict[str, Setting] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -129,33 +91,7 @@ class MergeConfig:
 
     def resolve(self, tensor_names: list[str] | tuple[str, ...]) -> Resolution:
         """Every parameter of every (expert, tensor), as mergekit evaluates it; see the module docstring."""
-        from .mkresolve import resolve
-
         return resolve(self, list(tensor_names))
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """A config evaluated over a model's tensors: what `planner.PlanRequest` takes."""
-
-    method: str  # a mergedb method name
-    base: str | None  # None: linear without base_model, before `bind_models`
-    experts: tuple[str, ...]  # position k = config order, base excluded
-    weights: tuple[float, ...]  # one per expert: the coefficient it gets on most tensors
-    params: dict[str, Any]  # the method's scalar parameters, in mergedb's names
-    tensor_params: pa.Table  # position int32, tensor string, param string, value float64: the exceptions
-    output_dtype: str | None = None
-
-    def value(self, position: int, tensor: str, param: str) -> float:
-        """The value `param` takes for expert `position` on `tensor` (its override, else the scalar)."""
-        found = self._overrides.get((position, tensor, param))
-        if found is not None:
-            return found
-        return self.weights[position] if param == "weight" else float(self.params[param])
-
-    @cached_property
-    def _overrides(self) -> dict[tuple[int, str, str], float]:
-        return {(r["position"], r["tensor"], r["param"]): r["value"] for r in self.tensor_params.to_pylist()}
 
 
 # -- parsing ---------------------------------------------------------------------------------------
@@ -360,8 +296,8 @@ def parse_config(text_or_path: str | PathLike[str]) -> MergeConfig:
 
 
 def _check_switch(method: str, key: str, v: bool) -> None:
-    if key == "rescale" and method in _RESCALE and v != _RESCALE[method]:
-        raise ConfigError(f"rescale: {str(v).lower()} is not supported for {method}: {_WHY_RESCALE[_RESCALE[method]]}")
+    if key == "rescale" and method in RESCALE and v != RESCALE[method]:
+        raise ConfigError(f"rescale: {str(v).lower()} is not supported for {method}: {WHY_RESCALE[RESCALE[method]]}")
 
 
 def _check_contract(cfg: MergeConfig) -> None:
@@ -384,8 +320,9 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
     """The config with every model replaced by the name of the registered checkpoint it means.
 
     `rows` are `Catalog.checkpoints()` (anything with name, role, base, path, fingerprint). A
-    reference is a registered name, or a path matched by its resolved location or, failing that,
-    by the fingerprint of the checkpoint there. Linear without base_model gets the experts' base.
+    reference that exists on disk (relative to `cwd`, as mergekit reads it) is matched by resolved
+    path or, failing that, by the fingerprint of the checkpoint there; any other reference must be
+    a registered name. Linear without base_model gets the experts' base.
     """
     from .checkpoint import is_checkpoint, open_checkpoint
 
@@ -393,11 +330,12 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
     by_name = {r.name: r for r in rows}
 
     def find(ref: str, base_hint: str | None) -> Any:
-        if ref in by_name:
-            return by_name[ref]
         p = Path(ref).expanduser()
         p = p if p.is_absolute() else here / p
-        if p.exists():
+        if not p.exists():
+            if ref in by_name:
+                return by_name[ref]
+        else:  # a path that exists means that checkpoint, never a namesake
             rp = p.resolve()
             for r in rows:
                 if Path(r.path).resolve() == rp:
@@ -407,6 +345,11 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
                 for r in rows:
                     if r.fingerprint == fp:
                         return r
+            if ref in by_name:
+                raise ConfigError(
+                    f"model {ref!r} is a folder here that is not registered, and the name of the checkpoint "
+                    f"registered from {by_name[ref].path}; write that path, or register the folder under another --name"
+                )
         how = f"mergedb register {shlex.quote(ref)} --base" if base_hint is None else (
             f"mergedb register {shlex.quote(ref)} --base-model {shlex.quote(base_hint)}"
         )  # fmt: skip
@@ -456,7 +399,5 @@ def to_mergekit_yaml(
     adds an explicit entry for any other tensor whose name contains an overridden one). The output
     dtype is the plan's, else `base_dtype` (the base's `CheckpointRow.dtype`: BF16, F16, F32).
     """
-    from .mkresolve import export_dict
-
     d = export_dict(res, paths, tensor_names or [], base_dtype)
     return "# written by mergedb: an equivalent mergekit config\n" + yaml.safe_dump(d, sort_keys=False)

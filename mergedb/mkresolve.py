@@ -1,7 +1,9 @@
-"""A mergekit config evaluated per (expert, tensor), and a plan written back as a config.
+"""mergekit 0.1.5's parameter tables and rules: a config evaluated per (expert, tensor), a plan written back.
 
-`resolve` computes every parameter as mergekit 0.1.5 does for each tensor (configs.py's docstring
-states the rules) and turns it into mergedb's terms:
+The tables (`MERGEKIT_DEFAULTS`, read from mergekit's source) and value types live here, below
+configs.py, which parses and binds configs and re-exports them. `resolve` computes every
+parameter as mergekit 0.1.5 does for each tensor (configs.py's docstring states the rules) and
+turns it into mergedb's terms:
 
 - linear: mergekit computes Σ w_i θ_i over its inputs (divided by Σ w_i under normalize; the base
   is an input with its own weight when base_model is given). mergedb adds coefficients c_k to the
@@ -21,27 +23,95 @@ Merge-wide values (lambda, t) are written for every expert position.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, defaultdict
-from typing import Any
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from .configs import (
-    _LAYER,
-    _RESCALE,
-    DTYPES,
-    MERGEDB_PARAMS,
-    MERGEKIT_DEFAULTS,
-    PER_MODEL,
-    REQUIRED,
-    Cond,
-    MergeConfig,
-    ModelEntry,
-    Resolution,
-    Setting,
-)
 from .errors import ConfigError
 from .methods import METHODS
+
+if TYPE_CHECKING:
+    from .configs import MergeConfig
+
+REQUIRED = "required"  # mergekit has no default: a config without the parameter fails there
+
+# mergekit 0.1.5's parameters and their defaults, per method (merge_methods/registry.py,
+# generalized_task_arithmetic.py, linear.py, slerp.py, model_stock.py). The README's
+# "Coming from mergekit" table is this dict.
+_GTA = {"weight": REQUIRED, "density": 1.0, "lambda": 1.0, "int8_mask": False}
+MERGEKIT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "linear": {"weight": REQUIRED, "normalize": True},
+    "task_arithmetic": {**_GTA, "normalize": False, "rescale": False},
+    "ties": {**_GTA, "normalize": True, "rescale": False},
+    "dare_ties": {**_GTA, "normalize": False, "rescale": True},
+    "dare_linear": {**_GTA, "normalize": False, "rescale": True},
+    "breadcrumbs": {**_GTA, "gamma": 0.01, "normalize": False, "rescale": False},
+    "breadcrumbs_ties": {**_GTA, "gamma": 0.01, "normalize": False, "rescale": False},
+    "della": {**_GTA, "epsilon": 0.15, "normalize": True, "rescale": True},
+    "della_linear": {**_GTA, "epsilon": 0.15, "normalize": False, "rescale": True},
+    "model_stock": {"filter_wise": False},
+    "slerp": {"t": REQUIRED},
+}
+PER_MODEL = frozenset({"weight", "density", "gamma", "epsilon"})  # mergekit's INPUT / NON_BASE scope
+BOOLEAN = frozenset({"normalize", "rescale", "int8_mask", "filter_wise"})
+# the values mergedb can honour for mergekit's switches (a method missing here ignores the switch)
+RESCALE = {"ties": False, "breadcrumbs": False, "breadcrumbs_ties": False}
+RESCALE.update(dict.fromkeys(["dare_ties", "dare_linear", "della", "della_linear"], True))
+WHY_RESCALE = {
+    False: "mergedb's magnitude and band trims never rescale what they keep",
+    True: "mergedb's random drops always rescale the kept values by 1/keep-probability",
+}
+MERGEDB_PARAMS = {name: tuple(m.defaults) for name, m in METHODS.items()} | {"slerp": ("t",)}  # what plans take
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # mergekit name -> `execute --dtype`
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Cond:
+    """One entry of a filter list: `value` applies to tensors whose name contains `filter`."""
+
+    filter: str | None  # None or "*": every tensor
+    value: float | tuple[float, ...]
+
+
+Setting = Any  # bool | float | tuple[float, ...] (gradient) | tuple[Cond, ...] (filter list)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One entry of `models:` (or one source of a full-range slice)."""
+
+    model: str
+    parameters: dict[str, Setting] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A config evaluated over a model's tensors: what `planner.PlanRequest` takes."""
+
+    method: str  # a mergedb method name
+    base: str | None  # None: linear without base_model, before `bind_models`
+    experts: tuple[str, ...]  # position k = config order, base excluded
+    weights: tuple[float, ...]  # one per expert: the coefficient it gets on most tensors
+    params: dict[str, Any]  # the method's scalar parameters, in mergedb's names
+    tensor_params: pa.Table  # position int32, tensor string, param string, value float64: the exceptions
+    output_dtype: str | None = None
+
+    def value(self, position: int, tensor: str, param: str) -> float:
+        """The value `param` takes for expert `position` on `tensor` (its override, else the scalar)."""
+        found = self._overrides.get((position, tensor, param))
+        if found is not None:
+            return found
+        return self.weights[position] if param == "weight" else float(self.params[param])
+
+    @cached_property
+    def _overrides(self) -> dict[tuple[int, str, str], float]:
+        return {(r["position"], r["tensor"], r["param"]): r["value"] for r in self.tensor_params.to_pylist()}
+
 
 SCHEMA = pa.schema([("position", pa.int32()), ("tensor", pa.string()), ("param", pa.string()), ("value", pa.float64())])
 
@@ -51,7 +121,7 @@ def layer_t(names: list[str]) -> tuple[dict[str, float], int]:
 
     `model.layers.N.…`: N / (L − 1) (1 when L = 1); anything else (embeddings, final norm, lm_head): 0.
     """
-    idx = {n: int(m.group(1)) for n in names if (m := _LAYER.match(n))}
+    idx = {n: int(m.group(1)) for n in names if (m := LAYER.match(n))}
     n_layers = max(idx.values()) + 1 if idx else 0
     return {n: ((idx[n] / (n_layers - 1) if n_layers > 1 else 1.0) if n in idx else 0.0) for n in names}, n_layers
 
@@ -294,8 +364,8 @@ def export_dict(res: Resolution, paths: dict[str, str], names: list[str], base_d
             top[q] = _setting(float(res.params[q]), per_pos[0], names)
     if "normalize" in MERGEKIT_DEFAULTS[m]:
         top["normalize"] = bool(res.params.get("normalize", False)) and m != "linear"
-    if m in _RESCALE:
-        top["rescale"] = _RESCALE[m]
+    if m in RESCALE:
+        top["rescale"] = RESCALE[m]
     out: dict[str, Any] = {"merge_method": m, "base_model": paths[res.base], "models": models}
     if top:
         out["parameters"] = top

@@ -325,6 +325,10 @@ def test_unregistered_and_misfiled_models_say_what_to_run(registered, tmp_path):
     swapped = parse_config("merge_method: ties\nbase_model: expert_00\nmodels: [{model: expert_01}]")
     with pytest.raises(ConfigError, match="registered as an expert"):
         bind_models(swapped, rows)
+    here = tmp_path / "other"  # a folder named like a registered checkpoint is that folder, never the namesake
+    clash = parse_config("merge_method: ties\nbase_model: base\nmodels: [{model: expert_00, parameters: {weight: 1}}]")
+    with pytest.raises(ConfigError, match="is a folder here that is not registered"):
+        bind_models(clash, rows, cwd=here)
     other_base = [Row("b2", "base", None, "/x", "f"), Row("e2", "expert", "b2", "/y", "g")]
     mixed = parse_config("merge_method: ties\nbase_model: base\nmodels: [{model: expert_00}, {model: e2}]")
     with pytest.raises(ConfigError, match="with base 'b2', not 'base'"):
@@ -497,3 +501,26 @@ def test_exported_config_reads_the_same_in_mergekit(tmp_path, i):
     for name, v in theirs.items():
         assert mine[name][0] == v["shared"], name
         assert {m: p for m, p in mine[name][1].items() if p} == {m: p for m, p in v["inputs"].items() if p}, name
+
+
+def test_readme_example_config_resolves_as_documented(tmp_path, monkeypatch, capsys):
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Coming from mergekit") :]
+    config = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    synth.make_family(tmp_path / "family", experts=2, size="tiny", seed=1)
+    Catalog(tmp_path / "mergedb.duckdb").register([tmp_path / "family"], base_model="base")
+    (tmp_path / "merge.yml").write_text(config)
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    res = ns["res"]
+    assert res.experts == ("expert_00", "expert_01") and res.output_dtype == "bf16"
+    layers = 2  # the tiny family
+    for n in ns["names"]:
+        t = int(n.split(".")[2]) / (layers - 1) if n.startswith("model.layers.") else 0.0
+        assert res.value(0, n, "density") == pytest.approx(float(np.interp(t, [0, 0.5, 1], [1, 0.7, 0.1])))
+        assert res.value(1, n, "weight") == (0.5 if "mlp" in n else 0.2)
+    assert "merge_method: ties" in capsys.readouterr().out

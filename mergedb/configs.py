@@ -45,6 +45,7 @@ from .mkresolve import (  # noqa: F401 - mergekit's tables and the value types a
     PER_MODEL,
     REQUIRED,
     RESCALE,
+    SCHEMA,
     WHY_RESCALE,
     Cond,
     ModelEntry,
@@ -387,6 +388,16 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
 
 
 # -- export ----------------------------------------------------------------------------------------
+
+
+def plan_resolution(plan: Any, tensor_params: Any = None) -> Resolution:
+    """A stored plan (`plans.PlanSummary`) as a `Resolution`, for `to_mergekit_yaml`.
+
+    `tensor_params`: the plan's per-tensor rows (position, tensor, param, value), if it has any.
+    """
+    table = tensor_params if tensor_params is not None else SCHEMA.empty_table()
+    weights = tuple(float(e.weight) for e in plan.experts)
+    return Resolution(plan.method, plan.base, tuple(e.name for e in plan.experts), weights, dict(plan.params), table)
 
 
 def to_mergekit_yaml(

@@ -524,3 +524,33 @@ def test_readme_example_config_resolves_as_documented(tmp_path, monkeypatch, cap
         assert res.value(0, n, "density") == pytest.approx(float(np.interp(t, [0, 0.5, 1], [1, 0.7, 0.1])))
         assert res.value(1, n, "weight") == (0.5 if "mlp" in n else 0.2)
     assert "merge_method: ties" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "method,params,weights",
+    [
+        ("ties", {"density": 0.3, "lambda": 0.8}, (1.0, 0.5)),
+        ("linear", {}, (3.0, 1.0)),
+        ("dare_linear", {}, (0.7, 0.3)),
+    ],
+)
+def test_stored_plan_exports_to_a_config_that_resolves_to_it(registered, method, params, weights):
+    from mergedb.configs import plan_resolution
+    from mergedb.planner import PlanRequest
+
+    root, rows = registered
+    cat = Catalog(root / "catalog.duckdb")
+    plan = cat.plan(
+        PlanRequest(base="base", experts=("expert_00", "expert_01"), method=method, weights=weights, params=params)
+    )
+    names = cat.sql("SELECT name FROM family_tensors ORDER BY tensor_idx").column(0).to_pylist()
+    text = to_mergekit_yaml(plan_resolution(plan), {r.name: r.path for r in rows}, names, base_dtype="BF16")
+    back = bind_models(parse_config(text), rows).resolve(names)
+    assert back.experts == ("expert_00", "expert_01") and back.output_dtype == "bf16"
+    # what mergedb will compute: linear's coefficients w / Σw; otherwise the plan's own weights
+    want = [w / sum(weights) for w in weights] if method == "linear" else list(weights)
+    for n in names:
+        assert [back.value(k, n, "weight") for k in range(2)] == pytest.approx(want, abs=1e-12)
+    for p, v in plan.params.items():
+        if p != "normalize" or method != "linear":
+            assert back.params[p] == v, p

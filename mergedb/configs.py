@@ -384,7 +384,9 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
             f"models: two entries are the registered checkpoint {dup[0]!r} (mergekit refuses duplicate inputs)"
         )
     models = tuple(replace(e, model=n) for e, n in zip(config.models, names))
-    return replace(config, models=models, base_model=base_name, base_inferred=inferred)
+    bound = replace(config, models=models, base_model=base_name, base_inferred=inferred)
+    _check_contract(bound)  # a listed model may have turned out to be the base
+    return bound
 
 
 # -- export ----------------------------------------------------------------------------------------

@@ -310,6 +310,16 @@ models:
     assert bound.base_model == "base" and [m.model for m in bound.models] == ["expert_00", "expert_01"]
     lin = bind_models(parse_config("merge_method: linear\nmodels: [{model: expert_00}, {model: expert_01}]"), rows)
     assert lin.base_model == "base" and lin.base_inferred
+    listed = bind_models(parse_config("merge_method: linear\nmodels: [{model: base}, {model: expert_01}]"), rows)
+    assert listed.base_model == "base" and not listed.base_inferred  # the listed base is an input with a weight
+    with pytest.raises(ConfigError, match="nothing to merge"):
+        bind_models(parse_config("merge_method: linear\nmodels: [{model: base}]"), rows)
+
+
+def test_accepted_spellings():
+    cfg = parse_config(TA + W % "'1e-3'" + "tokenizer_source: base\ndtype: torch.float16\n")
+    assert cfg.output_dtype == "fp16" and cfg.tokenizer_source == "base"
+    assert cfg.resolve(NAMES).weights == (0.001,)  # mergekit validates "1e-3" (a YAML string) as a float
 
 
 def test_unregistered_and_misfiled_models_say_what_to_run(registered, tmp_path):

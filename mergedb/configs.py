@@ -55,6 +55,9 @@ from .mkresolve import (  # noqa: F401 - mergekit's tables and the value types a
     resolve,
 )
 
+# libyaml's scanner when present: the same safe constructors and resolvers as yaml.safe_load (mergekit's)
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 OTHER_METHODS = {  # mergekit 0.1.5 methods mergedb does not implement
     "passthrough": "passthrough builds frankenmerges (stacked layer slices), which mergedb does not plan",
     "nuslerp": "mergedb has no nuslerp", "multislerp": "mergedb has no multislerp", "karcher": "mergedb has no karcher",
@@ -108,7 +111,7 @@ def _load(text_or_path: str | PathLike[str]) -> tuple[Any, str]:
     else:
         text, where = str(text_or_path), "config"
     try:
-        return yaml.safe_load(text), where
+        return yaml.load(text, Loader=_LOADER), where
     except yaml.YAMLError as e:
         raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None
 
@@ -413,4 +416,4 @@ def to_mergekit_yaml(
     dtype is the plan's, else `base_dtype` (the base's `CheckpointRow.dtype`: BF16, F16, F32).
     """
     d = export_dict(res, paths, tensor_names or [], base_dtype)
-    return "# written by mergedb: an equivalent mergekit config\n" + yaml.safe_dump(d, sort_keys=False)
+    return "# written by mergedb: an equivalent mergekit config\n" + yaml.dump(d, Dumper=_DUMPER, sort_keys=False)

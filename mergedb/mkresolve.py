@@ -308,17 +308,18 @@ def _tabulate(cfg: MergeConfig, experts: list[ModelEntry], vals: dict, consensus
 # -- export ----------------------------------------------------------------------------------------
 
 
-def _setting(scalar: float, over: dict[str, float], names: list[str]) -> Any:
+def _setting(scalar: float, over: dict[str, float], names: list[str], inside: dict[str, list[str]]) -> Any:
     """A scalar, or a filter list: full tensor names, longest first (a name inside another never catches
-    it), then the most common value as the fallback; a tensor whose name contains an entry's gets its own."""
-    eff = {**{n: scalar for n in names}, **over}
+    it), then the most common value as the fallback; a tensor whose name contains an entry's gets its own.
+    `inside[o]`: the other names that contain name o."""
     if not over:
         return scalar
-    fallback = _mode(list(eff.values()))
+    eff = {**{n: scalar for n in names}, **over}
+    fallback = _mode(list(eff.values())) if names else scalar  # without the names, only the scalar is safe
     ov = {n: v for n, v in eff.items() if v != fallback}
     if not ov:
         return fallback
-    guards = {n: v for n, v in eff.items() if n not in ov and any(o in n for o in ov)}
+    guards = {n: eff.get(n, scalar) for o in ov for n in inside.get(o, ()) if n not in ov}
     entries = sorted({**ov, **guards}.items(), key=lambda kv: (-len(kv[0]), kv[0]))
     return [{"filter": n, "value": v} for n, v in entries] + [{"value": fallback}]
 
@@ -330,6 +331,12 @@ def export_dict(res: Resolution, paths: dict[str, str], names: list[str], base_d
     """The mergekit config of `res` as plain data (see configs.to_mergekit_yaml)."""
     if res.base is None:
         raise ConfigError("this linear config names no base_model; bind it to the catalog (bind_models) first")
+    every = sorted(set(names) | set(res.tensor_params.column("tensor").to_pylist()))
+    inside: dict[str, list[str]] = {}
+    for o in every:  # full tensor names rarely contain one another; when they do, filters must not mix them up
+        hit = [n for n in every if n != o and o in n]
+        if hit:
+            inside[o] = hit
     m, n = res.method, len(res.experts)
     over: dict[tuple[int, str], dict[str, float]] = defaultdict(dict)
     for r in res.tensor_params.to_pylist():
@@ -346,14 +353,16 @@ def export_dict(res: Resolution, paths: dict[str, str], names: list[str], base_d
     if m == "linear":
         wt = sorted({t for (k, p), d in over.items() if p == "weight" for t in d})
         b_over = {t: 1.0 - sum(over[(k, "weight")].get(t, weights[k]) for k in range(n)) for t in wt}
-        models.append({"model": paths[res.base], "parameters": {"weight": _setting(1.0 - sum(weights), b_over, names)}})
+        models.append(
+            {"model": paths[res.base], "parameters": {"weight": _setting(1.0 - sum(weights), b_over, names, inside)}}
+        )
     for k, name in enumerate(res.experts):
         p: dict[str, Any] = {}
         if m not in ("slerp", "model_stock"):
-            p["weight"] = _setting(weights[k], over.get((k, "weight"), {}), names)
+            p["weight"] = _setting(weights[k], over.get((k, "weight"), {}), names, inside)
         for q in ("density", "gamma", "epsilon"):
             if q in res.params:
-                p[q] = _setting(float(res.params[q]), over.get((k, q), {}), names)
+                p[q] = _setting(float(res.params[q]), over.get((k, q), {}), names, inside)
         models.append({"model": paths[name], **({"parameters": p} if p else {})})
     top: dict[str, Any] = {}
     for q in ("lambda", "t"):
@@ -361,7 +370,7 @@ def export_dict(res: Resolution, paths: dict[str, str], names: list[str], base_d
             per_pos = [over.get((k, q), {}) for k in range(n)]
             if any(d != per_pos[0] for d in per_pos):
                 raise ConfigError(f"{q} differs between experts on some tensor; mergekit's {q} is one value per tensor")
-            top[q] = _setting(float(res.params[q]), per_pos[0], names)
+            top[q] = _setting(float(res.params[q]), per_pos[0], names, inside)
     if "normalize" in MERGEKIT_DEFAULTS[m]:
         top["normalize"] = bool(res.params.get("normalize", False)) and m != "linear"
     if m in RESCALE:

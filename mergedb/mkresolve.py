@@ -272,7 +272,7 @@ def _gta(m: str, tensor: str, per: list[dict], who: list[str], w: list[float], s
             vals["epsilon"][(k, tensor)] = float(eps)
 
 
-def _mode(values: list[float]) -> float:
+def _mode(values: list[Any]) -> Any:
     counts = Counter(values)
     top = max(counts.values())
     return min(v for v, c in counts.items() if c == top)
@@ -289,11 +289,14 @@ def _tabulate(cfg: MergeConfig, experts: list[ModelEntry], vals: dict, consensus
             weights[k] = _mode(list(mine.values()))
             rows += [(k, tn, "weight", v) for (_, tn), v in mine.items() if v != weights[k]]
     params: dict[str, Any] = {}
+    trims = [p for p in ("density", "gamma", "epsilon") if p in MERGEDB_PARAMS[m]]
+    if trims:  # one joint mode, so the scalars are a combination some tensor has (validate checks them together)
+        params.update(zip(trims, _mode([tuple(vals[p][key] for p in trims) for key in vals[trims[0]]])))
     for p in MERGEDB_PARAMS[m]:
         if p == "normalize":
             params[p] = bool(normalize) if consensus else False
             continue
-        scalar = _mode(list(vals[p].values()))
+        scalar = params[p] if p in params else _mode(list(vals[p].values()))
         params[p] = scalar
         rows += [(k, tn, p, v) for (k, tn), v in vals[p].items() if v != scalar]
     rows.sort()

@@ -180,6 +180,20 @@ models:
             assert res.value(0, n, "density") == pytest.approx(d) and res.value(0, n, "gamma") == 0.01
 
 
+def test_scalar_trim_parameters_are_a_combination_some_tensor_has():
+    # a: density 1 (so gamma 0) everywhere; b, c: gamma 0.1 and densities that vary by layer. The most
+    # common density (1) and the most common gamma (0.1) never occur together, and 1.1 > 1 is invalid.
+    res = parse_config(
+        head("breadcrumbs") + "models: [{model: a, parameters: {weight: 1}}, "
+        "{model: b, parameters: {weight: 1, density: [0.2, 0.6], gamma: 0.1}}, "
+        "{model: c, parameters: {weight: 1, density: [0.3, 0.7], gamma: 0.1}}]"
+    ).resolve(NAMES)
+    d, g = res.params["density"], res.params["gamma"]
+    assert g + d <= 1 and (d, g) in {
+        (res.value(k, n, "density"), res.value(k, n, "gamma")) for k in (0, 1) for n in NAMES
+    }
+
+
 def test_slices_covering_full_range_become_models():
     cfg = parse_config(f"""
 slices:

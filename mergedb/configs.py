@@ -289,19 +289,15 @@ def parse_config(text_or_path: str | PathLike[str]) -> MergeConfig:
                 "move it to the top-level parameters"
             )
     for s in (top, sp):
-        for k in set(s) & {"normalize", "rescale"}:
-            _check_switch(method, k, s[k])
+        if "rescale" in s and method in RESCALE and s["rescale"] != RESCALE[method]:
+            why = WHY_RESCALE[RESCALE[method]]
+            raise ConfigError(f"rescale: {str(s['rescale']).lower()} is not supported for {method}: {why}")
     if top.get("filter_wise") is True or sp.get("filter_wise") is True:
         raise ConfigError("filter_wise: true computes model_stock per row; mergedb's model_stock is per tensor")
     dtype, out_dtype = _dtype("dtype", raw.get("dtype")), _dtype("out_dtype", raw.get("out_dtype"))
     cfg = MergeConfig(method, tuple(models), base, top, sp, dtype, out_dtype, ts, lr)
     _check_contract(cfg)
     return cfg
-
-
-def _check_switch(method: str, key: str, v: bool) -> None:
-    if key == "rescale" and method in RESCALE and v != RESCALE[method]:
-        raise ConfigError(f"rescale: {str(v).lower()} is not supported for {method}: {WHY_RESCALE[RESCALE[method]]}")
 
 
 def _check_contract(cfg: MergeConfig) -> None:

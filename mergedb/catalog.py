@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from . import faults, frontier, planner, plans, register, stats, usersql
+from . import faults, frontier, mkplan, planner, plans, register, stats, usersql
 from .errors import CatalogError, MergeDBError, RunNotRecordedError
 from .resources import migrations
 
@@ -327,6 +327,10 @@ class Catalog:
                 raise
             summary = plans.load_plan(con, plan_id)
         return replace(summary, explain=tuple(steps) if explain else ())
+
+    def plan_from_config(self, cfg: Any, budget: str = "all", name: str | None = None, **kw: Any) -> plans.PlanSummary:
+        """Plan a mergekit YAML config (text, a path, or a `configs.MergeConfig`); see mkplan.plan_from_config."""
+        return mkplan.plan_from_config(self, cfg, budget, name, **kw)
 
     def frontier(
         self,

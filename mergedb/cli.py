@@ -1,6 +1,6 @@
 """The `mergedb` command: a thin adapter over the library. Parses, calls one function, prints.
 
-Long because it holds every command (one thin function each, mostly option declarations) in one
+It is long because it holds every command (one thin function each, mostly option declarations) in one
 typer app, as the style guide asks; the work is in the library modules they call."""
 
 from __future__ import annotations

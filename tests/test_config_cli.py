@@ -227,3 +227,57 @@ def test_show_plan_unknown_format_names_mergekit(family):
     _, db, _ = family
     res = runner.invoke(app, ["show-plan", "1", "-f", "xml", "-c", str(db)])
     assert res.exit_code == 1 and "mergekit" in res.output
+
+
+TIES = """
+merge_method: ties
+base_model: base
+models:
+  - model: expert_00
+    parameters:
+      weight: 1.0
+      density: [1, 0.7, 0.1]
+  - model: expert_02
+    parameters:
+      weight: [{filter: mlp, value: 0.5}, {value: 0.2}]
+      density: 0.5
+parameters: {normalize: true}
+"""
+
+
+def test_ties_with_density_gradient_exports_to_the_same_values(family, tmp_path):
+    _, db, models = family
+    cat = Catalog(db)
+    cat.plan_from_config(TIES, budget="60%", name="ties-grad")
+    text = runner.invoke(app, ["show-plan", "ties-grad", "--format", "mergekit", "-c", str(db)]).output
+    back = bind_models(parse_config(text), cat.checkpoints()).resolve(list(models["base"]))
+    assert back.method == "ties" and back.params["normalize"] is True
+    for name in _mergeable(models):
+        d0 = float(np.interp(t_of(name), [0, 0.5, 1], [1, 0.7, 0.1]))
+        assert back.value(0, name, "density") == pytest.approx(d0, abs=1e-12), name
+        assert back.value(1, name, "density") == 0.5, name
+        assert back.value(0, name, "weight") == 1.0, name
+        assert back.value(1, name, "weight") == (0.5 if "mlp" in name else 0.2), name
+
+
+def test_slerp_plan_with_t_only_per_tensor_exports_with_a_scalar_fallback(family):
+    import pyarrow as pa
+
+    from mergedb.planner import PlanRequest
+
+    _, db, models = family
+    names = _mergeable(models)
+    ts = {n: round(0.1 + 0.8 * i / (len(names) - 1), 6) for i, n in enumerate(names)}
+    rows = pa.table(
+        {
+            "position": pa.array([0] * len(names), pa.int32()),
+            "tensor": names,
+            "param": ["t"] * len(names),
+            "value": [ts[n] for n in names],
+        }
+    )
+    cat = Catalog(db)
+    cat.plan(PlanRequest("base", ("expert_00",), "slerp", params={}, name="sl-rows", tensor_params=rows))
+    text = runner.invoke(app, ["show-plan", "sl-rows", "-f", "mergekit", "-c", str(db)]).output
+    back = bind_models(parse_config(text), cat.checkpoints()).resolve(list(models["base"]))
+    assert [back.value(0, n, "t") for n in names] == pytest.approx([ts[n] for n in names], abs=1e-12)

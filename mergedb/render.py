@@ -331,14 +331,10 @@ def print_config_dtype(p: PlanSummary, out_dtype: str | None, base_dtype: str, c
     cmd += f" -c {shlex.quote(catalog)}" if catalog else ""
     if out_dtype is None or out_dtype == base:
         said = "as the config asks" if out_dtype else "the config names none"
-        out().print(escape(f"output dtype: {base}, the base's ({said}); next: {cmd}"), highlight=False)
+        text = f"output dtype: {base}, the base's ({said}); next: {cmd}"
     else:
-        out().print(
-            escape(
-                f"output dtype: the config asks for {out_dtype} (the base is {base}); next: {cmd} --dtype {out_dtype}"
-            ),
-            highlight=False,
-        )
+        text = f"output dtype: the config asks for {out_dtype} (the base is {base}); next: {cmd} --dtype {out_dtype}"
+    out().print(escape(text), highlight=False, soft_wrap=True)  # the command on one line, to copy
 
 
 def _secs(v: float) -> str:

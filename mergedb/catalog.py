@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from . import faults, frontier, planner, plans, register, scores, stats, usersql
+from . import faults, frontier, mkplan, planner, plans, register, scores, stats, usersql
 from .errors import CatalogError, MergeDBError, RunNotRecordedError
 from .resources import migrations
 from .sweep import in_memory as _sweep_in_memory
@@ -61,6 +61,8 @@ class Catalog:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, wait: float = 0.0, sketch_dim: int | None = None):
         self.path = Path(path) if path is not None else default_path()
         self.wait = wait
+        if sketch_dim is not None and not (type(sketch_dim) is int and 0 < sketch_dim <= stats.MAX_SKETCH_DIM):
+            raise CatalogError(f"sketch_dim must be a whole number from 1 to {stats.MAX_SKETCH_DIM}, got {sketch_dim!r}")
         self._sketch_dim = sketch_dim
 
     def __repr__(self) -> str:
@@ -329,6 +331,10 @@ class Catalog:
             summary = plans.load_plan(con, plan_id)
         return replace(summary, explain=tuple(steps) if explain else ())
 
+    def plan_from_config(self, cfg: Any, budget: str = "all", name: str | None = None, **kw: Any) -> plans.PlanSummary:
+        """Plan a mergekit YAML config (text, a path, or a `configs.MergeConfig`); see mkplan.plan_from_config."""
+        return mkplan.plan_from_config(self, cfg, budget, name, **kw)
+
     def frontier(
         self,
         request: planner.PlanRequest,
@@ -426,42 +432,14 @@ class Catalog:
     ) -> int:
         """Store one execution: ok with its measurements, or failed with its error. Waits up to
         `wait` seconds (default: the catalog's) for a catalog another process holds."""
-        r = result
         cat = self if wait is None else Catalog(self.path, wait=wait, sketch_dim=self._sketch_dim)
-        row = {
-            "plan_id": plan_id,
-            "out": _text(out),
-            "status": "ok" if r is not None else "failed",
-            "error": _text(error) if error is not None else None,
-            "manifest_hash": r.manifest["content_hash"] if r else None,
-            "seconds": r.seconds if r else None,
-            "expert_bytes": r.expert_bytes if r else None,
-            "physical_bytes": r.physical_bytes if r else None,
-            "base_bytes": r.base_bytes if r else None,
-            "bytes_written": r.bytes_written if r else None,
-            "peak_rss_bytes": r.peak_rss if r else None,
-        }
-        try:
-            with cat.duckdb_connection(write=True) as con:
-                rid = int(con.execute("SELECT coalesce(max(run_id), 0) + 1 FROM runs").fetchall()[0][0])
-                row = {"run_id": rid, **row}
-                con.execute(
-                    f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", list(row.values())
-                )
-        except duckdb.Error as e:  # disk full, read-only file system, …
-            raise CatalogError(f"cannot write to catalog {self.path}: {e}") from None
-        return rid
+        return scores.record_run(cat, plan_id, out, result, error)
 
     sweep = _sweep_in_memory  # many plans merged in memory, each expert block read once (sweep.py)
     record_score = scores.record  # a measurement of a stored plan, for searches (scores.py)
 
 
 RECORD_WAIT = 30.0  # seconds a finished merge waits for the catalog to record its run
-
-
-def _text(s: str | os.PathLike[str]) -> str:
-    """Text for the catalog: names that are not valid UTF-8 are stored with \\x escapes."""
-    return os.fsencode(s).decode("utf-8", "backslashreplace")
 
 
 def connect(path: str | os.PathLike[str] | None = None, *, wait: float = 0.0) -> Catalog:

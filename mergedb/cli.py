@@ -214,15 +214,18 @@ def show(
 
 @app.command()
 def plan(
-    base: str = typer.Option(..., "--base", help="Name of the registered base."),
+    base: str | None = typer.Option(None, "--base", help="Name of the registered base."),
     experts: str | None = typer.Option(None, "--experts", help="Comma-separated expert names, in order."),
     all_experts: bool = typer.Option(False, "--all", help="Every expert of the base."),
-    method: str = typer.Option(
-        ...,
+    method: str | None = typer.Option(
+        None,
         "--method",
         "-m",
         help="linear, task_arithmetic, ties, dare_linear, dare_ties, "
-        "breadcrumbs, breadcrumbs_ties, della, della_linear, model_stock.",
+        "breadcrumbs, breadcrumbs_ties, della, della_linear, model_stock, slerp.",
+    ),
+    config: Path | None = typer.Option(
+        None, "--config", metavar="FILE", help="A mergekit YAML config: it sets the models, method and parameters."
     ),
     budget: str = typer.Option("all", "--budget", "-b", help="Expert bytes to read: 500MB, 2GiB, 25%, all, 0."),
     weights: str | None = typer.Option(None, "--weights", help="Comma-separated weights, one per expert."),
@@ -248,6 +251,28 @@ def plan(
 
     Example: mergedb plan --base base --all --method ties --density 0.2 --budget 25%
     """
+    if config is not None:
+        given = {"--base": base, "--experts": experts, "--all": all_experts or None, "--method": method}
+        given |= {"--weights": weights, "--density": density, "--lambda": lam, "--gamma": gamma}
+        clash = [
+            f
+            for f, v in {**given, "--epsilon": epsilon, "--normalize/--no-normalize": normalize}.items()
+            if v is not None
+        ]
+        if clash:
+            raise MergeDBError(f"{clash[0]} cannot be combined with --config: the config sets it; change it there")
+        from .configs import parse_config
+
+        cfg, cat = parse_config(config), _catalog(catalog, wait)
+        opts = {"seed": seed, "allow_nonfinite": allow_nonfinite, "strategy": strategy, "estimate": estimate}
+        summary = cat.plan_from_config(cfg, budget, name, explain=explain, **opts)
+        _print_plan(summary)
+        render.print_config_dtype(
+            summary, cfg.output_dtype, cat.checkpoint(summary.base).dtype, catalog and str(catalog)
+        )
+        return
+    if base is None or method is None:
+        raise MergeDBError("give --base and --method (or a mergekit config: --config merge.yml)")
     if (experts is None) == (not all_experts):
         raise MergeDBError("name the experts with --experts a,b,c or pass --all")
     names = tuple(e.strip() for e in experts.split(",") if e.strip()) if experts else None
@@ -269,11 +294,13 @@ def plan(
     from .planner import PlanRequest
 
     req = PlanRequest(base, names, method, budget, w, params, seed, name, allow_nonfinite, strategy, estimate)
-    summary = _catalog(catalog, wait).plan(req, explain=explain)
-    if explain:
-        for step, sql_text, rows in summary.explain:
-            render.out().print(f"[bold]-- {step}: {rows} rows[/]")
-            render.out().print(sql_text.strip(), highlight=False, markup=False)
+    _print_plan(_catalog(catalog, wait).plan(req, explain=explain))
+
+
+def _print_plan(summary: Any) -> None:
+    for step, sql_text, rows in summary.explain:  # only with --explain
+        render.out().print(f"[bold]-- {step}: {rows} rows[/]")
+        render.out().print(sql_text.strip(), highlight=False, markup=False)
     render.print_plan(summary)
 
 
@@ -290,15 +317,22 @@ def plans(fmt: str = FormatOpt, catalog: Path | None = CatalogOpt, wait: float =
 @app.command("show-plan")
 def show_plan(
     plan_ref: str = typer.Argument(..., metavar="PLAN", help="Plan id, name or hash prefix."),
-    fmt: str = FormatOpt,
+    fmt: str = typer.Option(
+        "table", "--format", "-f", metavar="FMT", help="table | csv | json | mergekit (an equivalent mergekit config)."
+    ),
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
 ) -> None:
-    """Show one plan: budget, coverage per expert, error bounds.
+    """Show one plan: budget, coverage per expert, error bounds; or write it as a mergekit config.
 
-    Example: mergedb show-plan 1
+    Example: mergedb show-plan 1 --format mergekit > merge.yml
     """
-    render.print_plan(_catalog(catalog, wait).get_plan(plan_ref), render.check_format(fmt))
+    if fmt == "mergekit":
+        from .mkplan import plan_to_mergekit
+
+        return typer.echo(plan_to_mergekit(_catalog(catalog, wait), plan_ref), nl=False)  # the YAML alone
+    fmt = render.check_format(fmt, "mergekit")
+    render.print_plan(_catalog(catalog, wait).get_plan(plan_ref), fmt)
 
 
 @app.command()

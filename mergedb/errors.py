@@ -27,3 +27,7 @@ class PlanError(MergeDBError):
 
 class RunNotRecordedError(MergeDBError):
     """A merge finished and its output is good, but the catalog could not record the run."""
+
+
+class ConfigError(MergeDBError):
+    """A mergekit-style YAML config uses a key, value or model that mergedb cannot honour exactly."""

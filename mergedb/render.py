@@ -34,11 +34,12 @@ def out() -> Console:
     return Console()  # built per call so COLUMNS and redirections are honoured
 
 
-def check_format(fmt: str) -> str:
+def check_format(fmt: str, *extra: str) -> str:
+    """`fmt` when it is one of FORMATS (`extra`: other formats the command takes, handled before)."""
     from .errors import MergeDBError
 
     if fmt not in FORMATS:
-        raise MergeDBError(f"unknown --format {fmt!r}; use table, csv or json")
+        raise MergeDBError(f"unknown --format {fmt!r}; use {', '.join(FORMATS[:-1] + extra)} or {FORMATS[-1]}")
     return fmt
 
 
@@ -318,6 +319,22 @@ def print_plan(p: PlanSummary, fmt: str = "table") -> None:
         line("error bound: not applicable (the method is not a fixed-coefficient sum of deltas)")
     print_records(EXPERT_COLS, experts)
     line(f"planned in {p.planning_seconds:.3f}s")
+
+
+def print_config_dtype(p: PlanSummary, out_dtype: str | None, base_dtype: str, catalog: str | None) -> None:
+    """After `plan --config`: the output dtype the config asks for and the `execute` command that writes it
+    (a plan stores no dtype; `out_dtype` is `MergeConfig.output_dtype`, `base_dtype` the base's, e.g. BF16)."""
+    import shlex
+
+    base = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(base_dtype, base_dtype.lower())
+    cmd = f"mergedb execute {shlex.quote(p.name or str(p.plan_id))} --out DIR"
+    cmd += f" -c {shlex.quote(catalog)}" if catalog else ""
+    if out_dtype is None or out_dtype == base:
+        said = "as the config asks" if out_dtype else "the config names none"
+        text = f"output dtype: {base}, the base's ({said}); next: {cmd}"
+    else:
+        text = f"output dtype: the config asks for {out_dtype} (the base is {base}); next: {cmd} --dtype {out_dtype}"
+    out().print(escape(text), highlight=False, soft_wrap=True)  # the command on one line, to copy
 
 
 def _secs(v: float) -> str:

@@ -1,18 +1,23 @@
-"""Scores: measurements of stored plans (an eval loss, a distance to a target), kept in the catalog
-(schema/008_scores.sql) so that a search can stop, resume from what it measured, and be queried in
-SQL through the `plan_scores` view (README, "Sweeps and searches")."""
+"""Measurements of stored plans, kept in the catalog: scores (an eval loss, a distance to a target;
+schema/008_scores.sql) so that a search can stop, resume from what it measured, and be queried in
+SQL through the `plan_scores` view (README, "Sweeps and searches"); and runs (one row per
+execution: ok with its bytes and seconds, or failed with its error)."""
 
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING
 
+import duckdb
+
 from . import plans
-from .errors import MergeDBError
+from .errors import CatalogError, MergeDBError
 from .resources import query
 
 if TYPE_CHECKING:
     from .catalog import Catalog
+    from .executor import ExecuteResult
 
 MAX_METRIC = 200  # characters in a metric name
 
@@ -41,3 +46,36 @@ def record(cat: Catalog, plan: int | str, metric: str, value: float) -> int:
         pid = plans.resolve_plan(con, plan)
         rows = con.execute(query("record_score"), {"plan_id": pid, "metric": metric, "value": v}).fetchall()
     return int(rows[0][0])
+
+
+def record_run(
+    cat: Catalog, plan_id: int, out: str | os.PathLike[str], result: ExecuteResult | None, error: str | None
+) -> int:
+    """Store one execution of a plan (ok with its measurements, or failed with its error); the new run_id."""
+    r = result
+    row = {
+        "plan_id": plan_id,
+        "out": _text(out),
+        "status": "ok" if r is not None else "failed",
+        "error": _text(error) if error is not None else None,
+        "manifest_hash": r.manifest["content_hash"] if r else None,
+        "seconds": r.seconds if r else None,
+        "expert_bytes": r.expert_bytes if r else None,
+        "physical_bytes": r.physical_bytes if r else None,
+        "base_bytes": r.base_bytes if r else None,
+        "bytes_written": r.bytes_written if r else None,
+        "peak_rss_bytes": r.peak_rss if r else None,
+    }
+    try:
+        with cat.duckdb_connection(write=True) as con:
+            rid = int(con.execute("SELECT coalesce(max(run_id), 0) + 1 FROM runs").fetchall()[0][0])
+            row = {"run_id": rid, **row}
+            con.execute(f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", list(row.values()))
+    except duckdb.Error as e:  # disk full, read-only file system, …
+        raise CatalogError(f"cannot write to catalog {cat.path}: {e}") from None
+    return rid
+
+
+def _text(s: str | os.PathLike[str]) -> str:
+    """Text for the catalog: names that are not valid UTF-8 are stored with \\x escapes."""
+    return os.fsencode(s).decode("utf-8", "backslashreplace")

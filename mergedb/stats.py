@@ -109,12 +109,15 @@ def _bucket_codes(key, dim, out):  # pragma: no cover - compiled
         out[i] = np.uint16(2 * j + (sign < 0))
 
 
+MAX_SKETCH_DIM = 2**15  # sketch_codes packs 2·bucket + sign into a uint16
+
+
 def sketch_codes(key: np.uint64, n: int, dim: int) -> np.ndarray:
     """The CountSketch bucket and sign of each of `n` elements under `key`, as (n,) uint16 codes
     2·bucket + (sign < 0). They depend on the tensor, block and position only, never on the
     checkpoint, so one table serves every expert's block; block_stats takes it instead of hashing."""
-    if not 0 < dim <= 2**15:
-        raise ValueError(f"sketch dimension {dim} does not fit a uint16 code (1..32768)")
+    if not 0 < dim <= MAX_SKETCH_DIM:
+        raise ValueError(f"sketch dimension {dim} does not fit a uint16 code (1..{MAX_SKETCH_DIM})")
     out = np.empty(n, np.uint16)
     _bucket_codes(np.uint64(key), dim, out)
     return out

@@ -1,0 +1,113 @@
+"""mergekit configs through the catalog: plan one, and write a stored plan back as one.
+
+configs.py reads a config and mkresolve.py evaluates it over a family's tensors, both without a
+catalog. The two steps here need one. `plan_from_config` (what `Catalog.plan_from_config` and
+`mergedb plan --config` run) binds the config's models to registered checkpoints, evaluates it
+over the base's tensors (queries/family_tensor_names.sql) and plans the result as any request.
+`plan_to_mergekit` (`mergedb show-plan N --format mergekit`) turns a stored plan's effective
+per-tensor values (plan_tensor_params) back into overrides of its plan-level values and writes the
+config; parsed back and evaluated, it gives every mergeable tensor the values the plan merges with.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from os import PathLike
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from .configs import SCHEMA, MergeConfig, bind_models, parse_config, plan_resolution, to_mergekit_yaml
+from .errors import ConfigError
+from .planner import PlanRequest
+from .resources import query
+
+if TYPE_CHECKING:
+    from .catalog import Catalog
+    from .manifest import ExecutionPlan
+    from .plans import PlanSummary
+
+# param name in requests and configs -> column of plan_tensor_params / ExecutionPlan.tensor_params
+_STORED = {"weight": "weight", "density": "density", "epsilon": "epsilon", "gamma": "gamma", "lambda": "lam", "t": "t"}
+
+
+def tensor_names(cat: Catalog, base: str) -> list[str]:
+    """The tensor names of registered base `base`'s family, in file order."""
+    with cat.duckdb_connection() as con:
+        names = [r[0] for r in con.execute(query("family_tensor_names"), [base]).fetchall()]
+    if not names:
+        raise ConfigError(f"base_model {base!r} is not a registered base; run: mergedb register PATH --base")
+    return names
+
+
+def config_request(cfg: MergeConfig, names: list[str], budget: str = "all", name: str | None = None,
+                   **options: Any) -> PlanRequest:  # fmt: skip
+    """The planner request that means `cfg` (already bound to the catalog) over the tensors `names`.
+
+    `options`: the other `PlanRequest` fields a config does not set (seed, allow_nonfinite,
+    strategy, estimate)."""
+    res = cfg.resolve(names)
+    rows = res.tensor_params if res.tensor_params.num_rows else None
+    return PlanRequest(res.base, res.experts, res.method, budget, res.weights, dict(res.params), name=name,
+                       tensor_params=rows, **options)  # fmt: skip
+
+
+def plan_from_config(
+    cat: Catalog,
+    config: str | PathLike[str] | MergeConfig,
+    budget: str = "all",
+    name: str | None = None,
+    *,
+    explain: bool = False,
+    cwd: str | PathLike[str] | None = None,
+    **options: Any,
+) -> PlanSummary:
+    """Plan a mergekit config (YAML text, a path to one, or a parsed `MergeConfig`) and store the plan.
+
+    Models are matched to registered checkpoints by name, path (relative to `cwd`) or fingerprint;
+    `options` are `PlanRequest` fields a config does not set (seed, allow_nonfinite, strategy,
+    estimate). The plan does not record the config's output dtype: pass `cfg.output_dtype` to
+    `execute(dtype=...)` when it is not None."""
+    cfg = config if isinstance(config, MergeConfig) else parse_config(config)
+    bound = bind_models(cfg, cat.checkpoints(), cwd)
+    req = config_request(bound, tensor_names(cat, bound.base_model), budget, name, **options)
+    return cat.plan(req, explain=explain)
+
+
+def overrides(plan: PlanSummary, xp: ExecutionPlan) -> tuple[dict[str, Any], pa.Table]:
+    """A plan's params and the (position, tensor, param, value) rows where its stored per-tensor values
+    differ from them (see configs.SCHEMA). A per-tensor parameter without a plan-level value (SLERP's
+    t given only per tensor) gets the most common stored value as its scalar."""
+    params = dict(plan.params)
+    tp = xp.tensor_params
+    if tp is None:
+        return params, SCHEMA.empty_table()
+    names = [t.name for t in xp.tensors]
+    cols = {c: tp.column(c).to_pylist() for c in ("position", "tensor_idx", *set(_STORED.values()))}
+    weights = [float(e.weight) for e in plan.experts]
+    rows: list[tuple[int, str, str, float]] = []
+    for param, col in _STORED.items():
+        if param == "weight" and plan.method in ("slerp", "model_stock"):
+            continue  # their coefficients ignore weights
+        if param != "weight" and param not in params:
+            continue
+        stored = [(k, names[i], v) for k, i, v in zip(cols["position"], cols["tensor_idx"], cols[col]) if v is not None]
+        if param != "weight" and params[param] is None:
+            params[param] = min(Counter(v for _, _, v in stored).most_common(), key=lambda c: (-c[1], c[0]))[0]
+        rows += [(k, t, param, v) for k, t, v in stored if v != (weights[k] if param == "weight" else params[param])]
+    rows.sort()
+    return params, pa.Table.from_pylist(
+        [{"position": k, "tensor": t, "param": p, "value": v} for k, t, p, v in rows], schema=SCHEMA
+    )
+
+
+def plan_to_mergekit(cat: Catalog, plan: int | str) -> str:
+    """A stored plan as an equivalent mergekit YAML config (registered paths, per-tensor values as
+    filter lists, `dtype: float32` and `out_dtype` the base's: a plan does not store an output dtype)."""
+    summary, xp = cat.get_plan(plan), cat.execution_plan(plan)
+    params, rows = overrides(summary, xp)
+    res = replace(plan_resolution(summary, rows), params=params)
+    ckpts = cat.checkpoints()
+    base_dtype = next((r.dtype for r in ckpts if r.name == summary.base), None)
+    return to_mergekit_yaml(res, {r.name: r.path for r in ckpts}, [t.name for t in xp.tensors], base_dtype)

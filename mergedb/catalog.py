@@ -62,7 +62,7 @@ class Catalog:
         self.path = Path(path) if path is not None else default_path()
         self.wait = wait
         if sketch_dim is not None and not (type(sketch_dim) is int and 0 < sketch_dim <= stats.MAX_SKETCH_DIM):
-            raise CatalogError(f"sketch_dim must be a whole number from 1 to {stats.MAX_SKETCH_DIM}, got {sketch_dim!r}")
+            raise CatalogError(f"sketch_dim must be a whole number from 1 to {stats.MAX_SKETCH_DIM}: {sketch_dim!r}")
         self._sketch_dim = sketch_dim
 
     def __repr__(self) -> str:

@@ -327,6 +327,6 @@ def test_nan_name_rejected(tmp_path):
 @pytest.mark.parametrize("dim", [0, -1, 2**15 + 1, 2.5, "64"])
 def test_sketch_dim_out_of_range_refused_before_anything_is_written(tmp_path, dim):
     """A sketch dimension the statistics kernel cannot encode is refused when the Catalog is made."""
-    with pytest.raises(CatalogError, match="sketch_dim must be a whole number from 1 to 32768"):
+    with pytest.raises(CatalogError, match="sketch_dim must be a whole number from 1 to 32768: "):
         Catalog(tmp_path / "c.duckdb", sketch_dim=dim)
     assert not (tmp_path / "c.duckdb").exists()

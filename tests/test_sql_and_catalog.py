@@ -56,12 +56,12 @@ def _clean_failure(res, *phrases: str) -> None:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A registered tiny family with one plan, plus files an attacker would like to read or write."""
+    """A registered tiny family with one plan and a score, plus files an attacker would like to read or write."""
     root = tmp_path_factory.mktemp("sqlcat")
     fam = synth.make_family(root / "fam", experts=2, size="tiny", seed=11)
     cat = Catalog(root / "c.duckdb")
     cat.register([fam], base_model="base", block_size="32KiB")
-    cat.plan(TIES)
+    cat.record_score(cat.plan(TIES).plan_id, "loss", 1.5)  # so the plan_scores view has a row
     side = root / "side"
     side.mkdir()
     (side / "secret.txt").write_text("s3cr3t-token\n")

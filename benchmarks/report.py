@@ -215,6 +215,39 @@ def _threads(th: dict | None, phys: dict | None) -> list[str]:
     return [*out, ""]
 
 
+def _sweep(doc: dict | None) -> list[str]:
+    """The "Sweeps (issue 14)" section from results/sweep.json."""
+    if not doc:
+        return []
+    one, sw, sep = doc["one"], doc["sweep"], doc["separate"]
+    gib = 2**30
+    return [
+        "## Sweeps (issue 14)",
+        "",
+        f"`python -m benchmarks.bench_sweep --n {doc['n']} --k {doc['k']}`: {doc['n']} TIES merges of the first "
+        f"{doc['k']} experts (full budget, a density × λ grid), each arm from a cold page cache in processes of its "
+        "own, side by side in one run. Outputs identical to each plan run alone: "
+        f"{'yes' if doc['outputs_identical'] else '**no**'}.",
+        "",
+        "| arm | wall s | CPU s | expert bytes | read from storage | peak RSS |",
+        "|---|---|---|---|---|---|",
+        f"| one `execute` | {one['wall']:.1f} | {one['cpu_seconds']:.1f} | {one['expert_bytes'] / 1e9:.2f} GB | "
+        f"{one['physical_bytes'] / 1e9:.2f} GB | {one['peak_rss_bytes'] / 2**20:.0f} MiB |",
+        f"| one sweep of {doc['n']} | {sw['wall']:.1f} | {sw['cpu_seconds']:.1f} | "
+        f"{sw['expert_bytes_read'] / 1e9:.2f} GB read once ({sw['expert_bytes_served'] / 1e9:.1f} GB served, "
+        f"{sw['reread_bytes'] / 1e9:.2f} GB re-read) | {sw['physical_bytes'] / 1e9:.2f} GB | "
+        f"{sw['peak_rss_bytes'] / gib:.2f} GiB |",
+        f"| {doc['n']} separate `execute`s | {sep['wall']:.1f} | {sep['cpu_seconds']:.1f} | "
+        f"{sep['expert_bytes'] / 1e9:.1f} GB | {sep['physical_bytes'] / 1e9:.2f} GB (page cache kept between runs) | "
+        f"{sep['peak_rss_bytes'] / 2**20:.0f} MiB |",
+        "",
+        f"- {doc['n']} merges in **{doc['sweep_over_one']:.2f}×** the wall of one (target ≤ 2.5×: "
+        f"{'met' if doc['sweep_over_one'] <= 2.5 else 'missed'}); {doc['separate_over_sweep']:.2f}× faster than "
+        "separate runs. The sweep is CPU-bound: every plan's fused fold runs once per plan (see ANALYSIS, issue 14).",
+        "",
+    ]
+
+
 def write_report(quick: bool = False) -> Path:
     suffix = "-quick" if quick else ""
     docs = {
@@ -230,6 +263,7 @@ def write_report(quick: bool = False) -> Path:
             "register",
             "planner",
             "parity",
+            "sweep",
         )
     }
     lines = [
@@ -347,6 +381,7 @@ def write_report(quick: bool = False) -> Path:
                 "",
             ]
     lines += parity_lines(docs["parity"])  # written by python -m benchmarks.parity (issue 12)
+    lines += _sweep(docs["sweep"])  # written by python -m benchmarks.bench_sweep (issue 14)
     lines += _targets(docs)
     for png in _plots(sc, fi, suffix):
         lines += [f"![{png}](results/{png})", ""]

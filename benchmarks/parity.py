@@ -173,6 +173,13 @@ def _ulp(x: np.ndarray, bits: int) -> np.ndarray:
     return np.ldexp(1.0, np.maximum(e, _MIN_EXPONENT[bits]) + 1 - bits)
 
 
+def _round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x rounded to a torch dtype ("torch.bfloat16", ...) and back to float64."""
+    import torch
+
+    return torch.from_numpy(x).to(getattr(torch, dtype.removeprefix("torch."))).double().numpy()
+
+
 def tie_positions(base: np.ndarray, experts: list[np.ndarray], densities: list[float]) -> np.ndarray:
     """Where TIES' two readings of "keep the top k" can disagree: some expert's |Δ| equals its k-th
     largest and more than k elements reach it (mergedb keeps them all, mergekit exactly k)."""
@@ -219,7 +226,12 @@ def compare(
         n += a.size
         n_diff += int(np.count_nonzero(err))
         v2 += np.linalg.norm(b - b0) ** 2
-        kept_mk, kept_mdb = kept_mk + int(np.count_nonzero(a != b0)), kept_mdb + int(np.count_nonzero(b != b0))
+        if sampled:  # changed: differs from the base as written in the output dtype (not its rounding)
+            b0_out = _round_to(b0, mk_dt[name])
+            kept_mk, kept_mdb = (
+                kept_mk + int(np.count_nonzero(a != b0_out)),
+                kept_mdb + int(np.count_nonzero(b != b0_out)),
+            )
         max_ulp = max(max_ulp, float((err / ulp_out).max()))
         if ties:
             tied = tie_positions(b0, [e[name] for e in experts], ties[1](name))
@@ -364,7 +376,7 @@ def report_lines(doc: dict | None) -> list[str]:
         "ulp: largest difference in ulps of the output dtype; ties: share of positions where an expert's |Δ| "
         "ties at its TIES threshold (in parentheses: elements elsewhere that differ beyond rounding); "
         "sampled (DARE, DELLA): ‖mergedb − base‖/‖mergekit − base‖, and the shares of elements mergekit / "
-        "mergedb changed from the base. check: what the row is held to.",
+        "mergedb changed from the base as written in the output dtype. check: what the row is held to.",
         "",
         "| config | family | expect | rel | upd | diff | ulp | ties | sampled | check | passed |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

@@ -31,8 +31,8 @@ Expectations (each config file's `# expect:` line; `judge` turns them into a row
 The mergedb side is `run_mergedb`: `mergedb plan --config CFG --budget all --name N`, then
 `mergedb execute N --dtype D` with the config's out_dtype, else its dtype (a plan stores no dtype).
 A config mergedb refuses, or a crash, is recorded in its row as `error`. Results:
-benchmarks/results/parity.json, and `report_lines` renders the "mergekit parity (issue 12)"
-section of RESULTS.md.
+benchmarks/results/parity.json, and parity_report.py renders the "mergekit parity (issue 12)"
+section of RESULTS.md from it.
 """
 
 from __future__ import annotations
@@ -282,6 +282,38 @@ def mergekit_t(tensor: str, layers: int) -> float:
     return int(tensor.split(".")[2]) / (layers - 1) if layers > 1 else 1.0
 
 
+def slerp_float64(v0: np.ndarray, v1: np.ndarray, t: float, dot_threshold=0.9995, eps=1e-8) -> np.ndarray:
+    """mergekit 0.1.5's SLERP of two whole tensors (a linear blend when |cos| > dot_threshold) in float64."""
+    n0, n1 = np.linalg.norm(v0), np.linalg.norm(v1)
+    dot = np.clip(np.sum((v0 / (n0 if n0 > eps else 1)) * (v1 / (n1 if n1 > eps else 1))), -1, 1)
+    if abs(dot) > dot_threshold:
+        return (1 - t) * v0 + t * v1
+    theta = np.arccos(dot)
+    return np.sin((1 - t) * theta) / np.sin(theta) * v0 + np.sin(t * theta) / np.sin(theta) * v1
+
+
+def slerp_reference_rel(cfg: dict, layers: int, mk_dir: Path, mdb_dir: Path) -> dict | None:
+    """For a slerp config: each tool's max over tensors of ‖tool − ref‖/‖ref‖, ref = `slerp_float64`
+    of the inputs with t as mergekit evaluates it, rounded to the output dtype (which tool a miss of
+    1e-6 comes from)."""
+    if cfg["merge_method"] != "slerp":
+        return None
+    sources = cfg.get("models") or cfg["slices"][0]["sources"]
+    other = next(Path(m["model"]) for m in sources if m["model"] != cfg["base_model"])
+    base, expert = load_float(Path(cfg["base_model"]))[0], load_float(other)[0]
+    (mk, mk_dt), mdb = load_float(mk_dir), load_float(mdb_dir)[0]
+    worst = {"mergekit": 0.0, "mergedb": 0.0}
+    for name, a in mk.items():
+        ref = slerp_float64(
+            base[name], expert[name], mergekit_setting(cfg["parameters"]["t"], name, mergekit_t(name, layers))
+        )
+        ref = _round_to(ref, mk_dt[name])
+        norm = max(np.linalg.norm(ref), 1e-30)
+        for tool, out in (("mergekit", a), ("mergedb", mdb[name])):
+            worst[tool] = max(worst[tool], float(np.linalg.norm(out - ref) / norm))
+    return {"rel_mergekit_f64": worst["mergekit"], "rel_mergedb_f64": worst["mergedb"]}
+
+
 def ties_densities(cfg: dict, layers: int) -> tuple[list[Path], Callable[[str], list[float]]] | None:
     """(expert folders, tensor -> each expert's density) of a `ties` config, else None; a model's own
     density wins over the merge-wide one, and mergekit's default is 1."""
@@ -341,8 +373,10 @@ def run_suite(root: Path, size: str, dtypes: list[str], names: list[str] | None 
             row["mergedb_seconds"] = time.perf_counter() - t0
             row["mergekit_seconds"] = run_mergekit(cfg_path, work / "mergekit")  # mergekit takes the config
             if "error" not in row:
-                ties = ties_densities(yaml.safe_load(cfg_path.read_text()), synth.SIZES[size].layers)
-                row |= compare(work / "mergekit", work / f"mergedb-{c.name}", fam / "base", ties, c.expect == "sampled")
+                cfg, layers = yaml.safe_load(cfg_path.read_text()), synth.SIZES[size].layers
+                mk_dir, mdb_dir = work / "mergekit", work / f"mergedb-{c.name}"
+                row |= compare(mk_dir, mdb_dir, fam / "base", ties_densities(cfg, layers), c.expect == "sampled")
+                row |= slerp_reference_rel(cfg, layers, mk_dir, mdb_dir) or {}
                 row["check"], row["passed"] = judge(row)
             rows.append(row)
     return rows
@@ -359,101 +393,6 @@ def judge(row: dict) -> tuple[str, bool | None]:
     if row["expect"] == "sampled":
         return "reported only (other random draws)", None
     return "reported only", None
-
-
-def report_lines(doc: dict | None) -> list[str]:
-    """The "mergekit parity (issue 12)" section of RESULTS.md, from parity.json."""
-    if not doc or "skipped" in doc:
-        return ["## mergekit parity (issue 12)", "", f"Skipped: {doc['skipped']}.", ""] if doc else []
-    lines = [
-        "## mergekit parity (issue 12)",
-        "",
-        f"`python -m benchmarks.parity`: mergekit {doc['mergekit_version']} (`mergekit-yaml --lazy-unpickle "
-        f"--random-seed 0`) against mergedb (`mergedb plan --config CFG --budget all`, then `mergedb execute "
-        f"--dtype` the config's out_dtype, else dtype) on synthetic Llama-layout families ({doc['size']}, "
-        "3 experts). rel: max over tensors of ‖mergedb − mergekit‖/‖mergekit‖; "
-        "upd: ‖mergedb − mergekit‖/‖mergekit − base‖ over all tensors; diff: share of elements that differ; "
-        "ulp: largest difference in ulps of the output dtype; ties: share of positions where an expert's |Δ| "
-        "ties at its TIES threshold (in parentheses: elements elsewhere that differ beyond rounding); "
-        "sampled (DARE, DELLA): ‖mergedb − base‖/‖mergekit − base‖, and the shares of elements mergekit / "
-        "mergedb changed from the base as written in the output dtype. check: what the row is held to.",
-        "",
-        "| config | family | expect | rel | upd | diff | ulp | ties | sampled | check | passed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in doc["rows"]:
-        if "error" in r:
-            err = r["error"].replace("|", "\\|").replace("\n", " ")[:300]
-            failed = f"mergedb failed: {err}"
-            lines.append(f"| {r['config']} | {r['family']} | {r['expect']} | | | | | | | {failed} | **no** |")
-            continue
-        ties = f"{r['tie_frac']:.2e} ({r['diff_outside_ties']})" if "tie_frac" in r else ""
-        sampled = (
-            f"{r['update_ratio']:.3f}, {r['changed_mergekit']:.3f} / {r['changed_mergedb']:.3f}"
-            if "update_ratio" in r
-            else ""
-        )
-        ok = {True: "yes", False: "**no**", None: "–"}[r["passed"]]
-        lines.append(
-            f"| {r['config']} | {r['family']} | {r['expect']} | {r['rel']:.2e} | {r['rel_update']:.2e} | "
-            f"{r['diff_frac']:.2e} | {r['max_ulp']:.3g} | {ties} | {sampled} | {r['check']} | {ok} |"
-        )
-    lines += ["", *_summary(doc["rows"]), ""]
-    lines += ["Predicted differences: " + "; ".join(f"{c.name}: {c.why}" for c in CONFIGS) + ".", ""]
-    return lines
-
-
-def _summary(rows: list[dict]) -> list[str]:
-    """What the rows say against the acceptance (issue 12), one bullet each."""
-    ran = [r for r in rows if "error" not in r]
-    exact32 = [r for r in ran if r["expect"] == "exact" and r["out_dtypes"] == ["torch.float32"]]
-    exact_rounded = [r for r in ran if r["expect"] == "exact" and r["out_dtypes"] != ["torch.float32"]]
-    ties = [r for r in ran if "tie_frac" in r]
-    sampled = [r for r in ran if "update_ratio" in r]
-    failed = [r for r in rows if "error" in r]
-    out = []
-    if exact32:
-        worst = max(exact32, key=lambda r: r["rel"])
-        out.append(
-            f"- Exact configs written as float32 ({len(exact32)}): largest rel {worst['rel']:.2e} "
-            f"({worst['config']}, {worst['family']}); within {EXACT_REL:g}: "
-            f"{'yes' if worst['rel'] <= EXACT_REL else 'no'}."
-        )
-    if exact_rounded:
-        worst = max(exact_rounded, key=lambda r: r["rel"])
-        one = all(r["max_ulp"] <= 1 for r in exact_rounded)
-        out.append(
-            f"- Exact configs rounded to bfloat16/float16 ({len(exact_rounded)}): largest rel {worst['rel']:.2e} "
-            f"({worst['config']}, {worst['family']}); every difference one rounding step (≤ 1 ulp): "
-            f"{'yes' if one else 'no'}. Both compute in float32, in another order (mergedb folds c_k = λ·w_k "
-            "into each Δ_k; mergekit scales Σ w_k Δ_k by λ, and linear sums w_k θ_k / Σw), so an element near "
-            "a rounding boundary can round the other way; one flipped bfloat16 element is already ~1e-5 of a "
-            "small tensor's norm. 1e-6 on a rounded output needs mergekit's float32 order exactly."
-        )
-    if ties:
-        out.append(
-            f"- TIES ({len(ties)}): elements that differ beyond rounding outside the "
-            f"positions where an expert's |Δ| ties at its threshold: {sum(r['diff_outside_ties'] for r in ties)} "
-            "(the README's difference predicts 0: mergedb keeps every tied element, mergekit exactly k)."
-        )
-    if sampled:
-        lo = min(r["update_ratio"] for r in sampled)
-        hi = max(r["update_ratio"] for r in sampled)
-        out.append(
-            f"- DARE/DELLA ({len(sampled)}): reported only. The two tools draw different random masks "
-            "(mergekit: the global torch RNG, seeded by --random-seed; mergedb: its keyed Threefry stream, "
-            "seeded by the plan), so their outputs are two samples of the same random merge and rel, upd, "
-            "diff and ulp measure the sampling, not an error. What does not depend on the draws: "
-            f"‖mergedb − base‖/‖mergekit − base‖ is {lo:.3f}–{hi:.3f}, and the shares of elements each "
-            "changed are in the sampled column."
-        )
-    if failed:
-        out.append(
-            f"- Failed ({len(failed)}): mergedb refused or crashed on "
-            + ", ".join(f"{r['config']} ({r['family']})" for r in failed)
-            + "; the error is in the row."
-        )
-    return out
 
 
 def mergekit_version() -> str:
@@ -486,6 +425,8 @@ def main() -> None:
         print("parity skipped:", doc["skipped"])
         return
     path = save("parity", doc)
+    from .parity_report import report_lines
+
     print("\n".join(report_lines(doc)))
     print(f"wrote {path}")
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from .common import RESULTS, machine
-from .parity import report_lines as parity_lines
+from .parity_report import report_lines as parity_lines
 
 OUT = RESULTS.parent / "RESULTS.md"
 

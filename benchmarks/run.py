@@ -267,7 +267,7 @@ class Suite:
         from . import parity
 
         if self.quick:
-            return parity.suite_doc(CACHE / "parity", "tiny", ["fp32"], list(parity.QUICK), validate_pending=False)
+            return parity.suite_doc(CACHE / "parity", "tiny", ["fp32"], list(parity.QUICK))
         return parity.suite_doc(CACHE / "parity", "small", ["fp32", "bf16"], None)
 
     def mergekit(self, method: str, k: int) -> dict | None:

@@ -35,9 +35,13 @@ def test_small_parity_run(tmp_path):
     for r in rows:  # every config runs through `mergedb plan --config` and is compared
         assert "error" not in r, r["error"]
         assert r["tensors"] > 0 and r["only_mergedb"] == [], r  # the same float tensors on both sides
-        if "rel_mergedb_f64" in r and r["out_dtypes"] == ["torch.float32"]:  # SLERP: mergekit's formula in float64
+        if "rel_mergedb_f64" in r and r["out_dtypes"] == ["torch.float32"]:
+            # SLERP written as float32: mergedb within 1e-6 of mergekit's formula in float64, and any
+            # gap to mergekit no larger than mergekit's own distance from that formula (it computes
+            # the cosine, arccos and sines in float32; near cos = 1 arccos magnifies that rounding)
             assert r["rel_mergedb_f64"] <= parity.EXACT_REL, r
-        if r["expect"] == "exact":  # float32 out: within 1e-6; rounded out: at most one rounding step apart
+            assert r["rel"] <= r["rel_mergekit_f64"] + parity.EXACT_REL, r
+        elif r["expect"] == "exact":  # float32 out: within 1e-6; rounded out: at most one rounding step apart
             assert r["rel"] <= parity.EXACT_REL if r["out_dtypes"] == ["torch.float32"] else r["max_ulp"] <= 1, r
         if "tie_frac" in r:  # TIES: every difference beyond rounding sits where a threshold ties
             assert r["diff_outside_ties"] == 0, r

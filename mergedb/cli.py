@@ -92,6 +92,20 @@ QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 FormatOpt = typer.Option("table", "--format", "-f", metavar="FMT", help="table | csv | json.")
 
 
+def _experts_and_weights(
+    experts: str | None, all_experts: bool, weights: str | None
+) -> tuple[tuple[str, ...] | None, tuple[float, ...] | None]:
+    """--experts a,b,c (or --all: None) and --weights 1,0.5 (or None) of `plan` and `sweep`."""
+    if (experts is None) == (not all_experts):
+        raise MergeDBError("name the experts with --experts a,b,c or pass --all")
+    names = tuple(e.strip() for e in experts.split(",") if e.strip()) if experts else None
+    try:
+        w = tuple(float(x) for x in weights.split(",")) if weights else None
+    except ValueError:
+        raise MergeDBError(f"--weights {weights!r}: give comma-separated numbers, e.g. --weights 1,0.5,0.5") from None
+    return names, w
+
+
 def _catalog(path: Path | None, wait: float = 0.0) -> Catalog:
     from .catalog import Catalog, default_path
 
@@ -273,13 +287,7 @@ def plan(
         return
     if base is None or method is None:
         raise MergeDBError("give --base and --method (or a mergekit config: --config merge.yml)")
-    if (experts is None) == (not all_experts):
-        raise MergeDBError("name the experts with --experts a,b,c or pass --all")
-    names = tuple(e.strip() for e in experts.split(",") if e.strip()) if experts else None
-    try:
-        w = tuple(float(x) for x in weights.split(",")) if weights else None
-    except ValueError:
-        raise MergeDBError(f"--weights {weights!r}: give comma-separated numbers, e.g. --weights 1,0.5,0.5") from None
+    names, w = _experts_and_weights(experts, all_experts, weights)
     params = {
         k: v
         for k, v in {
@@ -511,13 +519,7 @@ def sweep(
     from .units import parse_size
 
     render.check_format(fmt)
-    if (experts is None) == (not all_experts):
-        raise MergeDBError("name the experts with --experts a,b,c or pass --all")
-    names = tuple(e.strip() for e in experts.split(",") if e.strip()) if experts else None
-    try:
-        w = tuple(float(x) for x in weights.split(",")) if weights else None
-    except ValueError:
-        raise MergeDBError(f"--weights {weights!r}: give comma-separated numbers, e.g. --weights 1,0.5,0.5") from None
+    names, w = _experts_and_weights(experts, all_experts, weights)
     shard = parse_size(max_shard_size, what="shard size")
     cat = _catalog(catalog, wait)
     points = grids.parse_grid(grid)

@@ -129,7 +129,7 @@ def resolve(
                 f"slerp needs t for every tensor, and tensor {tensors[missing[0]]!r} has none; give a plan-level t "
                 "(e.g. t: 0.5) or a t row for that tensor in tensor_params"
             )
-    _check(method, full, experts, tensors, merge)
+    _check(method, full, experts, tensors, merge, bool(params.get("normalize")))
     w = full["weight"]
     if method == "linear":
         coef = w / w.sum(axis=0, keepdims=True) if params["normalize"] else w.copy()
@@ -212,7 +212,14 @@ def _apply(
             full[name][p, index[t]] = v
 
 
-def _check(method: str, full: dict[str, np.ndarray], experts: tuple[str, ...], tensors: list[str], merge: np.ndarray):
+def _check(
+    method: str,
+    full: dict[str, np.ndarray],
+    experts: tuple[str, ...],
+    tensors: list[str],
+    merge: np.ndarray,
+    normalize: bool,
+):
     """The plan-level rules of methods.validate, for every (expert, tensor) value."""
 
     def refuse(bad: np.ndarray, what: str) -> None:
@@ -235,7 +242,7 @@ def _check(method: str, full: dict[str, np.ndarray], experts: tuple[str, ...], t
         if "epsilon" in full:
             e = full["epsilon"]
             refuse(~((e >= 0) & (d - e > 0) & (d + e <= 1)), "epsilon must keep density ± epsilon inside (0, 1]")
-    if method == "linear":
+    if method == "linear" and normalize:
         refuse(
             merge & (np.abs(full["weight"].sum(axis=0)) < 1e-12),
             "linear with normalize needs weights that do not sum to zero",

@@ -379,3 +379,19 @@ def test_many_experts_several_read_groups_per_block(tmp_path, method):
         ex = [models[n][name] for n in names]
         want = ref_tensor(method, params, w, dens, lam, models["base"][name], ex, names, name, 1)
         assert np.array_equal(got[name], want), name
+
+
+def test_linear_weights_may_cancel_without_normalize(family, loaded, tmp_path):
+    """Without normalize, linear is Σ w_k Δ_k: weights summing to zero are a valid plan (a difference
+    of two experts); only normalize needs a non-zero sum, per tensor too."""
+    kind, folder, cat = family
+    req = PlanRequest("base", tuple(EXPERTS[:2]), "linear", "all", (1.0, -1.0), params={"normalize": False})
+    plan = cat.plan(req)
+    out = tmp_path / "diff"
+    cat.execute(plan.plan_id, out)
+    got = load_model(out)
+    base, a, b = (np.asarray(loaded[n][T0], np.float64) for n in ("base", *EXPERTS[:2]))
+    want = base + (a - base) - (b - base)  # θ₀ + Δ_a − Δ_b
+    np.testing.assert_allclose(np.asarray(got[T0], np.float64), want, rtol=0, atol=np.abs(want).max() * 2**-7)
+    with pytest.raises(PlanError, match="linear with normalize needs weights that do not sum to zero"):
+        cat.plan(PlanRequest("base", tuple(EXPERTS[:2]), "linear", "all", (1.0, -1.0)))

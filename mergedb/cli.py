@@ -247,6 +247,7 @@ def plan(
     lam: float | None = typer.Option(None, "--lambda", help="Scale of the merged delta."),
     gamma: float | None = typer.Option(None, "--gamma", help="Breadcrumbs: fraction of largest deltas dropped."),
     epsilon: float | None = typer.Option(None, "--epsilon", help="DELLA: spread of keep probabilities."),
+    t: float | None = typer.Option(None, "--t", help="SLERP: 0 gives the base, 1 the expert."),
     normalize: bool | None = typer.Option(None, "--normalize/--no-normalize", help="Divide by the weights' sum."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random drops (DARE, DELLA)."),
     name: str | None = typer.Option(None, "--name", help="A name to refer to the plan by."),
@@ -270,7 +271,7 @@ def plan(
         given |= {"--weights": weights, "--density": density, "--lambda": lam, "--gamma": gamma}
         clash = [
             f
-            for f, v in {**given, "--epsilon": epsilon, "--normalize/--no-normalize": normalize}.items()
+            for f, v in {**given, "--epsilon": epsilon, "--t": t, "--normalize/--no-normalize": normalize}.items()
             if v is not None
         ]
         if clash:
@@ -295,6 +296,7 @@ def plan(
             "lambda": lam,
             "gamma": gamma,
             "epsilon": epsilon,
+            "t": t,
             "normalize": normalize,
         }.items()
         if v is not None
@@ -494,7 +496,7 @@ def sweep(
     all_experts: bool = typer.Option(False, "--all", help="Every expert of the base."),
     method: str = typer.Option(..., "--method", "-m", help="Merge method, as for `mergedb plan`."),
     grid: list[str] = typer.Option(
-        [], "--grid", help="NAME=V1,V2,...: a parameter's values (density, lambda, gamma, epsilon, budget, seed)."
+        [], "--grid", help="NAME=V1,V2,...: values of density, lambda, gamma, epsilon, normalize, budget or seed."
     ),
     budget: str = typer.Option("all", "--budget", "-b", help="Expert bytes each plan may read: 500MB, 25%, all."),
     weights: str | None = typer.Option(None, "--weights", help="Comma-separated weights, one per expert."),

@@ -174,3 +174,26 @@ def test_slerp_needs_two_models_and_a_catalog_with_base_dots(tmp_path):
     with pytest.raises(PlanError, match=r"lacks for 'expert_00' .* register the family again into a new catalog"):
         cat.plan(PlanRequest("base", ("expert_00",), "slerp", "all", params={"t": 0.5}))
     assert cat.sql("SELECT count(*) AS n FROM plans").to_pylist() == [{"n": 0}]
+
+
+def test_slerp_from_the_cli_with_t(far, tmp_path):
+    """`mergedb plan -m slerp --t 0.3` plans SLERP (its output equals mergekit's formula); without
+    --t it is refused with the reason, and --t on another method is refused."""
+    from typer.testing import CliRunner
+
+    from mergedb.cli import app
+
+    cat, models, floats = far
+    run = CliRunner().invoke
+    args = ["plan", "--base", "base", "--experts", "expert_00", "-m", "slerp", "-c", str(cat.path)]
+    r = run(app, [*args, "--t", "0.3", "--name", "cli-slerp"])
+    assert r.exit_code == 0, r.output
+    r = run(app, ["execute", "cli-slerp", "--out", str(tmp_path / "out"), "-c", str(cat.path), "-q"])
+    assert r.exit_code == 0, r.output
+    got = load_model(tmp_path / "out")
+    for name in floats:
+        assert rel(got[name], mergekit_slerp(0.3, models["base"][name], models["expert_00"][name])[0]) <= 1e-6, name
+    r = run(app, args)
+    assert r.exit_code != 0 and "slerp needs t for every tensor" in r.output
+    r = run(app, [*args[:-4], "-m", "ties", "--t", "0.3", "-c", str(cat.path)])
+    assert r.exit_code != 0 and "has no parameter 't'" in r.output

@@ -17,9 +17,13 @@ import stat
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import FormatError
+from .errors import ChangedFileError, FormatError
 from .tensorfile import Header, TensorInfo, read_header
+
+if TYPE_CHECKING:
+    from .manifest import ExecutionPlan
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -250,3 +254,47 @@ def side_files(root: Path) -> list[str]:
         if stat.S_ISREG(mode) and target.is_relative_to(real_root):
             found.append(name)
     return sorted(found)
+
+
+class PlanInputs:
+    """Open files of every source of an execution plan, checked against their fingerprints and the
+    plan's tensor layout (the merger reads through them; `close` when done)."""
+
+    def __init__(self, xp: ExecutionPlan) -> None:
+        self.fds: list[int] = []
+        self.where: list[dict[str, tuple[int, TensorInfo, str]]] = []
+        try:
+            self._open(xp)
+        except BaseException:  # a refused source: close the files opened before it
+            self.close()
+            raise
+
+    def _open(self, xp: ExecutionPlan) -> None:
+        for i, src in enumerate((xp.base, *xp.experts)):
+            ckpt = open_checkpoint(src.path, name=src.name)
+            if ckpt.fingerprint != src.fingerprint:
+                raise ChangedFileError(
+                    f"{src.name} ({src.path}) changed since it was registered; re-register it with "
+                    "`mergedb register --refresh` and plan again"
+                )
+            fds = []
+            for f in ckpt.files:
+                fd = os.open(ckpt.root / f.relpath, os.O_RDONLY)
+                if i > 0:  # experts: no kernel readahead past the ranges we ask for
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                fds.append(fd)
+                self.fds.append(fd)
+            where = {t.name: (fds[fi], t, str(ckpt.root / ckpt.files[fi].relpath)) for fi, t in ckpt.tensors}
+            self.where.append(where)
+            for t in xp.tensors:  # the plan's sizes come from the files, never from the plan alone
+                info = where.get(t.name)
+                if (i == 0 or t.mergeable) and (info is None or info[1].dtype != t.dtype or info[1].shape != t.shape):
+                    have = f"{info[1].dtype}{list(info[1].shape)}" if info else "nothing"
+                    raise ChangedFileError(
+                        f"{src.path}: the plan describes tensor {t.name!r} as {t.dtype}{list(t.shape)} but the "
+                        f"file holds {have}; the plan or manifest does not describe these files: plan again"
+                    )
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)

@@ -29,12 +29,12 @@ import numpy as np
 import xxhash
 
 from . import kernels, methods
-from .checkpoint import open_checkpoint
+from .checkpoint import PlanInputs
 from .errors import ChangedFileError, MergeDBError
 from .layout import TensorLayout, block_bytes, row_elems
 from .manifest import ExecutionPlan, Source
 from .stock import StockDots, StockTensor
-from .tensorfile import DTYPES, TensorInfo, as_float32, encode, pread_into, tensor_nbytes
+from .tensorfile import DTYPES, as_float32, encode, pread_into, tensor_nbytes
 from .tensorparams import TensorParams
 from .units import check_threads
 
@@ -55,42 +55,6 @@ ReadBlock = Callable[[int, int, int, np.ndarray, Callable[[np.ndarray], None]], 
 class Counters:
     expert: int = 0
     base: int = 0
-
-
-class _Inputs:
-    """Open files of every source, checked against their fingerprints."""
-
-    def __init__(self, xp: ExecutionPlan) -> None:
-        self.fds: list[int] = []
-        self.where: list[dict[str, tuple[int, TensorInfo, str]]] = []
-        for i, src in enumerate((xp.base, *xp.experts)):
-            ckpt = open_checkpoint(src.path, name=src.name)
-            if ckpt.fingerprint != src.fingerprint:
-                raise ChangedFileError(
-                    f"{src.name} ({src.path}) changed since it was registered; re-register it with "
-                    "`mergedb register --refresh` and plan again"
-                )
-            fds = []
-            for f in ckpt.files:
-                fd = os.open(ckpt.root / f.relpath, os.O_RDONLY)
-                if i > 0:  # experts: no kernel readahead past the ranges we ask for
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                fds.append(fd)
-                self.fds.append(fd)
-            where = {t.name: (fds[fi], t, str(ckpt.root / ckpt.files[fi].relpath)) for fi, t in ckpt.tensors}
-            self.where.append(where)
-            for t in xp.tensors:  # the plan's sizes come from the files, never from the plan alone
-                info = where.get(t.name)
-                if (i == 0 or t.mergeable) and (info is None or info[1].dtype != t.dtype or info[1].shape != t.shape):
-                    have = f"{info[1].dtype}{list(info[1].shape)}" if info else "nothing"
-                    raise ChangedFileError(
-                        f"{src.path}: the plan describes tensor {t.name!r} as {t.dtype}{list(t.shape)} but the "
-                        f"file holds {have}; the plan or manifest does not describe these files: plan again"
-                    )
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
 
 
 def normalize_dtype(dtype: str | None) -> str | None:
@@ -167,8 +131,7 @@ class Merger:
         self._stock: dict[int, StockTensor] = {}  # model_stock: tensors whose blocks are running
         self.values = xp.tensor_values()  # per (position, tensor_idx), where the plan sets them per tensor
         self.defaults = [xp.default_values(p) for p in range(len(xp.experts))]
-        self.scale = {ti: v.base_scale for (_, ti), v in self.values.items()}  # factor on θ₀ per tensor
-        self.inputs = _Inputs(xp)
+        self.inputs = PlanInputs(xp)
         self.count = Counters()
         self._lock = threading.Lock()
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
@@ -237,7 +200,7 @@ class Merger:
         t = self.xp.tensors[ti]
         selected = self.sel.get(ti, {})
         # untouched rows keep the base's bytes unless the dtype changes or SLERP scales θ₀ (s0 + s1 ≠ 1)
-        rescale = self.scale.get(ti, 1.0) != 1.0
+        rescale = self._values(0, ti).base_scale != 1.0
         if not t.mergeable or (not selected and output_dtype(t, self.dtype) == t.dtype and not rescale):
             return []
         blocks = list(range(len(t.rows))) if output_dtype(t, self.dtype) != t.dtype or rescale else sorted(selected)
@@ -410,8 +373,8 @@ class Merger:
             del self._stock[ti]
 
     def _merge_slow(self, u: Unit, base_raw: np.ndarray, out: np.ndarray) -> None:
-        """DELLA and model_stock, block by block with `sparsify` and `Accumulator` (model_stock's
-        scale t needs every block of the tensor first)."""
+        """The per-step path (numpy `sparsify` + `Accumulator`; model_stock a whole tensor per unit): the
+        fused kernels' oracle, run when kernels.MODE lacks the method (tests/test_threads.py)."""
         ti = u.tensor_idx
         t = self.xp.tensors[ti]
         out_dtype = output_dtype(t, self.dtype)

@@ -244,8 +244,10 @@ def test_changed_input_refused(tmp_path):
     plan = cat.plan(PlanRequest("base", None, "linear"))
     xp = cat.execution_plan(plan.plan_id)
     os.utime(fam / "expert_00" / "model.safetensors", ns=(5, 5))
+    open_fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(ChangedFileError, match="changed since it was registered"):
         executor.execute(xp, tmp_path / "out")
+    assert len(os.listdir("/proc/self/fd")) == open_fds  # the base's files, opened first, are closed again
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if "mergedb-tmp" in p.name]
 

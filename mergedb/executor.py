@@ -88,15 +88,23 @@ def output_shards(xp: ExecutionPlan, max_shard_size: int, dtype: str | None = No
 
 
 def merge_to_dict(
-    xp: ExecutionPlan, dtype: str | None = None, threads: int | None = None, read_block: ReadBlock | None = None
+    xp: ExecutionPlan,
+    dtype: str | None = None,
+    threads: int | None = None,
+    read_block: ReadBlock | None = None,
+    on_tensor: Callable[[], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """The merged model in memory: name -> float32 (mergeable) or raw-typed array (packed sub-byte
-    dtypes such as F4 as their raw uint8 bytes). For embedding. `read_block`: see merger.ReadBlock."""
+    dtypes such as F4 as their raw uint8 bytes). For embedding. `read_block`: see merger.ReadBlock;
+    `on_tensor` is called after each tensor (a sweep paces its plans with it)."""
     m = Merger(xp, dtype, threads=threads, read_block=read_block)
     try:
-        return {
-            name: tensor_array(dt, shape, data) for name, dt, shape, data in m.tensors(list(range(len(xp.tensors))))
-        }
+        state = {}
+        for name, dt, shape, data in m.tensors(list(range(len(xp.tensors)))):
+            state[name] = tensor_array(dt, shape, data)
+            if on_tensor is not None:
+                on_tensor()
+        return state
     finally:
         m.close()
 

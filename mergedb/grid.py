@@ -44,7 +44,7 @@ def _grid_value(key: str, v: str, spec: str) -> Any:
     if key == "budget":
         return v
     if key == "seed":
-        if not v.isdigit():
+        if not (v.isascii() and v.isdigit()):
             raise PlanError(f"--grid {spec!r}: seeds are whole numbers, e.g. --grid seed=0,1,2")
         return int(v)
     if v.lower() in ("true", "false"):

@@ -11,7 +11,6 @@ config; parsed back and evaluated, it gives every mergeable tensor the values th
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import replace
 from os import PathLike
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ import pyarrow as pa
 
 from .configs import SCHEMA, MergeConfig, bind_models, parse_config, plan_resolution, to_mergekit_yaml
 from .errors import ConfigError
+from .mkresolve import most_common
 from .planner import PlanRequest
 from .resources import query
 
@@ -94,7 +94,7 @@ def overrides(plan: PlanSummary, xp: ExecutionPlan) -> tuple[dict[str, Any], pa.
             continue
         stored = [(k, names[i], v) for k, i, v in zip(cols["position"], cols["tensor_idx"], cols[col]) if v is not None]
         if param != "weight" and params[param] is None:
-            params[param] = min(Counter(v for _, _, v in stored).most_common(), key=lambda c: (-c[1], c[0]))[0]
+            params[param] = most_common([v for _, _, v in stored])  # most common, smallest on ties
         rows += [(k, t, param, v) for k, t, v in stored if v != (weights[k] if param == "weight" else params[param])]
     rows.sort()
     return params, pa.Table.from_pylist(

@@ -272,7 +272,8 @@ def _gta(m: str, tensor: str, per: list[dict], who: list[str], w: list[float], s
             vals["epsilon"][(k, tensor)] = float(eps)
 
 
-def _mode(values: list[Any]) -> Any:
+def most_common(values: list[Any]) -> Any:
+    """The most common value; the smallest of those on a tie (so the choice is deterministic)."""
     counts = Counter(values)
     top = max(counts.values())
     return min(v for v, c in counts.items() if c == top)
@@ -286,17 +287,17 @@ def _tabulate(cfg: MergeConfig, experts: list[ModelEntry], vals: dict, consensus
     if "weight" in vals:
         for k in range(n):
             mine = {key: v for key, v in vals["weight"].items() if key[0] == k}
-            weights[k] = _mode(list(mine.values()))
+            weights[k] = most_common(list(mine.values()))
             rows += [(k, tn, "weight", v) for (_, tn), v in mine.items() if v != weights[k]]
     params: dict[str, Any] = {}
     trims = [p for p in ("density", "gamma", "epsilon") if p in MERGEDB_PARAMS[m]]
     if trims:  # one joint mode, so the scalars are a combination some tensor has (validate checks them together)
-        params.update(zip(trims, _mode([tuple(vals[p][key] for p in trims) for key in vals[trims[0]]])))
+        params.update(zip(trims, most_common([tuple(vals[p][key] for p in trims) for key in vals[trims[0]]])))
     for p in MERGEDB_PARAMS[m]:
         if p == "normalize":
             params[p] = bool(normalize) if consensus else False
             continue
-        scalar = params[p] if p in params else _mode(list(vals[p].values()))
+        scalar = params[p] if p in params else most_common(list(vals[p].values()))
         params[p] = scalar
         rows += [(k, tn, p, v) for (k, tn), v in vals[p].items() if v != scalar]
     rows.sort()
@@ -318,7 +319,7 @@ def _setting(scalar: float, over: dict[str, float], names: list[str], inside: di
     if not over:
         return scalar
     eff = {**{n: scalar for n in names}, **over}
-    fallback = _mode(list(eff.values())) if names else scalar  # without the names, only the scalar is safe
+    fallback = most_common(list(eff.values())) if names else scalar  # without the names, only the scalar is safe
     ov = {n: v for n, v in eff.items() if v != fallback}
     if not ov:
         return fallback

@@ -359,7 +359,6 @@ def in_memory(
     yielded. A wave's states are held until they are yielded: memory is max_parallel models.
     A generator: planning starts with the iteration."""
     from . import executor
-    from .merger import Merger
 
     _check_parallel(max_parallel)
     summaries, xps = grid.plan_and_load(cat, requests)
@@ -368,15 +367,7 @@ def in_memory(
 
         def work(i: int) -> Callable[[_Reader, Callable[[], None], int], dict[str, np.ndarray]]:
             def merge(reader: _Reader, step: Callable[[], None], nthreads: int) -> dict[str, np.ndarray]:
-                m = Merger(xps[i], dtype, threads=nthreads, read_block=reader)
-                try:
-                    state = {}
-                    for name, dt, shape, data in m.tensors(list(range(len(xps[i].tensors)))):
-                        state[name] = executor.tensor_array(dt, shape, data)
-                        step()
-                    return state
-                finally:
-                    m.close()
+                return executor.merge_to_dict(xps[i], dtype, nthreads, reader, on_tensor=step)
 
             return merge
 

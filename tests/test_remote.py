@@ -434,3 +434,22 @@ except MergeDBError as e:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert "pip install 'mergedb[remote]'" in out.stdout and "s3://bucket/expert" in out.stdout
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_cli_registers_a_url_and_lists_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from mergedb.cli import app
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=2)
+    db = str(tmp_path / "c.duckdb")
+    runner = CliRunner(env={"COLUMNS": "200"})
+    r = runner.invoke(app, ["register", f"file://{fam}/base", "--base", "--catalog", db, "--quiet"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["register", f"file://{fam}/expert_00/model.safetensors", "--catalog", db, "--quiet"])
+    assert r.exit_code == 0, r.output
+    paths = Catalog(db).sql("SELECT name, path FROM checkpoints ORDER BY name").to_pylist()
+    assert paths == [
+        {"name": "base", "path": f"file://{fam}/base"},
+        {"name": "model", "path": f"file://{fam}/expert_00/model.safetensors"},
+    ]

@@ -52,7 +52,7 @@ class RangeServer:
     """http.server serving a folder with HEAD, GET and single-range GET (206), ETag and
     Last-Modified; every request is appended to `log`."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, versions: bool = True) -> None:
         self.root, self.log, self.lock = root, [], threading.Lock()
         server = self
 
@@ -86,8 +86,9 @@ class RangeServer:
                 self.send_response(status)
                 self.send_header("Content-Length", str(hi - lo))
                 self.send_header("Accept-Ranges", "bytes")
-                self.send_header("ETag", f'"{st.st_mtime_ns:x}-{st.st_size:x}"')
-                self.send_header("Last-Modified", formatdate(st.st_mtime, usegmt=True))
+                if versions:
+                    self.send_header("ETag", f'"{st.st_mtime_ns:x}-{st.st_size:x}"')
+                    self.send_header("Last-Modified", formatdate(st.st_mtime, usegmt=True))
                 if status == 206:
                     self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{st.st_size}")
                 self.end_headers()
@@ -282,6 +283,8 @@ def test_http_registration_and_plan_fetch_only_planned_ranges(sharded_family, ht
     assert remote_run.expert_bytes == local_run.expert_bytes <= rp.budget_bytes  # the logical count
     doc = json.loads((tmp_path / "out-remote" / "mergedb_manifest.json").read_text())
     assert doc["run"]["remote_bytes_fetched"] == fetched  # the client's count is the server's
+    replayed = executor.replay(tmp_path / "out-remote" / "mergedb_manifest.json", tmp_path / "replayed")
+    assert replayed.manifest["content_hash"] == remote_run.manifest["content_hash"]
     assert (
         "remote_bytes_fetched" not in json.loads((tmp_path / "out-local" / "mergedb_manifest.json").read_text())["run"]
     )
@@ -453,3 +456,19 @@ def test_cli_registers_a_url_and_lists_it(tmp_path):
         {"name": "base", "path": f"file://{fam}/base"},
         {"name": "model", "path": f"file://{fam}/expert_00/model.safetensors"},
     ]
+
+
+def test_server_without_versions_and_escaping_shards_are_refused(sharded_family, tmp_path):
+    srv = RangeServer(sharded_family, versions=False)
+    try:
+        with pytest.raises(MergeDBError, match="neither an ETag nor a Last-Modified"):
+            Catalog(tmp_path / "a.duckdb").register([f"{srv.url}/base/model.safetensors.index.json"], base=True)
+    finally:
+        srv.close()
+    index = sharded_family / "base" / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    first = next(iter(doc["weight_map"]))
+    doc["weight_map"][first] = "../expert_00/" + doc["weight_map"][first]
+    index.write_text(json.dumps(doc))
+    with pytest.raises(MergeDBError, match="outside the checkpoint folder"):
+        Catalog(tmp_path / "b.duckdb").register([f"file://{index}"], base=True)

@@ -148,11 +148,8 @@ def main() -> None:
         evict(files)
         t0 = time.perf_counter()
         cat = Catalog(remote_cat)
-        cat.register(
-            [f"{url}/base/model.safetensors"], base=True, block_size="64KiB" if a.quick else "4MiB", name="base"
-        )
-        for e in experts:
-            cat.register([f"{url}/{e}/model.safetensors"], base_model="base", name=e)
+        cat.register([f"{url}/base"], base=True, block_size="64KiB" if a.quick else "4MiB")
+        cat.register([f"{url}/{e}" for e in experts], base_model="base")  # one scan: the base fetched once more
         register = {"seconds": time.perf_counter() - t0, "served_bytes": _served(log_file)}
         register["file_bytes"] = sum(p.stat().st_size for p in files)
         plans = {}

@@ -185,7 +185,8 @@ def main() -> None:
         "register_remote": register,
         "rows": rows,
         "outputs_identical": True,
-        "note": "measured on a shared 2-core machine (other sessions running): compare arms side by side only",
+        "note": "Measured on a shared 2-core machine with other sessions running, the server (Python http.server) "
+        "on the same cores: compare the arms side by side only",
         "load": os.getloadavg(),
     }
     print(json.dumps({k: v for k, v in doc.items() if k != "rows"}, indent=1))

@@ -262,7 +262,8 @@ def _remote(doc: dict | None) -> list[str]:
         f"cold page cache, the two arms alternating, best of {doc['repeats']}. Remote outputs identical to "
         f"local: {'yes' if doc['outputs_identical'] else '**no**'}. Registering the base and the experts from "
         f"the server took {reg['seconds']:.1f} s and the server sent {reg['served_bytes'] / 1e9:.2f} GB for "
-        f"{reg['file_bytes'] / 1e9:.2f} GB of files. {doc['note']}.",
+        f"{reg['file_bytes'] / 1e9:.2f} GB of files (the base twice: registered, then compared with the experts). "
+        f"{doc['note']} (1-minute load average at the end: {doc['load'][0]:.1f}).",
         "",
         "| budget | arm | wall s | executor s | expert bytes (logical) | fetched (manifest) | sent (server log) "
         "| peak RSS |",

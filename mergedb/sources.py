@@ -190,7 +190,12 @@ class RemoteFile:
                 if nxt.state != "idle" or not self.group.may_hold(nxt.hi - nxt.lo):
                     continue
                 nxt.state = "queued"
-            pool.submit(self._prefetch, nxt)
+            try:
+                pool.submit(self._prefetch, nxt)
+            except RuntimeError:  # the pool was shut down (the merge is closing): read on demand
+                with self.lock:
+                    nxt.state = "idle" if nxt.state == "queued" else nxt.state
+                return
 
     def _prefetch(self, chunk: _Chunk) -> None:
         with self.lock:

@@ -472,3 +472,18 @@ def test_server_without_versions_and_escaping_shards_are_refused(sharded_family,
     index.write_text(json.dumps(doc))
     with pytest.raises(MergeDBError, match="outside the checkpoint folder"):
         Catalog(tmp_path / "b.duckdb").register([f"file://{index}"], base=True)
+
+
+def test_check_deep_reads_remote_blocks(tmp_path):
+    from mergedb.check import check_catalog
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=4)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([f"file://{fam}/base", f"file://{fam}/expert_00"], base_model="base", block_size=BLOCK)
+    assert check_catalog(cat, deep=True) == []
+    f = fam / "expert_00" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 1
+    f.write_bytes(bytes(data))
+    problems = check_catalog(cat, deep=True)
+    assert [p.where for p in problems] == ["checkpoint expert_00"] and "changed" in problems[0].what

@@ -239,7 +239,7 @@ class Sources:
     def open(self, path: Path | remote.RemotePath | str, random: bool = False) -> LocalFile | RemoteFile:
         """A source for the file at `path` (a URL or a local path); closed with `close`."""
         src: LocalFile | RemoteFile = (
-            RemoteFile(str(path), self) if remote.is_url(path) else LocalFile(Path(path), random)
+            RemoteFile(str(path), self) if remote.is_url(path) else LocalFile(Path(str(path)), random)
         )
         self.opened.append(src)
         return src

@@ -487,3 +487,20 @@ def test_check_deep_reads_remote_blocks(tmp_path):
     f.write_bytes(bytes(data))
     problems = check_catalog(cat, deep=True)
     assert [p.where for p in problems] == ["checkpoint expert_00"] and "changed" in problems[0].what
+
+
+def test_bench_remote_quick_runs(tmp_path):
+    """The remote benchmark cannot rot: --quick at tiny size, and its RESULTS section renders."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "MERGEDB_BENCH_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "benchmarks.bench_remote", "--quick", "--k", "2", "--repeats", "1"]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "results" / "remote-quick.json").read_text())
+    for row in doc["rows"]:
+        assert row["expert_bytes"] == row["selected_bytes"]
+        if row["arm"] == "remote":  # the server sent the tensor bytes the client counted, plus headers and side files
+            assert row["served_bytes"] >= row["remote_bytes_fetched"] >= row["expert_bytes"] + row["base_bytes"]
+    from benchmarks.report import _remote
+
+    assert "| 25% | remote / local |" in "\n".join(_remote(doc))

@@ -118,7 +118,7 @@ def stat(url: str) -> RemoteStat | None:
         info = fs.info(path)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
-    except OSError as e:
+    except Exception as e:  # network, credentials (botocore's errors are not OSErrors)
         raise MergeDBError(f"{url}: cannot be read ({e}); check the URL, the network and the credentials") from None
     if info.get("type") == "directory" or info.get("size") is None:
         return None
@@ -138,7 +138,7 @@ def read_bytes(url: str, start: int | None = None, end: int | None = None) -> by
         data = fs.cat_file(path, start=start, end=end)
     except FileNotFoundError:
         raise FormatError(f"{url}: no such file") from None
-    except OSError as e:
+    except Exception as e:  # network, credentials (botocore's errors are not OSErrors)
         raise MergeDBError(f"{url}: reading failed ({e}); check the network and the credentials") from None
     if start is not None and end is not None and len(data) != end - start:
         raise FormatError(
@@ -167,7 +167,7 @@ def listdir(url: str) -> list[str] | None:
         entries = fs.ls(path, detail=False)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    except OSError as e:
+    except Exception as e:  # network, credentials (botocore's errors are not OSErrors)
         raise MergeDBError(f"{url}: cannot be listed ({e}); check the URL, the network and the credentials") from None
     return sorted({posixpath.basename(str(e).rstrip("/")) for e in entries} - {""})
 

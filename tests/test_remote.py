@@ -54,6 +54,7 @@ class RangeServer:
 
     def __init__(self, root: Path, versions: bool = True) -> None:
         self.root, self.log, self.lock = root, [], threading.Lock()
+        self.fail_data = False  # answer 500 to every read of tensor data (a server failing mid-run)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -83,6 +84,8 @@ class RangeServer:
                 if rng and not head:
                     a, _, b = rng.removeprefix("bytes=").partition("-")
                     lo, hi, status = int(a), min(int(b) + 1 if b else st.st_size, st.st_size), 206
+                    if server.fail_data and rel.endswith(".safetensors") and lo >= _data_start(path):
+                        lo, hi, status = 0, 0, 500
                 self.send_response(status)
                 self.send_header("Content-Length", str(hi - lo))
                 self.send_header("Accept-Ranges", "bytes")
@@ -93,7 +96,7 @@ class RangeServer:
                     self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{st.st_size}")
                 self.end_headers()
                 body = b""
-                if not head:
+                if not head and status != 500:
                     with open(path, "rb") as f:
                         f.seek(lo)
                         body = f.read(hi - lo)
@@ -504,3 +507,14 @@ def test_bench_remote_quick_runs(tmp_path):
     from benchmarks.report import _remote
 
     assert "| 25% | remote / local |" in "\n".join(_remote(doc))
+
+
+def test_server_failing_mid_run_leaves_no_output(sharded_family, http_server, tmp_path):
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([f"{http_server.url}/base/model.safetensors.index.json"], base=True, block_size=BLOCK)
+    cat.register([f"{http_server.url}/{e}/model.safetensors.index.json" for e in EXPERTS], base_model="base")
+    xp = cat.execution_plan(cat.plan(REQUEST).plan_id)
+    http_server.fail_data = True
+    with pytest.raises(MergeDBError, match="reading failed.*check the network"):
+        executor.execute(xp, tmp_path / "out")
+    assert not [p.name for p in tmp_path.iterdir() if "out" in p.name]  # no output, no temporary folder, no lock

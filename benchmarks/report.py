@@ -248,6 +248,48 @@ def _sweep(doc: dict | None) -> list[str]:
     ]
 
 
+def _remote(doc: dict | None) -> list[str]:
+    """The "Remote checkpoints (issue 15)" section from results/remote.json."""
+    if not doc:
+        return []
+    reg = doc["register_remote"]
+    out = [
+        "## Remote checkpoints (issue 15)",
+        "",
+        f"`python -m benchmarks.bench_remote --k {doc['k']}`: task_arithmetic over {doc['k']} experts of the "
+        f"{doc['family']} family, read from a local HTTP server with Range support (a process of its own, "
+        "logging every response) or from the local files, each run a fresh `mergedb execute` process on a "
+        f"cold page cache, the two arms alternating, best of {doc['repeats']}. Remote outputs identical to "
+        f"local: {'yes' if doc['outputs_identical'] else '**no**'}. Registering the base and the experts from "
+        f"the server took {reg['seconds']:.1f} s and the server sent {reg['served_bytes'] / 1e9:.2f} GB for "
+        f"{reg['file_bytes'] / 1e9:.2f} GB of files (the base twice: registered, then compared with the experts). "
+        f"{doc['note']} (1-minute load average at the end: {doc['load'][0]:.1f}).",
+        "",
+        "| budget | arm | wall s | executor s | expert bytes (logical) | fetched (manifest) | sent (server log) "
+        "| peak RSS |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    budgets = list(dict.fromkeys(r["budget"] for r in doc["rows"]))
+    for b in budgets:
+        best = {}
+        for arm in ("local", "remote"):
+            rs = [r for r in doc["rows"] if r["budget"] == b and r["arm"] == arm]
+            r = best[arm] = min(rs, key=lambda r: r["wall"])
+            fetched = f"{r['remote_bytes_fetched'] / 1e6:.1f} MB" if arm == "remote" else "–"
+            sent = f"{r['served_bytes'] / 1e6:.1f} MB" if arm == "remote" else "–"
+            out.append(
+                f"| {b} | {arm} | {r['wall']:.2f} | {r['seconds']:.2f} | {r['expert_bytes'] / 1e6:.1f} MB | "
+                f"{fetched} | {sent} | {r['peak_rss_bytes'] / 2**20:.0f} MiB |"
+            )
+        lo, re_ = best["local"], best["remote"]
+        need = re_["expert_bytes"] + re_["base_bytes"]
+        out.append(
+            f"| {b} | remote / local | {re_['wall'] / lo['wall']:.2f}× | {re_['seconds'] / lo['seconds']:.2f}× | "
+            f"| fetched / (planned + base) = {re_['remote_bytes_fetched'] / need:.3f} | | |"
+        )
+    return [*out, ""]
+
+
 def write_report(quick: bool = False) -> Path:
     suffix = "-quick" if quick else ""
     docs = {
@@ -264,6 +306,7 @@ def write_report(quick: bool = False) -> Path:
             "planner",
             "parity",
             "sweep",
+            "remote",
         )
     }
     lines = [
@@ -382,6 +425,7 @@ def write_report(quick: bool = False) -> Path:
             ]
     lines += parity_lines(docs["parity"])  # written by python -m benchmarks.parity (issue 12)
     lines += _sweep(docs["sweep"])  # written by python -m benchmarks.bench_sweep (issue 14)
+    lines += _remote(docs["remote"])  # written by python -m benchmarks.bench_remote (issue 15)
     lines += _targets(docs)
     for png in _plots(sc, fi, suffix):
         lines += [f"![{png}](results/{png})", ""]

@@ -16,7 +16,8 @@ import xxhash
 from . import manifest
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import MergeDBError
-from .tensorfile import pread_into, read_header
+from .sources import Sources
+from .tensorfile import read_header
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -113,12 +114,13 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
 def _rehash(ckpt: Checkpoint, rows: list[tuple]) -> list[Problem]:
     where = {t.name: (fi, t) for fi, t in ckpt.tensors}
     out = []
-    fds = [os.open(ckpt.root / f.relpath, os.O_RDONLY) for f in ckpt.files]
+    group = Sources()
     try:
+        srcs = [group.open(ckpt.root / f.relpath) for f in ckpt.files]
         for tensor, block, start, nbytes, want in rows:
             fi, t = where[tensor]
             buf = np.empty(nbytes, np.uint8)
-            pread_into(fds[fi], memoryview(buf), t.start + start, ckpt.files[fi].relpath)
+            srcs[fi].read_into(memoryview(buf), t.start + start)
             if xxhash.xxh3_128_hexdigest(buf) != want:
                 out.append(
                     Problem(
@@ -128,8 +130,7 @@ def _rehash(ckpt: Checkpoint, rows: list[tuple]) -> list[Problem]:
                     )
                 )
     finally:
-        for fd in fds:
-            os.close(fd)
+        group.close()
     return out
 
 

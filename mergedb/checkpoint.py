@@ -2,6 +2,8 @@
 
 A checkpoint is a set of safetensors files plus side files (config, tokenizer) that are copied
 through. The fingerprint (sizes, mtimes, header hashes) detects a file changed since it was seen.
+A checkpoint may also be a URL (remote.py): its files are read through `sources`, and a remote
+file's fingerprint uses its version (ETag or Last-Modified) where a local one uses its mtime.
 
 A folder holding both model.safetensors and model.safetensors.index.json is read as
 model.safetensors, the file transformers loads (see `open_checkpoint`). A checkpoint without a
@@ -13,14 +15,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
 from collections import Counter
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import remote
 from .errors import ChangedFileError, FormatError
-from .tensorfile import Header, TensorInfo, read_header
+from .remote import RemotePath
+from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
+from .tensorfile import Header, TensorInfo, parse_header, read_header
 
 if TYPE_CHECKING:
     from .manifest import ExecutionPlan
@@ -59,7 +66,8 @@ class FileInfo:
 
     relpath: str
     header: Header
-    mtime_ns: int
+    mtime_ns: int  # 0 for a remote file
+    version: str = ""  # a remote file's ETag (else Last-Modified); "" for a local file
 
     @property
     def size(self) -> int:
@@ -71,8 +79,8 @@ class Checkpoint:
     """A checkpoint's files and tensors, as found on disk (nothing of the weights read yet)."""
 
     name: str
-    path: Path  # what the user named: a model folder or a .safetensors file
-    root: Path  # the folder holding the files (the file's parent for a single-file checkpoint)
+    path: Path | RemotePath  # what the user named: a model folder or a .safetensors file (or a URL)
+    root: Path | RemotePath  # the folder holding the files (the file's parent for a single-file checkpoint)
     files: tuple[FileInfo, ...]
     tensors: tuple[tuple[int, TensorInfo], ...]  # (file index, tensor) in file order
     architecture: str | None
@@ -98,14 +106,16 @@ class Checkpoint:
 
 
 def fingerprint(files: tuple[FileInfo, ...] | list[FileInfo]) -> str:
-    """SHA-256 over each file's relative path, size, mtime and header hash."""
+    """SHA-256 over each file's relative path, size, mtime (a remote file's version) and header hash."""
     h = hashlib.sha256()
     for f in files:
-        h.update(f"{f.relpath}\0{f.size}\0{f.mtime_ns}\0{f.header.sha256}\n".encode())
+        h.update(f"{f.relpath}\0{f.size}\0{f.version or f.mtime_ns}\0{f.header.sha256}\n".encode())
     return h.hexdigest()
 
 
-def file_info(root: Path, relpath: str) -> FileInfo:
+def file_info(root: Path | RemotePath, relpath: str) -> FileInfo:
+    if isinstance(root, RemotePath):
+        return remote_file_info(root, relpath)
     path = root / relpath
     header = read_header(path)
     return FileInfo(relpath, header, os.stat(path).st_mtime_ns)
@@ -118,7 +128,9 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Checkpoint:
-    """Read the headers of the checkpoint at `path` (a .safetensors file or a model folder)."""
+    """Read the headers of the checkpoint at `path` (a .safetensors file or a model folder, or a URL)."""
+    if remote.is_url(path):
+        return _open_remote(str(path), name)
     path = Path(path)
     if path.is_file():
         if path.suffix != ".safetensors":
@@ -142,6 +154,22 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
     else:
         raise FormatError(f"{path}: no such file or folder")
     files = tuple(file_info(root, rel) for rel in relpaths)
+    if relpaths != [SINGLE] and (path / INDEX).is_file() and path.is_dir():
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        return _assemble(name or default_name, path, root, files, weight_map, str(path / INDEX))
+    return _assemble(name or default_name, path, root, files, None, "")
+
+
+def _assemble(
+    name: str,
+    path: Path | RemotePath,
+    root: Path | RemotePath,
+    files: tuple[FileInfo, ...],
+    weight_map: dict[str, str] | None,
+    index: str,
+) -> Checkpoint:
+    """A checkpoint of `files`, refusing a tensor held twice, no tensor at all, or an index that
+    does not describe the files."""
     tensors: list[tuple[int, TensorInfo]] = []
     seen: dict[str, str] = {}
     for i, f in enumerate(files):
@@ -157,9 +185,9 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
             f"{path}: empty checkpoint: no tensors in {', '.join(f.relpath for f in files)}; "
             "point at a model that has weights"
         )
-    if relpaths != [SINGLE] and (path / INDEX).is_file() and path.is_dir():
-        _check_index_covers(path, files)
-    return Checkpoint(name or default_name, path, root, files, tuple(tensors), _architecture(root))
+    if weight_map is not None:
+        _check_index_covers(index, weight_map, files)
+    return Checkpoint(name, path, root, files, tuple(tensors), _architecture(root))
 
 
 def _shards_from_index(folder: Path) -> list[str]:
@@ -190,33 +218,41 @@ def _shards_from_index(folder: Path) -> list[str]:
     return sorted(shards)
 
 
-def _check_index_covers(folder: Path, files: tuple[FileInfo, ...]) -> None:
-    weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+def _check_index_covers(index: str, weight_map: dict[str, str], files: tuple[FileInfo, ...]) -> None:
     for f in files:
         for t in f.header.tensors:
             where = weight_map.get(t.name)
             if where is None:
-                raise FormatError(f"{folder / INDEX}: tensor {t.name!r} of {f.relpath} is missing from weight_map")
+                raise FormatError(f"{index}: tensor {t.name!r} of {f.relpath} is missing from weight_map")
             if os.path.normpath(where) != os.path.normpath(f.relpath):
-                raise FormatError(f"{folder / INDEX}: weight_map puts {t.name!r} in {where!r} but it is in {f.relpath}")
+                raise FormatError(f"{index}: weight_map puts {t.name!r} in {where!r} but it is in {f.relpath}")
     present = {t.name for f in files for t in f.header.tensors}
     missing = [n for n in weight_map if n not in present]
     if missing:
-        raise FormatError(f"{folder / INDEX}: tensors {missing[:5]} are in weight_map but in no shard")
+        raise FormatError(f"{index}: tensors {missing[:5]} are in weight_map but in no shard")
 
 
-def _architecture(root: Path) -> str | None:
+def _architecture(root: Path | RemotePath) -> str | None:
     try:
-        archs = json.loads((root / "config.json").read_text()).get("architectures")
+        if isinstance(root, RemotePath):
+            raw = remote.read_small((root / "config.json").url)
+            text = "" if raw is None else raw.decode()
+        else:
+            text = (root / "config.json").read_text()
+        archs = json.loads(text).get("architectures")
         return str(archs[0]) if archs else None
     except (OSError, ValueError, AttributeError, IndexError, TypeError):
         return None
 
 
-def discover(paths: list[str | os.PathLike[str]]) -> list[Path]:
+def discover(paths: list[str | os.PathLike[str]]) -> list[Path | RemotePath]:
     """Checkpoint locations under `paths`: each path is a checkpoint or a folder of checkpoints."""
-    found: list[Path] = []
-    for p in map(Path, paths):
+    found: list[Path | RemotePath] = []
+    for q in paths:
+        if remote.is_url(q):
+            found.extend(_discover_remote(str(q)))
+            continue
+        p = Path(q)
         if is_checkpoint(p):
             found.append(p)
         elif p.is_dir():
@@ -256,13 +292,66 @@ def side_files(root: Path) -> list[str]:
     return sorted(found)
 
 
+def copy_side_files(root: Path | RemotePath, dest: Path) -> None:
+    """Copy the side files of the checkpoint folder `root` (see `side_files`) into `dest`."""
+    if not isinstance(root, RemotePath):
+        for f in side_files(root):
+            shutil.copyfile(root / f, dest / f)
+        return
+    for f in remote.side_names(root, SIDE_FILES):
+        data = remote.read_small((root / f).url)
+        if data is not None:
+            (dest / f).write_bytes(data)
+
+
+def remote_file_info(root: RemotePath, relpath: str) -> FileInfo:
+    """A remote file's header (two ranged reads: the length, then the JSON) and version."""
+    url = (root / relpath).url
+    st = remote.stat(url)
+    if st is None:
+        raise FormatError(f"{url}: no such file")
+    header = parse_header(lambda n, off: remote.read_bytes(url, off, min(off + n, st.size)), url, st.size)
+    return FileInfo(relpath, header, 0, st.version)
+
+
+def _open_remote(url: str, name: str | None) -> Checkpoint:
+    loc = remote.locate(url, SINGLE, INDEX)
+    if loc is None:
+        raise FormatError(
+            f"{url}: no {SINGLE} or {INDEX} there; point at a model folder, a .safetensors file or an index "
+            "URL (over HTTP(S) name the file or the index: folders cannot be listed)"
+        )
+    files = tuple(remote_file_info(loc.root, rel) for rel in loc.relpaths)
+    index = str(loc.root / INDEX) if loc.weight_map is not None else ""
+    return _assemble(name or loc.name, loc.path, loc.root, files, loc.weight_map, index)
+
+
+def _discover_remote(url: str) -> list[RemotePath]:
+    if remote.locate(url, SINGLE, INDEX) is not None:
+        return [remote.check_url(url)]
+    folder = remote.check_url(url)
+    names = remote.listdir(folder.url)
+    if names is None:
+        raise FormatError(
+            f"{url}: no {SINGLE} or {INDEX} there, and this filesystem cannot list folders; name the "
+            ".safetensors file or the index URL"
+        )
+    subs = [folder / n for n in names if remote.locate((folder / n).url, SINGLE, INDEX) is not None]
+    if not subs:
+        raise FormatError(
+            f"{url}: holds no checkpoint ({SINGLE}, {INDEX} or .safetensors files in it or its subfolders)"
+        )
+    return subs
+
+
 class PlanInputs:
     """Open files of every source of an execution plan, checked against their fingerprints and the
-    plan's tensor layout (the merger reads through them; `close` when done)."""
+    plan's tensor layout (the merger reads through them; `close` when done). `where[i][tensor]` is
+    (byte source, tensor, file path or URL) of source i (0: the base, then the experts)."""
 
-    def __init__(self, xp: ExecutionPlan) -> None:
-        self.fds: list[int] = []
-        self.where: list[dict[str, tuple[int, TensorInfo, str]]] = []
+    def __init__(self, xp: ExecutionPlan, options: RemoteOptions | None = None, pool: Executor | None = None) -> None:
+        self.sources = Sources(options, pool)
+        self.where: list[dict[str, tuple[LocalFile | RemoteFile, TensorInfo, str]]] = []
         try:
             self._open(xp)
         except BaseException:  # a refused source: close the files opened before it
@@ -277,14 +366,9 @@ class PlanInputs:
                     f"{src.name} ({src.path}) changed since it was registered; re-register it with "
                     "`mergedb register --refresh` and plan again"
                 )
-            fds = []
-            for f in ckpt.files:
-                fd = os.open(ckpt.root / f.relpath, os.O_RDONLY)
-                if i > 0:  # experts: no kernel readahead past the ranges we ask for
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                fds.append(fd)
-                self.fds.append(fd)
-            where = {t.name: (fds[fi], t, str(ckpt.root / ckpt.files[fi].relpath)) for fi, t in ckpt.tensors}
+            # experts: no kernel readahead past the ranges we ask for
+            srcs = [self.sources.open(ckpt.root / f.relpath, random=i > 0) for f in ckpt.files]
+            where = {t.name: (srcs[fi], t, str(ckpt.root / ckpt.files[fi].relpath)) for fi, t in ckpt.tensors}
             self.where.append(where)
             for t in xp.tensors:  # the plan's sizes come from the files, never from the plan alone
                 info = where.get(t.name)
@@ -295,6 +379,10 @@ class PlanInputs:
                         f"file holds {have}; the plan or manifest does not describe these files: plan again"
                     )
 
+    @property
+    def fetched(self) -> int:
+        """Bytes fetched from remote files so far (0 when every source is local)."""
+        return self.sources.fetched
+
     def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
+        self.sources.close()

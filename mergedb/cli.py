@@ -114,7 +114,9 @@ def _catalog(path: Path | None, wait: float = 0.0) -> Catalog:
 
 @app.command()
 def register(
-    paths: list[Path] = typer.Argument(..., help="Model folders, .safetensors files, or folders of them."),
+    paths: list[str] = typer.Argument(
+        ..., help="Model folders, .safetensors files, folders of them, or URLs (s3://…, https://…/model.safetensors)."
+    ),
     base: bool = typer.Option(False, "--base", help="Register PATHS as base models."),
     base_model: str | None = typer.Option(None, "--base-model", help="Name of the base the experts share."),
     name: str | None = typer.Option(None, "--name", help="Name for a single checkpoint [default: folder name]."),
@@ -133,6 +135,7 @@ def register(
     """Scan checkpoints into the catalog (each file read once).
 
     Example: mergedb register ./experts --base-model base
+    Remote: mergedb register s3://bucket/family --base-model base (pip install 'mergedb[remote]')
     """
     block_bytes = parse_block_size(block_size)
     check_threads(threads)

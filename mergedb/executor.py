@@ -25,8 +25,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import xxhash
 
-from . import kernels, methods, outdir
-from .checkpoint import INDEX, open_checkpoint, side_files
+from . import kernels, methods, outdir, remote
+from .checkpoint import INDEX, copy_side_files, open_checkpoint
 from .errors import MergeDBError
 from .layout import shard_groups, shard_names
 from .manifest import (
@@ -147,7 +147,8 @@ def execute(
     shown = Path(out)
     out = outdir.resolve_out(shown)
     out_dt = normalize_dtype(dtype)
-    outdir.check_clear_of(out, [xp.base.path, *(e.path for e in xp.experts)], "an input of this plan")
+    local = [p for p in (xp.base.path, *(e.path for e in xp.experts)) if not remote.is_url(p)]
+    outdir.check_clear_of(out, local, "an input of this plan")
     if not force:
         outdir.check_out(out, force)  # early; with --force only after a killed run's swap is undone
     with outdir.output_lock(out):
@@ -216,9 +217,7 @@ def _write(
         written += w.total_size
     if len(groups) > 1:
         write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
-    base_root = open_checkpoint(xp.base.path).root
-    for f in side_files(base_root):
-        shutil.copyfile(base_root / f, tmp / f)
+    copy_side_files(open_checkpoint(xp.base.path).root, tmp)
     pq.write_table(mask_table(xp), tmp / MASK)
     if expect_hashes is not None and hashes != expect_hashes:
         bad = sorted(n for n in expect_hashes.keys() | hashes.keys() if hashes.get(n) != expect_hashes.get(n))
@@ -231,6 +230,7 @@ def _write(
         "base_bytes": merger.count.base,
         "bytes_written": written,
         "peak_rss_bytes": peak_rss(),
+        **({"remote_bytes_fetched": merger.inputs.fetched} if merger.inputs.sources.any_remote else {}),
         "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
     }
     return _with_rng(xp, build_manifest(xp, out_dt, hashes)), run, written

@@ -28,13 +28,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import kernels, methods
+from . import fetchplan, kernels, methods
 from .checkpoint import PlanInputs
 from .errors import ChangedFileError, MergeDBError
 from .layout import TensorLayout, block_bytes, row_elems
 from .manifest import ExecutionPlan, Source
 from .stock import StockDots, StockTensor
-from .tensorfile import DTYPES, as_float32, encode, pread_into, tensor_nbytes
+from .tensorfile import DTYPES, as_float32, encode, tensor_nbytes
 from .tensorparams import TensorParams
 from .units import check_threads
 
@@ -131,10 +131,11 @@ class Merger:
         self._stock: dict[int, StockTensor] = {}  # model_stock: tensors whose blocks are running
         self.values = xp.tensor_values()  # per (position, tensor_idx), where the plan sets them per tensor
         self.defaults = [xp.default_values(p) for p in range(len(xp.experts))]
-        self.inputs = PlanInputs(xp)
+        self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
+        self.inputs = PlanInputs(xp, pool=self.io)  # remote files fetch ahead on the I/O threads
+        fetchplan.declare_merge(xp, self.inputs)
         self.count = Counters()
         self._lock = threading.Lock()
-        self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
         self.compute = ThreadPoolExecutor(self.threads, thread_name_prefix="mergedb-merge")
         self.local = _ThreadBuffers()
         if self.fused:  # numba's cache load overlaps the first reads (the pools run FIFO)
@@ -151,9 +152,9 @@ class Merger:
     def _read_base(self, ti: int) -> np.ndarray:
         """The base's bytes of tensor `ti` (streamed in full, unbudgeted)."""
         t = self.xp.tensors[ti]
-        fd, info, path = self.inputs.where[0][t.name]
+        src, info, path = self.inputs.where[0][t.name]
         base = np.empty(info.nbytes, np.uint8)
-        pread_into(fd, memoryview(base), info.start, path)
+        src.read_into(memoryview(base), info.start)
         with self._lock:
             self.count.base += info.nbytes
         if self.verify and t.base_hashes:
@@ -168,9 +169,9 @@ class Merger:
     def pread_block(self, ti: int, b: int, pos: int, raw: np.ndarray) -> None:
         """Fill `raw` with expert `pos`'s bytes of block `b` of tensor `ti`, from its file."""
         t = self.xp.tensors[ti]
-        fd, info, path = self.inputs.where[pos + 1][t.name]
+        src, info, _ = self.inputs.where[pos + 1][t.name]
         lo, _ = block_bytes(t, info.nbytes, b)
-        pread_into(fd, memoryview(raw), info.start + lo, path)
+        src.read_into(memoryview(raw), info.start + lo)
 
     def _read_one(self, ti: int, b: int, pos: int, h: str, raw: np.ndarray | None = None) -> np.ndarray:
         """Expert `pos`'s bytes of block `b` of tensor `ti` (into `raw` if given; checked against

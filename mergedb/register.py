@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import duckdb
@@ -123,7 +122,7 @@ def register(
         if row is not None:
             if row[2] != role:
                 raise CatalogError(f"{c.name!r} is already registered as a {row[2]}, not a {role}")
-            if Path(row[6]) != c.path.resolve():  # names are unique: another folder is another checkpoint
+            if row[6] != str(c.path.resolve()):  # names are unique: another folder is another checkpoint
                 raise CatalogError(
                     f"{c.name!r} is already registered from {row[6]}; {c.path} is another checkpoint: "
                     "register it under another name with --name NEW"

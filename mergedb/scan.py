@@ -1,20 +1,20 @@
 """Registration's one streaming pass: block layout, base block hashes, and expert delta statistics.
 
-Reads with `os.preadv` into reused buffers at offsets from the headers, one (expert, tensor) unit
-per worker thread, units of all experts in one pool, largest first and a tensor's units together;
-the numeric work runs in numba/numpy with the GIL released. Peak memory is a few blocks per
-worker plus, per worker, a float32 |Δ| buffer and a half-size exceptions buffer of the largest
-tensor (exact top-k thresholds), plus the sketch codes (2 bytes per element) of the tensors in
-flight. Produces plain Python/numpy rows; register.py stores them.
+Reads with `os.preadv` (ranged requests for a URL: sources.py) into reused buffers at offsets from
+the headers, one (expert, tensor) unit per worker thread, units of all experts in one pool,
+largest first and a tensor's units together; the numeric work runs in numba/numpy with the GIL
+released. Peak memory is a few blocks per worker plus, per worker, a float32 |Δ| buffer and a
+half-size exceptions buffer of the largest tensor (exact top-k thresholds), plus the sketch codes
+(2 bytes per element) of the tensors in flight.
+Produces plain Python/numpy rows; register.py stores them.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -25,7 +25,8 @@ from . import stats
 from .checkpoint import Checkpoint
 from .errors import AlignmentError
 from .layout import FamilyTensor, element_offset, family_layout
-from .tensorfile import DTYPES, TensorInfo, as_float32, pread_into
+from .sources import RemoteOptions, Sources, declare
+from .tensorfile import DTYPES, TensorInfo, as_float32
 from .units import check_threads
 
 Progress = Callable[[int], None]
@@ -97,24 +98,19 @@ class ExpertStats:
 
 
 class _Files:
-    """Open file descriptors of a checkpoint, indexed by file index."""
+    """Byte sources (local descriptors or remote files, sources.py) of a checkpoint, by file index."""
 
-    def __init__(self, ckpt: Checkpoint) -> None:
-        self.paths = [ckpt.root / f.relpath for f in ckpt.files]
-        self.fds = [os.open(p, os.O_RDONLY) for p in self.paths]
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
+    def __init__(self, ckpt: Checkpoint, group: Sources) -> None:
+        self.src = [group.open(ckpt.root / f.relpath) for f in ckpt.files]
 
 
 @contextmanager
-def _opened(ckpt: Checkpoint) -> Iterator[_Files]:
-    files = _Files(ckpt)
+def _opened(ckpts: list[Checkpoint]) -> Iterator[list[_Files]]:
+    group = Sources(RemoteOptions.from_env())
     try:
-        yield files
+        yield [_Files(c, group) for c in ckpts]
     finally:
-        files.close()
+        group.close()
 
 
 def _where(ckpt: Checkpoint) -> dict[str, tuple[int, TensorInfo]]:
@@ -181,7 +177,7 @@ def hash_base(base: Checkpoint, family: list[FamilyTensor], threads: int, progre
         out = []
         for blk in ft.blocks:
             buf = scratch.get("raw", blk.nbytes)
-            pread_into(files.fds[fi], memoryview(buf), t.start + blk.byte_start, files.paths[fi])
+            files.src[fi].read_into(memoryview(buf), t.start + blk.byte_start)
             norm: float | None = None
             bad: int | None = None
             if ft.mergeable:
@@ -195,7 +191,13 @@ def hash_base(base: Checkpoint, family: list[FamilyTensor], threads: int, progre
         return out
 
     order = sorted(family, key=lambda ft: (-ft.nbytes, ft.tensor_idx))  # largest first: a short tail
-    with _opened(base) as files, ThreadPoolExecutor(threads) as pool:
+    with _opened([base]) as (files,), ThreadPoolExecutor(threads) as pool:
+        if files.src[0].remote:
+            declare(
+                (files.src[where[ft.name][0]], where[ft.name][1].start + b.byte_start, b.nbytes, 1)
+                for ft in order
+                for b in ft.blocks
+            )
         by_tensor = {ft.tensor_idx: rs for ft, rs in zip(order, pool.map(one, order))}
     rows = [r for ft in family for r in by_tensor[ft.tensor_idx]]
     return BaseBlocks([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
@@ -239,7 +241,7 @@ def scan_experts(
         efiles = expert_files[k]
         bfi, bt = bwhere[ft.name]
         efi, et = ewhere[k][ft.name]
-        os.posix_fadvise(efiles.fds[efi], et.start, et.nbytes, os.POSIX_FADV_WILLNEED)
+        efiles.src[efi].will_need(et.start, et.nbytes)
         raw_dtype = np.dtype(DTYPES[ft.dtype][1]) if ft.mergeable else None
         rows: list[BlockRow] = []
         hashes: list[str] = []
@@ -252,8 +254,8 @@ def scan_experts(
         for blk in ft.blocks:
             eraw = scratch.get("e", blk.nbytes)
             braw = scratch.get("b", blk.nbytes)
-            pread_into(efiles.fds[efi], memoryview(eraw), et.start + blk.byte_start, efiles.paths[efi])
-            pread_into(bfiles.fds[bfi], memoryview(braw), bt.start + blk.byte_start, bfiles.paths[bfi])
+            efiles.src[efi].read_into(memoryview(eraw), et.start + blk.byte_start)
+            bfiles.src[bfi].read_into(memoryview(braw), bt.start + blk.byte_start)
             identical = bool(np.array_equal(eraw, braw))
             key = (ft.tensor_idx, blk.block_idx)
             chash = base_hashes[key] if identical else xxhash.xxh3_128_hexdigest(eraw)
@@ -313,9 +315,9 @@ def scan_experts(
     )
     shared = _SharedCodes({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if len(experts) > 1 else None
     done: dict[tuple[int, int], tuple[list[BlockRow], TensorRow | None, list[str]]] = {}
-    with ExitStack() as stack:
-        bfiles = stack.enter_context(_opened(base))
-        expert_files = [stack.enter_context(_opened(e)) for e in experts]
+    with _opened([base, *experts]) as (bfiles, *expert_files):
+        if any(s.remote for f in (bfiles, *expert_files) for s in f.src):
+            declare(_scan_reads(units, bfiles, bwhere, expert_files, ewhere))
         with ThreadPoolExecutor(threads) as pool:
             for (k, ft), result in zip(units, pool.map(one, units)):
                 done[k, ft.tensor_idx] = result
@@ -332,6 +334,20 @@ def scan_experts(
         st.content_hash = content_hash(all_hashes)
         out.append(st)
     return out
+
+
+def _scan_reads(units, bfiles, bwhere, expert_files, ewhere):  # type: ignore[no-untyped-def]
+    """(source, offset, length, times) of every block `scan_experts` reads, in the order its units
+    run: each expert's blocks once, the base's blocks once per expert (a remote base's blocks are
+    fetched once and kept until every expert's unit has read them)."""
+    seen = set()
+    for k, ft in units:
+        efi, et = ewhere[k][ft.name]
+        yield from ((expert_files[k].src[efi], et.start + b.byte_start, b.nbytes, 1) for b in ft.blocks)
+        if ft.tensor_idx not in seen:
+            seen.add(ft.tensor_idx)
+            bfi, bt = bwhere[ft.name]
+            yield from ((bfiles.src[bfi], bt.start + b.byte_start, b.nbytes, len(ewhere)) for b in ft.blocks)
 
 
 def content_hash(block_hashes: list[str]) -> str:

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,7 +161,7 @@ class TensorInfo:
 class Header:
     """A parsed, validated header: tensors in file order, plus the free-form metadata."""
 
-    path: Path
+    path: Path | str  # a URL for a remote file
     header_len: int
     file_size: int
     sha256: str
@@ -191,7 +192,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         if os.path.isdir(path):
             raise FormatError(f"{path}: is a folder, expected a .safetensors file")
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return _parse(fd, path, os.fstat(fd).st_size)
+        return parse_header(lambda n, offset: _read_exact(fd, n, offset), path, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
@@ -207,16 +208,18 @@ def _read_exact(fd: int, n: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
-def _parse(fd: int, path: Path, size: int) -> Header:
+def parse_header(read: Callable[[int, int], bytes], path: Path | str, size: int) -> Header:
+    """Parse and validate the header of the `size`-byte file at `path` (a local path or a URL), whose
+    bytes `read(n, offset)` returns: two reads, the 8-byte length and then the JSON."""
     bad = f"{path}: not a valid safetensors file"
     if size < 8:
         raise FormatError(f"{bad}: {size} bytes is too short for the 8-byte header length (truncated?)")
-    (n,) = struct.unpack("<Q", _read_exact(fd, 8, 0))
+    (n,) = struct.unpack("<Q", read(8, 0))
     if n > MAX_HEADER_BYTES:
         raise FormatError(f"{bad}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
     if 8 + n > size:
         raise FormatError(f"{bad}: header length {n} runs past the end of the {size}-byte file (truncated?)")
-    raw = _read_exact(fd, n, 8)
+    raw = read(n, 8)
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except _DuplicateKey as e:

@@ -1,0 +1,282 @@
+"""Running a merge and a registration on Ray (the optional extra `mergedb[ray]`).
+
+Execution: one Ray task per output shard (executor.output_shards). Each task opens the plan's
+inputs itself (so they must live on storage every node can reach: a shared filesystem, or
+object storage through the remote-checkpoint readers), merges its tensors with the same Merger
+the local executor uses, and writes its shard into the run's temporary output folder under a
+private name, then renames it to the shard's name: a task Ray retries after its worker died
+rewrites the shard whole, and what a killed attempt left half-written is removed before the
+folder is installed. The driver does everything else exactly as a local run does (executor.py
+and outdir.py: the lock, the index, the mask, the manifest, the atomic install), so the output's
+bytes and the manifest's deterministic part are the local executor's. A task that raises fails
+the run: the other tasks are cancelled and waited for, then the temporary folder is removed.
+
+Registration: one Ray task per expert runs the local scan (scan.scan_experts) on that expert and
+returns its rows; the driver alone writes the catalog, in one transaction (register.py).
+
+`address`: "local" starts a Ray instance in this process's machine for the call; "auto" joins
+the cluster this machine belongs to; anything else is passed to ray.init (e.g. "ray://head:10001"
+or "head:6379"). When Ray is already initialized in this process (a notebook, a test), that
+session is used whatever the address, and left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import Checkpoint
+from .errors import MergeDBError
+from .executor import ShardsWritten, WriteShards, peak_rss, physical_read_bytes, write_shard
+from .layout import FamilyTensor
+from .manifest import ExecutionPlan
+from .merger import Merger, output_dtype
+from .tensorfile import tensor_nbytes
+
+RETRIES = 3  # times Ray reruns a task whose worker process died (an exception is never retried)
+PART = ".mergedb-part-"  # a shard being written by a task: `.NAME.mergedb-part-XXXXXXXX`
+INSTALL_HINT = "pip install 'mergedb[ray]'"
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise MergeDBError(f"--ray needs Ray, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+@contextlib.contextmanager
+def session(address: str | None) -> Iterator[Any]:
+    """The `ray` module, connected: to the running session if there is one (left running), else to
+    `address` ("local", "auto" or a cluster address; None: "local"), shut down on exit."""
+    ray = _ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    try:
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise MergeDBError(
+            f"cannot connect to Ray at {address!r} ({e}); pass --ray local to start one on this machine, "
+            "--ray auto to join this machine's cluster, or the head's address (e.g. ray://head:10001)"
+        ) from None
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+# -- execution ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KillOnce:
+    """A fault for tests: the first attempt of the task writing shard `shard` kills its own worker
+    process (SIGKILL) after writing one tensor, leaving a half-written part file; `marker` (a path
+    the tasks can reach) records that it happened, so Ray's retry runs through."""
+
+    shard: str
+    marker: str
+
+    def __call__(self, shard: str) -> None:
+        if shard == self.shard and not os.path.exists(self.marker):
+            Path(self.marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class _ShardDone:
+    name: str
+    hashes: dict[str, str]
+    written: int
+    expert_bytes: int
+    base_bytes: int
+    physical_bytes: int
+    peak_rss: int
+
+
+def _shard_task(
+    xp: ExecutionPlan,
+    group: list[int],
+    name: str,
+    tmp: str,
+    dtype: str | None,
+    verify: bool,
+    threads: int,
+    fault: Callable[[str], None] | None,
+) -> _ShardDone:
+    """Runs on a Ray worker: merge tensors `group` into `tmp/name`, written under a private name
+    first and renamed when complete."""
+    phys0 = physical_read_bytes()
+    part = Path(tmp) / f".{name}{PART}{uuid.uuid4().hex[:8]}"
+    merger = Merger(xp, dtype, verify, threads)
+    try:
+        hashes, written = write_shard(merger, xp, group, part, dtype, (lambda _: fault(name)) if fault else None)
+        os.replace(part, Path(tmp) / name)
+    finally:
+        merger.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)
+    return _ShardDone(
+        name,
+        hashes,
+        written,
+        merger.count.expert,
+        merger.count.base,
+        physical_read_bytes() - phys0,
+        peak_rss(),
+    )
+
+
+def shard_writer(
+    address: str | None = None,
+    *,
+    verify: bool = False,
+    threads: int = 1,
+    retries: int = RETRIES,
+    fault: Callable[[str], None] | None = None,
+) -> WriteShards:
+    """An executor.WriteShards that runs one Ray task per shard, each asking Ray for `threads`
+    CPUs and merging on that many threads; for executor.execute(write_shards=...)."""
+    _ray()  # without Ray, fail before anything is read or written
+
+    def write(
+        xp: ExecutionPlan,
+        groups: list[list[int]],
+        names: list[str],
+        tmp: Path,
+        dtype: str | None,
+        progress: Callable[[int], None] | None,
+    ) -> ShardsWritten:
+        with session(address) as ray:
+            task = ray.remote(_shard_task).options(num_cpus=threads, max_retries=retries, retry_exceptions=False)
+            xp_ref = ray.put(xp)
+            refs = {
+                task.remote(xp_ref, group, name, str(tmp), dtype, verify, threads, fault): (name, group)
+                for name, group in zip(names, groups)
+            }
+            done = _gather(ray, refs, xp, dtype, progress, retries)
+        for p in tmp.glob(f".*{PART}*"):  # what attempts killed mid-write left
+            p.unlink()
+        hashes = {h: v for d in done for h, v in d.hashes.items()}
+        weight_map = {h: d.name for d in done for h in d.hashes}
+        return ShardsWritten(
+            hashes,
+            weight_map,
+            sum(d.written for d in done),
+            sum(d.expert_bytes for d in done),
+            sum(d.base_bytes for d in done),
+            sum(d.physical_bytes for d in done),
+            max((d.peak_rss for d in done), default=0),
+        )
+
+    return write
+
+
+def _gather(
+    ray: Any,
+    refs: dict[Any, tuple[str, list[int]]],
+    xp: ExecutionPlan,
+    dtype: str | None,
+    progress: Callable[[int], None] | None,
+    retries: int,
+) -> list[_ShardDone]:
+    """Every task's result, in shard order; on the first failure the others are cancelled and
+    waited for (so none writes into the folder after this returns), then the failure is raised."""
+    results: dict[str, _ShardDone] = {}
+    pending = list(refs)
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            name, group = refs[ready[0]]
+            try:
+                results[name] = ray.get(ready[0])
+            except ray.exceptions.RayTaskError as e:
+                raise (e.cause if isinstance(e.cause, Exception) else e) from None
+            except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as e:
+                raise MergeDBError(
+                    f"the Ray task writing {name} lost its worker {retries + 1} times ({type(e).__name__}); "
+                    "nothing was installed: check the workers' memory and logs (`ray logs`) and retry"
+                ) from None
+            if progress:
+                progress(sum(tensor_nbytes(output_dtype(xp.tensors[i], dtype), xp.tensors[i].shape) for i in group))
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        for ref in pending:
+            with contextlib.suppress(Exception):
+                ray.get(ref)
+        raise
+    return [results[name] for name, _ in refs.values()]
+
+
+# -- registration ------------------------------------------------------------------------------
+
+
+def _scan_task(
+    base: Checkpoint,
+    expert: Checkpoint,
+    family: list[FamilyTensor],
+    base_hashes: dict[tuple[int, int], str],
+    sketch_dim: int,
+    threads: int,
+) -> tuple[Any, int]:
+    """Runs on a Ray worker: one expert's statistics (scan.ExpertStats) and the bytes it read."""
+    from . import scan
+
+    read = [0]
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:  # called from the scan's threads
+        with lock:
+            read[0] += n
+
+    stats = scan.scan_experts(base, [expert], family, base_hashes, sketch_dim, threads, tick)[0]
+    return stats, read[0]
+
+
+def expert_scanner(address: str | None = None, *, threads_per_task: int = 1) -> Callable[..., list[Any]]:
+    """A replacement for scan.scan_experts (same arguments and result) that scans each expert in
+    its own Ray task of `threads_per_task` CPUs; for register.register(scanner=...)."""
+    _ray()
+
+    def scan_experts(
+        base: Checkpoint,
+        experts: list[Checkpoint],
+        family: list[FamilyTensor],
+        base_hashes: dict[tuple[int, int], str],
+        sketch_dim: int,
+        threads: int,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Any]:
+        with session(address) as ray:
+            task = ray.remote(_scan_task).options(num_cpus=threads_per_task, max_retries=RETRIES)
+            fam, hashes = ray.put(family), ray.put(base_hashes)
+            refs = [task.remote(base, e, fam, hashes, sketch_dim, threads_per_task) for e in experts]
+            out: dict[Any, Any] = {}
+            pending = list(refs)
+            try:
+                while pending:
+                    ready, pending = ray.wait(pending, num_returns=1)
+                    try:
+                        stats, read = ray.get(ready[0])
+                    except ray.exceptions.RayTaskError as e:
+                        raise (e.cause if isinstance(e.cause, Exception) else e) from None
+                    out[ready[0]] = stats
+                    if progress:
+                        progress(read)
+            except BaseException:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                raise
+            return [out[r] for r in refs]
+
+    return scan_experts

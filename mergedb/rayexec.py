@@ -28,9 +28,12 @@ import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from .checkpoint import Checkpoint
 from .errors import MergeDBError
@@ -158,11 +161,10 @@ def shard_writer(
     ) -> ShardsWritten:
         with session(address) as ray:
             task = ray.remote(_shard_task).options(num_cpus=threads, max_retries=retries, retry_exceptions=False)
-            xp_ref = ray.put(xp)
-            refs = {
-                task.remote(xp_ref, group, name, str(tmp), dtype, verify, threads, fault): (name, group)
-                for name, group in zip(names, groups)
-            }
+            refs = {}
+            for name, group in zip(names, groups):
+                part = ray.put(for_tensors(xp, group))
+                refs[task.remote(part, group, name, str(tmp), dtype, verify, threads, fault)] = (name, group)
             done = _gather(ray, refs, xp, dtype, progress, retries)
         for p in tmp.glob(f".*{PART}*"):  # what attempts killed mid-write left
             p.unlink()
@@ -179,6 +181,20 @@ def shard_writer(
         )
 
     return write
+
+
+def for_tensors(xp: ExecutionPlan, group: list[int]) -> ExecutionPlan:
+    """`xp` with its per-block and per-tensor tables (mask, trims, stock, tensor_params) cut to the
+    tensors `group`: all a shard's task needs, so the whole mask (millions of rows for a large
+    family) is shipped once in all, not once per task."""
+    keep = pa.array(sorted(set(group)), pa.int32())
+
+    def cut(table: pa.Table | None) -> pa.Table | None:
+        if table is None:
+            return None
+        return table.filter(pc.is_in(table.column("tensor_idx").cast(pa.int32()), value_set=keep))
+
+    return replace(xp, mask=cut(xp.mask), trims=cut(xp.trims), stock=cut(xp.stock), tensor_params=cut(xp.tensor_params))
 
 
 def _gather(

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import ray
 from typer.testing import CliRunner
@@ -88,6 +89,38 @@ def test_ray_equals_local_bit_for_bit(fam, tmp_path, method, params):
     assert remote.expert_bytes == plan.selected_bytes == local.expert_bytes
     assert remote.physical_bytes >= 0 and remote.peak_rss > 0
     assert _leftovers(tmp_path / "ray") == []
+
+
+def test_ray_equals_local_with_per_tensor_values_and_model_stock(fam, tmp_path):
+    """The tables a task gets cut to its shard's tensors (tensor_params, model_stock's dots) still
+    give the local bytes."""
+    folder, cat = fam
+    names = sorted(n for n, a in load_model(folder / "base").items() if a.dtype.kind == "f")
+    per_tensor = pa.table(
+        {
+            "position": pa.array([i % 3 for i in range(len(names))], pa.int32()),
+            "tensor": names,
+            "param": ["weight"] * len(names),
+            "value": [0.25 + 0.5 * (i % 4) for i in range(len(names))],
+        }
+    )
+    plans = [
+        cat.plan(
+            PlanRequest("base", tuple(EXPERTS), "ties", "60%", WEIGHTS, {"density": 0.3}, tensor_params=per_tensor)
+        ),
+        cat.plan(PlanRequest("base", tuple(EXPERTS), "model_stock", "60%")),
+    ]
+    for plan in plans:
+        xp = cat.execution_plan(plan.plan_id)
+        assert xp.tensor_params is not None or xp.stock is not None
+        local, on_ray = tmp_path / f"local-{plan.plan_id}", tmp_path / f"ray-{plan.plan_id}"
+        executor.execute(xp, local, max_shard_size=SHARD)
+        executor.execute(xp, on_ray, max_shard_size=SHARD, write_shards=rayexec.shard_writer())
+        assert _files(on_ray) == _files(local)
+        assert (
+            json.loads((on_ray / MANIFEST).read_text())["content_hash"]
+            == json.loads((local / MANIFEST).read_text())["content_hash"]
+        )
 
 
 @pytest.mark.parametrize("method,params", CASES[:2])

@@ -259,6 +259,10 @@ def _scan_task(
     return stats, read[0]
 
 
+def _absolute(c: Checkpoint) -> Checkpoint:
+    return replace(c, path=c.path.absolute(), root=c.root.absolute())
+
+
 def expert_scanner(address: str | None = None, *, threads_per_task: int = 1) -> Callable[..., list[Any]]:
     """A replacement for scan.scan_experts (same arguments and result) that scans each expert in
     its own Ray task of `threads_per_task` CPUs; for register.register(scanner=...)."""
@@ -276,7 +280,8 @@ def expert_scanner(address: str | None = None, *, threads_per_task: int = 1) -> 
         with session(address) as ray:
             task = ray.remote(_scan_task).options(num_cpus=threads_per_task, max_retries=RETRIES)
             fam, hashes = ray.put(family), ray.put(base_hashes)
-            refs = [task.remote(base, e, fam, hashes, sketch_dim, threads_per_task) for e in experts]
+            base_at = _absolute(base)  # a worker's current folder is not this process's
+            refs = [task.remote(base_at, _absolute(e), fam, hashes, sketch_dim, threads_per_task) for e in experts]
             out: dict[Any, Any] = {}
             pending = list(refs)
             try:

@@ -234,3 +234,15 @@ def test_mergedb_works_without_ray_and_says_how_to_get_it(tmp_path):
     )
     assert p.stdout.startswith("1 ") and "pip install 'mergedb[ray]'" in p.stdout, p.stdout + p.stderr
     assert not (tmp_path / "c.duckdb").exists()  # refused before anything was read or written
+
+
+def test_readme_ray_example_runs(tmp_path, monkeypatch):
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"## Running on Ray\n.*?```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    assert ray.is_initialized()  # the module's session was reused, and left running
+    assert len(list((tmp_path / "merged").glob("model-*.safetensors"))) >= 2
+    assert Catalog(tmp_path / "catalog.duckdb").sql("SELECT status FROM runs").column(0).to_pylist() == ["ok"]

@@ -42,6 +42,7 @@ from .layout import FamilyTensor
 from .manifest import ExecutionPlan
 from .merger import Merger, output_dtype
 from .tensorfile import tensor_nbytes
+from .units import check_threads
 
 RETRIES = 3  # times Ray reruns a task whose worker process died (an exception is never retried)
 PART = ".mergedb-part-"  # a shard being written by a task: `.NAME.mergedb-part-XXXXXXXX`
@@ -149,6 +150,7 @@ def shard_writer(
 ) -> WriteShards:
     """An executor.WriteShards that runs one Ray task per shard, each asking Ray for `threads`
     CPUs and merging on that many threads; for executor.execute(write_shards=...)."""
+    check_threads(threads)
     _ray()  # without Ray, fail before anything is read or written
 
     def write(
@@ -160,12 +162,19 @@ def shard_writer(
         progress: Callable[[int], None] | None,
     ) -> ShardsWritten:
         with session(address) as ray:
+            _check_cpus(ray, threads)
             task = ray.remote(_shard_task).options(num_cpus=threads, max_retries=retries, retry_exceptions=False)
-            refs = {}
-            for name, group in zip(names, groups):
-                part = ray.put(for_tensors(xp, group))
-                refs[task.remote(part, group, name, str(tmp), dtype, verify, threads, fault)] = (name, group)
-            done = _gather(ray, refs, xp, dtype, progress, retries)
+            refs = [
+                task.remote(ray.put(for_tensors(xp, group)), group, name, str(tmp), dtype, verify, threads, fault)
+                for name, group in zip(names, groups)
+            ]
+            done: list[_ShardDone] = [None] * len(refs)  # type: ignore[list-item]
+            for i, result in _gather(ray, refs, lambda i: f"writing {names[i]}", retries):
+                done[i] = result
+                if progress:
+                    progress(
+                        sum(tensor_nbytes(output_dtype(xp.tensors[t], dtype), xp.tensors[t].shape) for t in groups[i])
+                    )
         for p in tmp.glob(f".*{PART}*"):  # what attempts killed mid-write left
             p.unlink()
         hashes = {h: v for d in done for h, v in d.hashes.items()}
@@ -197,33 +206,30 @@ def for_tensors(xp: ExecutionPlan, group: list[int]) -> ExecutionPlan:
     return replace(xp, mask=cut(xp.mask), trims=cut(xp.trims), stock=cut(xp.stock), tensor_params=cut(xp.tensor_params))
 
 
-def _gather(
-    ray: Any,
-    refs: dict[Any, tuple[str, list[int]]],
-    xp: ExecutionPlan,
-    dtype: str | None,
-    progress: Callable[[int], None] | None,
-    retries: int,
-) -> list[_ShardDone]:
-    """Every task's result, in shard order; on the first failure the others are cancelled and
-    waited for (so none writes into the folder after this returns), then the failure is raised."""
-    results: dict[str, _ShardDone] = {}
+def _gather(ray: Any, refs: list[Any], what: Callable[[int], str], retries: int) -> Iterator[tuple[int, Any]]:
+    """(index into `refs`, result) of each task as it finishes. On the first failure the other
+    tasks are cancelled and waited for (so none still writes anywhere once this raises), then the
+    failure is raised: a task's own exception as itself, a lost worker or node as a MergeDBError
+    naming the task (`what(i)`)."""
+    index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
-            name, group = refs[ready[0]]
+            i = index[ready[0]]
             try:
-                results[name] = ray.get(ready[0])
+                result = ray.get(ready[0])
             except ray.exceptions.RayTaskError as e:
                 raise (e.cause if isinstance(e.cause, Exception) else e) from None
-            except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as e:
+            except ray.exceptions.RayError as e:  # the worker or node died more often than retried, OOM, ...
+                lost = isinstance(e, (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError))
+                why = f"lost its worker {retries + 1} times" if lost else "failed"
+                first = (str(e).strip().splitlines() or [""])[0][:200]
                 raise MergeDBError(
-                    f"the Ray task writing {name} lost its worker {retries + 1} times ({type(e).__name__}); "
-                    "nothing was installed: check the workers' memory and logs (`ray logs`) and retry"
+                    f"the Ray task {what(i)} {why} ({type(e).__name__}: {first}); nothing was installed or "
+                    "written: check the workers' memory and logs (`ray logs`) and run the command again"
                 ) from None
-            if progress:
-                progress(sum(tensor_nbytes(output_dtype(xp.tensors[i], dtype), xp.tensors[i].shape) for i in group))
+            yield i, result
     except BaseException:
         for ref in pending:
             ray.cancel(ref, force=True)
@@ -231,7 +237,16 @@ def _gather(
             with contextlib.suppress(Exception):
                 ray.get(ref)
         raise
-    return [results[name] for name, _ in refs.values()]
+
+
+def _check_cpus(ray: Any, threads: int) -> None:
+    """Refuse tasks no node could run (Ray would wait for such a node for ever)."""
+    most = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
+    if threads > most:
+        raise MergeDBError(
+            f"--threads {threads} asks each Ray task for {threads} CPUs, but the largest node of this Ray "
+            f"cluster has {most:g}; pass --threads {max(1, int(most))} or less"
+        )
 
 
 # -- registration ------------------------------------------------------------------------------
@@ -278,26 +293,16 @@ def expert_scanner(address: str | None = None, *, threads_per_task: int = 1) -> 
         progress: Callable[[int], None] | None = None,
     ) -> list[Any]:
         with session(address) as ray:
+            _check_cpus(ray, threads_per_task)
             task = ray.remote(_scan_task).options(num_cpus=threads_per_task, max_retries=RETRIES)
             fam, hashes = ray.put(family), ray.put(base_hashes)
             base_at = _absolute(base)  # a worker's current folder is not this process's
             refs = [task.remote(base_at, _absolute(e), fam, hashes, sketch_dim, threads_per_task) for e in experts]
-            out: dict[Any, Any] = {}
-            pending = list(refs)
-            try:
-                while pending:
-                    ready, pending = ray.wait(pending, num_returns=1)
-                    try:
-                        stats, read = ray.get(ready[0])
-                    except ray.exceptions.RayTaskError as e:
-                        raise (e.cause if isinstance(e.cause, Exception) else e) from None
-                    out[ready[0]] = stats
-                    if progress:
-                        progress(read)
-            except BaseException:
-                for ref in pending:
-                    ray.cancel(ref, force=True)
-                raise
-            return [out[r] for r in refs]
+            out: list[Any] = [None] * len(refs)
+            for i, (stats, read) in _gather(ray, refs, lambda i: f"scanning {experts[i].name!r}", RETRIES):
+                out[i] = stats
+                if progress:
+                    progress(read)
+            return out
 
     return scan_experts

@@ -175,6 +175,14 @@ def test_killed_worker_without_retries_fails_cleanly(fam, tmp_path):
     assert not out.exists() and _leftovers(out) == []
 
 
+def test_more_threads_than_any_node_has_is_refused(fam, tmp_path):
+    folder, cat = fam
+    xp = cat.execution_plan(_plan(cat, "ties", {"density": 0.3}).plan_id)
+    with pytest.raises(MergeDBError, match="--threads 3 asks each Ray task for 3 CPUs.*has 2; pass --threads 2"):
+        executor.execute(xp, tmp_path / "out", write_shards=rayexec.shard_writer(threads=3))
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path / "out") == []
+
+
 def test_task_that_raises_fails_cleanly_and_is_recorded(tmp_path):
     folder = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=4)
     cat = Catalog(tmp_path / "c.duckdb")

@@ -1,10 +1,11 @@
 """The Ray executor with 1 and 2 local workers against the local executor, side by side.
 
-On the bench family (benchmarks/cache/family-bench-20, its first K experts) with a copy of its
-catalog (the shared catalog is never written). One plan, several output shards (--shard, the same
+On the bench family (benchmarks/cache/family-bench-20): its base and first K experts copied into a
+temporary folder and registered there, so no other job reading the shared family warms the page
+cache between an arm's eviction and its run. One plan, several output shards (--shard, the same
 for every arm, so the outputs are byte-identical: checked by content hash). Each arm starts from a
 cold page cache (every family file evicted) in a process of its own, and the arms alternate in
-every repeat so they share the machine's mood:
+every repeat so they share the machine's mood (medians over the repeats are compared):
   local  `mergedb execute` (all cores: the local executor's default threads)
   ray-1  a local Ray of 1 CPU: shards one at a time, each task merging on 1 thread
   ray-2  a local Ray of 2 CPUs: two shards at a time, each on 1 thread
@@ -12,7 +13,7 @@ For a Ray arm `execute s` is the run's own time (from the lock to the install, t
 `ray start s` is ray.init's; wall is the whole process. Bytes read from storage are the tasks'
 /proc/self/io read_bytes, summed by the driver into the manifest.
 
-Run: python -m benchmarks.bench_ray [--k 8] [--method ties] [--budget all] [--repeats 2] [--quick]
+Run: python -m benchmarks.bench_ray [--k 8] [--method ties] [--budget all] [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +36,7 @@ from mergedb.planner import PlanRequest
 
 from .common import CACHE, evict, save
 
+ARMS = ("local", "ray-1", "ray-2")
 CLI = [sys.executable, "-m", "mergedb.cli"]
 PARAMS = {"ties": {"density": 0.2}, "task_arithmetic": {"lambda": 0.5}, "dare_ties": {"density": 0.5}}
 
@@ -94,23 +97,31 @@ def _arm(arm: str, db: Path, plan_id: int, out: Path, shard: int, files: list[Pa
     }
 
 
-def run(k: int, method: str, budget: str, repeats: int, shard: int, family: Path, catalog: Path, work: Path) -> dict:
+def private_copy(family: Path, k: int, work: Path) -> tuple[Path, Path]:
+    """The base and first `k` experts of `family` copied into `work` and registered there (4 MiB
+    blocks): other jobs reading the shared family cannot warm these files' page cache between an
+    arm's eviction and its run."""
+    fam = work / "family"
+    for name in ["base", *(f"expert_{i:02d}" for i in range(k))]:
+        shutil.copytree(family / name, fam / name)
     db = work / "bench-ray.duckdb"
-    shutil.copyfile(catalog, db)
+    Catalog(db).register([fam], base_model="base", block_size="4MiB")
+    return fam, db
+
+
+def run(k: int, method: str, budget: str, repeats: int, shard: int, family: Path, db: Path, work: Path) -> dict:
     experts = tuple(f"expert_{i:02d}" for i in range(k))
     plan = Catalog(db).plan(PlanRequest("base", experts, method, budget, None, PARAMS.get(method, {})))
     files = list(family.rglob("*.safetensors"))
     rows = []
     for rep in range(repeats):
-        for arm in ("local", "ray-1", "ray-2"):
+        for arm in ARMS:
             rows.append({"repeat": rep, **_arm(arm, db, plan.plan_id, work / "out", shard, files)})
     hashes = {r["content_hash"] for r in rows}
     if len(hashes) != 1:
         raise SystemExit(f"the arms wrote different outputs: {sorted(hashes)}")
-    best = {
-        a: min((r for r in rows if r["arm"] == a), key=lambda r: r["execute_seconds"])
-        for a in ("local", "ray-1", "ray-2")
-    }
+    best = {a: min((r for r in rows if r["arm"] == a), key=lambda r: r["execute_seconds"]) for a in ARMS}
+    median = {a: statistics.median(r["execute_seconds"] for r in rows if r["arm"] == a) for a in ARMS}
     return {
         "k": k,
         "method": method,
@@ -120,8 +131,9 @@ def run(k: int, method: str, budget: str, repeats: int, shard: int, family: Path
         "load_average": os.getloadavg(),
         "rows": rows,
         "best": best,
-        "ray2_over_ray1": best["ray-1"]["execute_seconds"] / best["ray-2"]["execute_seconds"],
-        "local_over_ray2": best["ray-2"]["execute_seconds"] / best["local"]["execute_seconds"],
+        "median_execute_seconds": median,
+        "ray2_over_ray1": median["ray-1"] / median["ray-2"],  # medians: single runs swing with the load
+        "local_over_ray2": median["ray-2"] / median["local"],
         "outputs_identical": True,
     }
 
@@ -131,7 +143,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--method", default="ties")
     ap.add_argument("--budget", default="all")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shard", type=int, default=50 * 10**6, help="--max-shard-size of every arm, in bytes")
     ap.add_argument("--quick", action="store_true", help="a tiny family of 4 experts made for the run")
     a = ap.parse_args()
@@ -143,20 +155,14 @@ def main() -> None:
             Catalog(catalog).register([family], base_model="base", block_size="64KiB")
             k, shard = min(a.k, 4), 300_000
         else:
-            family, catalog = CACHE / "family-bench-20", CACHE / "catalog-bench-20-4MiB.duckdb"
-            if not catalog.exists():
-                raise SystemExit(
-                    f"{catalog} is missing: run python -m benchmarks.run first (it builds the bench family)"
-                )
+            if not (CACHE / "family-bench-20" / "expert_19").exists():
+                raise SystemExit("benchmarks/cache/family-bench-20 is missing: python -m benchmarks.run builds it")
             k, shard = a.k, a.shard
+            family, catalog = private_copy(CACHE / "family-bench-20", k, work)
         doc = run(k, a.method, a.budget, a.repeats, shard, family, catalog, work)
-    name = "ray-quick" if a.quick else "ray"
-    print(save(name, doc))
-    b = doc["best"]
-    for arm, r in b.items():
-        print(
-            f"{arm}: execute {r['execute_seconds']:.2f}s wall {r['wall']:.2f}s read {r['physical_bytes'] / 1e9:.2f} GB"
-        )
+    print(save("ray-quick" if a.quick else "ray", doc))
+    for arm, sec in doc["median_execute_seconds"].items():
+        print(f"{arm}: median execute {sec:.2f}s")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -65,6 +66,7 @@ def session(address: str | None) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
+    _check_reachable(address)
     try:
         ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
@@ -76,6 +78,26 @@ def session(address: str | None) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str | None) -> None:
+    """Refuse a head address (`host:port` or `ray://host:port`) that nothing answers on within a few
+    seconds: ray.init would keep retrying it for minutes."""
+    if address in (None, "local", "auto"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise MergeDBError(
+            f"--ray {address!r} is not a Ray address: pass local, auto, HOST:PORT (the head's GCS, e.g. "
+            "head:6379) or ray://HOST:PORT (Ray Client, e.g. ray://head:10001)"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise MergeDBError(
+            f"cannot reach the Ray head at {address} ({e.strerror or e}); check the address and that the "
+            "cluster is up (`ray status` on the head), or pass --ray local to start one on this machine"
+        ) from None
 
 
 # -- execution ---------------------------------------------------------------------------------

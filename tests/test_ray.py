@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +226,20 @@ def test_cli_execute_and_register_with_ray(tmp_path):
     assert _files(tmp_path / "ray") == _files(tmp_path / "local")
     runs = Catalog(db).sql("SELECT status, expert_bytes FROM runs ORDER BY run_id").to_pylist()
     assert [x["status"] for x in runs] == ["ok", "ok"] and runs[0]["expert_bytes"] == runs[1]["expert_bytes"]
+
+
+def test_unreachable_or_malformed_address_is_refused_quickly(monkeypatch):
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for address, needle in [
+        (f"127.0.0.1:{port}", f"cannot reach the Ray head at 127.0.0.1:{port}"),
+        (f"ray://127.0.0.1:{port}", "cannot reach the Ray head"),
+        ("head-without-port", "is not a Ray address"),
+    ]:
+        with pytest.raises(MergeDBError, match=needle), rayexec.session(address):
+            pass
 
 
 def test_mergedb_works_without_ray_and_says_how_to_get_it(tmp_path):

@@ -47,7 +47,7 @@ import ray
 from mergedb import rayexec
 from mergedb.catalog import Catalog
 db, plan, out, cpus, shard = sys.argv[1:6]
-ray.init(num_cpus=int(cpus), include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=int(cpus), include_dashboard=False, log_to_driver=False)
 t_ray = time.perf_counter() - t0
 Catalog(db).execute(int(plan), out, max_shard_size=int(shard), write_shards=rayexec.shard_writer(threads=1))
 ray.shutdown()

@@ -288,6 +288,42 @@ def _remote(doc: dict | None) -> list[str]:
             f"| fetched / (planned + base) = {re_['remote_bytes_fetched'] / need:.3f} | | |"
         )
     return [*out, ""]
+def _ray(doc: dict | None) -> list[str]:
+    """The "Ray executor (issue 15)" section from results/ray.json."""
+    if not doc:
+        return []
+    med = doc["median_execute_seconds"]
+    out = [
+        "## Ray executor (issue 15)",
+        "",
+        f"`python -m benchmarks.bench_ray --k {doc['k']} --method {doc['method']} --budget {doc['budget']}`: one plan "
+        f"({doc['selected_bytes'] / 1e9:.2f} GB of expert bytes) written in {doc['best']['local']['shards']} shards of "
+        f"≤ {doc['shard_bytes'] / 1e6:.0f} MB by the local executor (all cores) and by one Ray task per shard on a "
+        "local Ray of 1 and of 2 CPUs (1 merge thread per task), on a private copy of the bench family's base and "
+        "experts; each arm a fresh process from a cold page cache, the arms alternating in every repeat. Outputs "
+        f"identical in every arm and repeat: {'yes' if doc['outputs_identical'] else '**no**'}. Load average at the "
+        f"end {', '.join(f'{x:.1f}' for x in doc['load_average'])} on {doc['machine']['cpus']} cores: the machine was "
+        "shared with other jobs, so single runs swing; compare medians, side by side.",
+        "",
+        "| repeat | arm | execute s | wall s | Ray start s | read from storage | expert GB/s | peak RSS |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        start = f"{r['ray_start_seconds']:.1f}" if "ray_start_seconds" in r else "–"
+        out.append(
+            f"| {r['repeat']} | {r['arm']} | {r['execute_seconds']:.2f} | {r['wall']:.1f} | {start} | "
+            f"{r['physical_bytes'] / 1e9:.2f} GB | {r['expert_bytes'] / 1e9 / r['execute_seconds']:.2f} | "
+            f"{r['peak_rss_bytes'] / 2**20:.0f} MiB |"
+        )
+    return [
+        *out,
+        "",
+        f"- Median execute s: local {med['local']:.2f}, ray-1 {med['ray-1']:.2f}, ray-2 {med['ray-2']:.2f}. "
+        f"Two Ray workers over one: **{doc['ray2_over_ray1']:.2f}×**; ray-2 takes **{doc['local_over_ray2']:.2f}×** "
+        "the local executor's time. `execute s` excludes starting Ray (the Ray start column), which a cluster "
+        "pays once, not per merge.",
+        "",
+    ]
 
 
 def write_report(quick: bool = False) -> Path:
@@ -307,6 +343,7 @@ def write_report(quick: bool = False) -> Path:
             "parity",
             "sweep",
             "remote",
+            "ray",
         )
     }
     lines = [
@@ -426,6 +463,7 @@ def write_report(quick: bool = False) -> Path:
     lines += parity_lines(docs["parity"])  # written by python -m benchmarks.parity (issue 12)
     lines += _sweep(docs["sweep"])  # written by python -m benchmarks.bench_sweep (issue 14)
     lines += _remote(docs["remote"])  # written by python -m benchmarks.bench_remote (issue 15)
+    lines += _ray(docs["ray"])  # written by python -m benchmarks.bench_ray (issue 15)
     lines += _targets(docs)
     for png in _plots(sc, fi, suffix):
         lines += [f"![{png}](results/{png})", ""]

@@ -27,7 +27,7 @@ from .resources import migrations
 from .sweep import in_memory as _sweep_in_memory
 
 if TYPE_CHECKING:
-    from .executor import ExecuteResult
+    from .executor import ExecuteResult, WriteShards
     from .manifest import ExecutionPlan
 
 DEFAULT_PATH = "mergedb.duckdb"
@@ -296,12 +296,14 @@ class Catalog:
         threads: int | None = None,
         progress: Callable[[int], None] | None = None,
         on_total: Callable[[int], None] | None = None,
+        scanner: Callable[..., list[Any]] | None = None,
     ) -> register.RegisterResult:
         """Register checkpoints: read each once, store layout and exact delta statistics.
 
         `paths` are model folders, .safetensors files, or folders of those. With `base=True` they
         are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
         the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
+        `scanner`: see register.register (rayexec.expert_scanner fans the scans out on Ray).
         """
         return register.register(
             self,
@@ -314,6 +316,7 @@ class Catalog:
             threads=threads,
             progress=progress,
             on_total=on_total,
+            scanner=scanner,
         )
 
     # -- plans and runs ----------------------------------------------------------------------
@@ -376,13 +379,15 @@ class Catalog:
         progress: Callable[[int], None] | None = None,
         on_total: Callable[[int], None] | None = None,
         threads: int | None = None,
+        write_shards: WriteShards | None = None,
     ) -> ExecuteResult:
         """Execute a stored plan into `out` and record the run (ok, or failed with its error).
 
         The catalog is open only to read the plan and to record the run, never during the merge.
         `out` may not be, hold or lie inside any registered checkpoint's folder. A run whose merge
         succeeded but whose record cannot be written raises RunNotRecordedError, which says the
-        output is complete; a failed merge's own error is raised even if recording it fails."""
+        output is complete; a failed merge's own error is raised even if recording it fails.
+        `write_shards`: see executor.execute (rayexec.shard_writer runs the shards on Ray)."""
         from . import executor, outdir  # the merge kernels are heavy to import; planning does not need them
 
         xp = self.execution_plan(plan)
@@ -405,6 +410,7 @@ class Catalog:
                 progress=progress,
                 on_total=on_total,
                 threads=threads,
+                write_shards=write_shards,
             )
         except MergeDBError as e:
             try:

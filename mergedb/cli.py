@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperArgument, TyperGroup
 
 from . import render
@@ -42,7 +43,8 @@ class _Group(TyperGroup):
         try:
             return super().invoke(ctx)
         except MergeDBError as e:
-            Console(stderr=True).print(f"[bold red]Error:[/] {e}", highlight=False, soft_wrap=True)
+            # escaped: a message's own brackets (pip install 'mergedb[ray]') are text, not rich markup
+            Console(stderr=True).print(f"[bold red]Error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             ctx.exit(1)
 
 
@@ -90,6 +92,13 @@ QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 
 
 FormatOpt = typer.Option("table", "--format", "-f", metavar="FMT", help="table | csv | json.")
+# --ray (execute, register): run the work as Ray tasks (mergedb/rayexec.py; pip install 'mergedb[ray]')
+RayOpt = typer.Option(
+    None,
+    "--ray",
+    metavar="ADDRESS",
+    help="Run on Ray: local (start one here), auto (this machine's cluster) or the head's address.",
+)
 
 
 def _experts_and_weights(
@@ -128,6 +137,7 @@ def register(
         show_default=False,
         help="Worker threads (1 to 1024) [default: this machine's cores].",
     ),
+    ray: str | None = RayOpt,
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
     quiet: bool = QuietOpt,
@@ -139,6 +149,11 @@ def register(
     """
     block_bytes = parse_block_size(block_size)
     check_threads(threads)
+    scanner = None
+    if ray is not None:
+        from .rayexec import expert_scanner  # one Ray task per expert; this process writes the catalog
+
+        scanner = expert_scanner(ray)
     with render.progress(quiet, "register") as (advance, set_total):
         r = _catalog(catalog, wait).register(
             paths,
@@ -150,6 +165,7 @@ def register(
             threads=threads,
             progress=advance,
             on_total=set_total,
+            scanner=scanner,
         )
     if not quiet:
         rate = r.bytes_read / r.seconds / 1e6 if r.seconds else 0.0
@@ -359,6 +375,7 @@ def execute(
     threads: int | None = typer.Option(
         None, "--threads", help="Merge threads (1 to 1024; the output does not depend on it) [default: all cores]."
     ),
+    ray: str | None = RayOpt,
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
     quiet: bool = QuietOpt,
@@ -370,6 +387,11 @@ def execute(
     from .units import parse_size
 
     shard = parse_size(max_shard_size, what="shard size")
+    write_shards = None
+    if ray is not None:
+        from .rayexec import shard_writer  # one Ray task per shard, each on --threads cores (default 1)
+
+        write_shards = shard_writer(ray, verify=verify, threads=threads or 1)
     cat = _catalog(catalog, wait)
     with render.progress(quiet, "merge") as (advance, set_total):
         res = cat.execute(
@@ -382,6 +404,7 @@ def execute(
             progress=advance,
             on_total=set_total,
             threads=threads,
+            write_shards=write_shards,
         )
     if not quiet:
         render.out().print(

@@ -11,6 +11,7 @@ The merge itself (units of work, threads, fused kernels) is merger.py.
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import shutil
@@ -132,6 +133,7 @@ def execute(
     threads: int | None = None,
     unit_order_seed: int | None = None,
     read_block: ReadBlock | None = None,
+    write_shards: WriteShards | None = None,
 ) -> ExecuteResult:
     """Merge into `out` (a new folder, or an old mergedb output with force=True), atomically.
 
@@ -141,7 +143,9 @@ def execute(
     as it is written (for a byte-based progress bar).
     `threads` compute threads (default: os.cpu_count()) merge; the output's bytes and manifest do
     not depend on it, nor on `unit_order_seed` (shuffles the order units are run in; for tests).
-    `read_block` serves expert blocks instead of reading them (merger.ReadBlock; a sweep's shared reads)."""
+    `read_block` serves expert blocks instead of reading them (merger.ReadBlock; a sweep's shared reads).
+    `write_shards` writes the shards elsewhere than in this process (rayexec.py; see WriteShards):
+    `threads`, `unit_order_seed` and `read_block` are then its business, not this function's."""
     if threads is not None:
         check_threads(threads)
     shown = Path(out)
@@ -159,12 +163,15 @@ def execute(
         merger = None
         try:
             tmp.mkdir()
-            merger = Merger(xp, out_dt, verify, threads, unit_order_seed, read_block)
+            if write_shards is None:
+                merger = Merger(xp, out_dt, verify, threads, unit_order_seed, read_block)
+                write_shards = functools.partial(_write_shards_here, merger)
             if on_total:
                 on_total(sum(tensor_nbytes(output_dtype(t, out_dt), t.shape) for t in xp.tensors))
-            manifest, run, written = _write(xp, merger, tmp, out, out_dt, max_shard_size, progress, expect_hashes)
+            manifest, run, shards = _write(xp, write_shards, tmp, out, out_dt, max_shard_size, progress, expect_hashes)
+            written = shards.written
             run["seconds"] = time.perf_counter() - t0
-            run["physical_read_bytes"] = physical_read_bytes() - phys0
+            run["physical_read_bytes"] = physical_read_bytes() - phys0 + shards.physical_bytes
             write_json(tmp / MANIFEST, {**manifest, "run": run})
             outdir.fsync_dir(tmp)
             outdir.install(tmp, out)
@@ -189,32 +196,87 @@ def execute(
     )
 
 
+@dataclass(frozen=True)
+class ShardsWritten:
+    """What writing an output's shards produced: each tensor's xxh3-128 and shard file, the bytes
+    written, and the reads it took (expert and base bytes requested; `physical_bytes` fetched by
+    processes other than this one, which measures its own)."""
+
+    hashes: dict[str, str]
+    weight_map: dict[str, str]
+    written: int
+    expert_bytes: int
+    base_bytes: int
+    physical_bytes: int = 0
+    peak_rss: int = 0  # the largest peak resident set of the processes that merged (0: this one)
+    remote_fetched: int | None = None  # tensor bytes fetched from URLs (None: no input is remote)
+
+
+# write_shards(xp, groups, names, tmp, dtype, progress): write shard names[i] holding the tensors
+# groups[i] (indices into xp.tensors) into the folder `tmp`, each complete when this returns, and
+# call progress(n) with each tensor's bytes. The local one merges here (_write_shards_here); a Ray
+# one runs a task per shard (rayexec.py).
+WriteShards = Callable[
+    [ExecutionPlan, list[list[int]], list[str], Path, "str | None", "Callable[[int], None] | None"], ShardsWritten
+]
+
+
+def write_shard(
+    merger: Merger,
+    xp: ExecutionPlan,
+    group: list[int],
+    path: Path,
+    dtype: str | None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[dict[str, str], int]:
+    """Merge the tensors `group` into the safetensors file `path`; (tensor name -> xxh3-128, bytes written)."""
+    entries = [(xp.tensors[i].name, output_dtype(xp.tensors[i], dtype), xp.tensors[i].shape) for i in group]
+    hashes: dict[str, str] = {}
+    with SafetensorsWriter(path, entries, {"format": "pt"}) as w:
+        for name, _, _, data in merger.tensors(group):
+            w.write(name, data)
+            hashes[name] = xxhash.xxh3_128_hexdigest(data)
+            if progress:
+                progress(data.nbytes)
+    return hashes, w.total_size
+
+
+def _write_shards_here(
+    merger: Merger,
+    xp: ExecutionPlan,
+    groups: list[list[int]],
+    names: list[str],
+    tmp: Path,
+    dtype: str | None,
+    progress: Callable[[int], None] | None,
+) -> ShardsWritten:
+    hashes: dict[str, str] = {}
+    weight_map: dict[str, str] = {}
+    written = 0
+    for fname, group in zip(names, groups):
+        h, n = write_shard(merger, xp, group, tmp / fname, dtype, progress)
+        hashes.update(h)
+        weight_map.update(dict.fromkeys(h, fname))
+        written += n
+    fetched = merger.inputs.fetched if merger.inputs.sources.any_remote else None
+    return ShardsWritten(hashes, weight_map, written, merger.count.expert, merger.count.base, remote_fetched=fetched)
+
+
 def _write(
     xp: ExecutionPlan,
-    merger: Merger,
+    write_shards: WriteShards,
     tmp: Path,
     out: Path,
     out_dt: str | None,
     max_shard_size: int,
     progress: Callable[[int], None] | None,
     expect_hashes: dict[str, str] | None,
-) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """Write the merged model into `tmp` (all but the manifest); (manifest, run record, bytes written)."""
+) -> tuple[dict[str, Any], dict[str, Any], ShardsWritten]:
+    """Write the merged model into `tmp` (all but the manifest); (manifest, run record, shards)."""
     groups = output_shards(xp, max_shard_size, out_dt)
     names = shard_names(len(groups))
-    hashes: dict[str, str] = {}
-    weight_map: dict[str, str] = {}
-    written = 0
-    for fname, group in zip(names, groups):
-        entries = [(xp.tensors[i].name, output_dtype(xp.tensors[i], out_dt), xp.tensors[i].shape) for i in group]
-        with SafetensorsWriter(tmp / fname, entries, {"format": "pt"}) as w:
-            for name, _, _, data in merger.tensors(group):
-                w.write(name, data)
-                hashes[name] = xxhash.xxh3_128_hexdigest(data)
-                weight_map[name] = fname
-                if progress:
-                    progress(data.nbytes)
-        written += w.total_size
+    shards = write_shards(xp, groups, names, tmp, out_dt, progress)
+    hashes, weight_map, written = shards.hashes, shards.weight_map, shards.written
     if len(groups) > 1:
         write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
     copy_side_files(open_checkpoint(xp.base.path).root, tmp)
@@ -226,14 +288,14 @@ def _write(
             "(an input changed since, or the manifest does not describe these files)"
         )
     run = {
-        "expert_bytes_logical": merger.count.expert,
-        "base_bytes": merger.count.base,
+        "expert_bytes_logical": shards.expert_bytes,
+        "base_bytes": shards.base_bytes,
         "bytes_written": written,
-        "peak_rss_bytes": peak_rss(),
-        **({"remote_bytes_fetched": merger.inputs.fetched} if merger.inputs.sources.any_remote else {}),
+        "peak_rss_bytes": max(peak_rss(), shards.peak_rss),
+        **({"remote_bytes_fetched": shards.remote_fetched} if shards.remote_fetched is not None else {}),
         "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
     }
-    return _with_rng(xp, build_manifest(xp, out_dt, hashes)), run, written
+    return _with_rng(xp, build_manifest(xp, out_dt, hashes)), run, shards
 
 
 def _with_rng(xp: ExecutionPlan, doc: dict[str, Any]) -> dict[str, Any]:

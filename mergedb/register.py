@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ def register(
     threads: int | None = None,
     progress: scan.Progress | None = None,
     on_total: Any = None,
+    scanner: Callable[..., list[scan.ExpertStats]] | None = None,
 ) -> RegisterResult:
     """Register checkpoints: read each once, store layout and exact delta statistics.
 
@@ -60,6 +61,8 @@ def register(
     are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
     the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
     `threads` (default: the machine's cores) only changes speed, never a stored row.
+    `scanner` reads the experts instead of scan.scan_experts, with its arguments and result (e.g.
+    rayexec.expert_scanner: one Ray task per expert); the rows are written here all the same.
     """
     t0 = time.perf_counter()
     threads = check_threads(os.cpu_count() or 1 if threads is None else threads)
@@ -174,7 +177,9 @@ def register(
     if todo_experts:  # one pool over every (expert, tensor): all cores busy to the end
         b, fam, hashes = families[base_ckpt_name]  # type: ignore[index]
         keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
-        results = list(zip(todo_experts, scan.scan_experts(b, todo_experts, fam, keyed, dim, threads, tick)))
+        results = list(
+            zip(todo_experts, (scanner or scan.scan_experts)(b, todo_experts, fam, keyed, dim, threads, tick))
+        )
 
     # Phase 2: one transaction. Another process may have registered some of these meanwhile:
     # identical ones are skipped, conflicting ones refused (nothing is written then).

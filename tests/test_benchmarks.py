@@ -34,3 +34,26 @@ def test_quick_suite_runs_and_reports(tmp_path):
     report = (tmp_path / "RESULTS-quick.md").read_text()
     assert "Executor targets" in report and "Fidelity frontier" in report
     assert list((tmp_path / "results").glob("*.png"))
+
+
+def test_bench_ray_quick_runs_and_reports(tmp_path):
+    """benchmarks/bench_ray.py at tiny size: every arm wrote the same output, and its report section renders."""
+    env = {**os.environ, "MERGEDB_BENCH_DIR": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_ray", "--quick", "--repeats", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "results" / "ray-quick.json").read_text())
+    assert [row["arm"] for row in doc["rows"]] == ["local", "ray-1", "ray-2"]
+    assert len({row["content_hash"] for row in doc["rows"]}) == 1
+    assert {row["expert_bytes"] for row in doc["rows"]} == {doc["selected_bytes"]}
+    assert all(row["shards"] >= 2 for row in doc["rows"])
+    from benchmarks.report import _ray
+
+    text = "\n".join(_ray(doc))
+    assert "## Ray executor (issue 15)" in text and "| 0 | ray-2 |" in text

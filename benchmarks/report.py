@@ -288,6 +288,8 @@ def _remote(doc: dict | None) -> list[str]:
             f"| fetched / (planned + base) = {re_['remote_bytes_fetched'] / need:.3f} | | |"
         )
     return [*out, ""]
+
+
 def _ray(doc: dict | None) -> list[str]:
     """The "Ray executor (issue 15)" section from results/ray.json."""
     if not doc:

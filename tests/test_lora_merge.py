@@ -282,12 +282,16 @@ def test_every_budget_counts_fixed_factors_once(fam):
             plan = lora.plan(PlanRequest("base", ("ad1", "ad2", "ad3", "other"), method, f"{pct}%", params=params))
             assert plan.selected_bytes <= plan.budget_bytes
             assert plan.selected_bytes == _selected_cost(lora, plan.plan_id), (pct, method)
-            partial += lora.sql(  # adapter tensors read in part: their fixed factor paid by one block
-                "SELECT count(*) AS n FROM (SELECT pm.checkpoint_id, pm.tensor_idx FROM plan_mask pm "
-                "JOIN checkpoints c USING (checkpoint_id) "
-                f"WHERE pm.plan_id = {plan.plan_id} AND c.adapter AND NOT pm.free GROUP BY ALL "
-                "HAVING bool_or(pm.selected) AND NOT bool_and(pm.selected))"
-            ).column("n").to_pylist()[0]
+            partial += (
+                lora.sql(  # adapter tensors read in part: their fixed factor paid by one block
+                    "SELECT count(*) AS n FROM (SELECT pm.checkpoint_id, pm.tensor_idx FROM plan_mask pm "
+                    "JOIN checkpoints c USING (checkpoint_id) "
+                    f"WHERE pm.plan_id = {plan.plan_id} AND c.adapter AND NOT pm.free GROUP BY ALL "
+                    "HAVING bool_or(pm.selected) AND NOT bool_and(pm.selected))"
+                )
+                .column("n")
+                .to_pylist()[0]
+            )
     assert partial > 0  # the budgets above cut inside adapter tensors, not only between them
     plan = lora.plan(PlanRequest("base", ("ad1", "ad2"), "linear", "all", strategy="random", seed=4))
     assert plan.selected_bytes == _selected_cost(lora, plan.plan_id)
@@ -306,3 +310,33 @@ def test_cli_registers_one_adapter_and_refuses_dora_in_one_line(fam, tmp_path):
     res = runner.invoke(app, ["register", str(bad), "--base-model", "base", "--catalog", str(cat)])
     assert res.exit_code != 0 and "DoRA" in res.output and len(res.output.strip().splitlines()) == 1, res.output
     assert Catalog(cat).sql("SELECT count(*) AS n FROM checkpoints").column("n").to_pylist() == [2]  # unchanged
+
+
+def test_mixed_folder_name_option_and_integrity_check(fam, tmp_path):
+    """A folder holding a dense expert and an adapter registers both; --name renames one adapter;
+    `check` sees an adapter's changed config."""
+    import shutil
+
+    from mergedb.check import check_catalog
+
+    root, _, _ = fam
+    mixed = tmp_path / "mixed"
+    shutil.copytree(root / "other" / "other", mixed / "other")
+    shutil.copytree(root / "adapters" / "ad3", mixed / "ad3")
+    shutil.copytree(root / "adapters" / "ad1", tmp_path / "ad1")
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([root / "base"], base=True, block_size=BLOCK)
+    assert cat.register([mixed], base_model="base").registered == ("other", "ad3")
+    assert cat.register([tmp_path / "ad1"], base_model="base", name="renamed").registered == ("renamed",)
+    kinds = cat.sql("SELECT name, adapter FROM checkpoints ORDER BY checkpoint_id").to_pylist()
+    assert [(r["name"], bool(r["adapter"])) for r in kinds] == [
+        ("base", False),
+        ("other", False),
+        ("ad3", True),
+        ("renamed", True),
+    ]
+    assert check_catalog(cat) == []
+    cfg = tmp_path / "ad1" / "adapter_config.json"
+    cfg.write_text(cfg.read_text().replace('"lora_alpha": 8', '"lora_alpha": 9'))
+    problems = check_catalog(cat)
+    assert len(problems) == 1 and "renamed" in str(problems[0]) and "changed since registration" in str(problems[0])

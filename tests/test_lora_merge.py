@@ -340,3 +340,20 @@ def test_mixed_folder_name_option_and_integrity_check(fam, tmp_path):
     cfg.write_text(cfg.read_text().replace('"lora_alpha": 8', '"lora_alpha": 9'))
     problems = check_catalog(cat)
     assert len(problems) == 1 and "renamed" in str(problems[0]) and "changed since registration" in str(problems[0])
+
+
+@pytest.mark.parametrize("method, params", [("ties", {"density": 0.5}), ("model_stock", {}), ("dare_ties", {})])
+def test_fused_path_equals_per_step_path_with_adapters(fam, tmp_path, monkeypatch, method, params):
+    """The wide fused path (loramerge.fused_block / stock_inputs) against the per-step oracle, bit for bit."""
+    from mergedb import kernels
+
+    _, lora, _ = fam
+    plan = lora.plan(PlanRequest("base", ("ad1", "other", "ad2"), method, "60%", params=params, seed=2))
+    xp = lora.execution_plan(plan.plan_id)
+    fused = executor.execute(xp, tmp_path / "fused", threads=2)
+    monkeypatch.setattr(kernels, "MODE", {})  # every method on the per-step path
+    slow = executor.execute(xp, tmp_path / "slow", threads=2)
+    assert (tmp_path / "fused" / "model.safetensors").read_bytes() == (
+        tmp_path / "slow" / "model.safetensors"
+    ).read_bytes()
+    assert fused.expert_bytes == slow.expert_bytes == plan.selected_bytes

@@ -337,6 +337,12 @@ def _shards(root: Path) -> list[str]:
     return shards
 
 
+def partition(items: Iterable[Any]) -> tuple[list[Any], list[Adapter]]:
+    """(the items that are not adapters, the adapters), each in order."""
+    items = list(items)
+    return [c for c in items if not isinstance(c, Adapter)], [c for c in items if isinstance(c, Adapter)]
+
+
 def split_paths(paths: Iterable[str | os.PathLike[str]], base: bool = False) -> tuple[list[Path], list[Path]]:
     """(checkpoint paths, adapter folders) among `paths`: an adapter folder itself, or the adapters
     among a folder's direct subfolders (the folder stays a checkpoint path when it also holds

@@ -75,6 +75,8 @@ def scan_adapters(
         bfi, bt = bwhere[ft.name]
         factor = ad.factors.get(ft.name)
         right, fixed_raw = read_fixed(af, factor) if factor is not None else (None, None)  # R (rank, cols) float32
+        if progress and fixed_raw is not None:
+            progress(fixed_raw.nbytes)
         abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32)
         summary = np.zeros(stats.SUMMARY_BINS, np.int64)
         cap = ft.numel // 2 + 1024
@@ -214,10 +216,11 @@ def _zeros(ft: FamilyTensor) -> np.ndarray:
     return summary
 
 
-def bytes_to_read(ad: Adapter) -> int:
-    """Registration's progress total for an adapter: its factors once, the base's adapted tensors."""
-    base = sum(t.nbytes for _, t in ad.tensors)
-    return base + sum(f.rows_factor[1].nbytes for f in ad.factors.values())
+def bytes_to_read(ad: Adapter, family: list[FamilyTensor]) -> int:
+    """What registering `ad` reads: every factor and replacement tensor once, and the base's blocks
+    of the tensors it adapts (untouched tensors are never read)."""
+    touched = _touched(ad)
+    return sum(t.nbytes for _, t in ad.tensors) + sum(ft.nbytes for ft in family if ft.mergeable and ft.name in touched)
 
 
 def with_costs(st: AdapterStats, blocks: pa.Table, tensors: pa.Table) -> tuple[pa.Table, pa.Table]:

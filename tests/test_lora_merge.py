@@ -200,13 +200,18 @@ def test_budget_is_a_hard_bound_with_adapter_costs(fam, tmp_path, budget, method
     plan = lora.plan(PlanRequest("base", ("ad1", "ad2", "other", "ad3"), method, budget, params=params))
     assert plan.selected_bytes <= plan.budget_bytes
     assert plan.selected_bytes == _selected_cost(lora, plan.plan_id)  # A counted once per (expert, tensor)
-    for f in (root / "base").glob("*.safetensors"):
-        f.read_bytes()  # base warm: physical reads are then the experts' alone
-    _evict([*(root / "adapters").rglob("*.safetensors"), *(root / "other").rglob("*.safetensors")])
-    res = executor.execute(lora.execution_plan(plan.plan_id), tmp_path / "out")
-    assert res.expert_bytes == plan.selected_bytes
-    if res.physical_bytes:  # this filesystem reports read_bytes
-        assert res.physical_bytes <= 1.05 * res.expert_bytes + 128 * 1024
+    physical = []
+    for attempt in range(3):  # the page cache is shared: a base page evicted meanwhile counts as read
+        for f in (root / "base").glob("*.safetensors"):
+            f.read_bytes()  # base warm: physical reads are then the experts' alone
+        _evict([*(root / "adapters").rglob("*.safetensors"), *(root / "other").rglob("*.safetensors")])
+        res = executor.execute(lora.execution_plan(plan.plan_id), tmp_path / f"out{attempt}")
+        assert res.expert_bytes == plan.selected_bytes
+        physical.append(res.physical_bytes)
+        if res.physical_bytes <= 1.05 * res.expert_bytes + 128 * 1024:
+            break
+    if physical[-1]:  # this filesystem reports read_bytes
+        assert min(physical) <= 1.05 * plan.selected_bytes + 128 * 1024, physical
 
 
 def test_adapter_only_plan_reads_only_the_adapters_factors(fam, tmp_path):
@@ -357,3 +362,23 @@ def test_fused_path_equals_per_step_path_with_adapters(fam, tmp_path, monkeypatc
         tmp_path / "slow" / "model.safetensors"
     ).read_bytes()
     assert fused.expert_bytes == slow.expert_bytes == plan.selected_bytes
+
+
+def test_registration_never_reads_untouched_tensors(fam, tmp_path):
+    """Registering an adapter reads its factors once and the base's blocks of the tensors it
+    adapts, nothing of the other tensors (logical count, and physical reads from a cold cache)."""
+    root, _, _ = fam
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([root / "base"], base=True, block_size=BLOCK)
+    factors = load_file(str(root / "adapters" / "ad3" / "adapter_model.safetensors"))
+    base = load_file(str(root / "base" / "model.safetensors"))
+    adapted = [f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("q_proj", "v_proj")]
+    want = sum(t.numel() * 4 for t in factors.values()) + sum(base[n].numel() * 4 for n in adapted)
+    _evict([root / "base" / "model.safetensors", root / "adapters" / "ad3" / "adapter_model.safetensors"])
+    before = executor.physical_read_bytes()
+    res = cat.register([root / "adapters" / "ad3"], base_model="base")
+    physical = executor.physical_read_bytes() - before
+    assert res.registered == ("ad3",) and res.bytes_read == want
+    assert want < sum(t.numel() * 4 for t in base.values()) / 3  # 4 of the base's 21 tensors
+    if physical:  # this filesystem reports read_bytes; headers and module files add a little
+        assert physical <= 1.05 * want + 256 * 1024, physical

@@ -19,6 +19,7 @@ replacement rows) followed by the raw bytes of R; the merger's --verify recomput
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -96,7 +97,7 @@ def scan_adapters(
             if progress:
                 progress(rows_raw.nbytes + blk.nbytes)
             seg = abs_delta[element_offset(ft, blk) : element_offset(ft, blk) + blk.numel]
-            codes = stats.sketch_codes(stats.sketch_key(ft.name, blk.block_idx), blk.numel, sketch_dim)
+            codes = shared.get(ft, blk.block_idx, blk.numel)  # hashed once per block for all adapters
             s = stats.block_stats(
                 e32, b32, seg, stats.sketch_key(ft.name, blk.block_idx), summary, sketch_dim, exceptions, codes
             )
@@ -139,9 +140,17 @@ def scan_adapters(
 
     units = [(k, ft) for k, ad in enumerate(adapters) for ft in family if ft.mergeable and ft.name in _touched(ad)]
     units.sort(key=lambda u: (-u[1].nbytes, u[1].tensor_idx, u[0]))  # largest first: a short tail
+    shared = scan._SharedCodes(Counter(ft.tensor_idx for _, ft in units), sketch_dim)
+
+    def run(u: tuple[int, FamilyTensor]) -> tuple[list[scan.BlockRow], scan.TensorRow, list[str], dict, int]:
+        try:
+            return unit(*u)
+        finally:
+            shared.release(u[1].tensor_idx)  # the tensor's last unit drops its codes
+
     try:
         with ThreadPoolExecutor(threads) as pool:
-            done = dict(zip(units, pool.map(lambda u: unit(*u), units)))
+            done = dict(zip(units, pool.map(run, units)))
     finally:
         base_files.close()
         for f in files:

@@ -347,11 +347,19 @@ def _discover_remote(url: str) -> list[RemotePath]:
 class PlanInputs:
     """Open files of every source of an execution plan, checked against their fingerprints and the
     plan's tensor layout (the merger reads through them; `close` when done). `where[i][tensor]` is
-    (byte source, tensor, file path or URL) of source i (0: the base, then the experts)."""
+    (byte source, tensor, file path or URL) of source i (0: the base, then the experts). Expert
+    positions in `skip` (LoRA adapters, opened by loramerge.LoraInputs) get an empty `where`."""
 
-    def __init__(self, xp: ExecutionPlan, options: RemoteOptions | None = None, pool: Executor | None = None) -> None:
+    def __init__(
+        self,
+        xp: ExecutionPlan,
+        skip: frozenset[int] = frozenset(),
+        options: RemoteOptions | None = None,
+        pool: Executor | None = None,
+    ) -> None:
         self.sources = Sources(options, pool)
         self.where: list[dict[str, tuple[LocalFile | RemoteFile, TensorInfo, str]]] = []
+        self.skip = skip
         try:
             self._open(xp)
         except BaseException:  # a refused source: close the files opened before it
@@ -360,6 +368,9 @@ class PlanInputs:
 
     def _open(self, xp: ExecutionPlan) -> None:
         for i, src in enumerate((xp.base, *xp.experts)):
+            if i - 1 in self.skip:
+                self.where.append({})
+                continue
             ckpt = open_checkpoint(src.path, name=src.name)
             if ckpt.fingerprint != src.fingerprint:
                 raise ChangedFileError(

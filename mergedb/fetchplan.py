@@ -35,6 +35,8 @@ def merge_reads(xp: ExecutionPlan, inputs: PlanInputs) -> Iterator[tuple[LocalFi
             continue
         for b, work in sorted(sel.get(ti, {}).items()):
             for pos, _ in work:
+                if pos in inputs.skip:  # a LoRA adapter: read from its factors (loramerge.py)
+                    continue
                 esrc, einfo, _ = inputs.where[pos + 1][t.name]
                 lo, hi = block_bytes(t, einfo.nbytes, b)
                 yield esrc, einfo.start + lo, hi - lo, 1

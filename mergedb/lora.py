@@ -1,0 +1,317 @@
+"""PEFT LoRA adapter folders: find the factors of each base tensor, without reading a weight.
+
+An adapter folder holds `adapter_config.json` and `adapter_model.safetensors` (or shards listed
+in `adapter_model.safetensors.index.json`). Its keys are the base model's module names under the
+prefix `base_model.model.`, with (checked against peft 0.21's saved files, tests/test_lora.py):
+
+- `<module>.lora_A.weight` (r, in) and `<module>.lora_B.weight` (out, r) for a Linear layer of
+  weight (out, in): ΔW = s · B @ A. With `fan_in_fan_out` (GPT-2's Conv1D, weight (in, out)) the
+  factors keep the Linear layout and peft transposes the product: ΔW = s · (B @ A)ᵀ.
+- `<module>.lora_embedding_A` (r, num_embeddings) and `<module>.lora_embedding_B` (dim, r) for an
+  Embedding of weight (num_embeddings, dim): ΔW = s · (B @ A)ᵀ (peft's Embedding.get_delta_weight
+  transposes unconditionally; `fan_in_fan_out` does not apply to embeddings).
+- `<module>.weight` (and `.bias`) of a `modules_to_save` module: the trained module's full
+  weight, a dense replacement of the base tensor of that name.
+
+A key may carry the adapter's name (`.lora_A.default.weight`); it is dropped. s = lora_alpha / r,
+or lora_alpha / sqrt(r) with `use_rslora`; `rank_pattern` / `alpha_pattern` override r and
+lora_alpha per module (see `pattern_value` for the matching rule).
+
+In the base tensor's orientation every factor pair reads ΔW = s · L @ R with L (rows, r) and
+R (r, cols): L = B, R = A for a Linear; L = Aᵀ, R = Bᵀ when transposed. A block of rows of ΔW
+needs those rows of L plus all of R (`LoraFactor.rows_factor` / `fixed_factor`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint
+from .errors import AlignmentError, FormatError
+from .tensorfile import FLOAT_DTYPES, TensorInfo
+
+CONFIG = "adapter_config.json"
+SINGLE = "adapter_model.safetensors"
+INDEX = "adapter_model.safetensors.index.json"
+PREFIX = "base_model.model."
+# the suffixes of a factor key, with or without an adapter-name segment (".lora_A.default.weight")
+_FACTOR = re.compile(
+    r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.(?!weight$|bias$)[^.]+)?(?:\.weight)?$"
+)
+
+
+@dataclass(frozen=True)
+class LoraFactor:
+    """One base tensor's low-rank delta: ΔW = scale · B @ A in the base tensor's orientation
+    (transposed when `fan_in_fan_out` or `embedding`; see the module docstring)."""
+
+    a: tuple[int, TensorInfo]  # (file index, tensor) of lora_A / lora_embedding_A
+    b: tuple[int, TensorInfo]  # (file index, tensor) of lora_B / lora_embedding_B
+    rank: int
+    scale: float
+    fan_in_fan_out: bool
+    embedding: bool
+
+    @property
+    def transposed(self) -> bool:
+        """ΔW = scale · (B @ A)ᵀ: rows of ΔW are columns of A."""
+        return self.fan_in_fan_out or self.embedding
+
+    @property
+    def rows_factor(self) -> tuple[int, TensorInfo]:
+        """The factor a block of ΔW's rows reads part of: B (rows of B), or A when transposed (columns of A)."""
+        return self.a if self.transposed else self.b
+
+    @property
+    def fixed_factor(self) -> tuple[int, TensorInfo]:
+        """The factor every block of the tensor needs whole: A, or B when transposed."""
+        return self.b if self.transposed else self.a
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.fixed_factor[1].nbytes
+
+    def row_bytes(self) -> int:
+        """Bytes of the rows factor per row of ΔW (rank elements)."""
+        t = self.rows_factor[1]
+        return t.nbytes // max(1, math.prod(t.shape)) * self.rank
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A PEFT LoRA adapter folder, checked against its base (nothing of the weights read yet)."""
+
+    name: str
+    path: Path
+    root: Path
+    files: tuple[FileInfo, ...]
+    fingerprint: str  # a checkpoint's fingerprint of `files`, hashed with adapter_config.json's bytes
+    factors: dict[str, LoraFactor]  # base tensor name -> its factors
+    dense: dict[str, tuple[int, TensorInfo]]  # base tensor name -> a full replacement (modules_to_save)
+    config: dict[str, Any]
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def touched(self) -> list[str]:
+        """Base tensor names with a delta, sorted."""
+        return sorted({*self.factors, *self.dense})
+
+
+def is_adapter(path: str | os.PathLike[str]) -> bool:
+    """A folder holding adapter_config.json and adapter_model.safetensors (or its shard index)."""
+    p = Path(path)
+    return p.is_dir() and (p / CONFIG).is_file() and ((p / SINGLE).is_file() or (p / INDEX).is_file())
+
+
+def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | None = None) -> Adapter:
+    """Read the config and headers of the adapter at `path` and map its keys to `base`'s tensors.
+
+    Refuses (FormatError / AlignmentError, one line naming the key and the fix) what mergedb
+    cannot merge exactly: DoRA, `target_parameters`, a peft_type other than LORA, LoRA biases,
+    keys that are neither LoRA factors nor base tensors, a factor without its partner or its
+    base tensor, non-float factors, and shapes that do not match the base's."""
+    root = Path(path)
+    if not is_adapter(root):
+        raise FormatError(f"{root}: not a PEFT adapter folder (needs {CONFIG} and {SINGLE} or {INDEX})")
+    cfg, cfg_bytes = _read_config(root)
+    relpaths = [SINGLE] if (root / SINGLE).is_file() else _shards(root)
+    files = tuple(file_info(root, rel) for rel in relpaths)
+    tensors: dict[str, tuple[int, TensorInfo]] = {}
+    for i, f in enumerate(files):
+        for t in f.header.tensors:
+            if t.name in tensors:
+                raise FormatError(f"{root}: key {t.name!r} appears in two shards; remove one copy")
+            tensors[t.name] = (i, t)
+    if not tensors:
+        raise FormatError(f"{root}: the adapter holds no tensors; point at a trained adapter")
+    base_t = {t.name: t for _, t in base.tensors}
+    pairs: dict[str, dict[str, tuple[int, TensorInfo]]] = {}
+    dense: dict[str, tuple[int, TensorInfo]] = {}
+    for key, ft in tensors.items():
+        if "lora_magnitude_vector" in key:
+            raise FormatError(f"{root}: key {key!r} is a DoRA magnitude vector; DoRA adapters are not supported")
+        rest = key[len(PREFIX) :] if key.startswith(PREFIX) else key
+        m = _FACTOR.match(rest)
+        if m is None and rest.endswith(".base_layer.weight"):
+            raise FormatError(
+                f"{root}: key {key!r} is a saved copy of the base layer under a LoRA-adapted module (peft's "
+                "save_embedding_layers); mergedb merges deltas against the registered base: save the adapter "
+                "again with save_pretrained(..., save_embedding_layers=False)"
+            )
+        if m is None:
+            if ".lora_" in rest:
+                raise FormatError(
+                    f"{root}: key {key!r} is a LoRA tensor mergedb does not know (LoRA biases, trainable tokens "
+                    "and other variants are not supported); train the adapter without it"
+                )
+            target = _dense_target(rest, base_t)
+            if target is None:
+                raise AlignmentError(
+                    f"{root}: key {key!r} names no tensor of base {base.name!r}; register the adapter "
+                    "against the base it was trained on (--base-model NAME)"
+                )
+            dense[target] = ft
+            continue
+        pairs.setdefault(m["module"], {})[m["kind"]] = ft
+    factors: dict[str, LoraFactor] = {}
+    for module, p in sorted(pairs.items()):
+        emb = any("embedding" in k for k in p)
+        need = ("lora_embedding_A", "lora_embedding_B") if emb else ("lora_A", "lora_B")
+        if sorted(p) != sorted(need):
+            raise FormatError(
+                f"{root}: module {module!r} has factors {sorted(p)}, expected {list(need)}; "
+                "the adapter file is incomplete or mixes layouts: save it again"
+            )
+        target = f"{module}.weight"
+        if target not in base_t:
+            raise AlignmentError(
+                f"{root}: the factors of {module!r} adapt {target!r}, which base {base.name!r} does not have; "
+                "register the adapter against the base it was trained on (--base-model NAME)"
+            )
+        if target in dense:
+            raise FormatError(f"{root}: {target!r} is both LoRA-adapted and saved whole; save the adapter again")
+        factors[target] = _factor(root, module, p[need[0]], p[need[1]], emb, cfg, base_t[target])
+    for target, (_, t) in dense.items():
+        bt = base_t[target]
+        if t.shape != bt.shape:
+            raise AlignmentError(
+                f"{root}: {t.name!r} is {list(t.shape)} but base tensor {target!r} is {list(bt.shape)}; "
+                "register the adapter against the base it was trained on (--base-model NAME)"
+            )
+        if t.dtype not in FLOAT_DTYPES or bt.dtype not in FLOAT_DTYPES:
+            raise FormatError(
+                f"{root}: {t.name!r} is {t.dtype} and base tensor {target!r} is {bt.dtype}; "
+                f"only {'/'.join(FLOAT_DTYPES)} tensors can be merged"
+            )
+    fp = hashlib.sha256(f"{fingerprint(files)}\0".encode() + cfg_bytes).hexdigest()
+    return Adapter(name or root.name, root, root, files, fp, factors, dense, cfg)
+
+
+def pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    r"""peft 0.21's rule (utils/other.py `get_pattern_key`, used by tuners/lora/model.py
+    `_create_and_replace`): the first key, in the config's order, for which
+    `re.match(rf"(.*\.)?({key})$", module)` matches (the key is a regex for a suffix of the module
+    name starting at a dot boundary) gives the value; when none matches, peft looks the module name
+    itself up (`patterns.get(module, default)`)."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return patterns[key]
+    return patterns.get(module, default)
+
+
+def _factor(
+    root: Path,
+    module: str,
+    a: tuple[int, TensorInfo],
+    b: tuple[int, TensorInfo],
+    embedding: bool,
+    cfg: dict[str, Any],
+    base: TensorInfo,
+) -> LoraFactor:
+    ta, tb = a[1], b[1]
+    for t in (ta, tb):
+        if t.dtype not in FLOAT_DTYPES:
+            raise FormatError(
+                f"{root}: factor {t.name!r} is {t.dtype}; only {'/'.join(FLOAT_DTYPES)} factors can be merged "
+                "(a quantized adapter must be dequantized first)"
+            )
+        if len(t.shape) != 2:
+            raise FormatError(
+                f"{root}: factor {t.name!r} has shape {list(t.shape)}; only 2-D (Linear, Conv1D, Embedding) "
+                "LoRA factors are supported"
+            )
+    if base.dtype not in FLOAT_DTYPES or len(base.shape) != 2:
+        raise AlignmentError(
+            f"{root}: module {module!r} adapts base tensor {base.name!r} of {base.dtype}{list(base.shape)}; "
+            "only 2-D float base tensors can take a LoRA delta"
+        )
+    r = int(pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", 8)))
+    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", 8)))
+    fifo = bool(cfg.get("fan_in_fan_out", False)) and not embedding
+    rank, cols = ta.shape  # A: (r, in) for a Linear, (r, num_embeddings) for an Embedding
+    out, rank_b = tb.shape  # B: (out, r) / (dim, r)
+    want = (cols, out) if (fifo or embedding) else (out, cols)
+    if rank != rank_b or rank != r or want != base.shape:
+        raise AlignmentError(
+            f"{root}: module {module!r}: lora_A {list(ta.shape)} and lora_B {list(tb.shape)} (rank {r} in the "
+            f"config) do not make a delta of base tensor {base.name!r} {list(base.shape)}"
+            + (" (fan_in_fan_out)" if fifo else "")
+            + "; register the adapter against the base it was trained on (--base-model NAME)"
+        )
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    return LoraFactor(a, b, r, scale, fifo, embedding)
+
+
+def _dense_target(rest: str, base_t: dict[str, TensorInfo]) -> str | None:
+    """The base tensor a modules_to_save key replaces: the key itself, or with the adapter-name
+    segment of `<module>.modules_to_save.<adapter>.weight` style keys dropped."""
+    if rest in base_t:
+        return rest
+    cut = re.sub(r"\.modules_to_save(\.[^.]+)?(?=\.[^.]+$)", "", rest)
+    return cut if cut in base_t else None
+
+
+def _read_config(root: Path) -> tuple[dict[str, Any], bytes]:
+    path = root / CONFIG
+    try:
+        raw = path.read_bytes()
+        cfg = json.loads(raw)
+        if not isinstance(cfg, dict):
+            raise TypeError
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        raise FormatError(f"{path}: not a valid adapter config (expected a JSON object)") from None
+    peft_type = cfg.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise FormatError(f"{path}: peft_type {peft_type!r} is not supported; mergedb merges LORA adapters only")
+    if cfg.get("use_dora"):
+        raise FormatError(f"{path}: use_dora is true; DoRA adapters are not supported (train a plain LoRA)")
+    if cfg.get("target_parameters"):
+        raise FormatError(
+            f"{path}: target_parameters {cfg['target_parameters']!r} is not supported; "
+            "only adapters on modules (target_modules) can be merged"
+        )
+    for flag in ("lora_bias", "layer_replication", "trainable_token_indices"):
+        if cfg.get(flag):
+            raise FormatError(f"{path}: {flag} is set; LoRA adapters with {flag} are not supported")
+    for key in ("r", "lora_alpha"):
+        v = cfg.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
+            raise FormatError(f"{path}: {key} is {v!r}; expected a positive number")
+    return cfg, raw
+
+
+def _shards(root: Path) -> list[str]:
+    path = root / INDEX
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise FormatError(f"{path}: not a valid index (expected JSON with a 'weight_map' object)") from None
+    real = root.resolve()
+    shards = sorted(set(map(str, weight_map.values())))
+    for s in shards:
+        if os.path.isabs(s) or not (root / s).resolve().is_relative_to(real) or not (root / s).is_file():
+            raise FormatError(f"{path}: shard {s!r} is missing or outside the adapter folder")
+    return shards
+
+
+def find(paths: Iterable[Path]) -> list[Path]:
+    """The adapter folders among `paths` and their direct subfolders."""
+    out = []
+    for p in paths:
+        if is_adapter(p):
+            out.append(p)
+        elif p.is_dir():
+            out.extend(sorted(c for c in p.iterdir() if is_adapter(c)))
+    return out

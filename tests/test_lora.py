@@ -1,0 +1,216 @@
+"""PEFT adapter folders: key mapping, scaling and layouts against peft's own merge_and_unload().
+
+The reference for every adapted tensor is peft's merged model minus the base (whole tensors in
+torch); mergedb's delta is formed from the factors it located (loraread.full_delta).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mergedb.checkpoint import open_checkpoint
+from mergedb.errors import AlignmentError, FormatError, MergeDBError
+from mergedb.lora import is_adapter, open_adapter, pattern_value
+from mergedb.loraread import AdapterFiles, dense_rows, full_delta
+from tests import lora_fixtures as lf
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+    return lf.make_base(tmp_path_factory.mktemp("lora") / "base")
+
+
+def _reference_deltas(base_dir: Path, adapter_dir: Path) -> dict[str, np.ndarray]:
+    """merge_and_unload() − base, per tensor that changed (float64)."""
+    base = lf.base_state(base_dir)
+    merged = lf.merged_state(base_dir, adapter_dir)
+    out = {}
+    for k, v in merged.items():
+        d = v.double() - base[k].double()
+        if d.abs().max() > 0:
+            out[k] = d.numpy()
+    return out
+
+
+def _check_against_peft(base_dir: Path, adapter_dir: Path) -> None:
+    ref = _reference_deltas(base_dir, adapter_dir)
+    ad = open_adapter(adapter_dir, open_checkpoint(base_dir))
+    assert set(ad.factors) | set(ad.dense) == set(ref)
+    for name in ad.factors:
+        got = full_delta(ad, name).astype(np.float64)
+        # peft forms B @ A and base + Δ in float32: each element within a few float32 ulps of the tensor's scale
+        tol = 1e-6 * np.abs(ref[name]).max()
+        assert got.shape == ref[name].shape, name
+        assert np.all(np.abs(got - ref[name]) <= tol), (name, np.abs(got - ref[name]).max())
+        assert np.linalg.norm(got - ref[name]) <= 1e-6 * np.linalg.norm(ref[name]), name
+
+
+def test_plain_adapter_matches_merge_and_unload(base_dir, tmp_path):
+    ad_dir = lf.make_adapter(base_dir, tmp_path / "ad", seed=1)
+    assert is_adapter(ad_dir) and not is_adapter(base_dir)
+    ad = open_adapter(ad_dir, open_checkpoint(base_dir))
+    assert ad.name == "ad" and len(ad.factors) == 7 * lf.LAYERS and not ad.dense
+    f = ad.factors["model.layers.0.self_attn.q_proj.weight"]
+    assert (f.rank, f.scale, f.fan_in_fan_out, f.embedding) == (4, 2.0, False, False)
+    assert f.a[1].name == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    _check_against_peft(base_dir, ad_dir)
+
+
+def test_rslora_rank_and_alpha_patterns(base_dir, tmp_path):
+    # exact names and suffix regexes, as peft matches them (pattern_value)
+    ranks = {"q_proj": 2, "model.layers.1.mlp.down_proj": 6}
+    alphas = {"v_proj": 3, r"layers\.0\.mlp\.up_proj": 5}
+    ad_dir = lf.make_adapter(
+        base_dir, tmp_path / "ad", seed=2, use_rslora=True, rank_pattern=ranks, alpha_pattern=alphas
+    )
+    ad = open_adapter(ad_dir, open_checkpoint(base_dir))
+    fs = ad.factors
+    assert fs["model.layers.0.self_attn.q_proj.weight"].rank == 2
+    assert fs["model.layers.1.mlp.down_proj.weight"].rank == 6
+    assert fs["model.layers.0.mlp.down_proj.weight"].rank == 4
+    assert fs["model.layers.1.self_attn.v_proj.weight"].scale == pytest.approx(3 / 2.0)  # alpha 3 / sqrt(4)
+    assert fs["model.layers.0.mlp.up_proj.weight"].scale == pytest.approx(5 / 2.0)
+    assert fs["model.layers.1.mlp.up_proj.weight"].scale == pytest.approx(8 / 2.0)
+    assert fs["model.layers.1.mlp.down_proj.weight"].scale == pytest.approx(8 / 6**0.5)
+    _check_against_peft(base_dir, ad_dir)
+
+
+def test_pattern_matching_rule():
+    pats = {"q_proj": 1, r"layers\.1\..*": 2, "model.layers.0.mlp.up_proj": 3}
+    assert pattern_value(pats, "model.layers.0.self_attn.q_proj", 9) == 1
+    assert pattern_value(pats, "model.layers.1.self_attn.q_proj", 9) == 1  # first matching key in order
+    assert pattern_value(pats, "model.layers.1.mlp.up_proj", 9) == 2
+    assert pattern_value(pats, "model.layers.0.mlp.up_proj", 9) == 3  # a full name is a regex too
+    assert pattern_value({"up_proj": 1, "model.layers.0.mlp.up_proj": 3}, "model.layers.0.mlp.up_proj", 9) == 1
+    assert pattern_value(pats, "model.layers.0.self_attn.xq_proj", 9) == 9  # suffix only at a dot boundary
+
+
+def test_modules_to_save_and_embedding_adapter(base_dir, tmp_path):
+    ad_dir = lf.make_adapter(
+        base_dir, tmp_path / "ad", seed=3, target_modules=["embed_tokens", "o_proj"], modules_to_save=["lm_head"]
+    )
+    ad = open_adapter(ad_dir, open_checkpoint(base_dir))
+    assert list(ad.dense) == ["lm_head.weight"]
+    emb = ad.factors["model.embed_tokens.weight"]
+    assert emb.embedding and emb.transposed and emb.a[1].shape == (4, lf.VOCAB)
+    _check_against_peft(base_dir, ad_dir)
+    merged = lf.merged_state(base_dir, ad_dir)["lm_head.weight"].numpy()
+    files = AdapterFiles(ad)
+    try:
+        got = dense_rows(files, ad.dense["lm_head.weight"], lf.HIDDEN * 4, 0, lf.VOCAB).reshape(lf.VOCAB, lf.HIDDEN)
+    finally:
+        files.close()
+    np.testing.assert_array_equal(got, merged)
+
+
+def test_fan_in_fan_out_on_gpt2_conv1d(tmp_path):
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=50, n_positions=32)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2", safe_serialization=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2")
+    pm = peft.get_peft_model(
+        model, peft.LoraConfig(r=3, lora_alpha=6, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
+    )
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.1 * torch.randn_like(p))
+    pm.save_pretrained(tmp_path / "ad", safe_serialization=True)
+    base = open_checkpoint(tmp_path / "gpt2")
+    ad = open_adapter(tmp_path / "ad", base)
+    f = ad.factors["transformer.h.0.attn.c_attn.weight"]
+    assert f.fan_in_fan_out and f.transposed and f.a[1].shape == (3, 32) and f.b[1].shape == (96, 3)
+    ref_model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2"), tmp_path / "ad"
+    ).merge_and_unload()
+    merged = ref_model.state_dict()
+    orig = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2").state_dict()
+    for name in ad.factors:
+        ref = (merged[name].double() - orig[name].double()).numpy()
+        got = full_delta(ad, name)
+        assert got.shape == tuple(orig[name].shape) == (32, 96 if "c_attn" in name else 128)
+        assert np.linalg.norm(got - ref) <= 1e-6 * np.linalg.norm(ref), name
+    assert len(ad.factors) == 4
+
+
+# -- refusals: hand-written adapters, one line each ---------------------------------------------------
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], **config) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "fan_in_fan_out": False, **config}
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+def _ok_pair(rank: int = 4, cols: int = lf.HIDDEN, rows: int = lf.HIDDEN) -> dict[str, torch.Tensor]:
+    return {f"{Q}.lora_A.weight": torch.ones(rank, cols), f"{Q}.lora_B.weight": torch.ones(rows, rank)}
+
+
+@pytest.mark.parametrize(
+    "tensors, config, error, words",
+    [
+        (_ok_pair(), {"use_dora": True}, FormatError, "DoRA"),
+        ({**_ok_pair(), f"{Q}.lora_magnitude_vector": torch.ones(lf.HIDDEN)}, {}, FormatError, "DoRA magnitude"),
+        (_ok_pair(), {"target_parameters": ["experts.gate_up_proj"]}, FormatError, "target_parameters"),
+        (_ok_pair(), {"peft_type": "IA3"}, FormatError, "peft_type 'IA3'"),
+        (_ok_pair(cols=lf.HIDDEN + 1), {}, AlignmentError, "[4, 65]"),
+        (_ok_pair(rank=3), {}, AlignmentError, "rank 4 in the config"),
+        ({f"{Q}.lora_A.weight": torch.ones(4, lf.HIDDEN)}, {}, FormatError, "expected ['lora_A', 'lora_B']"),
+        (
+            {k.replace("layers.0", "layers.7"): v for k, v in _ok_pair().items()},
+            {},
+            AlignmentError,
+            "'model.layers.7.self_attn.q_proj.weight', which base",
+        ),
+        (
+            {f"{Q}.lora_A.weight": torch.ones(4, lf.HIDDEN, dtype=torch.int8), f"{Q}.lora_B.weight": torch.ones(64, 4)},
+            {},
+            FormatError,
+            "is I8",
+        ),
+        ({**_ok_pair(), f"{Q}.lora_B.bias": torch.ones(lf.HIDDEN)}, {}, FormatError, "LoRA biases"),
+        ({**_ok_pair(), "base_model.model.nowhere.weight": torch.ones(3)}, {}, AlignmentError, "nowhere.weight"),
+    ],
+)
+def test_refused_adapters_say_what_in_one_line(base_dir, tmp_path, tensors, config, error, words):
+    path = _write(tmp_path / "bad", tensors, **config)
+    with pytest.raises(error) as e:
+        open_adapter(path, open_checkpoint(base_dir))
+    msg = str(e.value)
+    assert words in msg and "\n" not in msg and isinstance(e.value, MergeDBError)
+
+
+def test_adapter_name_segment_and_sharded_index(base_dir, tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(4, lf.HIDDEN, generator=gen), torch.randn(lf.HIDDEN, 4, generator=gen)
+    path = tmp_path / "named"
+    path.mkdir()
+    save_file({f"{Q}.lora_A.default.weight": a}, str(path / "part-1.safetensors"))
+    save_file({f"{Q}.lora_B.default.weight": b}, str(path / "part-2.safetensors"))
+    index = {
+        "weight_map": {
+            f"{Q}.lora_A.default.weight": "part-1.safetensors",
+            f"{Q}.lora_B.default.weight": "part-2.safetensors",
+        }
+    }
+    (path / "adapter_model.safetensors.index.json").write_text(json.dumps(index))
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 2}))
+    ad = open_adapter(path, open_checkpoint(base_dir))
+    got = full_delta(ad, "model.layers.0.self_attn.q_proj.weight")
+    ref = 0.5 * (b.double() @ a.double()).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    assert len(ad.files) == 2 and len(ad.fingerprint) == 64

@@ -258,11 +258,13 @@ def side_files(root: Path) -> list[str]:
 
 class PlanInputs:
     """Open files of every source of an execution plan, checked against their fingerprints and the
-    plan's tensor layout (the merger reads through them; `close` when done)."""
+    plan's tensor layout (the merger reads through them; `close` when done). Expert positions in
+    `skip` (LoRA adapters, opened by loramerge.LoraInputs) get an empty `where`."""
 
-    def __init__(self, xp: ExecutionPlan) -> None:
+    def __init__(self, xp: ExecutionPlan, skip: frozenset[int] = frozenset()) -> None:
         self.fds: list[int] = []
         self.where: list[dict[str, tuple[int, TensorInfo, str]]] = []
+        self.skip = skip
         try:
             self._open(xp)
         except BaseException:  # a refused source: close the files opened before it
@@ -271,6 +273,9 @@ class PlanInputs:
 
     def _open(self, xp: ExecutionPlan) -> None:
         for i, src in enumerate((xp.base, *xp.experts)):
+            if i - 1 in self.skip:
+                self.where.append({})
+                continue
             ckpt = open_checkpoint(src.path, name=src.name)
             if ckpt.fingerprint != src.fingerprint:
                 raise ChangedFileError(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint
+from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint, is_checkpoint
 from .errors import AlignmentError, FormatError
 from .tensorfile import FLOAT_DTYPES, TensorInfo
 
@@ -101,6 +101,23 @@ class Adapter:
     @property
     def bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def tensors(self) -> tuple[tuple[int, TensorInfo], ...]:
+        """Every tensor of the adapter's files, (file index, tensor), as a Checkpoint lists them."""
+        return tuple((i, t) for i, f in enumerate(self.files) for t in f.header.tensors)
+
+    @property
+    def dtype(self) -> str:
+        """The dtype holding most of the adapter's bytes (the catalog's one-word label)."""
+        counts: dict[str, int] = {}
+        for _, t in self.tensors:
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.nbytes
+        return max(sorted(counts), key=lambda d: counts[d])
+
+    @property
+    def architecture(self) -> str | None:
+        return None  # an adapter has no model class of its own: its base's
 
     def touched(self) -> list[str]:
         """Base tensor names with a delta, sorted."""
@@ -306,12 +323,21 @@ def _shards(root: Path) -> list[str]:
     return shards
 
 
-def find(paths: Iterable[Path]) -> list[Path]:
-    """The adapter folders among `paths` and their direct subfolders."""
-    out = []
-    for p in paths:
+def split_paths(paths: Iterable[str | os.PathLike[str]], base: bool = False) -> tuple[list[Path], list[Path]]:
+    """(checkpoint paths, adapter folders) among `paths`: an adapter folder itself, or the adapters
+    among a folder's direct subfolders (the folder stays a checkpoint path when it also holds
+    models or is one, for `checkpoint.discover` to expand). `base`: the paths are to be bases,
+    which an adapter cannot be."""
+    ckpts: list[Path] = []
+    adapters: list[Path] = []
+    for p in map(Path, paths):
         if is_adapter(p):
-            out.append(p)
-        elif p.is_dir():
-            out.extend(sorted(c for c in p.iterdir() if is_adapter(c)))
-    return out
+            adapters.append(p)
+            continue
+        subs = sorted(c for c in p.iterdir() if is_adapter(c)) if p.is_dir() and not is_checkpoint(p) else []
+        adapters.extend(subs)
+        if not subs or any(is_checkpoint(c) for c in p.iterdir()):
+            ckpts.append(p)
+    if adapters and base:
+        raise FormatError(f"{adapters[0]} is a LoRA adapter, not a base model; register it with --base-model NAME")
+    return ckpts, adapters

@@ -54,11 +54,18 @@ def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
     return as_float32(raw.view(DTYPES[dtype][1]), dtype, np.empty(raw.nbytes // DTYPES[dtype][0], np.float32))
 
 
-def read_fixed(files: AdapterFiles, f: LoraFactor) -> np.ndarray:
-    """R (rank, cols) float32: A, or Bᵀ when transposed; reads the factor's bytes once."""
-    fi, t = f.fixed_factor
-    x = _decode(files.read(f.fixed_factor, 0, t.nbytes, np.empty(t.nbytes, np.uint8)), t.dtype)
-    x = x.reshape(t.shape)  # A (r, cols) or B (cols, r)
+def read_fixed(files: AdapterFiles, f: LoraFactor) -> tuple[np.ndarray, np.ndarray]:
+    """R (rank, cols) float32 (A, or Bᵀ when transposed) and the raw bytes read for it (the
+    factor's bytes, once)."""
+    t = f.fixed_factor[1]
+    raw = files.read(f.fixed_factor, 0, t.nbytes, np.empty(t.nbytes, np.uint8))
+    return fixed_from_raw(f, raw), raw
+
+
+def fixed_from_raw(f: LoraFactor, raw: np.ndarray) -> np.ndarray:
+    """R (rank, cols) float32 from the fixed factor's raw bytes."""
+    t = f.fixed_factor[1]
+    x = _decode(raw, t.dtype).reshape(t.shape)  # A (r, cols) or B (cols, r)
     return np.ascontiguousarray(x.T) if f.transposed else x
 
 
@@ -116,7 +123,7 @@ def full_delta(adapter: Adapter, name: str) -> np.ndarray:
     f = adapter.factors[name]
     files = AdapterFiles(adapter, random_access=False)
     try:
-        right = read_fixed(files, f)
+        right, _ = read_fixed(files, f)
         rows = f.rows_factor[1].shape[1] if f.transposed else f.rows_factor[1].shape[0]
         return delta_rows(f, read_rows(files, f, 0, rows)[0], right)
     finally:

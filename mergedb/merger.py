@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import kernels, methods
+from . import kernels, loramerge, methods
 from .checkpoint import PlanInputs
 from .errors import ChangedFileError, MergeDBError
 from .layout import TensorLayout, block_bytes, row_elems
+from .lora import is_adapter
 from .manifest import ExecutionPlan, Source
 from .stock import StockDots, StockTensor
 from .tensorfile import DTYPES, as_float32, encode, pread_into, tensor_nbytes
@@ -131,7 +132,13 @@ class Merger:
         self._stock: dict[int, StockTensor] = {}  # model_stock: tensors whose blocks are running
         self.values = xp.tensor_values()  # per (position, tensor_idx), where the plan sets them per tensor
         self.defaults = [xp.default_values(p) for p in range(len(xp.experts))]
-        self.inputs = PlanInputs(xp)
+        self.lora = loramerge.LoraInputs(xp) if any(is_adapter(s.path) for s in xp.experts) else None
+        try:
+            self.inputs = PlanInputs(xp, self.lora.positions if self.lora else frozenset())
+        except BaseException:
+            if self.lora:
+                self.lora.close()
+            raise
         self.count = Counters()
         self._lock = threading.Lock()
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
@@ -147,6 +154,8 @@ class Merger:
         self.compute.shutdown(cancel_futures=True)
         self.io.shutdown(cancel_futures=True)
         self.inputs.close()
+        if self.lora:
+            self.lora.close()
 
     def _read_base(self, ti: int) -> np.ndarray:
         """The base's bytes of tensor `ti` (streamed in full, unbudgeted)."""
@@ -257,9 +266,15 @@ class Merger:
             self._stock_block(u.tensor_idx, u.blocks[0], base_raw, out)
         elif self.fused:
             for b in u.blocks:
-                self._fused_block(u.tensor_idx, b, base_raw, out)
+                if self._has_adapter(u.tensor_idx, b):  # formed from its factors, folded as float32
+                    loramerge.fused_block(self, u.tensor_idx, b, base_raw, out)
+                else:
+                    self._fused_block(u.tensor_idx, b, base_raw, out)
         else:
             self._merge_slow(u, base_raw, out)
+
+    def _has_adapter(self, ti: int, b: int) -> bool:
+        return self.lora is not None and any(pos in self.lora.adapters for pos, _ in self.sel.get(ti, {}).get(b, []))
 
     def _block(self, ti: int, b: int, base_raw: np.ndarray) -> tuple[int, int, np.dtype, np.ndarray]:
         """Block `b` of tensor `ti`: first element, element count, raw-bits dtype, the base's (n,) raw bits."""
@@ -351,18 +366,23 @@ class Merger:
         lo, n, bits_dt, base = self._block(ti, b, base_raw)
         nb = base.nbytes
         work = self.sel.get(ti, {}).get(b, [])
-        buf = self.local.get("stock", max(1, len(work)) * nb, np.uint8)  # every expert of the block at once
-        for f in [
-            self.io.submit(self._read_one, ti, b, pos, h, buf[k * nb : k * nb + nb]) for k, (pos, h) in enumerate(work)
-        ]:
-            f.result()
+        kind = kernels.IN_KIND[t.dtype]
+        if self._has_adapter(ti, b):  # float32 bits of the base and of every expert (loramerge)
+            base, ex, kind = loramerge.stock_inputs(self, ti, b, base, kind)
+        else:
+            buf = self.local.get("stock", max(1, len(work)) * nb, np.uint8)  # every expert of the block at once
+            for f in [
+                self.io.submit(self._read_one, ti, b, pos, h, buf[k * nb : k * nb + nb])
+                for k, (pos, h) in enumerate(work)
+            ]:
+                f.result()
+            ex = buf[: len(work) * nb].view(bits_dt).reshape(len(work), n)  # (g, n) raw bits
         state = self._stock[ti]
         acc = state.update[lo : lo + n].reshape(1, n)  # (1, n) float32: this block's rows of the update
         acc.fill(0)
         dots = np.zeros((len(work), len(work)))  # (g, g) float64, upper triangle
-        ex = buf[: len(work) * nb].view(bits_dt).reshape(len(work), n)  # (g, n) raw bits
         coefs = np.array([self._values(pos, ti).coef for pos, _ in work], np.float32)
-        kernels.stock_fold(base, ex, kernels.IN_KIND[t.dtype], coefs, acc, dots)
+        kernels.stock_fold(base, ex, kind, coefs, acc, dots)
         if state.done(b, [pos for pos, _ in work], dots):  # the tensor's last block: t is known
             scale = np.float32(state.t())
             for blk in state.blocks:
@@ -390,9 +410,12 @@ class Merger:
             acc = kernels.Accumulator(self.method, {**self.xp.params, "lambda": self._values(0, ti).lam}, n)
             deltas = []
             for pos, h in selected.get(b, []):
-                raw = self._read_one(ti, b, pos, h, self.local.get("raw", len(base) * raw_dt.itemsize, np.uint8))
-                d = as_float32(raw.view(raw_dt), t.dtype, self.local.get("e", n, np.float32))
-                np.subtract(d, base, out=d)  # Δ in place: (n,) float32
+                if self.lora is not None and pos in self.lora.adapters:  # formed from its factors
+                    d = loramerge.slow_delta(self, ti, b, pos, h, base, self.local.get("e", n, np.float32))
+                else:
+                    raw = self._read_one(ti, b, pos, h, self.local.get("raw", len(base) * raw_dt.itemsize, np.uint8))
+                    d = as_float32(raw.view(raw_dt), t.dtype, self.local.get("e", n, np.float32))
+                    np.subtract(d, base, out=d)  # Δ in place: (n,) float32
                 src, v = self.xp.experts[pos], self._values(pos, ti)
                 params = {**self.xp.params, "density": v.density, "epsilon": v.epsilon}
                 d = kernels.sparsify(self.method, params, d, lo, self._trim(pos, ti, t, src))

@@ -18,7 +18,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import bounds, methods, planstats, tensorparams
+from . import bounds, methods, plancost, planstats, tensorparams
 from .errors import MergeDBError, PlanError
 from .faults import unregister
 from .manifest import mask_digest
@@ -281,6 +281,7 @@ def _select(
                 "DELETE FROM plan_candidates WHERE (checkpoint_id, tensor_idx, block_idx) IN "
                 "(SELECT (checkpoint_id, tensor_idx, block_idx) FROM expert_blocks WHERE nonfinite > 0)"
             )
+        steps += plancost.charge_fixed_costs(con, list(inp.ids), random_scores=req.strategy == "random")
         full_bytes, n_cand, n_free = _rows(
             con,
             "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT), count(*), count(*) FILTER (WHERE free) "

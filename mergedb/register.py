@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from . import scan
+from . import lora, lorascan, scan
 from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback, unregister
@@ -67,17 +67,12 @@ def register(
     block_bytes = parse_block_size(block_size)
     if name is not None:
         _check_name(name, "--name")
-    found = [open_checkpoint(p) for p in discover(list(paths))]
+    ckpt_paths, adapter_paths = lora.split_paths(paths, base)  # PEFT adapters: experts read by lorascan
+    found = [open_checkpoint(p) for p in discover(ckpt_paths)] if ckpt_paths or not adapter_paths else []
     if name is not None:
-        if len(found) != 1:
-            raise MergeDBError(f"--name applies to one checkpoint, but {len(found)} were found")
-        found = [_renamed(found[0], name)]
-    for c in found:
-        _check_name(c.name, f"the name of {c.path}")
-    names = [c.name for c in found]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise MergeDBError(f"two checkpoints would be named {dupes[0]!r}; register them separately with --name")
+        if len(found) + len(adapter_paths) != 1:
+            raise MergeDBError(f"--name applies to one checkpoint, but {len(found) + len(adapter_paths)} were found")
+        found = [_renamed(c, name) for c in found]
 
     with cat.duckdb_connection(write=True, create=True) as con:
         existing = {  # name -> (name, checkpoint_id, role, base_id, fingerprint, block_size, path)
@@ -115,6 +110,15 @@ def register(
                 f"unknown --base-model {base_ckpt_name!r}: not among the paths and not a registered base "
                 f"(registered bases: {known})"
             )
+        if adapter_paths:  # mapped onto the base's tensors now: a mismatch is refused before any read
+            base_ckpt = in_paths[0] if in_paths else open_checkpoint(existing[base_ckpt_name][6], name=base_ckpt_name)
+            experts += [lora.open_adapter(p, base_ckpt, name) for p in adapter_paths]
+    for c in bases + experts:
+        _check_name(c.name, f"the name of {c.path}")
+    names = [c.name for c in bases + experts]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise MergeDBError(f"two checkpoints would be named {dupes[0]!r}; register them separately with --name")
 
     todo_bases, todo_experts, unchanged = [], [], []
     for c in bases + experts:
@@ -149,7 +153,10 @@ def register(
                 )
         (todo_bases if role == "base" else todo_experts).append(c)
 
+    todo_adapters = [c for c in todo_experts if isinstance(c, lora.Adapter)]
+    todo_experts = [c for c in todo_experts if not isinstance(c, lora.Adapter)]
     total = sum(_tensor_bytes(c) for c in todo_bases) + sum(2 * _tensor_bytes(c) for c in todo_experts)
+    total += sum(lorascan.bytes_to_read(a) for a in todo_adapters)
     if on_total:
         on_total(total)
     read = 0
@@ -167,7 +174,7 @@ def register(
     for b in todo_bases:
         fam = scan.layout(b, block_bytes)
         families[b.name] = (b, fam, scan.hash_base(b, fam, threads, tick))
-    if todo_experts:
+    if todo_experts or todo_adapters:
         assert base_ckpt_name is not None
         if base_ckpt_name not in families:
             families[base_ckpt_name] = _load_family(cat, base_ckpt_name)
@@ -176,6 +183,10 @@ def register(
         b, fam, hashes = families[base_ckpt_name]  # type: ignore[index]
         keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
         results = list(zip(todo_experts, scan.scan_experts(b, todo_experts, fam, keyed, dim, threads, tick)))
+    if todo_adapters:
+        b, fam, hashes = families[base_ckpt_name]  # type: ignore[index]
+        keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
+        results += zip(todo_adapters, lorascan.scan_adapters(b, todo_adapters, fam, keyed, dim, threads, tick))
 
     # Phase 2: one transaction. Another process may have registered some of these meanwhile:
     # identical ones are skipped, conflicting ones refused (nothing is written then).
@@ -261,7 +272,7 @@ def _load_family(cat: Catalog, base_name: str) -> tuple[Checkpoint, list[FamilyT
 
 def _insert_checkpoint(
     con: duckdb.DuckDBPyConnection,
-    c: Checkpoint,
+    c: Checkpoint | lora.Adapter,
     role: str,
     base_id: int | None,
     chash: str,
@@ -272,7 +283,7 @@ def _insert_checkpoint(
         cid = int(_one(con, "SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints")[0])
     con.execute(
         "INSERT INTO checkpoints (checkpoint_id, name, path, root, role, base_id, architecture, dtype, "
-        "n_tensors, bytes, fingerprint, content_hash, block_size) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        "n_tensors, bytes, fingerprint, content_hash, block_size, adapter) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         [
             cid,
             c.name,
@@ -287,6 +298,7 @@ def _insert_checkpoint(
             c.fingerprint,
             chash,
             block_size,
+            isinstance(c, lora.Adapter) or None,
         ],
     )
     files = pa.table(
@@ -306,14 +318,15 @@ def _insert_checkpoint(
         base_order = dict(
             con.execute("SELECT name, tensor_idx FROM family_tensors WHERE base_id = ?", [base_id]).fetchall()
         )
-        order = {n: base_order[n] for n in order}
+        order = {n: base_order[n] for n in order if n in base_order}  # an adapter's factors are no base tensor
+    stored = [(fi, t) for fi, t in c.tensors if t.name in order]
     tensors = pa.table(
         {
-            "checkpoint_id": pa.array([cid] * len(c.tensors), pa.int32()),
-            "tensor_idx": pa.array([order[t.name] for _, t in c.tensors], pa.int32()),
-            "file_idx": pa.array([fi for fi, _ in c.tensors], pa.int32()),
-            "data_start": pa.array([t.start for _, t in c.tensors], pa.int64()),
-            "data_end": pa.array([t.end for _, t in c.tensors], pa.int64()),
+            "checkpoint_id": pa.array([cid] * len(stored), pa.int32()),
+            "tensor_idx": pa.array([order[t.name] for _, t in stored], pa.int32()),
+            "file_idx": pa.array([fi for fi, _ in stored], pa.int32()),
+            "data_start": pa.array([t.start for _, t in stored], pa.int64()),
+            "data_end": pa.array([t.end for _, t in stored], pa.int64()),
         }
     )
     append_rows(con, "tensors", tensors)
@@ -444,8 +457,12 @@ def _rows_table(cid: int, rows: Sequence[tuple], fields: tuple[str, ...], types:
 
 
 def _insert_stats(con: duckdb.DuckDBPyConnection, cid: int, st: scan.ExpertStats) -> None:
-    append_rows(con, "expert_blocks", _rows_table(cid, st.blocks, scan.BlockRow._fields, _BLOCK_TYPES))
-    append_rows(con, "expert_tensors", _rows_table(cid, st.tensors, scan.TensorRow._fields, _TENSOR_TYPES))
+    blocks = _rows_table(cid, st.blocks, scan.BlockRow._fields, _BLOCK_TYPES)
+    tensors = _rows_table(cid, st.tensors, scan.TensorRow._fields, _TENSOR_TYPES)
+    if isinstance(st, lorascan.AdapterStats):  # an adapter's read costs (schema/009)
+        blocks, tensors = lorascan.with_costs(st, blocks, tensors)
+    append_rows(con, "expert_blocks", blocks)
+    append_rows(con, "expert_tensors", tensors)
 
 
 def _delete_checkpoint(con: duckdb.DuckDBPyConnection, cid: int) -> None:

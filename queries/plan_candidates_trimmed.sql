@@ -6,7 +6,8 @@
 --   _plan_trim(checkpoint_id, tensor_idx, t_lo, t_hi).
 -- Parameters: $1 base_id.
 -- Result: temp table plan_candidates(checkpoint_id, position, tensor_idx, block_idx, nbytes, free,
---   value, score) with score = value / nbytes.
+--   value, score) with score = value / nbytes; nbytes as in plan_candidates.sql (read_bytes of a
+--   LoRA adapter's block).
 CREATE OR REPLACE TEMP TABLE plan_candidates AS
 SELECT checkpoint_id, position, tensor_idx, block_idx, nbytes, free, value, value / greatest(nbytes, 1) AS score
 FROM (
@@ -14,7 +15,7 @@ FROM (
            pe.position,
            eb.tensor_idx,
            eb.block_idx,
-           bl.nbytes,
+           coalesce(eb.read_bytes, bl.nbytes) AS nbytes,
            eb.identical AS free,
            CASE WHEN eb.identical THEN 0.0
                 ELSE abs(pe.coef) * sqrt(coalesce(list_sum(list_transform(

@@ -1,0 +1,233 @@
+"""Registration of LoRA adapters: the same per-block statistics as a dense expert, from the factors.
+
+For every block of rows of an adapted tensor, ΔW[rows] = s · L[rows] @ R is formed in float32
+(loraread; never the whole ΔW unless the tensor is one block, never a full model copy), and the
+block's "expert" values are e = float32(θ₀ + ΔW) with θ₀ the base block decoded to float32. The
+statistics are those of Δ = e − θ₀ from `stats.block_stats`, the dense experts' code, so they
+describe exactly the float32 delta the merger folds in (merger_lora.py forms the same e). A
+modules_to_save tensor is read like a dense expert's (its own rows, decoded to float32).
+
+Costs (schema/009): a block's `read_bytes` is what a merge reads for it, the rows of L (rank ×
+rows × itemsize) or the replacement rows; the tensor's `fixed_bytes` is R, read once per (expert,
+tensor). Tensors the adapter does not touch get the rows of a block identical to the base (Δ = 0,
+free, never read, read_bytes 0). A block whose formed Δ is exactly zero is recorded as identical
+too (free: reading it would change nothing).
+
+Content hash of an adapter block: xxh3-128 of the raw bytes it reads (the rows of L, or the
+replacement rows) followed by the raw bytes of R; the merger's --verify recomputes it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+from . import scan, stats
+from .checkpoint import Checkpoint
+from .layout import Block, FamilyTensor, element_offset
+from .lora import Adapter
+from .loraread import AdapterFiles, delta_rows, read_fixed, read_rows
+from .tensorfile import DTYPES, as_float32, pread_into
+from .units import check_threads
+
+
+class AdapterStats(scan.ExpertStats):
+    """An adapter's ExpertStats plus its costs: per block (tensor_idx, block_idx) -> read_bytes,
+    and per adapted tensor_idx -> fixed_bytes (R's bytes; 0 for a modules_to_save tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_bytes: dict[tuple[int, int], int] = {}
+        self.fixed_bytes: dict[int, int] = {}
+
+
+def block_hash(rows_raw: np.ndarray, fixed_raw: np.ndarray | None) -> str:
+    """The content hash of an adapter block (see the module docstring)."""
+    h = xxhash.xxh3_128()
+    h.update(rows_raw)
+    if fixed_raw is not None:
+        h.update(fixed_raw)
+    return h.hexdigest()
+
+
+def scan_adapters(
+    base: Checkpoint,
+    adapters: list[Adapter],
+    family: list[FamilyTensor],
+    base_hashes: dict[tuple[int, int], str],
+    sketch_dim: int,
+    threads: int,
+    progress: scan.Progress | None = None,
+) -> list[AdapterStats]:
+    """Statistics of every adapter's delta, one (adapter, touched tensor) unit per worker thread;
+    rows in (tensor, block) order whatever the thread count."""
+    check_threads(threads)
+    bwhere = {t.name: (fi, t) for fi, t in base.tensors}
+    base_files = scan._Files(base)
+    files = [AdapterFiles(a) for a in adapters]
+    scratch = scan._Scratch()
+
+    def unit(k: int, ft: FamilyTensor) -> tuple[list[scan.BlockRow], scan.TensorRow, list[str], dict, int]:
+        ad, af = adapters[k], files[k]
+        bfi, bt = bwhere[ft.name]
+        factor = ad.factors.get(ft.name)
+        right, fixed_raw = read_fixed(af, factor) if factor is not None else (None, None)  # R (rank, cols) float32
+        abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32)
+        summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+        cap = ft.numel // 2 + 1024
+        exceptions = stats.Exceptions(cap, scratch.get("exc", cap * 4 + 4).view(np.uint32))
+        rows: list[scan.BlockRow] = []
+        hashes: list[str] = []
+        costs: dict[tuple[int, int], int] = {}
+        all_zero = True
+        cols = ft.numel // max(1, ft.shape[0]) if len(ft.shape) > 1 else ft.numel
+        for blk in ft.blocks:
+            braw = scratch.get("b", blk.nbytes)
+            pread_into(base_files.fds[bfi], memoryview(braw), bt.start + blk.byte_start, base_files.paths[bfi])
+            b32 = as_float32(
+                braw.view(DTYPES[ft.dtype][1]), ft.dtype, scratch.get("b32", blk.numel * 4).view(np.float32)
+            )
+            e32, rows_raw = block_values(
+                ad, af, ft, blk, b32, right, scratch.get("e32", blk.numel * 4).view(np.float32), cols
+            )
+            if progress:
+                progress(rows_raw.nbytes + blk.nbytes)
+            seg = abs_delta[element_offset(ft, blk) : element_offset(ft, blk) + blk.numel]
+            codes = stats.sketch_codes(stats.sketch_key(ft.name, blk.block_idx), blk.numel, sketch_dim)
+            s = stats.block_stats(
+                e32, b32, seg, stats.sketch_key(ft.name, blk.block_idx), summary, sketch_dim, exceptions, codes
+            )
+            key = (ft.tensor_idx, blk.block_idx)
+            if s.nnz == 0 and s.nonfinite == 0:  # Δ = 0 exactly: free, as a block identical to the base
+                rows.append(scan._zero_row(ft.tensor_idx, blk.block_idx, base_hashes[key], sketch_dim))
+                hashes.append(base_hashes[key])
+                costs[key] = 0
+                continue
+            all_zero = False
+            chash = block_hash(rows_raw, fixed_raw)
+            hashes.append(chash)
+            costs[key] = rows_raw.nbytes
+            rows.append(
+                scan.BlockRow(
+                    ft.tensor_idx,
+                    blk.block_idx,
+                    False,
+                    s.norm,
+                    s.max_abs,
+                    s.nnz,
+                    s.nonfinite,
+                    chash,
+                    s.hist_lo,
+                    stats.hist_hi(s.hist_lo),
+                    s.hist_count,
+                    s.hist_sum,
+                    s.hist_sumsq,
+                    s.sketch,
+                    s.base_dot,
+                )  # fmt: skip
+            )
+        if all_zero:
+            thresholds = np.zeros(len(stats.DENSITY_GRID), np.float32)
+        else:
+            thresholds = stats.grid_thresholds(abs_delta, summary, exceptions)
+        codes_, counts = stats.summary_bins(summary)
+        fixed = factor.fixed_bytes if factor is not None and not all_zero else 0
+        return rows, scan.TensorRow(ft.tensor_idx, all_zero, thresholds, codes_, counts), hashes, costs, fixed
+
+    units = [(k, ft) for k, ad in enumerate(adapters) for ft in family if ft.mergeable and ft.name in _touched(ad)]
+    units.sort(key=lambda u: (-u[1].nbytes, u[1].tensor_idx, u[0]))  # largest first: a short tail
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            done = dict(zip(units, pool.map(lambda u: unit(*u), units)))
+    finally:
+        base_files.close()
+        for f in files:
+            f.close()
+    out = []
+    for k in range(len(adapters)):
+        st = AdapterStats()
+        all_hashes: list[str] = []
+        for ft in family:
+            if (k, ft) in done:
+                rows, trow, hashes, costs, fixed = done.pop((k, ft))
+                st.blocks.extend(rows)
+                st.tensors.append(trow)
+                all_hashes.extend(hashes)
+                st.read_bytes.update(costs)
+                st.fixed_bytes[ft.tensor_idx] = fixed
+                continue
+            hashes = [base_hashes[(ft.tensor_idx, b.block_idx)] for b in ft.blocks]
+            all_hashes.extend(hashes)
+            if not ft.mergeable:
+                continue
+            for b, h in zip(ft.blocks, hashes):  # untouched: Δ = 0, never read
+                st.blocks.append(scan._zero_row(ft.tensor_idx, b.block_idx, h, sketch_dim))
+                st.read_bytes[(ft.tensor_idx, b.block_idx)] = 0
+            st.tensors.append(
+                scan.TensorRow(
+                    ft.tensor_idx, True, np.zeros(len(stats.DENSITY_GRID), np.float32), *stats.summary_bins(_zeros(ft))
+                )
+            )
+        st.content_hash = scan.content_hash(all_hashes)
+        out.append(st)
+    return out
+
+
+def block_values(
+    ad: Adapter,
+    af: AdapterFiles,
+    ft: FamilyTensor,
+    blk: Block,
+    b32: np.ndarray,
+    right: np.ndarray | None,
+    out: np.ndarray,
+    cols: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The adapter's float32 values e (flat (numel,)) of block `blk` of tensor `ft`, given the base
+    block decoded to float32 `b32`: θ₀ + ΔW (ΔW = s · L[rows] @ R, `right` = R), or the decoded
+    rows of a modules_to_save tensor; and the raw bytes read for them (the block's read cost)."""
+    factor = ad.factors.get(ft.name)
+    if factor is None:
+        where = ad.dense[ft.name]
+        t = where[1]
+        rb = t.nbytes // max(1, ft.shape[0]) if len(ft.shape) > 1 else t.nbytes
+        raw = af.read(
+            where,
+            blk.row_start * rb,
+            (blk.row_end - blk.row_start) * rb,
+            np.empty((blk.row_end - blk.row_start) * rb, np.uint8),
+        )
+        as_float32(raw.view(DTYPES[t.dtype][1]), t.dtype, out)
+        return out, raw
+    left, raw = read_rows(af, factor, blk.row_start, blk.row_end)  # (rows, rank) float32
+    d = delta_rows(factor, left, right, out.reshape(-1, cols))  # (rows, cols) float32 ΔW
+    np.add(b32, d.reshape(-1), out=out)  # e = float32(θ₀ + ΔW)
+    return out, raw
+
+
+def _touched(ad: Adapter) -> set[str]:
+    return {*ad.factors, *ad.dense}
+
+
+def _zeros(ft: FamilyTensor) -> np.ndarray:
+    summary = np.zeros(stats.SUMMARY_BINS, np.int64)
+    summary[0] = ft.numel
+    return summary
+
+
+def bytes_to_read(ad: Adapter) -> int:
+    """Registration's progress total for an adapter: its factors once, the base's adapted tensors."""
+    base = sum(t.nbytes for _, t in ad.tensors)
+    return base + sum(f.rows_factor[1].nbytes for f in ad.factors.values())
+
+
+def with_costs(st: AdapterStats, blocks: pa.Table, tensors: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """The adapter's expert_blocks and expert_tensors rows (Arrow, schema/001 names) plus the
+    read_bytes and fixed_bytes columns of schema/009."""
+    keys = zip(blocks.column("tensor_idx").to_pylist(), blocks.column("block_idx").to_pylist())
+    blocks = blocks.append_column("read_bytes", pa.array([st.read_bytes[k] for k in keys], pa.int64()))
+    fixed = [st.fixed_bytes.get(t, 0) for t in tensors.column("tensor_idx").to_pylist()]
+    return blocks, tensors.append_column("fixed_bytes", pa.array(fixed, pa.int64()))

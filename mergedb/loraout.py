@@ -185,7 +185,7 @@ def _factors(files: list[loraread.AdapterFiles], xp: ExecutionPlan, m: Module) -
             r0, r1 = layout.rows[b]
             left[r0:r1] = loraread.read_rows(files[term.position], f, r0, r1)[0]
         ls.append(left)
-        rs.append(loraread.read_fixed(files[term.position], f))  # (r, cols)
+        rs.append(loraread.read_fixed(files[term.position], f)[0])  # (r, cols)
         scales.append(term.coef * f.scale)
     return concat(ls, rs, scales)
 

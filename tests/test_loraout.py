@@ -277,3 +277,19 @@ def test_a_dense_plan_is_refused_before_reading(tmp_path):
     with pytest.raises(MergeDBError, match="expert_00 .* is a full checkpoint"):
         cat.execute(plan.plan_id, tmp_path / "out", as_lora=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_readme_lora_example_runs(tmp_path, monkeypatch):
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"## LoRA adapters\n.*?```python\n(.*?)```", text, re.S).group(1)
+    base = lf.make_base(tmp_path / "base")
+    for i, name in enumerate(("math", "code")):
+        lf.make_adapter(base, tmp_path / "adapters" / name, seed=10 + i)
+    mergedb.connect(tmp_path / "mergedb.duckdb").register([base], base=True, name="base")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    cfg = json.loads((tmp_path / "mix-adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == cfg["lora_alpha"] == 8
+    assert json.loads((tmp_path / "mix-r2" / "adapter_config.json").read_text())["r"] == 2

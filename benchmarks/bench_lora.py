@@ -112,8 +112,10 @@ def _measured(cmd: list[str]) -> dict:
     }
 
 
-def _last_json(run: dict) -> dict:
-    return json.loads(run.pop("stdout").strip().splitlines()[-1])
+def _with_json(run: dict) -> dict:
+    """`run` without its output, merged with the JSON object on the output's last line."""
+    out = run.pop("stdout")
+    return {**run, **json.loads(out.strip().splitlines()[-1])}
 
 
 def _du(path: Path) -> int:
@@ -142,11 +144,11 @@ def mergedb_arm(base: Path, adapters: list[Path], work: Path, rank: int) -> dict
     doc: dict = {}
     evict(list(base.rglob("*.safetensors")))
     r = _measured([sys.executable, "-c", _REGISTER, str(db), "base", str(base)])
-    doc["register_base"] = {**r, **_last_json(r)}
+    doc["register_base"] = _with_json(r)
     files = [p / "adapter_model.safetensors" for p in adapters]
     evict(files)
     r = _measured([sys.executable, "-c", _REGISTER, str(db), "experts", *map(str, adapters)])
-    doc["register_adapters"] = {**r, **_last_json(r)}
+    doc["register_adapters"] = _with_json(r)
     names = ",".join(p.name for p in adapters)
     t0 = time.perf_counter()
     subprocess.run(
@@ -247,7 +249,7 @@ print(json.dumps({"load_seconds": load_s, "seconds": times, "tensors": len(rel["
 def peft_arm(base: Path, adapters: list[Path], exact: Path) -> dict:
     evict([*base.rglob("*.safetensors"), *(p / "adapter_model.safetensors" for p in adapters)])
     r = _measured([sys.executable, "-c", _PEFT, str(base), str(exact), *map(str, adapters)])
-    return {**r, **_last_json(r)}
+    return _with_json(r)
 
 
 _COMPARE = r"""
@@ -308,6 +310,10 @@ def run(k: int, rank: int, quick: bool, work: Path) -> dict:
         "adapter_bytes": sum(_du(p) for p in adapters),
         "load_before": os.getloadavg(),
     }
+    # warm the libraries' files (torch, transformers, peft, numba's cache) so the cold-cache arms
+    # measure reading the model and adapters, not imports
+    subprocess.run([sys.executable, "-c", "import torch, transformers, peft, mergedb.cli"], check=True)
+    subprocess.run([str(MERGEKIT_YAML.parent / "python"), "-c", "import mergekit.merge, peft"], check=True)
     doc["mergedb"] = mergedb_arm(base, adapters, work, rank)
     doc["mergekit"] = mergekit_arm(base, adapters, work)
     doc["peft"] = peft_arm(base, adapters, work / "lora-exact")

@@ -69,3 +69,15 @@ def test_truncate_refuses_rank_zero():
     f = concat([np.ones((3, 1), np.float32)], [np.ones((1, 3), np.float32)], [1.0])
     with pytest.raises(ValueError, match="at least 1"):
         truncate(f, 0)
+
+
+def test_one_blas_thread_pins_and_restores_openblas():
+    from mergedb.lowrank import _openblas, one_blas_thread
+
+    libs = _openblas()
+    if not libs:
+        pytest.skip("no OpenBLAS loaded in this process (numpy built against another BLAS)")
+    before = [get_() for _, get_ in libs]
+    with one_blas_thread():
+        assert [get_() for _, get_ in libs] == [1] * len(libs)
+    assert [get_() for _, get_ in libs] == before

@@ -164,6 +164,11 @@ def check_plan(xp: ExecutionPlan) -> tuple[list[lora.Adapter], list[Module]]:
         modules.append(
             Module(ti, t.name, t.name.removesuffix(".weight"), f0.embedding, f0.transposed, rows, cols, tuple(terms))
         )
+    if not modules:
+        raise PlanError(
+            f"plan {xp.plan_id} selects no adapter block (its budget reads nothing), so its merge is the base "
+            "itself and there is no adapter to write; plan with a larger --budget"
+        )
     fifo = {m.terms[0].factor.fan_in_fan_out for m in modules if not m.embedding}
     if len(fifo) > 1:
         raise PlanError(

@@ -240,6 +240,9 @@ def test_refusals_name_the_problem_and_write_nothing(fam, tmp_path):
     saved = cat.plan(PlanRequest("base", ("a", "mts"), "linear", "all"))
     with pytest.raises(PlanError, match="modules_to_save"):
         cat.execute(saved.plan_id, tmp_path / "out", as_lora=True)
+    nothing = cat.plan(PlanRequest("base", ("a", "b"), "linear", "0"))
+    with pytest.raises(PlanError, match="selects no adapter block"):
+        cat.execute(nothing.plan_id, tmp_path / "out", as_lora=True)
     ok = cat.plan(PlanRequest("base", ("a",), "linear", "all"))
     for bad in (0, -1):
         with pytest.raises(PlanError, match="--rank"):

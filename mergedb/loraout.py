@@ -53,7 +53,16 @@ from .errors import ChangedFileError, MergeDBError, PlanError
 from .executor import ExecuteResult, peak_rss, physical_read_bytes
 from .executor import replay as replay_model
 from .lowrank import Factors, concat, truncate
-from .manifest import MANIFEST, ExecutionPlan, build_manifest, content_hash, mask_table, plan_from_manifest, write_json
+from .manifest import (
+    MANIFEST,
+    MASK,
+    ExecutionPlan,
+    build_manifest,
+    content_hash,
+    mask_table,
+    plan_from_manifest,
+    write_json,
+)
 from .merger import normalize_dtype
 from .tensorfile import SafetensorsWriter, encode
 
@@ -314,7 +323,7 @@ def _write(
     xp: ExecutionPlan, adapters: list[lora.Adapter], modules: list[Module], tmp: Path, rank: int | None, out_dt: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The adapter files in `tmp`; (manifest without run, run record)."""
-    entries = []
+    entries: list[tuple[str, str, tuple[int, ...]]] = []
     for m in modules:
         (ka, kb), (sa, sb) = m.keys(), m.shapes(rank)
         entries += [(ka, out_dt, sa), (kb, out_dt, sb)]
@@ -324,7 +333,8 @@ def _write(
     # for it (A then B; nothing for a tensor no adapter touches); key_hashes: per adapter key (check --output)
     hashes = {t.name: xxhash.xxh3_128_hexdigest(b"") for t in xp.tensors}
     key_hashes: dict[str, str] = {}
-    facts = []
+    facts: list[dict[str, Any]] = []
+    errors: list[float] = []
     read = 0
     with SafetensorsWriter(tmp / lora.SINGLE, entries, {"format": "pt"}) as w:
         for m, a, b, err in _merge(xp, adapters, modules, rank):
@@ -337,8 +347,9 @@ def _write(
             hashes[m.tensor] = both.hexdigest()
             read += sum(_term_bytes(xp, m, t) for t in m.terms)
             facts.append({"tensor": m.tensor, "module": m.module, "rank": int(a.shape[0]), "rel_error": err})
+            errors.append(err or 0.0)
         written = w.total_size
-    pq.write_table(mask_table(xp), tmp / "mask.parquet")
+    pq.write_table(mask_table(xp), tmp / MASK)
     doc = build_manifest(xp, out_dt, hashes)
     doc["lora"] = {
         "format": "peft-lora",
@@ -347,7 +358,7 @@ def _write(
         "config": cfg,
         "modules": facts,
         "key_hashes": key_hashes,
-        "max_rel_error": max((f["rel_error"] or 0.0 for f in facts), default=0.0),
+        "max_rel_error": max(errors, default=0.0),
     }
     doc["content_hash"] = content_hash(doc)
     run = {

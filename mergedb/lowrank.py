@@ -27,6 +27,7 @@ import ctypes
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -91,7 +92,7 @@ _SET = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "ope
 _GET = ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads")
 
 
-def _openblas() -> list[tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]]:
+def _openblas() -> list[tuple[Any, Any]]:
     """(set, get) thread-count functions of every OpenBLAS loaded in this process (Linux: read from
     /proc/self/maps); empty where there is none or it cannot be found (the work then runs as is)."""
     found = []

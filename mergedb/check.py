@@ -16,6 +16,7 @@ import xxhash
 from . import manifest
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import MergeDBError
+from .lora import adapter_fingerprint, is_adapter
 from .tensorfile import pread_into, read_header
 
 if TYPE_CHECKING:
@@ -89,6 +90,21 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
                         [base_id, cid],
                     ).fetchall()
     for cid, name, path, fp, _, _ in ckpts:
+        if is_adapter(path):  # a LoRA adapter: its files against the fingerprint (no block rehash yet)
+            try:
+                same = adapter_fingerprint(path) == fp
+            except MergeDBError as e:
+                problems.append(Problem(f"checkpoint {name}", f"cannot be read: {e}", "restore the adapter folder"))
+                continue
+            if not same:
+                problems.append(
+                    Problem(
+                        f"checkpoint {name}",
+                        f"files at {path} changed since registration",
+                        "mergedb register --refresh",
+                    )
+                )
+            continue
         try:
             ckpt = open_checkpoint(path, name=name)
         except MergeDBError as e:

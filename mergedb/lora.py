@@ -141,8 +141,7 @@ def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | Non
     if not is_adapter(root):
         raise FormatError(f"{root}: not a PEFT adapter folder (needs {CONFIG} and {SINGLE} or {INDEX})")
     cfg, cfg_bytes = _read_config(root)
-    relpaths = [SINGLE] if (root / SINGLE).is_file() else _shards(root)
-    files = tuple(file_info(root, rel) for rel in relpaths)
+    files = _files(root)
     tensors: dict[str, tuple[int, TensorInfo]] = {}
     for i, f in enumerate(files):
         for t in f.header.tensors:
@@ -210,8 +209,23 @@ def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | Non
                 f"{root}: {t.name!r} is {t.dtype} and base tensor {target!r} is {bt.dtype}; "
                 f"only {'/'.join(FLOAT_DTYPES)} tensors can be merged"
             )
-    fp = hashlib.sha256(f"{fingerprint(files)}\0".encode() + cfg_bytes).hexdigest()
-    return Adapter(name or root.name, root, root, files, fp, factors, dense, cfg)
+    return Adapter(name or root.name, root, root, files, _fingerprint(files, cfg_bytes), factors, dense, cfg)
+
+
+def adapter_fingerprint(path: str | os.PathLike[str]) -> str:
+    """The fingerprint `open_adapter` records, from the folder alone (no base needed)."""
+    root = Path(path)
+    if not is_adapter(root):
+        raise FormatError(f"{root}: not a PEFT adapter folder (needs {CONFIG} and {SINGLE} or {INDEX})")
+    return _fingerprint(_files(root), _read_config(root)[1])
+
+
+def _files(root: Path) -> tuple[FileInfo, ...]:
+    return tuple(file_info(root, rel) for rel in ([SINGLE] if (root / SINGLE).is_file() else _shards(root)))
+
+
+def _fingerprint(files: tuple[FileInfo, ...], cfg_bytes: bytes) -> str:
+    return hashlib.sha256(f"{fingerprint(files)}\0".encode() + cfg_bytes).hexdigest()
 
 
 def pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
@@ -321,6 +335,12 @@ def _shards(root: Path) -> list[str]:
         if os.path.isabs(s) or not (root / s).resolve().is_relative_to(real) or not (root / s).is_file():
             raise FormatError(f"{path}: shard {s!r} is missing or outside the adapter folder")
     return shards
+
+
+def partition(items: Iterable[Any]) -> tuple[list[Any], list[Adapter]]:
+    """(the items that are not adapters, the adapters), each in order."""
+    items = list(items)
+    return [c for c in items if not isinstance(c, Adapter)], [c for c in items if isinstance(c, Adapter)]
 
 
 def split_paths(paths: Iterable[str | os.PathLike[str]], base: bool = False) -> tuple[list[Path], list[Path]]:

@@ -22,12 +22,10 @@ import numpy as np
 from . import kernels
 from .checkpoint import open_checkpoint
 from .errors import ChangedFileError
-from .layout import Block, FamilyTensor, row_elems
 from .lora import Adapter, is_adapter, open_adapter
 from .loraread import AdapterFiles, fixed_from_raw
 from .lorascan import block_hash, block_values
 from .manifest import ExecutionPlan
-from .tensorfile import tensor_nbytes
 
 if TYPE_CHECKING:
     from .merger import Merger
@@ -80,14 +78,11 @@ class LoraInputs:
         ad, files = self.adapters[pos]
         t = self.xp.tensors[ti]
         r0, r1 = t.rows[b]
-        ft = _tensor(t.name, t.dtype, t.shape, ti)
-        blk = Block(ti, b, r0, r1, 0, 0, (r1 - r0) * row_elems(t.shape))
         read = 0
         right = fixed_raw = None
         if t.name in ad.factors:
             right, fixed_raw, read = self._fixed(pos, ti, ad, files)
-        cols = row_elems(t.shape)
-        e32, rows_raw = block_values(ad, files, ft, blk, b32, right, out, cols)
+        e32, rows_raw = block_values(ad, files, t.name, t.shape, r0, r1, b32, right, out)
         if verify and block_hash(rows_raw, fixed_raw) != h:
             raise ChangedFileError(
                 f"{ad.root}: block {b} of {t.name!r} does not match its registered hash; the adapter changed "
@@ -117,10 +112,6 @@ class LoraInputs:
             with self.lock:
                 self.fixed[(pos, ti)] = (right, raw, lock)
             return right, raw, info.nbytes
-
-
-def _tensor(name: str, dtype: str, shape: tuple[int, ...], ti: int) -> FamilyTensor:
-    return FamilyTensor(ti, name, dtype, tuple(shape), 0, tensor_nbytes(dtype, shape), 0, True, ())
 
 
 def wide_inputs(m: Merger, ti: int, b: int, base: np.ndarray, kind: int) -> tuple[np.ndarray, list]:

@@ -27,7 +27,7 @@ import xxhash
 
 from . import scan, stats
 from .checkpoint import Checkpoint
-from .layout import Block, FamilyTensor, element_offset
+from .layout import FamilyTensor, element_offset
 from .lora import Adapter
 from .loraread import AdapterFiles, delta_rows, read_fixed, read_rows
 from .tensorfile import DTYPES, as_float32, pread_into
@@ -75,6 +75,8 @@ def scan_adapters(
         bfi, bt = bwhere[ft.name]
         factor = ad.factors.get(ft.name)
         right, fixed_raw = read_fixed(af, factor) if factor is not None else (None, None)  # R (rank, cols) float32
+        if progress and fixed_raw is not None:
+            progress(fixed_raw.nbytes)
         abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32)
         summary = np.zeros(stats.SUMMARY_BINS, np.int64)
         cap = ft.numel // 2 + 1024
@@ -83,16 +85,14 @@ def scan_adapters(
         hashes: list[str] = []
         costs: dict[tuple[int, int], int] = {}
         all_zero = True
-        cols = ft.numel // max(1, ft.shape[0]) if len(ft.shape) > 1 else ft.numel
         for blk in ft.blocks:
             braw = scratch.get("b", blk.nbytes)
             pread_into(base_files.fds[bfi], memoryview(braw), bt.start + blk.byte_start, base_files.paths[bfi])
             b32 = as_float32(
                 braw.view(DTYPES[ft.dtype][1]), ft.dtype, scratch.get("b32", blk.numel * 4).view(np.float32)
             )
-            e32, rows_raw = block_values(
-                ad, af, ft, blk, b32, right, scratch.get("e32", blk.numel * 4).view(np.float32), cols
-            )
+            e32_buf = scratch.get("e32", blk.numel * 4).view(np.float32)
+            e32, rows_raw = block_values(ad, af, ft.name, ft.shape, blk.row_start, blk.row_end, b32, right, e32_buf)
             if progress:
                 progress(rows_raw.nbytes + blk.nbytes)
             seg = abs_delta[element_offset(ft, blk) : element_offset(ft, blk) + blk.numel]
@@ -179,31 +179,29 @@ def scan_adapters(
 def block_values(
     ad: Adapter,
     af: AdapterFiles,
-    ft: FamilyTensor,
-    blk: Block,
+    name: str,
+    shape: tuple[int, ...],
+    r0: int,
+    r1: int,
     b32: np.ndarray,
     right: np.ndarray | None,
     out: np.ndarray,
-    cols: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The adapter's float32 values e (flat (numel,)) of block `blk` of tensor `ft`, given the base
-    block decoded to float32 `b32`: θ₀ + ΔW (ΔW = s · L[rows] @ R, `right` = R), or the decoded
-    rows of a modules_to_save tensor; and the raw bytes read for them (the block's read cost)."""
-    factor = ad.factors.get(ft.name)
+    """The adapter's float32 values e (flat (numel,)) of rows [r0, r1) of base tensor `name` of
+    `shape`, given those rows of the base decoded to float32 `b32`: θ₀ + ΔW (ΔW = s · L[r0:r1] @ R,
+    `right` = R), or the decoded rows of a modules_to_save tensor; and the raw bytes read for them
+    (the block's read cost)."""
+    factor = ad.factors.get(name)
     if factor is None:
-        where = ad.dense[ft.name]
+        where = ad.dense[name]
         t = where[1]
-        rb = t.nbytes // max(1, ft.shape[0]) if len(ft.shape) > 1 else t.nbytes
-        raw = af.read(
-            where,
-            blk.row_start * rb,
-            (blk.row_end - blk.row_start) * rb,
-            np.empty((blk.row_end - blk.row_start) * rb, np.uint8),
-        )
+        rb = t.nbytes // shape[0] if len(shape) > 1 else t.nbytes  # bytes per row of the replacement
+        raw = af.read(where, r0 * rb, (r1 - r0) * rb, np.empty((r1 - r0) * rb, np.uint8))
         as_float32(raw.view(DTYPES[t.dtype][1]), t.dtype, out)
         return out, raw
-    left, raw = read_rows(af, factor, blk.row_start, blk.row_end)  # (rows, rank) float32
-    d = delta_rows(factor, left, right, out.reshape(-1, cols))  # (rows, cols) float32 ΔW
+    assert right is not None  # read_fixed's R for every adapted tensor (callers pass it)
+    left, raw = read_rows(af, factor, r0, r1)  # (rows, rank) float32
+    d = delta_rows(factor, left, right, out.reshape(r1 - r0, -1))  # (rows, cols) float32 ΔW
     np.add(b32, d.reshape(-1), out=out)  # e = float32(θ₀ + ΔW)
     return out, raw
 
@@ -218,10 +216,11 @@ def _zeros(ft: FamilyTensor) -> np.ndarray:
     return summary
 
 
-def bytes_to_read(ad: Adapter) -> int:
-    """Registration's progress total for an adapter: its factors once, the base's adapted tensors."""
-    base = sum(t.nbytes for _, t in ad.tensors)
-    return base + sum(f.rows_factor[1].nbytes for f in ad.factors.values())
+def bytes_to_read(ad: Adapter, family: list[FamilyTensor]) -> int:
+    """What registering `ad` reads: every factor and replacement tensor once, and the base's blocks
+    of the tensors it adapts (untouched tensors are never read)."""
+    touched = _touched(ad)
+    return sum(t.nbytes for _, t in ad.tensors) + sum(ft.nbytes for ft in family if ft.mergeable and ft.name in touched)
 
 
 def with_costs(st: AdapterStats, blocks: pa.Table, tensors: pa.Table) -> tuple[pa.Table, pa.Table]:

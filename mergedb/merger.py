@@ -12,6 +12,9 @@ one block (5 float32 per element for TIES-style methods, 1 otherwise) and two gr
 READ_AHEAD expert blocks (one being folded in, one being read), reused from block to block; plus
 the tensors in the reorder buffer. None of it grows with K, except for model_stock: every expert
 block of one block at once per thread (its pairwise dots), and its tensor's float32 update.
+
+A block that a LoRA adapter of the plan contributes to is formed from the adapter's factors and
+folded as float32, one expert at a time (loramerge.py); every other block takes the path above.
 """
 
 from __future__ import annotations

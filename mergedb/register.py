@@ -153,10 +153,8 @@ def register(
                 )
         (todo_bases if role == "base" else todo_experts).append(c)
 
-    todo_adapters = [c for c in todo_experts if isinstance(c, lora.Adapter)]
-    todo_experts = [c for c in todo_experts if not isinstance(c, lora.Adapter)]
+    todo_experts, todo_adapters = lora.partition(todo_experts)
     total = sum(_tensor_bytes(c) for c in todo_bases) + sum(2 * _tensor_bytes(c) for c in todo_experts)
-    total += sum(lorascan.bytes_to_read(a) for a in todo_adapters)
     if on_total:
         on_total(total)
     read = 0
@@ -185,6 +183,8 @@ def register(
         results = list(zip(todo_experts, scan.scan_experts(b, todo_experts, fam, keyed, dim, threads, tick)))
     if todo_adapters:
         b, fam, hashes = families[base_ckpt_name]  # type: ignore[index]
+        if on_total:
+            on_total(total + sum(lorascan.bytes_to_read(a, fam) for a in todo_adapters))
         keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
         results += zip(todo_adapters, lorascan.scan_adapters(b, todo_adapters, fam, keyed, dim, threads, tick))
 

@@ -361,7 +361,8 @@ def execute(
     as_lora: Path | None = typer.Option(
         None,
         "--as-lora",
-        help="Write a PEFT LoRA adapter folder here instead of a model (linear / task_arithmetic over adapters).",
+        help="Write a PEFT LoRA adapter folder here instead of a model (linear / task_arithmetic over adapters; "
+        "float32 factors unless --dtype).",
     ),
     rank: int | None = typer.Option(
         None, "--rank", help="With --as-lora: cut each module to this rank (truncated SVD) [default: exact]."

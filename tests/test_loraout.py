@@ -296,3 +296,17 @@ def test_readme_lora_example_runs(tmp_path, monkeypatch):
     cfg = json.loads((tmp_path / "mix-adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == cfg["lora_alpha"] == 8
     assert json.loads((tmp_path / "mix-r2" / "adapter_config.json").read_text())["r"] == 2
+
+
+def test_bf16_factors(fam, tmp_path):
+    """--dtype bf16: each factor element rounded once to bfloat16 (relative error ≤ 2⁻⁹ per element),
+    so the product is within a few 2⁻⁹ of the merge."""
+    cat = _catalog(fam, tmp_path)
+    plan = cat.plan(PlanRequest("base", ("a", "c"), "linear", "all"))
+    cat.execute(plan.plan_id, tmp_path / "out", as_lora=True, dtype="bf16")
+    with safe_open(str(tmp_path / "out" / "adapter_model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    delta = _merged_delta(fam, [0.5, 0.0, 0.5])
+    pd = _peft_delta(fam, tmp_path / "out")
+    worst = max(float(torch.linalg.norm(pd[n] - d) / torch.linalg.norm(d)) for n, d in delta.items())
+    assert 2**-12 < worst < 2**-6

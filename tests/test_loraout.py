@@ -1,19 +1,23 @@
 """`execute --as-lora`: the adapter mergedb writes, loaded by peft, against merges formed in torch.
 
-References: each adapter's ΔW_k is peft's merge_and_unload() minus the base (tests/lora_fixtures),
-the merge base + Σ c_k ΔW_k with c_k from the textbook formulas (linear: w/Σw, task arithmetic:
-λ·w), and the rank cut's error from torch.linalg.svd of the whole merged ΔW.
+References: each adapter's ΔW_k = s·B@A formed in torch from its files (checked against peft's
+merge_and_unload() minus the base), the merge base + Σ c_k ΔW_k with c_k from the textbook
+formulas (linear: w/Σw, task arithmetic: λ·w), and the rank cut's error from torch.linalg.svd of
+the whole merged ΔW.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import mergedb
@@ -48,11 +52,33 @@ def fam(tmp_path_factory):
         lf.make_adapter(base, root / "c", seed=3, r=3, lora_alpha=5, target_modules=["embed_tokens", "o_proj"]),
     ]
     b0 = lf.base_state(base)
-    deltas = []
-    for ad in ads:
+    deltas = [_file_deltas(ad) for ad in ads]
+    for ad, d in zip(ads, deltas):  # the textbook deltas are what peft's own merge adds
         merged = lf.merged_state(base, ad)
-        deltas.append({k: (merged[k].double() - b0[k].double()) for k in b0 if not torch.equal(merged[k], b0[k])})
+        assert {k for k in b0 if not torch.equal(merged[k], b0[k])} == set(d)
+        for k, x in d.items():
+            assert float(torch.linalg.norm(merged[k].double() - b0[k].double() - x)) <= 1e-6 * float(
+                torch.linalg.norm(x)
+            )
     return root, base, ads, b0, deltas
+
+
+def _file_deltas(path: Path) -> dict[str, torch.Tensor]:
+    """ΔW = s·B@A per base tensor (transposed for an embedding) from the adapter's files, float64:
+    s = lora_alpha/r, or lora_alpha/√r with use_rslora, r the factor's own rank."""
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    t = load_file(str(path / "adapter_model.safetensors"))
+    out = {}
+    for key in t:
+        m = re.fullmatch(r"base_model\.model\.(.+)\.lora_(embedding_)?A(\.weight)?", key)
+        if m is None:
+            continue
+        a, b = t[key].double(), t[key.replace("lora_A", "lora_B").replace("embedding_A", "embedding_B")].double()
+        r = a.shape[0]
+        s = cfg["lora_alpha"] / (math.sqrt(r) if cfg.get("use_rslora") else r)
+        d = s * (b @ a)  # (out, in); an embedding's is (dim, vocab)
+        out[m.group(1) + ".weight"] = d.T if m.group(2) else d
+    return out
 
 
 def _catalog(fam, tmp_path, block_size="4MiB"):

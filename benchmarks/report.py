@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from .common import RESULTS, machine
+from .lora_report import report_lines as lora_lines
 from .parity_report import report_lines as parity_lines
 
 OUT = RESULTS.parent / "RESULTS.md"
@@ -346,6 +347,7 @@ def write_report(quick: bool = False) -> Path:
             "sweep",
             "remote",
             "ray",
+            "lora",
         )
     }
     lines = [
@@ -466,6 +468,7 @@ def write_report(quick: bool = False) -> Path:
     lines += _sweep(docs["sweep"])  # written by python -m benchmarks.bench_sweep (issue 14)
     lines += _remote(docs["remote"])  # written by python -m benchmarks.bench_remote (issue 15)
     lines += _ray(docs["ray"])  # written by python -m benchmarks.bench_ray (issue 15)
+    lines += lora_lines(docs["lora"])  # written by python -m benchmarks.bench_lora (issue 13)
     lines += _targets(docs)
     for png in _plots(sc, fi, suffix):
         lines += [f"![{png}](results/{png})", ""]

@@ -22,7 +22,7 @@ import duckdb
 import pyarrow as pa
 
 from . import faults, frontier, mkplan, planner, plans, register, scores, stats, usersql
-from .errors import CatalogError, MergeDBError, RunNotRecordedError
+from .errors import CatalogError, MergeDBError, PlanError, RunNotRecordedError
 from .resources import migrations
 from .sweep import in_memory as _sweep_in_memory
 
@@ -380,8 +380,14 @@ class Catalog:
         on_total: Callable[[int], None] | None = None,
         threads: int | None = None,
         write_shards: WriteShards | None = None,
+        as_lora: bool = False,
+        rank: int | None = None,
     ) -> ExecuteResult:
         """Execute a stored plan into `out` and record the run (ok, or failed with its error).
+
+        `as_lora`: write a PEFT adapter folder instead of a model (linear / task arithmetic over
+        adapters only; loraout.py), exact, or cut to `rank` per module by a truncated SVD
+        (`verify`, `threads`, `max_shard_size` and the progress callbacks apply to models only).
 
         The catalog is open only to read the plan and to record the run, never during the merge.
         `out` may not be, hold or lie inside any registered checkpoint's folder. A run whose merge
@@ -390,6 +396,8 @@ class Catalog:
         `write_shards`: see executor.execute (rayexec.shard_writer runs the shards on Ray)."""
         from . import executor, outdir  # the merge kernels are heavy to import; planning does not need them
 
+        if rank is not None and not as_lora:
+            raise PlanError("a rank applies to a LoRA output only: pass as_lora=True (--as-lora) with it")
         xp = self.execution_plan(plan)
         with self.duckdb_connection() as con:
             registered = con.execute("SELECT path, root FROM checkpoints").fetchall()
@@ -400,18 +408,23 @@ class Catalog:
                 "(chmod u+w) and retry"
             )
         try:
-            res = executor.execute(
-                xp,
-                out,
-                max_shard_size=max_shard_size,
-                dtype=dtype,
-                verify=verify,
-                force=force,
-                progress=progress,
-                on_total=on_total,
-                threads=threads,
-                write_shards=write_shards,
-            )
+            if as_lora:
+                from . import loraout
+
+                res = loraout.execute(xp, out, rank=rank, dtype=dtype, force=force)
+            else:
+                res = executor.execute(
+                    xp,
+                    out,
+                    max_shard_size=max_shard_size,
+                    dtype=dtype,
+                    verify=verify,
+                    force=force,
+                    progress=progress,
+                    on_total=on_total,
+                    threads=threads,
+                    write_shards=write_shards,
+                )
         except MergeDBError as e:
             try:
                 self.record_run(xp.plan_id, out, error=str(e), wait=max(self.wait, RECORD_WAIT))

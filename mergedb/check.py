@@ -189,7 +189,9 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
                     )
                 fh.seek(t.start)
                 seen[t.name] = xxhash.xxh3_128_hexdigest(fh.read(t.nbytes))
-    for name, want in doc.get("tensor_hashes", {}).items():
+    lora = doc.get("lora")  # an --as-lora output (loraout.py): its adapter keys are hashed there
+    want_hashes = lora["key_hashes"] if isinstance(lora, dict) and isinstance(lora.get("key_hashes"), dict) else None
+    for name, want in (want_hashes or doc.get("tensor_hashes", {})).items():
         if name not in seen:
             problems.append(f"{folder}: tensor {name!r} is missing")
         elif seen[name] != want:

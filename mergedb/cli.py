@@ -367,7 +367,9 @@ def show_plan(
 @app.command()
 def execute(
     plan_ref: str = typer.Argument(..., metavar="PLAN", help="Plan id, name or hash prefix."),
-    out_dir: Path = typer.Option(..., "--out", "-o", help="Output folder (created; must not exist or be empty)."),
+    out_dir: Path | None = typer.Option(
+        None, "--out", "-o", help="Output folder (created; must not exist or be empty)."
+    ),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 [default: the base's]."),
     verify: bool = typer.Option(False, "--verify", help="Re-hash every block read against the catalog."),
@@ -376,15 +378,42 @@ def execute(
         None, "--threads", help="Merge threads (1 to 1024; the output does not depend on it) [default: all cores]."
     ),
     ray: str | None = RayOpt,
+    as_lora: Path | None = typer.Option(
+        None,
+        "--as-lora",
+        help="Write a PEFT LoRA adapter folder here instead of a model (linear / task_arithmetic over adapters; "
+        "float32 factors unless --dtype).",
+    ),
+    rank: int | None = typer.Option(
+        None, "--rank", help="With --as-lora: cut each module to this rank (truncated SVD) [default: exact]."
+    ),
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
     quiet: bool = QuietOpt,
 ) -> None:
     """Merge a plan into a Hugging-Face folder, reading only the planned expert bytes.
 
-    Example: mergedb execute 1 --out ./merged
+    Example: mergedb execute 1 --out ./merged   (or --as-lora ./adapter [--rank 16])
     """
     from .units import parse_size
+
+    if (out_dir is None) == (as_lora is None):
+        raise MergeDBError("give --out DIR (a model) or --as-lora DIR (a LoRA adapter), one of them")
+    if rank is not None and as_lora is None:
+        raise MergeDBError("--rank applies to a LoRA output only: use it with --as-lora DIR")
+    if ray is not None and as_lora is not None:
+        raise MergeDBError("--ray writes a model (--out DIR); an --as-lora adapter is written here: drop --ray")
+    if as_lora is not None:
+        res = _catalog(catalog, wait).execute(plan_ref, as_lora, dtype=dtype, force=force, as_lora=True, rank=rank)
+        lo = res.manifest["lora"]
+        ranks = sorted({m["rank"] for m in lo["modules"]})
+        if not quiet:
+            render.out().print(
+                f"wrote adapter {as_lora}: {len(lo['modules'])} modules, rank {'/'.join(map(str, ranks)) or 0}"
+                + (" (exact)" if lo["exact"] else f", largest relative error {lo['max_rel_error']:.3g}")
+                + f", expert bytes {format_size(res.expert_bytes)}, {res.seconds:.2f}s"
+            )
+        return
 
     shard = parse_size(max_shard_size, what="shard size")
     write_shards = None
@@ -425,9 +454,9 @@ def replay(
 
     Example: mergedb replay ./merged/mergedb_manifest.json --out ./merged-again
     """
-    from . import executor
+    from . import loraout
 
-    res = executor.replay(manifest, out_dir, force=force)
+    res = loraout.replay(manifest, out_dir, force=force)  # a model (executor.replay) or an --as-lora adapter
     render.out().print(
         f"replayed into {out_dir}: {len(res.manifest['tensor_hashes'])} tensors identical to the original"
     )

@@ -321,5 +321,10 @@ def _check_rng(path: str | os.PathLike[str], xp: ExecutionPlan, doc: dict[str, A
 def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *, force: bool = False) -> ExecuteResult:
     """Re-execute an output from its manifest and mask, installing it only if every tensor hash matches."""
     xp, doc = plan_from_manifest(manifest_path)
+    if "lora" in doc:  # an --as-lora output: an adapter folder, not a model
+        raise MergeDBError(
+            f"{manifest_path} describes a LoRA adapter output (execute --as-lora), not a model; replay it with "
+            "`mergedb replay` or mergedb.loraout.replay"
+        )
     _check_rng(manifest_path, xp, doc)
     return execute(xp, out, dtype=doc["dtype"], force=force, expect_hashes=doc["tensor_hashes"])

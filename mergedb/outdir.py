@@ -31,6 +31,7 @@ from .manifest import MANIFEST, MASK
 #   .OUT.mergedb-tmp-PID-XXXX   the new output, built there; holds only files mergedb writes
 #   .OUT.mergedb-old-PID-XXXX   during a --force swap, the old output's own files (same PID-XXXX)
 TMP, OLD, LOCK = ".mergedb-tmp-", ".mergedb-old-", ".mergedb-lock"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # an --as-lora output's (loraout.py)
 _OUR_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 
@@ -173,7 +174,8 @@ def _listed_files(folder: Path) -> set[str]:
     return {
         f
         for f in files
-        if isinstance(f, str) and (f in (INDEX, MASK, MANIFEST) or f in SIDE_FILES or _OUR_NAME.fullmatch(f))
+        if isinstance(f, str)
+        and (f in (INDEX, MASK, MANIFEST, *ADAPTER_FILES) or f in SIDE_FILES or _OUR_NAME.fullmatch(f))
     }
 
 

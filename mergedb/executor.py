@@ -39,7 +39,7 @@ from .manifest import (
     plan_from_manifest,
     write_json,
 )
-from .merger import Merger, ReadBlock, normalize_dtype, output_dtype
+from .merger import FoldBlock, Merger, ReadBlock, normalize_dtype, output_dtype
 from .tensorfile import DTYPES, SafetensorsWriter, tensor_nbytes
 from .units import check_threads
 
@@ -93,11 +93,13 @@ def merge_to_dict(
     threads: int | None = None,
     read_block: ReadBlock | None = None,
     on_tensor: Callable[[], None] | None = None,
+    fold_block: FoldBlock | None = None,
 ) -> dict[str, np.ndarray]:
     """The merged model in memory: name -> float32 (mergeable) or raw-typed array (packed sub-byte
     dtypes such as F4 as their raw uint8 bytes). For embedding. `read_block`: see merger.ReadBlock;
-    `on_tensor` is called after each tensor (a sweep paces its plans with it)."""
-    m = Merger(xp, dtype, threads=threads, read_block=read_block)
+    `on_tensor` is called after each tensor (a sweep paces its plans with it); `fold_block`: see
+    merger.FoldBlock."""
+    m = Merger(xp, dtype, threads=threads, read_block=read_block, fold_block=fold_block)
     try:
         state = {}
         for name, dt, shape, data in m.tensors(list(range(len(xp.tensors)))):
@@ -132,6 +134,7 @@ def execute(
     threads: int | None = None,
     unit_order_seed: int | None = None,
     read_block: ReadBlock | None = None,
+    fold_block: FoldBlock | None = None,
 ) -> ExecuteResult:
     """Merge into `out` (a new folder, or an old mergedb output with force=True), atomically.
 
@@ -141,7 +144,8 @@ def execute(
     as it is written (for a byte-based progress bar).
     `threads` compute threads (default: os.cpu_count()) merge; the output's bytes and manifest do
     not depend on it, nor on `unit_order_seed` (shuffles the order units are run in; for tests).
-    `read_block` serves expert blocks instead of reading them (merger.ReadBlock; a sweep's shared reads)."""
+    `read_block` serves expert blocks instead of reading them (merger.ReadBlock; a sweep's shared reads),
+    `fold_block` their folded sums (merger.FoldBlock; a sweep's shared folds)."""
     if threads is not None:
         check_threads(threads)
     shown = Path(out)
@@ -158,7 +162,7 @@ def execute(
         merger = None
         try:
             tmp.mkdir()
-            merger = Merger(xp, out_dt, verify, threads, unit_order_seed, read_block)
+            merger = Merger(xp, out_dt, verify, threads, unit_order_seed, read_block, fold_block)
             if on_total:
                 on_total(sum(tensor_nbytes(output_dtype(t, out_dt), t.shape) for t in xp.tensors))
             manifest, run, written = _write(xp, merger, tmp, out, out_dt, max_shard_size, progress, expect_hashes)

@@ -49,6 +49,10 @@ _NO_F32, _NO_BF16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `kernels.
 # with expert `position`'s bytes of that block; `pread(buf)` reads them from the file into `buf`.
 # None: pread(raw). A sweep passes one that serves a block read once to every plan (sweep.py).
 ReadBlock = Callable[[int, int, int, np.ndarray, Callable[[np.ndarray], None]], None]
+# fold_block(tensor_idx, block_idx, acc, fold): fill `acc` with the block's running sums, by calling
+# `fold(acc)` or by copying sums another plan with the same fold computed (foldshare.py); True when
+# `fold` ran here. None: fold(acc). Only the fused, non-model_stock path calls it.
+FoldBlock = Callable[[int, int, np.ndarray, Callable[[np.ndarray], None]], bool]
 
 
 @dataclass
@@ -112,9 +116,10 @@ class Merger:
         threads: int | None = None,
         unit_order_seed: int | None = None,
         read_block: ReadBlock | None = None,
+        fold_block: FoldBlock | None = None,
     ) -> None:
         self.xp, self.verify = xp, verify
-        self.read_block = read_block
+        self.read_block, self.fold_block = read_block, fold_block
         self.dtype = normalize_dtype(dtype)
         self.method = methods.get_method(xp.method)
         self.sel = xp.selected()
@@ -271,14 +276,25 @@ class Merger:
         return lo, n, bits_dt, base_raw[lo * raw_dt.itemsize : (lo + n) * raw_dt.itemsize].view(bits_dt)
 
     def _fused_block(self, ti: int, b: int, base_raw: np.ndarray, out: np.ndarray) -> None:
-        """One block through the fused kernels: groups of READ_AHEAD experts, the next group read
-        on the I/O threads while this one is folded in."""
+        """One block through the fused kernels: fold the selected experts into running sums (or take
+        the sums from `fold_block`), then finish them into the output."""
+        _, n, _, base = self._block(ti, b, base_raw)
+        acc = self.local.get("acc", (5 if self.method.consensus else 1) * n, np.float32)
+        acc = acc.reshape(-1, n)  # (1 or 5, n) float32 running sums
+        if self.fold_block is None:
+            self._fold(ti, b, base_raw, acc)
+        elif not self.fold_block(ti, b, acc, lambda a: self._fold(ti, b, base_raw, a)):
+            with self._lock:  # the sums came from a plan with the same fold: count what this plan consumed
+                self.count.expert += len(self.sel.get(ti, {}).get(b, [])) * base.nbytes
+        self._finish(ti, b, base_raw, acc, out)
+
+    def _fold(self, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray) -> None:
+        """Fold block `b` of tensor `ti`'s selected experts into `acc`: groups of READ_AHEAD experts,
+        the next group read on the I/O threads while this one is folded in."""
         t = self.xp.tensors[ti]
         kind = kernels.IN_KIND[t.dtype]
         lo, n, bits_dt, base = self._block(ti, b, base_raw)
         nb = base.nbytes
-        acc = self.local.get("acc", (5 if self.method.consensus else 1) * n, np.float32)
-        acc = acc.reshape(-1, n)  # (1 or 5, n) float32 running sums
         acc.fill(0)
         work = self.sel.get(ti, {}).get(b, [])
         groups = [work[i : i + READ_AHEAD] for i in range(0, len(work), READ_AHEAD)]
@@ -321,7 +337,6 @@ class Merger:
                     base, ex[sl], kind, mode, lo, coefs[sl], t_lo[sl], t_hi[sl], keys[sl], p, eps, rk, acc
                 )
                 j0 = j1
-        self._finish(ti, b, base_raw, acc, out)
 
     def _finish(self, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray, out: np.ndarray) -> None:
         """Write block `b` of tensor `ti`: the base (times the tensor's base scale) plus the merged

@@ -1,0 +1,166 @@
+"""Shared folds: plans of a sweep whose folds are identical fold each block once.
+
+A fused merge of one block is two steps (merger.py): `kernels.fold_group` reads the selected expert
+blocks and folds them into running sums, and `kernels.finish` turns the sums into the output (λ,
+TIES' normalize, the base scale, the output dtype's rounding). Plans whose fold reads the same
+things get the same sums bit for bit, so a sweep folds each block once per group of such plans and
+gives each plan of the group a copy of the sums to finish as its own: every output is still exactly
+the plan's alone. A grid of 4 densities × 2 λ of TIES is 4 groups of 2 plans: half the folds.
+
+The grouping key (`FoldKey`) is what `fold_group` and the unit list read, and nothing else:
+
+- the method's trim or drop (`Method.sparsify`) and whether it sums for sign consensus;
+- the base and the experts in plan order (name, path, fingerprint);
+- the mask (`manifest.mask_digest`: the selected (position, tensor, block));
+- the trims (thresholds, DELLA's rank tables) and, per selected (expert, tensor), the factor folded
+  in (the weight for consensus methods, the coefficient c_k otherwise: for additive methods λ and
+  normalize are inside c_k, so their λ grids do not share), the keep probability and ε of DARE and
+  DELLA, and their seed; per tensor the base scale (which blocks are computed); hashed into `inputs`;
+- the output dtype asked for (which blocks are computed).
+
+Left out, because only `kernels.finish` reads them: λ of consensus methods, `normalize` of consensus
+methods. Plans that share a mask but differ in a trim (two TIES densities) are two groups: they share
+reads (sweep.SharedReads), not folds. model_stock (its scale needs the whole tensor's dots) and the
+per-step path have no key: each such plan folds alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels, methods
+from .manifest import ExecutionPlan, mask_digest
+from .merger import FoldBlock, normalize_dtype
+
+
+@dataclass(frozen=True)
+class FoldKey:
+    """What a plan's fold reads: plans with equal keys fold every block to the same sums."""
+
+    sparsify: str  # Method.sparsify: none | magnitude | band | random | della
+    consensus: bool  # sign-consensus sums (5 per element) or weighted sums (1)
+    base: tuple[str, str]  # (path, fingerprint)
+    experts: tuple[tuple[str, str, str], ...]  # (name, path, fingerprint) in plan order
+    mask: str  # mask_digest of the selected (position, tensor, block)
+    inputs: str  # sha256 of trims, folded factors, DARE/DELLA p, ε and seed, base scales
+    dtype: str | None  # output dtype asked for (None: each tensor's own)
+
+
+def fold_key(xp: ExecutionPlan, dtype: str | None = None) -> FoldKey | None:
+    """The plan's FoldKey, or None when its blocks are not folded by `fold_group` (model_stock, or
+    a method the fused kernels lack): such a plan shares no fold."""
+    m = methods.get_method(xp.method)
+    if m.sparsify not in kernels.MODE or xp.method == "model_stock":
+        return None
+    random = m.sparsify in kernels.RANDOM
+    values, defaults = xp.tensor_values(), [xp.default_values(p) for p in range(len(xp.experts))]
+    pairs = sorted(set(zip(xp.mask.column("position").to_pylist(), xp.mask.column("tensor_idx").to_pylist())))
+    folded = []
+    for pos, ti in pairs:
+        v = values.get((pos, ti)) or defaults[pos]
+        folded.append([pos, ti, v.weight if m.consensus else v.coef, *((v.density, v.epsilon) if random else ())])
+    scales = [(values.get((0, ti)) or defaults[0]).base_scale for ti in range(len(xp.tensors))]
+    trims = sorted(xp.trims.to_pylist(), key=lambda r: (r["position"], r["tensor_idx"]))
+    doc = {"trims": trims, "folded": folded, "scales": scales, "seed": xp.seed if random else None}
+    inputs = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+    return FoldKey(
+        m.sparsify,
+        m.consensus,
+        (xp.base.path, xp.base.fingerprint),
+        tuple((e.name, e.path, e.fingerprint) for e in xp.experts),
+        mask_digest(xp.mask),
+        inputs,
+        normalize_dtype(dtype),
+    )
+
+
+def fold_groups(xps: Sequence[ExecutionPlan], dtypes: Sequence[str | None]) -> list[list[int]]:
+    """Indices of `xps` grouped by FoldKey, in order of first appearance; a plan without a key alone."""
+    groups: dict[object, list[int]] = {}
+    for i, (xp, dt) in enumerate(zip(xps, dtypes)):
+        key = fold_key(xp, dt)
+        groups.setdefault(i if key is None else key, []).append(i)
+    return list(groups.values())
+
+
+class _Entry:
+    def __init__(self, left: int, nbytes: int) -> None:
+        self.ready = threading.Event()
+        self.data: np.ndarray | None = None  # None once ready: the fold failed, fold it yourself
+        self.left = left  # plans of the group still to take it
+        self.nbytes = nbytes
+
+
+class SharedFolds:
+    """Block sums folded once per fold group and copied to the group's other plans.
+
+    The first plan of a group to reach a block folds it and keeps a copy until every other plan of
+    the group has taken it; the copies held are capped at `cap` bytes (a block beyond it is folded
+    by each plan that reaches it: correct, only slower; `refolds` counts them)."""
+
+    def __init__(self, sizes: Sequence[int], cap: int) -> None:
+        self.sizes, self.cap = sizes, cap
+        self.entries: dict[tuple[int, int, int], _Entry] = {}
+        self.seen: Counter[tuple[int, int, int]] = Counter()
+        self.lock = threading.Lock()
+        self.held = self.peak = 0
+        self.folds = self.copies = self.refolds = 0
+
+    def block(self, group: int) -> FoldBlock:
+        """Group `group`'s fold_block (see merger.FoldBlock)."""
+        return lambda ti, b, acc, fold: self.fold((group, ti, b), acc, fold)
+
+    def fold(self, key: tuple[int, int, int], acc: np.ndarray, fold: Callable[[np.ndarray], None]) -> bool:
+        n = acc.nbytes
+        with self.lock:
+            self.seen[key] += 1
+            left = self.sizes[key[0]] - self.seen[key]
+            e = self.entries.get(key)
+            mine = e is None and left > 0 and self.held + n <= self.cap
+            if mine:
+                e = self.entries[key] = _Entry(left, n)
+                self.held += n
+                self.peak = max(self.peak, self.held)
+            elif e is None:
+                self.folds += 1
+                self.refolds += self.seen[key] > 1
+        if e is None:  # alone in its group, the last to come, or the copy does not fit
+            fold(acc)
+            return True
+        if mine:
+            try:
+                fold(acc)
+                e.data = acc.copy()  # the Merger reuses `acc` for its next block
+            except BaseException:
+                self._drop(key, e)
+                raise
+            finally:
+                with self.lock:
+                    self.folds += 1
+                e.ready.set()
+            return True
+        e.ready.wait()
+        if e.data is None:  # the folding plan failed: fold here
+            fold(acc)
+            return True
+        acc[...] = e.data
+        with self.lock:
+            self.copies += 1
+            e.left -= 1
+            done = e.left <= 0
+        if done:
+            self._drop(key, e)
+        return False
+
+    def _drop(self, key: tuple[int, int, int], e: _Entry) -> None:
+        with self.lock:
+            if self.entries.get(key) is e:
+                del self.entries[key]
+                self.held -= e.nbytes

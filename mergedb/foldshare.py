@@ -3,9 +3,9 @@
 A fused merge of one block is two steps (merger.py): `kernels.fold_group` reads the selected expert
 blocks and folds them into running sums, and `kernels.finish` turns the sums into the output (λ,
 TIES' normalize, the base scale, the output dtype's rounding). Plans whose fold reads the same
-things get the same sums bit for bit, so a sweep folds each block once per group of such plans and
-gives each plan of the group a copy of the sums to finish as its own: every output is still exactly
-the plan's alone. A grid of 4 densities × 2 λ of TIES is 4 groups of 2 plans: half the folds.
+things get the same sums bit for bit, so a sweep folds each block once per group of such plans and every
+plan of the group finishes its own output from those sums: every output is still exactly the
+plan's alone. A grid of 4 densities × 2 λ of TIES is 4 groups of 2 plans: half the folds.
 
 The grouping key (`FoldKey`) is what `fold_group` and the unit list read, and nothing else:
 
@@ -91,33 +91,43 @@ def fold_groups(xps: Sequence[ExecutionPlan], dtypes: Sequence[str | None]) -> l
 
 
 class _Entry:
-    def __init__(self, left: int, nbytes: int) -> None:
+    def __init__(self, left: int, sums: np.ndarray) -> None:
         self.ready = threading.Event()
-        self.data: np.ndarray | None = None  # None once ready: the fold failed, fold it yourself
-        self.left = left  # plans of the group still to take it
-        self.nbytes = nbytes
+        self.sums = sums  # the folded sums, read by every plan of the group
+        self.ok = False  # set before `ready`: False means the fold failed, fold it yourself
+        self.left = left  # plans of the group that have not finished from it yet
 
 
 class SharedFolds:
-    """Block sums folded once per fold group and copied to the group's other plans.
+    """Block sums folded once per fold group and finished from by every plan of the group.
 
-    The first plan of a group to reach a block folds it and keeps a copy until every other plan of
-    the group has taken it; the copies held are capped at `cap` bytes (a block beyond it is folded
-    by each plan that reaches it: correct, only slower; `refolds` counts them)."""
+    The first plan of a group to reach a block folds it into a buffer of the group's, finishes its
+    own output from it and leaves it for the group's other plans, which finish from the same buffer
+    (`kernels.finish` only reads it: no copy); the last one to finish returns the buffer to a free
+    list (fresh buffers of this size cost a page fault per 4 KiB). The buffers held are capped at
+    `cap` bytes: a block beyond it is folded by each plan that reaches it (correct, only slower;
+    `refolds` counts them)."""
 
     def __init__(self, sizes: Sequence[int], cap: int) -> None:
         self.sizes, self.cap = sizes, cap
         self.entries: dict[tuple[int, int, int], _Entry] = {}
         self.seen: Counter[tuple[int, int, int]] = Counter()
+        self.free: list[np.ndarray] = []  # flat float32 buffers no entry uses
         self.lock = threading.Lock()
-        self.held = self.peak = 0
-        self.folds = self.copies = self.refolds = 0
+        self.held = self.peak = 0  # bytes of buffers in use by entries, and their most
+        self.folds = self.shared = self.refolds = 0
 
     def block(self, group: int) -> FoldBlock:
         """Group `group`'s fold_block (see merger.FoldBlock)."""
-        return lambda ti, b, acc, fold: self.fold((group, ti, b), acc, fold)
+        return lambda ti, b, acc, fold, finish: self.fold((group, ti, b), acc, fold, finish)
 
-    def fold(self, key: tuple[int, int, int], acc: np.ndarray, fold: Callable[[np.ndarray], None]) -> bool:
+    def fold(
+        self,
+        key: tuple[int, int, int],
+        acc: np.ndarray,
+        fold: Callable[[np.ndarray], None],
+        finish: Callable[[np.ndarray], None],
+    ) -> bool:
         n = acc.nbytes
         with self.lock:
             self.seen[key] += 1
@@ -125,42 +135,61 @@ class SharedFolds:
             e = self.entries.get(key)
             mine = e is None and left > 0 and self.held + n <= self.cap
             if mine:
-                e = self.entries[key] = _Entry(left, n)
+                e = self.entries[key] = _Entry(left + 1, self._buffer(acc))
                 self.held += n
                 self.peak = max(self.peak, self.held)
-            elif e is None:
+            if e is None:
                 self.folds += 1
                 self.refolds += self.seen[key] > 1
-        if e is None:  # alone in its group, the last to come, or the copy does not fit
+        if e is None:  # alone in its group, the last to come after the sums went, or they do not fit
             fold(acc)
+            finish(acc)
             return True
         if mine:
             try:
-                fold(acc)
-                e.data = acc.copy()  # the Merger reuses `acc` for its next block
-            except BaseException:
-                self._drop(key, e)
-                raise
-            finally:
+                fold(e.sums)
+                e.ok = True
                 with self.lock:
                     self.folds += 1
+            finally:
                 e.ready.set()
+                if not e.ok:
+                    self._drop(key, e)
+            self._finished(key, e, finish)
             return True
         e.ready.wait()
-        if e.data is None:  # the folding plan failed: fold here
+        if not e.ok:  # the folding plan failed: fold here
             fold(acc)
+            finish(acc)
             return True
-        acc[...] = e.data
         with self.lock:
-            self.copies += 1
-            e.left -= 1
-            done = e.left <= 0
-        if done:
-            self._drop(key, e)
+            self.shared += 1
+        self._finished(key, e, finish)
         return False
+
+    def _buffer(self, like: np.ndarray) -> np.ndarray:
+        """A buffer shaped as `like`, from the free list when one is large enough (under the lock)."""
+        size = like.size
+        for i, buf in enumerate(self.free):
+            if buf.size >= size:
+                return self.free.pop(i)[:size].reshape(like.shape)
+        return np.empty(like.shape, np.float32)
+
+    def _finished(self, key: tuple[int, int, int], e: _Entry, finish: Callable[[np.ndarray], None]) -> None:
+        try:
+            finish(e.sums)
+        finally:
+            with self.lock:
+                e.left -= 1
+                last = e.left <= 0
+            if last:
+                self._drop(key, e)
 
     def _drop(self, key: tuple[int, int, int], e: _Entry) -> None:
         with self.lock:
             if self.entries.get(key) is e:
                 del self.entries[key]
-                self.held -= e.nbytes
+                self.held -= e.sums.nbytes
+                base = e.sums.base if e.sums.base is not None else e.sums
+                if len(self.free) < len(self.sizes) * 4:  # a few per group: what is in flight at once
+                    self.free.append(base.reshape(-1))

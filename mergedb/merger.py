@@ -49,10 +49,11 @@ _NO_F32, _NO_BF16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `kernels.
 # with expert `position`'s bytes of that block; `pread(buf)` reads them from the file into `buf`.
 # None: pread(raw). A sweep passes one that serves a block read once to every plan (sweep.py).
 ReadBlock = Callable[[int, int, int, np.ndarray, Callable[[np.ndarray], None]], None]
-# fold_block(tensor_idx, block_idx, acc, fold): fill `acc` with the block's running sums, by calling
-# `fold(acc)` or by copying sums another plan with the same fold computed (foldshare.py); True when
-# `fold` ran here. None: fold(acc). Only the fused, non-model_stock path calls it.
-FoldBlock = Callable[[int, int, np.ndarray, Callable[[np.ndarray], None]], bool]
+# fold_block(tensor_idx, block_idx, acc, fold, finish): call `finish(sums)` once with the block's
+# running sums, folded here by `fold(buf)` (into `acc` or a buffer of the same shape) or folded by
+# another plan with the same fold (foldshare.py; `finish` only reads them); True when `fold` ran
+# here. None: fold(acc), finish(acc). Only the fused, non-model_stock path calls it.
+FoldBlock = Callable[[int, int, np.ndarray, Callable[[np.ndarray], None], Callable[[np.ndarray], None]], bool]
 
 
 @dataclass
@@ -283,10 +284,12 @@ class Merger:
         acc = acc.reshape(-1, n)  # (1 or 5, n) float32 running sums
         if self.fold_block is None:
             self._fold(ti, b, base_raw, acc)
-        elif not self.fold_block(ti, b, acc, lambda a: self._fold(ti, b, base_raw, a)):
+            self._finish(ti, b, base_raw, acc, out)
+        elif not self.fold_block(
+            ti, b, acc, lambda a: self._fold(ti, b, base_raw, a), lambda a: self._finish(ti, b, base_raw, a, out)
+        ):
             with self._lock:  # the sums came from a plan with the same fold: count what this plan consumed
                 self.count.expert += len(self.sel.get(ti, {}).get(b, [])) * base.nbytes
-        self._finish(ti, b, base_raw, acc, out)
 
     def _fold(self, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray) -> None:
         """Fold block `b` of tensor `ti`'s selected experts into `acc`: groups of READ_AHEAD experts,

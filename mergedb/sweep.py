@@ -10,8 +10,8 @@ an (expert, tensor, block) once and serves the copy to every plan of the wave th
 dropping it when the last one has taken it. A wave therefore reads the union of its plans' masks
 once; N plans in one wave with one mask read the bytes of one plan. Plans whose folds are identical
 (foldshare.FoldKey: they differ only in what `kernels.finish` applies, e.g. TIES' λ) also share
-the arithmetic: each block is folded by one plan of the group and its sums copied to the others
-(`fold_block`, the second seam of merger.py), which finish them as their own.
+the arithmetic: each block is folded by one plan of the group and every plan of the group finishes
+its own output from those sums (`fold_block`, the second seam of merger.py).
 
 Memory. Per plan in flight, what one execution holds (a few blocks per thread and the reorder
 buffer; nothing grows with K), plus the shared blocks some plans of the wave have taken and
@@ -70,7 +70,7 @@ class SweepResult:
     peak_rss: int
     peak_shared_bytes: int  # most bytes of shared blocks held at once
     fold_groups: int = 0  # groups of plans with one fold (foldshare.FoldKey), summed over waves
-    folds_copied: int = 0  # block folds a plan copied from its group instead of computing
+    folds_shared: int = 0  # blocks a plan finished from sums its group folded, not folding them itself
 
 
 # -- shared reads -------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ def sweep(
     _check_outs(cat, outs)
     t0, phys0 = time.perf_counter(), executor.physical_read_bytes()
     results: list[ExecuteResult | None] = [None] * len(xps)
-    read = served = reread = peak = groups = copied = 0
+    read = served = reread = peak = groups = shared_folds = 0
     failed: list[str] = []
     for idx in _waves(len(xps), max_parallel):
         wave = _Wave(xps, idx, cache_bytes, threads, dtypes)
@@ -351,7 +351,7 @@ def sweep(
                 cat.record_run(xps[i].plan_id, outs[i], res, wait=RECORD_WAIT)
         read, reread = read + wave.shared.read_bytes, reread + wave.shared.reread_bytes
         peak = max(peak, wave.shared.peak)
-        groups, copied = groups + len(wave.groups), copied + wave.folds.copies
+        groups, shared_folds = groups + len(wave.groups), shared_folds + wave.folds.shared
         if failed:
             done = [summaries[i].name for i in range(len(xps)) if results[i] is not None]
             raise MergeDBError(
@@ -369,7 +369,7 @@ def sweep(
         executor.peak_rss(),
         peak,
         groups,
-        copied,
+        shared_folds,
     )
 
 

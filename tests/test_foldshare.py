@@ -71,7 +71,7 @@ def test_plans_that_differ_in_finish_fold_once_and_write_their_own_bytes(fam, tm
     assert res.fold_groups == n_groups
     per_plan = {_folded_blocks(cat, p.plan_id) for p, _ in res.runs}
     assert len(per_plan) == 1 and per_plan.pop() > 0  # one budget: the plans fold the same blocks
-    assert res.folds_copied == (len(reqs) - n_groups) * _folded_blocks(cat, res.runs[0][0].plan_id)
+    assert res.folds_shared == (len(reqs) - n_groups) * _folded_blocks(cat, res.runs[0][0].plan_id)
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name, threads=2)
         assert _files(run.out) == _files(alone.out), plan.name
@@ -118,7 +118,7 @@ def test_a_shared_mask_without_a_shared_fold_reads_once_and_folds_per_density(fa
     reqs = grid.grid_requests(PlanRequest("base", None, "ties", "all"), {"density": [0.2, 0.5, 0.8]}, "fs-dens")
     res = sw.sweep(cat, reqs, tmp_path / "s", threads=1)
     one = res.runs[0][0].selected_bytes
-    assert res.fold_groups == 3 and res.folds_copied == 0
+    assert res.fold_groups == 3 and res.folds_shared == 0
     assert res.expert_bytes_read == one and res.expert_bytes_served == 3 * one
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name)
@@ -129,54 +129,61 @@ def test_a_fold_cap_of_zero_folds_in_every_plan_and_writes_the_same_bytes(fam, t
     root, cat = fam
     reqs = grid.grid_requests(PlanRequest("base", None, "ties", "all"), {"lambda": [0.5, 2.0]}, "fs-cap")
     res = sw.sweep(cat, reqs, tmp_path / "s", cache_bytes=0)
-    assert res.fold_groups == 1 and res.folds_copied == 0
+    assert res.fold_groups == 1 and res.folds_shared == 0
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name)
         assert _files(run.out) == _files(alone.out)
 
 
-def test_shared_folds_fold_once_copy_to_the_rest_and_hold_nothing_after():
-    calls = []
+def test_shared_folds_fold_once_finish_all_and_hold_nothing_after():
+    folds, finished = [], []
+    lock = threading.Lock()
 
     def fold_of(value, fail=False):
-        def fold(acc):
-            calls.append(value)
+        def fold(buf):
+            folds.append(value)
             if fail:
                 raise OSError("disk went away")
-            acc[...] = value
+            buf[...] = value
 
         return fold
 
+    def finish_of(who):
+        def finish(sums):
+            with lock:
+                finished.append((who, float(sums[0, 0]), sums.shape))
+
+        return finish
+
     shared = foldshare.SharedFolds([3, 1], cap=1 << 20)
-    got, ran = [], []
+    ran = []
 
-    def member(group, key, value):
-        acc = np.zeros((5, 4), np.float32)
-        ran.append(shared.fold((group, *key), acc, fold_of(value)))
-        got.append(acc[0, 0])
+    def member(group, who, value):
+        ran.append(shared.fold((group, 0, 0), np.zeros((5, 4), np.float32), fold_of(value), finish_of(who)))
 
-    threads = [threading.Thread(target=member, args=(0, (0, 0), 7.0)) for _ in range(3)]
-    threads.append(threading.Thread(target=member, args=(1, (0, 0), 9.0)))
+    threads = [threading.Thread(target=member, args=(0, f"p{i}", 7.0)) for i in range(3)]
+    threads.append(threading.Thread(target=member, args=(1, "q", 9.0)))
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(calls) == [7.0, 9.0]  # group 0 folded once for its 3 plans, group 1 alone
-    assert sorted(got) == [7.0, 7.0, 7.0, 9.0] and sorted(ran) == [False, False, True, True]
-    assert shared.copies == 2 and shared.entries == {} and shared.held == 0 and shared.peak == 80
+    assert sorted(folds) == [7.0, 9.0]  # group 0 folded once for its 3 plans, group 1 alone
+    assert sorted(finished) == [("p0", 7.0, (5, 4)), ("p1", 7.0, (5, 4)), ("p2", 7.0, (5, 4)), ("q", 9.0, (5, 4))]
+    assert sorted(ran) == [False, False, True, True] and shared.shared == 2
+    assert shared.entries == {} and shared.held == 0 and shared.peak == 80
+    assert len(shared.free) == 1  # the group's buffer, kept for its next block
 
     # the folding plan fails: it raises, and the waiting plans fold for themselves
     failing = foldshare.SharedFolds([2], cap=1 << 20)
-    calls.clear()
+    folds.clear(), finished.clear()
     with pytest.raises(OSError):
-        failing.fold((0, 1, 0), np.zeros((1, 4), np.float32), fold_of(1.0, fail=True))
-    acc = np.zeros((1, 4), np.float32)
-    assert failing.fold((0, 1, 0), acc, fold_of(2.0)) is True
-    assert acc[0, 0] == 2.0 and failing.entries == {} and failing.held == 0
+        failing.fold((0, 1, 0), np.zeros((1, 4), np.float32), fold_of(1.0, fail=True), finish_of("a"))
+    assert failing.fold((0, 1, 0), np.zeros((1, 4), np.float32), fold_of(2.0), finish_of("b")) is True
+    assert finished == [("b", 2.0, (1, 4))] and failing.entries == {} and failing.held == 0
 
     # nothing fits: every plan folds, counted as refolds after the first
     tight = foldshare.SharedFolds([3], cap=0)
-    calls.clear()
+    folds.clear()
     for _ in range(3):
-        assert tight.fold((0, 0, 0), np.zeros((1, 4), np.float32), fold_of(3.0)) is True
-    assert calls == [3.0] * 3 and tight.refolds == 2 and tight.entries == {}
+        assert tight.fold((0, 0, 0), np.zeros((1, 4), np.float32), fold_of(3.0), finish_of("c")) is True
+    assert folds == [3.0] * 3 and tight.refolds == 2 and tight.entries == {}

@@ -36,7 +36,7 @@ from mergedb import grid, synth
 from mergedb.catalog import Catalog
 from mergedb.planner import PlanRequest
 
-from .common import CACHE, evict, save
+from .common import CACHE, RESULTS, evict, save
 
 CLI = [sys.executable, "-m", "mergedb.cli"]
 MERGEKIT_YAML = CACHE / "mergekit-venv" / "bin" / "mergekit-yaml"
@@ -223,6 +223,7 @@ def main() -> None:
     ap.add_argument("--max-parallel", type=int, default=None, help="plans in flight [default: all N]")
     ap.add_argument("--mergekit-runs", type=int, default=2, help="M measured mergekit runs (0: no mergekit arm)")
     ap.add_argument("--mergekit-all", action="store_true", help="run all N mergekit merges of every grid")
+    ap.add_argument("--mergekit-only", action="store_true", help="add the mergekit arm to results/sweep.json")
     ap.add_argument("--quick", action="store_true", help="a tiny family of 4 experts made for the run")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -234,11 +235,14 @@ def main() -> None:
         raise SystemExit(f"no {catalog}: run `python -m benchmarks.run` first")
     k = min(a.k, 4) if a.quick else a.k
     doc: dict = {"k": k, "sweeps": [], "load_start": load()}
+    if a.mergekit_only:  # the sweeps of an earlier run, measured again against mergekit
+        doc = {x: v for x, v in json.loads((RESULTS / "sweep.json").read_text()).items() if x != "machine"}
+        k = doc["k"]
     with tempfile.TemporaryDirectory(prefix="mergedb-bench-sweep-") as work:
         if a.quick:
             family, catalog = synth.make_family(Path(work) / "fam", experts=4, size="tiny"), Path(work) / "src.duckdb"
             Catalog(catalog).register([family], base_model="base")
-        for n in a.n:
+        for n in a.n if not a.mergekit_only else []:
             for g in a.grids:
                 doc["sweeps"].append(run(n, g, k, family, catalog, Path(work), a.max_parallel))
                 print(json.dumps({x: doc["sweeps"][-1][x] for x in ("n", "grid", "sweep_over_one")}), flush=True)

@@ -234,7 +234,8 @@ def _sweep(doc: dict | None) -> list[str]:
             else "not run. "
         )
         + "The machine was shared while it ran (`uptime` before each arm below): with 2 cores and a load "
-        "above 2 the wall ratios are not the machine's, the CPU seconds are closer to it.",
+        "above 2 the wall ratios are not the machine's, the CPU seconds are closer to it."
+        + (f" {doc['note']}" if doc.get("note") else ""),
         "",
         "| N | grid | arm | wall s | CPU s | expert bytes | read from storage | peak RSS |",
         "|---|---|---|---|---|---|---|---|",
@@ -263,7 +264,8 @@ def _sweep(doc: dict | None) -> list[str]:
             )
         ratio, cpu = s["sweep_over_one"], sw["cpu_seconds"] / one["cpu_seconds"]
         target = f" (target ≤ 2.5×: {'met' if ratio <= 2.5 else 'missed'} in this run)" if n == 8 else ""
-        vs_mk = f", {m['wall'] / sw['wall']:.1f}× faster than mergekit ({m['label']})" if m else ""
+        same_run = m and s.get("run", 1) == m.get("run", 1)  # ratios only between arms of one run
+        vs_mk = f", {m['wall'] / sw['wall']:.1f}× faster than mergekit ({m['label']})" if same_run else ""
         notes.append(
             f"- N = {n}, {g} grid: {n} merges in **{ratio:.2f}×** the wall of one{target} and {cpu:.1f}× its CPU "
             "seconds; "

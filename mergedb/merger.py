@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import kernels, methods
+from . import kernels, methods, multifold
 from .checkpoint import PlanInputs
 from .errors import ChangedFileError, MergeDBError
 from .layout import TensorLayout, block_bytes, row_elems
@@ -52,8 +52,12 @@ ReadBlock = Callable[[int, int, int, np.ndarray, Callable[[np.ndarray], None]], 
 # fold_block(tensor_idx, block_idx, acc, fold, finish): call `finish(sums)` once with the block's
 # running sums, folded here by `fold(buf)` (into `acc` or a buffer of the same shape) or folded by
 # another plan with the same fold (foldshare.py; `finish` only reads them); True when `fold` ran
-# here. None: fold(acc), finish(acc). Only the fused, non-model_stock path calls it.
-FoldBlock = Callable[[int, int, np.ndarray, Callable[[np.ndarray], None], Callable[[np.ndarray], None]], bool]
+# here. `fold(buf, bands)` folds several TIES-style trims at once: buf (G, 5, n), bands = Bands of
+# (G, K) arrays (weight, keep |Δ| ≥ lo, < hi per set and expert position), as multifold.fold_many.
+# None: fold(acc), finish(acc). Only the fused, non-model_stock path calls it.
+Bands = tuple[np.ndarray, np.ndarray, np.ndarray]
+Fold = Callable[..., None]
+FoldBlock = Callable[[int, int, np.ndarray, Fold, Callable[[np.ndarray], None]], bool]
 
 
 @dataclass
@@ -286,14 +290,19 @@ class Merger:
             self._fold(ti, b, base_raw, acc)
             self._finish(ti, b, base_raw, acc, out)
         elif not self.fold_block(
-            ti, b, acc, lambda a: self._fold(ti, b, base_raw, a), lambda a: self._finish(ti, b, base_raw, a, out)
+            ti,
+            b,
+            acc,
+            lambda a, bands=None: self._fold(ti, b, base_raw, a, bands),
+            lambda a: self._finish(ti, b, base_raw, a, out),
         ):
             with self._lock:  # the sums came from a plan with the same fold: count what this plan consumed
                 self.count.expert += len(self.sel.get(ti, {}).get(b, [])) * base.nbytes
 
-    def _fold(self, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray) -> None:
+    def _fold(self, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray, bands: Bands | None = None) -> None:
         """Fold block `b` of tensor `ti`'s selected experts into `acc`: groups of READ_AHEAD experts,
-        the next group read on the I/O threads while this one is folded in."""
+        the next group read on the I/O threads while this one is folded in. With `bands`, into the
+        (G, 5, n) sums of G TIES-style trims at once (see FoldBlock)."""
         t = self.xp.tensors[ti]
         kind = kernels.IN_KIND[t.dtype]
         lo, n, bits_dt, base = self._block(ti, b, base_raw)
@@ -319,6 +328,11 @@ class Merger:
             if gi + 1 < len(groups):
                 reads = submit(gi + 1)
             ex = bufs[gi % 2][: len(grp) * nb].view(bits_dt).reshape(len(grp), n)  # (g, n) raw bits
+            if bands is not None:  # each expert decoded once, trimmed and added into every set
+                at = [pos for pos, _ in grp]
+                w, t_lo, t_hi = (np.ascontiguousarray(x[:, at]) for x in bands)  # (G, g) each
+                multifold.fold_many(base, ex, kind, w, t_lo, t_hi, acc)
+                continue
             srcs = [self.xp.experts[pos] for pos, _ in grp]
             vals = [self._values(pos, ti) for pos, _ in grp]
             trims = [self._trim(pos, ti, t, src) for (pos, _), src in zip(grp, srcs)]

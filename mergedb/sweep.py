@@ -71,6 +71,7 @@ class SweepResult:
     peak_shared_bytes: int  # most bytes of shared blocks held at once
     fold_groups: int = 0  # groups of plans with one fold (foldshare.FoldKey), summed over waves
     folds_shared: int = 0  # blocks a plan finished from sums its group folded, not folding them itself
+    fold_passes: int = 0  # folds per block: sets of groups folded together (foldshare.mask_sets), over waves
 
 
 # -- shared reads -------------------------------------------------------------------------------
@@ -224,31 +225,35 @@ class _Wave:
         from . import foldshare  # imports the merge kernels
 
         self.idx = idx
-        self.groups = foldshare.fold_groups([xps[i] for i in idx], [dtypes[i] for i in idx])  # wave positions
+        wx, wd = [xps[i] for i in idx], [dtypes[i] for i in idx]
+        self.groups = foldshare.fold_groups(wx, wd)  # wave positions
+        sets = foldshare.mask_sets(wx, wd, self.groups)  # groups folded together
+        many = {g: foldshare.bands(wx[self.groups[g][0]]) for gs in sets if len(gs) > 1 for g in gs}
+        self.folds = foldshare.SharedFolds([len(js) for js in self.groups], cache_bytes, sets, many)
+        self.set_of = {j: d for d, gs in enumerate(sets) for g in gs for j in self.groups[g]}
         self.group_of = {j: g for g, js in enumerate(self.groups) for j in js}
-        # one reader per group: a block is read by the one plan of the group that folds it
-        keys = [plan_keys(xps[idx[js[0]]]) for js in self.groups]
+        # one reader per set: a block is read by the one plan of the set that folds it
+        keys = [plan_keys(wx[self.groups[gs[0]][0]]) for gs in sets]
         self.shared = SharedReads(Counter(k for ks in keys for k in ks.values()), cache_bytes)
         self.readers = [_Reader(ks, self.shared) for ks in keys]
-        self.folds = foldshare.SharedFolds([len(js) for js in self.groups], cache_bytes)
-        self.running = [len(js) for js in self.groups]  # plans of each group not yet finished
+        self.running = [sum(len(self.groups[g]) for g in gs) for gs in sets]  # plans of each set not finished
         self.lock = threading.Lock()
         self.pace = _Pace(len(idx))
         self.threads = _threads(threads, len(idx))
 
     def run(self, j: int, work: Work) -> Any:
         """`work(read_block, fold_block, step, threads)` for the wave's j-th plan."""
-        g = self.group_of[j]
-        fold = self.folds.block(g) if len(self.groups[g]) > 1 else None
+        g, d = self.group_of[j], self.set_of[j]
+        fold = self.folds.block(g) if self.folds.plans(g) > 1 else None
         try:
-            return work(self.readers[g], fold, lambda: self.pace.step(j), self.threads)
+            return work(self.readers[d], fold, lambda: self.pace.step(j), self.threads)
         finally:
             self.pace.finish(j)
             with self.lock:
-                self.running[g] -= 1
-                last = self.running[g] == 0
+                self.running[d] -= 1
+                last = self.running[d] == 0
             if last:
-                self.readers[g].release()
+                self.readers[d].release()
 
     def results(self, work: Callable[[int], Work]) -> Iterator[Any]:
         """Run `work(i)` for every plan of the wave at once; their futures in order."""
@@ -321,7 +326,7 @@ def sweep(
     _check_outs(cat, outs)
     t0, phys0 = time.perf_counter(), executor.physical_read_bytes()
     results: list[ExecuteResult | None] = [None] * len(xps)
-    read = served = reread = peak = groups = shared_folds = 0
+    read = served = reread = peak = groups = shared_folds = passes = 0
     failed: list[str] = []
     for idx in _waves(len(xps), max_parallel):
         wave = _Wave(xps, idx, cache_bytes, threads, dtypes)
@@ -352,6 +357,7 @@ def sweep(
         read, reread = read + wave.shared.read_bytes, reread + wave.shared.reread_bytes
         peak = max(peak, wave.shared.peak)
         groups, shared_folds = groups + len(wave.groups), shared_folds + wave.folds.shared
+        passes += len(wave.folds.sets)
         if failed:
             done = [summaries[i].name for i in range(len(xps)) if results[i] is not None]
             raise MergeDBError(
@@ -370,6 +376,7 @@ def sweep(
         peak,
         groups,
         shared_folds,
+        passes,
     )
 
 

@@ -50,28 +50,31 @@ def _folded_blocks(cat: Catalog, plan_id: int) -> int:
 
 
 CASES = {
-    # 3 densities × 2 λ × normalize on/off: 3 folds (one per density), 12 plans
-    "ties": ({"density": [0.1, 0.3, 0.6], "lambda": [0.5, 1.0], "normalize": [True, False]}, 3),
-    # one keep probability, 3 λ: one fold
-    "dare_ties": ({"lambda": [0.5, 1.0, 2.0]}, 1),
-    # 2 densities × 2 λ: 2 folds
-    "della": ({"density": [0.5, 0.8], "lambda": [0.7, 1.3]}, 2),
+    # 3 densities × 2 λ × normalize on/off: 3 fold groups (one per density), folded in one pass
+    "ties": ({"density": [0.1, 0.3, 0.6], "lambda": [0.5, 1.0], "normalize": [True, False]}, 3, 1),
+    # band trims, 2 densities × 2 λ: 2 groups, one pass
+    "breadcrumbs_ties": ({"density": [0.5, 0.8], "lambda": [0.5, 2.0]}, 2, 1),
+    # one keep probability, 3 λ: one group
+    "dare_ties": ({"lambda": [0.5, 1.0, 2.0]}, 1, 1),
+    # 2 densities × 2 λ: 2 groups, 2 passes (random drops are not folded together)
+    "della": ({"density": [0.5, 0.8], "lambda": [0.7, 1.3]}, 2, 2),
     # λ is inside c_k for additive methods: 3 plans, 3 folds (no sharing, same bytes)
-    "task_arithmetic": ({"lambda": [0.5, 1.0, 1.5]}, 3),
+    "task_arithmetic": ({"lambda": [0.5, 1.0, 1.5]}, 3, 3),
 }
 
 
 @pytest.mark.parametrize("method", list(CASES))
 def test_plans_that_differ_in_finish_fold_once_and_write_their_own_bytes(fam, tmp_path, method):
     root, cat = fam
-    points, n_groups = CASES[method]
+    points, n_groups, n_passes = CASES[method]
     reqs = grid.grid_requests(PlanRequest("base", None, method, "70%", seed=3), points, f"fs-{method}")
     res = sw.sweep(cat, reqs, tmp_path / "sweep", max_parallel=len(reqs), threads=1)
     assert len(res.runs) == len(reqs) >= 3
     assert res.fold_groups == n_groups
     per_plan = {_folded_blocks(cat, p.plan_id) for p, _ in res.runs}
     assert len(per_plan) == 1 and per_plan.pop() > 0  # one budget: the plans fold the same blocks
-    assert res.folds_shared == (len(reqs) - n_groups) * _folded_blocks(cat, res.runs[0][0].plan_id)
+    assert res.fold_passes == n_passes
+    assert res.folds_shared == (len(reqs) - n_passes) * _folded_blocks(cat, res.runs[0][0].plan_id)
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name, threads=2)
         assert _files(run.out) == _files(alone.out), plan.name
@@ -113,13 +116,15 @@ def test_fold_keys_say_what_the_fold_reads(fam):
     assert key("model_stock", {}) is None
 
 
-def test_a_shared_mask_without_a_shared_fold_reads_once_and_folds_per_density(fam, tmp_path):
+def test_densities_over_one_mask_decode_each_block_once_and_write_their_own_bytes(fam, tmp_path):
     root, cat = fam
     reqs = grid.grid_requests(PlanRequest("base", None, "ties", "all"), {"density": [0.2, 0.5, 0.8]}, "fs-dens")
+    reqs.append(PlanRequest("base", None, "ties", "all", (2.0, 0.5, 1.0), {"density": 0.5}, name="fs-dens-w"))
     res = sw.sweep(cat, reqs, tmp_path / "s", threads=1)
     one = res.runs[0][0].selected_bytes
-    assert res.fold_groups == 3 and res.folds_shared == 0
-    assert res.expert_bytes_read == one and res.expert_bytes_served == 3 * one
+    assert res.fold_groups == 4 and res.fold_passes == 1  # four trims or weights, each expert block decoded once
+    assert res.folds_shared == 3 * _folded_blocks(cat, res.runs[0][0].plan_id)
+    assert res.expert_bytes_read == one and res.expert_bytes_served == 4 * one
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name)
         assert _files(run.out) == _files(alone.out)

@@ -210,6 +210,7 @@ def _child(db: str, out: str, max_parallel: str, ids: list[str]) -> None:
                 "peak_shared_bytes": res.peak_shared_bytes,
                 "fold_groups": res.fold_groups,
                 "folds_shared": res.folds_shared,
+                "fold_passes": res.fold_passes,
             }
         )
     )

@@ -192,3 +192,15 @@ def test_shared_folds_fold_once_finish_all_and_hold_nothing_after():
     for _ in range(3):
         assert tight.fold((0, 0, 0), np.zeros((1, 4), np.float32), fold_of(3.0), finish_of("c")) is True
     assert folds == [3.0] * 3 and tight.refolds == 2 and tight.entries == {}
+
+
+def test_more_groups_than_a_pass_holds_fold_in_several_passes(fam, tmp_path):
+    root, cat = fam
+    dens = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    reqs = grid.grid_requests(PlanRequest("base", None, "ties", "all"), {"density": dens}, "fs-six")
+    res = sw.sweep(cat, reqs, tmp_path / "s", threads=1)
+    assert foldshare.MAX_SET == 4 and res.fold_groups == 6 and res.fold_passes == 2  # 4 + 2
+    assert res.folds_shared == 4 * _folded_blocks(cat, res.runs[0][0].plan_id)
+    for plan, run in res.runs:
+        alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name)
+        assert _files(run.out) == _files(alone.out)

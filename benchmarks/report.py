@@ -248,7 +248,8 @@ def _sweep(doc: dict | None) -> list[str]:
         out += [
             f"{lead} one `execute` | {one['wall']:.1f} | {one['cpu_seconds']:.1f} | {one['expert_bytes'] / 1e9:.2f} GB"
             f" | {one['physical_bytes'] / 1e9:.2f} GB | {one['peak_rss_bytes'] / 2**20:.0f} MiB |",
-            f"{lead} one sweep ({sw['fold_groups']} fold groups) | {sw['wall']:.1f} | {sw['cpu_seconds']:.1f} | "
+            f"{lead} one sweep ({sw['fold_groups']} fold groups{_passes(sw)}) | {sw['wall']:.1f} | "
+            f"{sw['cpu_seconds']:.1f} | "
             f"{sw['expert_bytes_read'] / 1e9:.2f} GB read once ({sw['expert_bytes_served'] / 1e9:.1f} GB served) | "
             f"{sw['physical_bytes'] / 1e9:.2f} GB | {sw['peak_rss_bytes'] / 2**30:.2f} GiB |",
             f"{lead} {n} separate `execute`s | {sep['wall']:.1f} | {sep['cpu_seconds']:.1f} | "
@@ -273,6 +274,11 @@ def _sweep(doc: dict | None) -> list[str]:
             f"sweep `{s['load_sweep']}`."
         )
     return [*out, "", *notes, ""]
+
+
+def _passes(sw: dict) -> str:
+    """', N pass(es)' when the run recorded how many passes folded each block."""
+    return f", {sw['fold_passes']} pass{'es' if sw['fold_passes'] != 1 else ''}" if "fold_passes" in sw else ""
 
 
 def write_report(quick: bool = False) -> Path:

@@ -217,36 +217,69 @@ def _threads(th: dict | None, phys: dict | None) -> list[str]:
 
 
 def _sweep(doc: dict | None) -> list[str]:
-    """The "Sweeps (issue 14)" section from results/sweep.json."""
-    if not doc:
+    """The "Sweeps (issue 14)" section from results/sweep.json (one sweep per N and grid)."""
+    if not doc or "sweeps" not in doc:
         return []
-    one, sw, sep = doc["one"], doc["sweep"], doc["separate"]
-    gib = 2**30
-    return [
+    out = [
         "## Sweeps (issue 14)",
         "",
-        f"`python -m benchmarks.bench_sweep --n {doc['n']} --k {doc['k']}`: {doc['n']} TIES merges of the first "
-        f"{doc['k']} experts (full budget, a density × λ grid), each arm from a cold page cache in processes of its "
-        "own, side by side in one run. Outputs identical to each plan run alone: "
-        f"{'yes' if doc['outputs_identical'] else '**no**'}.",
+        f"`python -m benchmarks.bench_sweep --n {' '.join(str(s['n']) for s in doc['sweeps'][::2])} --k {doc['k']}`: "
+        f"N TIES merges of the first {doc['k']} experts of the bench family at full budget, each arm from a cold "
+        "page cache in processes of its own, side by side in one run. Grids: `lambda` = N/2 densities × λ ∈ "
+        "{0.5, 1} (plans differing only in λ fold each block once), `density` = N densities at λ = 1 (every plan "
+        "folds alone; only reads are shared). mergekit: "
+        + (
+            f"{doc['mergekit'][0]['measured_runs']} measured runs (the first points of the first grid), N × their mean "
+            "in every row unless the row says all runs were measured. "
+            if doc.get("mergekit")
+            else "not run. "
+        )
+        + "The machine was shared while it ran (`uptime` before each arm below): with 2 cores and a load "
+        "above 2 the wall ratios are not the machine's, the CPU seconds are closer to it."
+        + (f" {doc['note']}" if doc.get("note") else ""),
         "",
-        "| arm | wall s | CPU s | expert bytes | read from storage | peak RSS |",
-        "|---|---|---|---|---|---|",
-        f"| one `execute` | {one['wall']:.1f} | {one['cpu_seconds']:.1f} | {one['expert_bytes'] / 1e9:.2f} GB | "
-        f"{one['physical_bytes'] / 1e9:.2f} GB | {one['peak_rss_bytes'] / 2**20:.0f} MiB |",
-        f"| one sweep of {doc['n']} | {sw['wall']:.1f} | {sw['cpu_seconds']:.1f} | "
-        f"{sw['expert_bytes_read'] / 1e9:.2f} GB read once ({sw['expert_bytes_served'] / 1e9:.1f} GB served, "
-        f"{sw['reread_bytes'] / 1e9:.2f} GB re-read) | {sw['physical_bytes'] / 1e9:.2f} GB | "
-        f"{sw['peak_rss_bytes'] / gib:.2f} GiB |",
-        f"| {doc['n']} separate `execute`s | {sep['wall']:.1f} | {sep['cpu_seconds']:.1f} | "
-        f"{sep['expert_bytes'] / 1e9:.1f} GB | {sep['physical_bytes'] / 1e9:.2f} GB (page cache kept between runs) | "
-        f"{sep['peak_rss_bytes'] / 2**20:.0f} MiB |",
-        "",
-        f"- {doc['n']} merges in **{doc['sweep_over_one']:.2f}×** the wall of one (target ≤ 2.5×: "
-        f"{'met' if doc['sweep_over_one'] <= 2.5 else 'missed'}); {doc['separate_over_sweep']:.2f}× faster than "
-        "separate runs. The sweep is CPU-bound: every plan's fused fold runs once per plan (see ANALYSIS, issue 14).",
-        "",
+        "| N | grid | arm | wall s | CPU s | expert bytes | read from storage | peak RSS |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    mk = {(m["n"], m["grid"]): m for m in doc.get("mergekit", [])}
+    notes = []
+    for s in doc["sweeps"]:
+        one, sw, sep, n, g = s["one"], s["sweep"], s["separate"], s["n"], s["grid"]
+        lead = f"| {n} | {g} |"
+        out += [
+            f"{lead} one `execute` | {one['wall']:.1f} | {one['cpu_seconds']:.1f} | {one['expert_bytes'] / 1e9:.2f} GB"
+            f" | {one['physical_bytes'] / 1e9:.2f} GB | {one['peak_rss_bytes'] / 2**20:.0f} MiB |",
+            f"{lead} one sweep ({sw['fold_groups']} fold groups{_passes(sw)}) | {sw['wall']:.1f} | "
+            f"{sw['cpu_seconds']:.1f} | "
+            f"{sw['expert_bytes_read'] / 1e9:.2f} GB read once ({sw['expert_bytes_served'] / 1e9:.1f} GB served) | "
+            f"{sw['physical_bytes'] / 1e9:.2f} GB | {sw['peak_rss_bytes'] / 2**30:.2f} GiB |",
+            f"{lead} {n} separate `execute`s | {sep['wall']:.1f} | {sep['cpu_seconds']:.1f} | "
+            f"{sep['expert_bytes'] / 1e9:.1f} GB | {sep['physical_bytes'] / 1e9:.2f} GB | "
+            f"{sep['peak_rss_bytes'] / 2**20:.0f} MiB |",
+        ]
+        m = mk.get((n, g))
+        if m:
+            out.append(
+                f"{lead} {n} mergekit runs ({m['label']}) | {m['wall']:.0f} | {m['cpu_seconds']:.0f} | "
+                f"{m['expert_bytes'] / 1e9:.1f} GB | {m['physical_bytes'] / 1e9:.2f} GB | "
+                f"{m['peak_rss_bytes'] / 2**20:.0f} MiB |"
+            )
+        ratio, cpu = s["sweep_over_one"], sw["cpu_seconds"] / one["cpu_seconds"]
+        target = f" (target ≤ 2.5×: {'met' if ratio <= 2.5 else 'missed'} in this run)" if n == 8 else ""
+        same_run = m and s.get("run", 1) == m.get("run", 1)  # ratios only between arms of one run
+        vs_mk = f", {m['wall'] / sw['wall']:.1f}× faster than mergekit ({m['label']})" if same_run else ""
+        notes.append(
+            f"- N = {n}, {g} grid: {n} merges in **{ratio:.2f}×** the wall of one{target} and {cpu:.1f}× its CPU "
+            "seconds; "
+            f"{s['separate_over_sweep']:.2f}× faster than separate runs{vs_mk}. Load: one `{s['load_one']}`; "
+            f"sweep `{s['load_sweep']}`."
+        )
+    return [*out, "", *notes, ""]
+
+
+def _passes(sw: dict) -> str:
+    """', N pass(es)' when the run recorded how many passes folded each block."""
+    return f", {sw['fold_passes']} pass{'es' if sw['fold_passes'] != 1 else ''}" if "fold_passes" in sw else ""
 
 
 def _remote(doc: dict | None) -> list[str]:

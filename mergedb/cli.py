@@ -546,17 +546,25 @@ def check(
 
 @app.command()
 def sweep(
-    base: str = typer.Option(..., "--base", help="Name of the registered base."),
+    config_files: list[Path] | None = typer.Argument(
+        None, metavar="[CONFIG]...", help="With --configs: mergekit YAML configs, one plan each."
+    ),
+    configs: bool = typer.Option(
+        False, "--configs", help="Plan each CONFIG file (a mergekit config) as a plan named after the file."
+    ),
+    base: str | None = typer.Option(None, "--base", help="Name of the registered base."),
     experts: str | None = typer.Option(None, "--experts", help="Comma-separated expert names, in order."),
     all_experts: bool = typer.Option(False, "--all", help="Every expert of the base."),
-    method: str = typer.Option(..., "--method", "-m", help="Merge method, as for `mergedb plan`."),
+    method: str | None = typer.Option(None, "--method", "-m", help="Merge method, as for `mergedb plan`."),
     grid: list[str] = typer.Option(
         [], "--grid", help="NAME=V1,V2,...: values of density, lambda, gamma, epsilon, normalize, budget or seed."
     ),
     budget: str = typer.Option("all", "--budget", "-b", help="Expert bytes each plan may read: 500MB, 25%, all."),
     weights: str | None = typer.Option(None, "--weights", help="Comma-separated weights, one per expert."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random drops (DARE, DELLA)."),
-    name: str | None = typer.Option(None, "--name", help="Prefix of the plans' names [default: METHOD-sweepN]."),
+    name: str | None = typer.Option(
+        None, "--name", help="Prefix of the plans' names [default: METHOD-sweepN; with --configs none]."
+    ),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder that receives one output folder per plan."),
     max_parallel: int = typer.Option(8, "--max-parallel", help="Plans merged at once (memory grows with it)."),
     threads: int | None = typer.Option(None, "--threads", help="Merge threads per plan [default: cores / plans]."),
@@ -566,9 +574,12 @@ def sweep(
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
 ) -> None:
-    """Plan every point of a parameter grid and merge them all in one pass over the experts.
+    """Plan every point of a parameter grid (or every mergekit config given) and merge them all in one
+    pass over the experts.
 
     Example: mergedb sweep --base base --all -m ties --grid density=0.1,0.2,0.3 --grid lambda=0.5,1 --out sweeps
+
+    Example: mergedb sweep --configs a.yml b.yml --out sweeps
     """
     from . import grid as grids
     from . import sweep as sw
@@ -576,14 +587,29 @@ def sweep(
     from .units import parse_size
 
     render.check_format(fmt)
-    names, w = _experts_and_weights(experts, all_experts, weights)
     shard = parse_size(max_shard_size, what="shard size")
     cat = _catalog(catalog, wait)
-    points = grids.parse_grid(grid)
-    template = PlanRequest(base, names, method, budget, w, seed=seed)
-    requests = grids.grid_requests(template, points, name or grids.default_prefix(cat, method))
+    dtypes: str | None | list[str | None] = dtype
+    if configs:
+        given = {"--base": base, "--experts": experts, "--all": all_experts or None, "--method": method}
+        clash = [f for f, v in {**given, "--weights": weights, "--grid": grid or None}.items() if v is not None]
+        if clash:
+            raise MergeDBError(f"{clash[0]} cannot be combined with --configs: each config sets it; change it there")
+        from .mkplan import config_requests
+
+        pairs = config_requests(cat, config_files or [], budget, name, seed=seed)
+        requests = [r for r, _ in pairs]
+        dtypes = [dtype or d for _, d in pairs]  # --dtype overrides every config's
+    else:
+        if config_files:
+            raise MergeDBError(f"unexpected argument {str(config_files[0])!r}; config files need --configs")
+        if base is None or method is None:
+            raise MergeDBError("give --base and --method (or mergekit configs: --configs a.yml b.yml)")
+        names, w = _experts_and_weights(experts, all_experts, weights)
+        template = PlanRequest(base, names, method, budget, w, seed=seed)
+        requests = grids.grid_requests(template, grids.parse_grid(grid), name or grids.default_prefix(cat, method))
     res = sw.sweep(
-        cat, requests, out_dir, max_parallel=max_parallel, threads=threads, dtype=dtype, max_shard_size=shard
+        cat, requests, out_dir, max_parallel=max_parallel, threads=threads, dtype=dtypes, max_shard_size=shard
     )
     render.print_sweep(res, fmt)
 

@@ -40,7 +40,7 @@ from .manifest import (
     plan_from_manifest,
     write_json,
 )
-from .merger import Merger, ReadBlock, normalize_dtype, output_dtype
+from .merger import FoldBlock, Merger, ReadBlock, normalize_dtype, output_dtype
 from .tensorfile import DTYPES, SafetensorsWriter, tensor_nbytes
 from .units import check_threads
 
@@ -94,11 +94,13 @@ def merge_to_dict(
     threads: int | None = None,
     read_block: ReadBlock | None = None,
     on_tensor: Callable[[], None] | None = None,
+    fold_block: FoldBlock | None = None,
 ) -> dict[str, np.ndarray]:
     """The merged model in memory: name -> float32 (mergeable) or raw-typed array (packed sub-byte
     dtypes such as F4 as their raw uint8 bytes). For embedding. `read_block`: see merger.ReadBlock;
-    `on_tensor` is called after each tensor (a sweep paces its plans with it)."""
-    m = Merger(xp, dtype, threads=threads, read_block=read_block)
+    `on_tensor` is called after each tensor (a sweep paces its plans with it); `fold_block`: see
+    merger.FoldBlock."""
+    m = Merger(xp, dtype, threads=threads, read_block=read_block, fold_block=fold_block)
     try:
         state = {}
         for name, dt, shape, data in m.tensors(list(range(len(xp.tensors)))):
@@ -134,6 +136,7 @@ def execute(
     unit_order_seed: int | None = None,
     read_block: ReadBlock | None = None,
     write_shards: WriteShards | None = None,
+    fold_block: FoldBlock | None = None,
 ) -> ExecuteResult:
     """Merge into `out` (a new folder, or an old mergedb output with force=True), atomically.
 
@@ -143,9 +146,10 @@ def execute(
     as it is written (for a byte-based progress bar).
     `threads` compute threads (default: os.cpu_count()) merge; the output's bytes and manifest do
     not depend on it, nor on `unit_order_seed` (shuffles the order units are run in; for tests).
-    `read_block` serves expert blocks instead of reading them (merger.ReadBlock; a sweep's shared reads).
+    `read_block` serves expert blocks instead of reading them (merger.ReadBlock; a sweep's shared reads),
+    `fold_block` their folded sums (merger.FoldBlock; a sweep's shared folds).
     `write_shards` writes the shards elsewhere than in this process (rayexec.py; see WriteShards):
-    `threads`, `unit_order_seed` and `read_block` are then its business, not this function's."""
+    `threads`, `unit_order_seed`, `read_block` and `fold_block` are then its business, not this function's."""
     if threads is not None:
         check_threads(threads)
     shown = Path(out)
@@ -164,7 +168,7 @@ def execute(
         try:
             tmp.mkdir()
             if write_shards is None:
-                merger = Merger(xp, out_dt, verify, threads, unit_order_seed, read_block)
+                merger = Merger(xp, out_dt, verify, threads, unit_order_seed, read_block, fold_block)
                 write_shards = functools.partial(_write_shards_here, merger)
             if on_total:
                 on_total(sum(tensor_nbytes(output_dtype(t, out_dt), t.shape) for t in xp.tensors))

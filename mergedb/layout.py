@@ -125,3 +125,8 @@ def shard_groups(sizes: list[int], max_shard_size: int) -> list[list[int]]:
         groups[-1].append(i)
         used += nbytes
     return groups
+
+
+def output_dtype(t: TensorLayout, dtype: str | None) -> str:
+    """The dtype tensor `t` is written in: the asked `dtype` for a merged tensor, else its own."""
+    return (dtype or t.dtype) if t.mergeable else t.dtype

@@ -31,14 +31,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import fetchplan, kernels, loramerge, methods
+from . import fetchplan, kernels, loramerge, methods, multifold, stepwise
 from .checkpoint import PlanInputs
 from .errors import ChangedFileError, MergeDBError
-from .layout import TensorLayout, block_bytes, row_elems
+from .layout import TensorLayout, block_bytes, output_dtype, row_elems
 from .lora import is_adapter
 from .manifest import ExecutionPlan, Source
-from .stock import StockDots, StockTensor
-from .tensorfile import DTYPES, as_float32, encode, tensor_nbytes
+from .stock import StockTensor
+from .tensorfile import DTYPES, tensor_nbytes
 from .tensorparams import TensorParams
 from .units import check_threads
 
@@ -53,6 +53,15 @@ _NO_F32, _NO_BF16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `kernels.
 # with expert `position`'s bytes of that block; `pread(buf)` reads them from the file into `buf`.
 # None: pread(raw). A sweep passes one that serves a block read once to every plan (sweep.py).
 ReadBlock = Callable[[int, int, int, np.ndarray, Callable[[np.ndarray], None]], None]
+# fold_block(tensor_idx, block_idx, acc, fold, finish): call `finish(sums)` once with the block's
+# running sums, folded here by `fold(buf)` (into `acc` or a buffer of the same shape) or folded by
+# another plan with the same fold (foldshare.py; `finish` only reads them); True when `fold` ran
+# here. `fold(buf, bands)` folds several TIES-style trims at once: buf (G, 5, n), bands = Bands of
+# (G, K) arrays (weight, keep |Δ| ≥ lo, < hi per set and expert position), as multifold.fold_many.
+# None: fold(acc), finish(acc). Only the fused, non-model_stock path calls it.
+Bands = tuple[np.ndarray, np.ndarray, np.ndarray]
+Fold = Callable[..., None]
+FoldBlock = Callable[[int, int, np.ndarray, Fold, Callable[[np.ndarray], None]], bool]
 
 
 @dataclass
@@ -69,10 +78,6 @@ def normalize_dtype(dtype: str | None) -> str | None:
     if out not in OUT_DTYPES.values():
         raise MergeDBError(f"unknown --dtype {dtype!r}; use bf16, fp16 or fp32")
     return out
-
-
-def output_dtype(t: TensorLayout, dtype: str | None) -> str:
-    return (dtype or t.dtype) if t.mergeable else t.dtype
 
 
 @dataclass(frozen=True)
@@ -116,9 +121,10 @@ class Merger:
         threads: int | None = None,
         unit_order_seed: int | None = None,
         read_block: ReadBlock | None = None,
+        fold_block: FoldBlock | None = None,
     ) -> None:
         self.xp, self.verify = xp, verify
-        self.read_block = read_block
+        self.read_block, self.fold_block = read_block, fold_block
         self.dtype = normalize_dtype(dtype)
         self.method = methods.get_method(xp.method)
         self.sel = xp.selected()
@@ -276,7 +282,7 @@ class Merger:
                 else:
                     self._fused_block(u.tensor_idx, b, base_raw, out)
         else:
-            self._merge_slow(u, base_raw, out)
+            stepwise.merge_slow(self, u, base_raw, out)
 
     def _has_adapter(self, ti: int, b: int) -> bool:
         return self.lora is not None and any(pos in self.lora.adapters for pos, _ in self.sel.get(ti, {}).get(b, []))
@@ -291,14 +297,32 @@ class Merger:
         return lo, n, bits_dt, base_raw[lo * raw_dt.itemsize : (lo + n) * raw_dt.itemsize].view(bits_dt)
 
     def _fused_block(self, ti: int, b: int, base_raw: np.ndarray, out: np.ndarray) -> None:
-        """One block through the fused kernels: groups of READ_AHEAD experts, the next group read
-        on the I/O threads while this one is folded in."""
+        """One block through the fused kernels: fold the selected experts into running sums (or take
+        the sums from `fold_block`), then finish them into the output."""
+        _, n, _, base = self._block(ti, b, base_raw)
+        acc = self.local.get("acc", (5 if self.method.consensus else 1) * n, np.float32)
+        acc = acc.reshape(-1, n)  # (1 or 5, n) float32 running sums
+        if self.fold_block is None:
+            self._fold(ti, b, base_raw, acc)
+            self._finish(ti, b, base_raw, acc, out)
+        elif not self.fold_block(
+            ti,
+            b,
+            acc,
+            lambda a, bands=None: self._fold(ti, b, base_raw, a, bands),
+            lambda a: self._finish(ti, b, base_raw, a, out),
+        ):
+            with self._lock:  # the sums came from a plan with the same fold: count what this plan consumed
+                self.count.expert += len(self.sel.get(ti, {}).get(b, [])) * base.nbytes
+
+    def _fold(self, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray, bands: Bands | None = None) -> None:
+        """Fold block `b` of tensor `ti`'s selected experts into `acc`: groups of READ_AHEAD experts,
+        the next group read on the I/O threads while this one is folded in. With `bands`, into the
+        (G, 5, n) sums of G TIES-style trims at once (see FoldBlock)."""
         t = self.xp.tensors[ti]
         kind = kernels.IN_KIND[t.dtype]
         lo, n, bits_dt, base = self._block(ti, b, base_raw)
         nb = base.nbytes
-        acc = self.local.get("acc", (5 if self.method.consensus else 1) * n, np.float32)
-        acc = acc.reshape(-1, n)  # (1 or 5, n) float32 running sums
         acc.fill(0)
         work = self.sel.get(ti, {}).get(b, [])
         groups = [work[i : i + READ_AHEAD] for i in range(0, len(work), READ_AHEAD)]
@@ -320,6 +344,11 @@ class Merger:
             if gi + 1 < len(groups):
                 reads = submit(gi + 1)
             ex = bufs[gi % 2][: len(grp) * nb].view(bits_dt).reshape(len(grp), n)  # (g, n) raw bits
+            if bands is not None:  # each expert decoded once, trimmed and added into every set
+                at = [pos for pos, _ in grp]
+                w, t_lo, t_hi = (np.ascontiguousarray(x[:, at]) for x in bands)  # (G, g) each
+                multifold.fold_many(base, ex, kind, w, t_lo, t_hi, acc)
+                continue
             srcs = [self.xp.experts[pos] for pos, _ in grp]
             vals = [self._values(pos, ti) for pos, _ in grp]
             trims = [self._trim(pos, ti, t, src) for (pos, _), src in zip(grp, srcs)]
@@ -341,7 +370,6 @@ class Merger:
                     base, ex[sl], kind, mode, lo, coefs[sl], t_lo[sl], t_hi[sl], keys[sl], p, eps, rk, acc
                 )
                 j0 = j1
-        self._finish(ti, b, base_raw, acc, out)
 
     def _finish(self, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray, out: np.ndarray) -> None:
         """Write block `b` of tensor `ti`: the base (times the tensor's base scale) plus the merged
@@ -396,49 +424,6 @@ class Merger:
                 np.multiply(upd, scale, out=upd)  # t·Σ c_k Δ_k, float32 as the per-step path
                 self._finish(ti, blk, base_raw, upd.reshape(1, n), out)
             del self._stock[ti]
-
-    def _merge_slow(self, u: Unit, base_raw: np.ndarray, out: np.ndarray) -> None:
-        """The per-step path (numpy `sparsify` + `Accumulator`; model_stock a whole tensor per unit): the
-        fused kernels' oracle, run when kernels.MODE lacks the method (tests/test_threads.py)."""
-        ti = u.tensor_idx
-        t = self.xp.tensors[ti]
-        out_dtype = output_dtype(t, self.dtype)
-        selected = self.sel.get(ti, {})
-        raw_dt, out_dt = np.dtype(DTYPES[t.dtype][1]), np.dtype(DTYPES[out_dtype][1])
-        stock = StockDots(self.xp, ti) if self.xp.method == "model_stock" else None
-        pending: list[tuple[int, np.ndarray, np.ndarray]] = []  # model_stock: until t is known
-        per_row = row_elems(t.shape)
-        for b in u.blocks:
-            r0, r1 = t.rows[b]
-            lo, n = r0 * per_row, (r1 - r0) * per_row
-            base = as_float32(base_raw.view(raw_dt)[lo : lo + n], t.dtype, np.empty(n, np.float32))  # (n,) f32
-            acc = kernels.Accumulator(self.method, {**self.xp.params, "lambda": self._values(0, ti).lam}, n)
-            deltas = []
-            for pos, h in selected.get(b, []):
-                if self.lora is not None and pos in self.lora.adapters:  # formed from its factors
-                    d = loramerge.slow_delta(self, ti, b, pos, h, base, self.local.get("e", n, np.float32))
-                else:
-                    raw = self._read_one(ti, b, pos, h, self.local.get("raw", len(base) * raw_dt.itemsize, np.uint8))
-                    d = as_float32(raw.view(raw_dt), t.dtype, self.local.get("e", n, np.float32))
-                    np.subtract(d, base, out=d)  # Δ in place: (n,) float32
-                src, v = self.xp.experts[pos], self._values(pos, ti)
-                params = {**self.xp.params, "density": v.density, "epsilon": v.epsilon}
-                d = kernels.sparsify(self.method, params, d, lo, self._trim(pos, ti, t, src))
-                acc.add(v.coef, v.weight, d)
-                if stock is not None:
-                    deltas.append((pos, d.copy()))  # the scratch buffer is reused by the next expert
-            update = acc.merged_delta()
-            if stock is not None:
-                stock.add_block(deltas)
-                pending.append((lo, base, update))
-                continue
-            scale = self._values(0, ti).base_scale
-            merged = base + update if scale == 1.0 else np.float32(scale) * base + update  # (n,) float32
-            out.view(out_dt)[lo : lo + n] = encode(merged, out_dtype)
-        if stock is not None:
-            scale = np.float32(stock.t())
-            for lo, base, update in pending:
-                out.view(out_dt)[lo : lo + base.size] = encode(base + scale * update, out_dtype)
 
     def _values(self, pos: int, ti: int) -> TensorParams:
         """Expert `pos`'s weight, coefficient, density, ε, λ and base scale in tensor `ti`."""

@@ -11,14 +11,16 @@ config; parsed back and evaluated, it gives every mergeable tensor the values th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from os import PathLike
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from .configs import SCHEMA, MergeConfig, bind_models, parse_config, plan_resolution, to_mergekit_yaml
-from .errors import ConfigError
+from .errors import ConfigError, MergeDBError
 from .mkresolve import most_common
 from .planner import PlanRequest
 from .resources import query
@@ -73,6 +75,42 @@ def plan_from_config(
     bound = bind_models(cfg, cat.checkpoints(), cwd)
     req = config_request(bound, tensor_names(cat, bound.base_model), budget, name, **options)
     return cat.plan(req, explain=explain)
+
+
+def config_requests(
+    cat: Catalog,
+    paths: Sequence[str | PathLike[str]],
+    budget: str = "all",
+    prefix: str | None = None,
+    *,
+    cwd: str | PathLike[str] | None = None,
+    **options: Any,
+) -> list[tuple[PlanRequest, str | None]]:
+    """One request per mergekit config file, named after the file (`STEM`, or `PREFIX-STEM`), with
+    the output dtype the config asks for (None: the base's): what `mergedb sweep --configs` plans.
+
+    Every config is read, bound and evaluated before anything is planned; an error names its file.
+    `options` as for `plan_from_config`."""
+    if not paths:
+        raise ConfigError("--configs needs at least one config file, e.g. mergedb sweep --configs a.yml b.yml")
+    stems: dict[str, str] = {}
+    ckpts = cat.checkpoints()
+    out = []
+    for path in paths:
+        stem = Path(path).stem
+        name = f"{prefix}-{stem}" if prefix else stem
+        if name in stems:
+            raise ConfigError(f"{stems[name]} and {path} would both make the plan {name!r}; rename one of the files")
+        stems[name] = str(path)
+        try:
+            cfg = parse_config(Path(path))
+            bound = bind_models(cfg, ckpts, cwd)
+            req = config_request(bound, tensor_names(cat, bound.base_model), budget, name, **options)
+        except MergeDBError as e:
+            msg = str(e)
+            raise type(e)(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+        out.append((req, cfg.output_dtype))
+    return out
 
 
 def overrides(plan: PlanSummary, xp: ExecutionPlan) -> tuple[dict[str, Any], pa.Table]:

@@ -400,6 +400,7 @@ def print_sweep(res: Any, fmt: str) -> None:
         where,
         f"{len(res.runs)} plans in {_secs(res.seconds)}: expert bytes read {size(res.expert_bytes_read)} "
         f"(separate runs: {size(res.expert_bytes_served)}), disk {size(res.physical_read_bytes)}, "
-        f"peak RSS {size(res.peak_rss)}",
+        f"peak RSS {size(res.peak_rss)}; {res.fold_groups} fold group(s) (plans that differ only in λ or "
+        f"normalize), each block folded in {res.fold_passes} pass(es)",
     ]
     print_records(SWEEP_COLS, records, fmt, notes=notes if fmt == "table" else ())

@@ -8,7 +8,10 @@ output has exactly the bytes of that plan executed alone. What they share is the
 Merger's expert reads go through `SharedReads` (the `read_block` seam of merger.py), which reads
 an (expert, tensor, block) once and serves the copy to every plan of the wave that selected it,
 dropping it when the last one has taken it. A wave therefore reads the union of its plans' masks
-once; N plans in one wave with one mask read the bytes of one plan.
+once; N plans in one wave with one mask read the bytes of one plan. Plans whose folds are identical
+(foldshare.FoldKey: they differ only in what `kernels.finish` applies, e.g. TIES' λ) also share
+the arithmetic: each block is folded by one plan of the group and every plan of the group finishes
+its own output from those sums (`fold_block`, the second seam of merger.py).
 
 Memory. Per plan in flight, what one execution holds (a few blocks per thread and the reorder
 buffer; nothing grows with K), plus the shared blocks some plans of the wave have taken and
@@ -16,7 +19,9 @@ others not yet. `_Pace` keeps each plan within LEAD tensors of the slowest plan 
 writer that runs ahead waits after writing a tensor; the slowest never waits, so the wave always
 moves), which keeps that set small; `cache_bytes` caps it: a block that does not fit is read by
 each plan that needs it instead (correct, only more reads; `SweepResult.reread_bytes` says how
-many). Waves run one after another, so P < N plans read the union once per wave.
+many); it caps the folded sums held for groups separately (20 bytes per element for TIES; beyond
+it a plan folds the block itself). Waves run one after another, so P < N plans read the union
+once per wave.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from .units import check_threads
 if TYPE_CHECKING:
     from .catalog import Catalog
     from .executor import ExecuteResult
+    from .merger import FoldBlock
     from .plans import PlanSummary
 
 LEAD = 2  # tensors a plan may write ahead of the slowest plan of its wave
@@ -63,6 +69,9 @@ class SweepResult:
     physical_read_bytes: int  # /proc/self/io read_bytes during the sweep (experts and bases)
     peak_rss: int
     peak_shared_bytes: int  # most bytes of shared blocks held at once
+    fold_groups: int = 0  # groups of plans with one fold (foldshare.FoldKey), summed over waves
+    folds_shared: int = 0  # blocks a plan finished from sums its group folded, not folding them itself
+    fold_passes: int = 0  # folds per block: sets of groups folded together (foldshare.mask_sets), over waves
 
 
 # -- shared reads -------------------------------------------------------------------------------
@@ -197,26 +206,56 @@ class _Pace:
             self.cv.notify_all()
 
 
-class _Wave:
-    """Plans `idx` of a sweep, run together: their shared reads, one reader each, their pace."""
+# work(read_block, fold_block, step, threads): one plan's merge in a wave; `step()` after each tensor
+Work = Callable[[_Reader, "FoldBlock | None", Callable[[], None], int], Any]
 
-    def __init__(self, xps: Sequence[ExecutionPlan], idx: list[int], cache_bytes: int, threads: int | None) -> None:
-        keys = [plan_keys(xps[i]) for i in idx]
+
+class _Wave:
+    """Plans `idx` of a sweep, run together: their fold groups (foldshare.py), one reader per group
+    over the wave's shared reads, the groups' shared folds, their pace."""
+
+    def __init__(
+        self,
+        xps: Sequence[ExecutionPlan],
+        idx: list[int],
+        cache_bytes: int,
+        threads: int | None,
+        dtypes: Sequence[str | None],
+    ) -> None:
+        from . import foldshare  # imports the merge kernels
+
         self.idx = idx
+        wx, wd = [xps[i] for i in idx], [dtypes[i] for i in idx]
+        self.groups = foldshare.fold_groups(wx, wd)  # wave positions
+        sets = foldshare.mask_sets(wx, wd, self.groups)  # groups folded together
+        many = {g: foldshare.bands(wx[self.groups[g][0]]) for gs in sets if len(gs) > 1 for g in gs}
+        self.folds = foldshare.SharedFolds([len(js) for js in self.groups], cache_bytes, sets, many)
+        self.set_of = {j: d for d, gs in enumerate(sets) for g in gs for j in self.groups[g]}
+        self.group_of = {j: g for g, js in enumerate(self.groups) for j in js}
+        # one reader per set: a block is read by the one plan of the set that folds it
+        keys = [plan_keys(wx[self.groups[gs[0]][0]]) for gs in sets]
         self.shared = SharedReads(Counter(k for ks in keys for k in ks.values()), cache_bytes)
         self.readers = [_Reader(ks, self.shared) for ks in keys]
+        self.running = [sum(len(self.groups[g]) for g in gs) for gs in sets]  # plans of each set not finished
+        self.lock = threading.Lock()
         self.pace = _Pace(len(idx))
         self.threads = _threads(threads, len(idx))
 
-    def run(self, j: int, work: Callable[[_Reader, Callable[[], None], int], Any]) -> Any:
-        """`work(read_block, step, threads)` for the wave's j-th plan; `step()` after each tensor."""
+    def run(self, j: int, work: Work) -> Any:
+        """`work(read_block, fold_block, step, threads)` for the wave's j-th plan."""
+        g, d = self.group_of[j], self.set_of[j]
+        fold = self.folds.block(g) if self.folds.plans(g) > 1 else None
         try:
-            return work(self.readers[j], lambda: self.pace.step(j), self.threads)
+            return work(self.readers[d], fold, lambda: self.pace.step(j), self.threads)
         finally:
             self.pace.finish(j)
-            self.readers[j].release()
+            with self.lock:
+                self.running[d] -= 1
+                last = self.running[d] == 0
+            if last:
+                self.readers[d].release()
 
-    def results(self, work: Callable[[int], Callable[[_Reader, Callable[[], None], int], Any]]) -> Iterator[Any]:
+    def results(self, work: Callable[[int], Work]) -> Iterator[Any]:
         """Run `work(i)` for every plan of the wave at once; their futures in order."""
         with ThreadPoolExecutor(len(self.idx), thread_name_prefix="mergedb-sweep") as pool:
             futs = [pool.submit(self.run, j, work(i)) for j, i in enumerate(self.idx)]
@@ -238,6 +277,16 @@ def _threads(threads: int | None, in_flight: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, in_flight))
 
 
+def _dtypes(dtype: str | None | Sequence[str | None], n: int) -> list[str | None]:
+    """One output dtype per request (a single one for all, or a list as long as the requests)."""
+    if dtype is None or isinstance(dtype, str):
+        return [dtype] * n
+    out = list(dtype)
+    if len(out) != n:
+        raise MergeDBError(f"{len(out)} output dtypes for {n} plans; give one dtype, or one per plan")
+    return out
+
+
 def _check_parallel(max_parallel: int) -> int:
     if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1:
         raise MergeDBError(f"--max-parallel must be a whole number ≥ 1, got {max_parallel!r}; e.g. --max-parallel 8")
@@ -254,12 +303,13 @@ def sweep(
     *,
     max_parallel: int = 8,
     threads: int | None = None,
-    dtype: str | None = None,
+    dtype: str | None | Sequence[str | None] = None,
     max_shard_size: int = 5 * 10**9,
     cache_bytes: int = CACHE_BYTES,
 ) -> SweepResult:
     """Plan `requests` (or take stored plans by id or name), then execute them together into
-    `out_dir/<plan-name>/` (`plan-<id>` for an unnamed plan), each expert block read once per wave.
+    `out_dir/<plan-name>/` (`plan-<id>` for an unnamed plan), each expert block read once per wave
+    and folded once per fold group (foldshare.py). `dtype`: one output dtype, or one per request.
 
     The catalog is open only to plan, to read the execution plans and to record each run. An
     output that exists is refused before anything is planned or run. If a plan fails, the rest of its wave
@@ -268,6 +318,7 @@ def sweep(
     from . import executor  # the merge kernels are heavy to import; planning and the catalog do not need them
 
     _check_parallel(max_parallel)
+    dtypes = _dtypes(dtype, len(requests))
     root = Path(out_dir)
     _check_outs(cat, [root / r.name for r in requests if isinstance(r, planner.PlanRequest) and r.name])
     summaries, xps = grid.plan_and_load(cat, requests)
@@ -275,20 +326,21 @@ def sweep(
     _check_outs(cat, outs)
     t0, phys0 = time.perf_counter(), executor.physical_read_bytes()
     results: list[ExecuteResult | None] = [None] * len(xps)
-    read = served = reread = peak = 0
+    read = served = reread = peak = groups = shared_folds = passes = 0
     failed: list[str] = []
     for idx in _waves(len(xps), max_parallel):
-        wave = _Wave(xps, idx, cache_bytes, threads)
+        wave = _Wave(xps, idx, cache_bytes, threads, dtypes)
 
-        def work(i: int) -> Callable[[_Reader, Callable[[], None], int], ExecuteResult]:
-            return lambda reader, step, nthreads: executor.execute(
+        def work(i: int) -> Work:
+            return lambda reader, fold, step, nthreads: executor.execute(
                 xps[i],
                 outs[i],
                 max_shard_size=max_shard_size,
-                dtype=dtype,
+                dtype=dtypes[i],
                 threads=nthreads,
                 progress=lambda _n: step(),
                 read_block=reader,
+                fold_block=fold,
             )
 
         with contextlib.closing(wave.results(work)) as futures:  # closed at once on Ctrl-C: stops the wave
@@ -304,6 +356,8 @@ def sweep(
                 cat.record_run(xps[i].plan_id, outs[i], res, wait=RECORD_WAIT)
         read, reread = read + wave.shared.read_bytes, reread + wave.shared.reread_bytes
         peak = max(peak, wave.shared.peak)
+        groups, shared_folds = groups + len(wave.groups), shared_folds + wave.folds.shared
+        passes += len(wave.folds.sets)
         if failed:
             done = [summaries[i].name for i in range(len(xps)) if results[i] is not None]
             raise MergeDBError(
@@ -320,6 +374,9 @@ def sweep(
         executor.physical_read_bytes() - phys0,
         executor.peak_rss(),
         peak,
+        groups,
+        shared_folds,
+        passes,
     )
 
 
@@ -362,12 +419,13 @@ def in_memory(
 
     _check_parallel(max_parallel)
     summaries, xps = grid.plan_and_load(cat, requests)
+    dtypes = [dtype] * len(xps)
     for idx in _waves(len(xps), max_parallel):
-        wave = _Wave(xps, idx, cache_bytes, threads)
+        wave = _Wave(xps, idx, cache_bytes, threads, dtypes)
 
-        def work(i: int) -> Callable[[_Reader, Callable[[], None], int], dict[str, np.ndarray]]:
-            def merge(reader: _Reader, step: Callable[[], None], nthreads: int) -> dict[str, np.ndarray]:
-                return executor.merge_to_dict(xps[i], dtype, nthreads, reader, on_tensor=step)
+        def work(i: int) -> Work:
+            def merge(reader: _Reader, fold: FoldBlock | None, step: Callable[[], None], nthreads: int) -> Any:
+                return executor.merge_to_dict(xps[i], dtype, nthreads, reader, on_tensor=step, fold_block=fold)
 
             return merge
 

@@ -1,0 +1,64 @@
+"""One fold of a block into the sums of several TIES-style trims at once (a sweep's densities).
+
+`kernels.fold_group` decodes each expert block, subtracts the base, trims and adds into one set of
+sign-consensus sums. Plans of a sweep that differ only in their trims (TIES densities over one
+mask) would each decode the same bytes; `fold_many` decodes a chunk of an expert once and trims and
+adds it into every set. Per element and per set the float32 operations and their order are exactly
+those of `fold_group` mode 1 (experts in plan order), so each set is bit-identical to its own
+`fold_group` (tests/test_foldshare.py). Measured on one 2M-element bf16 block, K = 8, 4 sets: 0.6×
+the CPU time of four `fold_group` calls.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .kernels import CHUNK, _decode_chunk
+
+
+@numba.njit(nogil=True, cache=True)
+def fold_many(base, ex, kind, coefs, lo, hi, acc):  # pragma: no cover - compiled
+    """Fold experts ex[0..g) into sets acc[0..G) of sign-consensus sums, trimming with each set's bands.
+
+    base (n,) raw bits; ex (g, n) raw bits in plan order; coefs (G, g) float32 weights; lo, hi
+    (G, g) float64: set q keeps lo[q, k] ≤ |Δ_k| < hi[q, k]; acc (G, 5, n) float32 (total, pos,
+    neg, pos_w, neg_w), added to."""
+    n = base.shape[0]
+    g = ex.shape[0]
+    sets = acc.shape[0]
+    zero = np.float32(0.0)
+    bbits = np.empty(CHUNK, np.uint32)
+    dbits = np.empty(CHUNK, np.uint32)
+    kept = np.empty(CHUNK, np.float32)
+    for c0 in range(0, n, CHUNK):
+        m = min(CHUNK, n - c0)
+        bf = bbits[:m].view(np.float32)  # (m,) float32 base
+        df = dbits[:m].view(np.float32)  # (m,) float32 Δ of one expert
+        t = kept[:m]  # (m,) Δ trimmed for one set
+        _decode_chunk(base[c0 : c0 + m], kind, bbits[:m])
+        for k in range(g):
+            _decode_chunk(ex[k, c0 : c0 + m], kind, dbits[:m])
+            for i in range(m):
+                df[i] = df[i] - bf[i]
+            for q in range(sets):
+                lo32, hi32 = np.float32(lo[q, k]), np.float32(hi[q, k])
+                for i in range(m):
+                    x = df[i]
+                    a = abs(x)
+                    t[i] = x if (a >= lo32) & (a < hi32) else zero
+                c = coefs[q, k]
+                tot, pos, neg = acc[q, 0, c0 : c0 + m], acc[q, 1, c0 : c0 + m], acc[q, 2, c0 : c0 + m]
+                pos_w, neg_w = acc[q, 3, c0 : c0 + m], acc[q, 4, c0 : c0 + m]
+                for i in range(m):
+                    tot[i] += c * t[i]
+                for i in range(m):
+                    x = t[i]
+                    wd = c * x
+                    pos[i] += wd if x > zero else zero
+                    pos_w[i] += c if x > zero else zero
+                for i in range(m):
+                    x = t[i]
+                    wd = c * x
+                    neg[i] += wd if x < zero else zero
+                    neg_w[i] += c if x < zero else zero

@@ -21,7 +21,9 @@ from typer.testing import CliRunner
 from mergedb import executor
 from mergedb.catalog import Catalog
 from mergedb.cli import app
+from mergedb.errors import PlanError
 from mergedb.planner import PlanRequest
+from mergedb.sweep import sweep as sweep_to_folders
 from tests import lora_fixtures as lf
 
 BLOCK = 4096  # bytes: the 64-column fp32 projections split into blocks of 16 rows
@@ -382,3 +384,15 @@ def test_registration_never_reads_untouched_tensors(fam, tmp_path):
     assert want < sum(t.numel() * 4 for t in base.values()) / 3  # 4 of the base's 21 tensors
     if physical:  # this filesystem reports read_bytes; headers and module files add a little
         assert physical <= 1.05 * want + 256 * 1024, physical
+
+
+def test_sweep_refuses_adapters_in_one_line(fam, tmp_path):
+    """A sweep cannot count an adapter's factor reads (they bypass the shared reads): refused, no output."""
+    _, lora, _ = fam
+    req = PlanRequest(base="base", experts=["ad1", "other"], method="task_arithmetic", budget="all")
+    with pytest.raises(PlanError, match="'ad1' is a LoRA adapter; sweeps do not take adapters") as e:
+        sweep_to_folders(lora, [req], tmp_path / "sweep")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "sweep").exists() or not any((tmp_path / "sweep").iterdir())
+    with pytest.raises(PlanError, match="LoRA adapter"):  # in memory too (Catalog.sweep)
+        list(lora.sweep([req]))

@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import tensorparams
+from . import greedy, tensorparams
 from .errors import MergeDBError
 from .layout import TensorLayout
 from .methods import validate
@@ -101,14 +101,12 @@ class ExecutionPlan:
 def mask_digest(mask: pa.Table) -> str:
     """sha256 over the selected (position, tensor_idx, block_idx), sorted, as little-endian int64.
 
-    The one definition used by the planner (plan hash), the manifest and `check --output`."""
+    The one definition used by the planner (plan hash, greedy.mask_digest on sorted arrays), the
+    manifest and `check --output`."""
     order = mask.select(["position", "tensor_idx", "block_idx"]).sort_by(
         [("position", "ascending"), ("tensor_idx", "ascending"), ("block_idx", "ascending")]
     )
-    h = hashlib.sha256()
-    for col in order.columns:
-        h.update(col.to_numpy().astype("<i8").tobytes())
-    return h.hexdigest()
+    return greedy.mask_digest(*(col.to_numpy() for col in order.columns))
 
 
 def mask_table(xp: ExecutionPlan) -> pa.Table:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import duckdb
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,10 +16,13 @@ from tests.reference import kth_largest, load_model, ref_coefficients
 
 
 def mask(cat, plan_id):
+    """The plan's candidates (the plan_mask view) with the textbook score |c_k|·‖Δ_kb‖ / bytes."""
     return cat.sql(
-        "SELECT pe.position, m.tensor_idx, m.block_idx, m.selected, m.free, m.score, m.nbytes FROM plan_mask m "
+        "SELECT pe.position, m.tensor_idx, m.block_idx, m.selected, m.free, "
+        "abs(pe.coef) * eb.delta_norm / greatest(m.nbytes, 1) AS score, m.nbytes FROM plan_mask m "
         "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
-        "WHERE m.plan_id = ? ORDER BY 1, 2, 3",
+        "JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id AND eb.tensor_idx = m.tensor_idx "
+        "AND eb.block_idx = m.block_idx WHERE m.plan_id = ? ORDER BY 1, 2, 3",
         [plan_id],
     ).to_pylist()
 
@@ -235,18 +239,26 @@ def test_trimmed_values_interpolate_the_histogram(registered, method, params):
     cat, models = registered
     names = ["expert_00", "expert_01", "expert_02", "expert_03"]
     weights = (1.0, 0.5, -0.7, 2.0)
-    p = cat.plan(PlanRequest("base", tuple(names), method, "50%", weights, params))
-    rows = cat.sql(
-        "SELECT pe.position, ft.name, bl.row_start, bl.row_end, m.free, m.value, m.score, m.nbytes, "
-        "th.t_lo, th.t_hi, th.exact FROM plan_mask m "
-        "JOIN plans pl ON pl.plan_id = m.plan_id "
-        "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
-        "JOIN family_tensors ft ON ft.base_id = pl.base_id AND ft.tensor_idx = m.tensor_idx "
-        "JOIN blocks bl ON bl.base_id = pl.base_id AND bl.tensor_idx = m.tensor_idx AND bl.block_idx = m.block_idx "
-        "JOIN plan_thresholds th ON th.plan_id = m.plan_id AND th.checkpoint_id = m.checkpoint_id "
-        "AND th.tensor_idx = m.tensor_idx WHERE m.plan_id = ?",
-        [p.plan_id],
-    ).to_pylist()
+    req = PlanRequest("base", tuple(names), method, "50%", weights, params)
+    p = cat.plan(req)
+    cat_with = duckdb.connect()
+    cat_with.register("cands", cat.plan_candidates(req))
+    cat_with.register(
+        "info",
+        cat.sql(
+            "SELECT pe.position, ft.name, bl.tensor_idx, bl.block_idx, bl.row_start, bl.row_end, th.t_lo, th.t_hi, "
+            "th.exact FROM plan_experts pe JOIN plans pl USING (plan_id) "
+            "JOIN family_tensors ft ON ft.base_id = pl.base_id "
+            "JOIN blocks bl ON bl.base_id = pl.base_id AND bl.tensor_idx = ft.tensor_idx "
+            "JOIN plan_thresholds th ON th.plan_id = pe.plan_id AND th.checkpoint_id = pe.checkpoint_id "
+            "AND th.tensor_idx = ft.tensor_idx WHERE pe.plan_id = ?",
+            [p.plan_id],
+        ),
+    )
+    rows = cat_with.sql(
+        "SELECT i.position, i.name, i.row_start, i.row_end, c.free, c.value, c.score, c.nbytes, i.t_lo, i.t_hi, "
+        "i.exact FROM cands c JOIN info i USING (position, tensor_idx, block_idx)"
+    ).to_arrow_table().to_pylist()
     coefs = ref_coefficients(method, params, list(weights))
     density, gamma = params["density"], params.get("gamma", 0.0)
     assert len(rows) > 100

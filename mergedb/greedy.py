@@ -1,0 +1,197 @@
+"""The budget cut in memory: the exact greedy over the scored candidates, its bounds, the mask.
+
+The planner scores every (expert, block) candidate in SQL (queries/plan_candidates*.sql: the value
+model and the byte cost) and fetches the candidates once; what follows is a few O(N) passes over
+numpy arrays, so a plan of 35M candidates costs seconds, not one SQL statement per step.
+
+Order: the plan's order is (score DESC, position, tensor_idx, block_idx), a unique key, so plans
+repeat exactly. `slot` = position·B + first block of the tensor + block_idx (B blocks in the family)
+is the tie-break part as one integer; candidates are kept sorted by slot ("canonical order"), which
+also makes every float sum below run in one fixed order, whatever order SQL returned the rows in.
+
+The greedy ("take each block, best first, if it still fits") in three steps, equal to walking the
+whole order: (1) bucket the scores by the top bits of their IEEE-754 patterns (monotone for scores
+≥ 0) and find, from the best bucket down, the bucket where the budget runs out; every block above it
+fits; (2) sort that bucket alone and take the prefix that fits; (3) fill: among the blocks not taken
+that are no larger than what is left, take the prefix (in plan order) that fits, and repeat until a
+pass adds nothing — after a block that does not fit, the greedy can only take smaller ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import PlanError
+
+_BUCKET_SHIFT = 40  # keep sign, exponent and 12 mantissa bits: 4096 buckets per octave of score
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Every (expert, block) candidate of a plan, in canonical (slot) order; arrays of length N."""
+
+    position: np.ndarray  # (N,) int32 expert position in the plan
+    tensor_idx: np.ndarray  # (N,) int32
+    block_idx: np.ndarray  # (N,) int32
+    nbytes: np.ndarray  # (N,) int64 the candidate's byte cost (plan_candidates.sql)
+    free: np.ndarray  # (N,) bool identical to the base: never read, zero error
+    value: np.ndarray  # (N,) float64
+    score: np.ndarray  # (N,) float64 ≥ 0
+    gblock: np.ndarray  # (N,) int64 family block index: first block of the tensor + block_idx
+    slot: np.ndarray  # (N,) int64 position·n_blocks + gblock, strictly increasing
+
+    @classmethod
+    def build(cls, cols: dict[str, np.ndarray], first_block: np.ndarray) -> Candidates:
+        """From columns in any order; `first_block[t]` = global index of tensor t's block 0, with
+        first_block[-1] = the family's block count."""
+        n_blocks = int(first_block[-1])
+        gblock = first_block[cols["tensor_idx"]] + cols["block_idx"]
+        slot = cols["position"].astype(np.int64) * n_blocks + gblock
+        if slot.size > 1 and not np.all(slot[1:] > slot[:-1]):
+            order = _counting_order(slot)
+            cols = {k: v[order] for k, v in cols.items()}
+            gblock, slot = gblock[order], slot[order]
+        if slot.size > 1 and not np.all(slot[1:] > slot[:-1]):
+            raise PlanError("internal error: a candidate (expert, tensor, block) appears twice; nothing was stored")
+        score = cols["score"]
+        if not np.all(score >= 0):  # NaN fails too; the buckets need scores ≥ 0
+            raise PlanError("internal error: a candidate's score is negative or NaN; nothing was stored")
+        return cls(
+            position=cols["position"],
+            tensor_idx=cols["tensor_idx"],
+            block_idx=cols["block_idx"],
+            nbytes=cols["nbytes"],
+            free=cols["free"],
+            value=cols["value"],
+            score=score,
+            gblock=gblock,
+            slot=slot,
+        )
+
+
+def _counting_order(slot: np.ndarray) -> np.ndarray:
+    """Row indices that sort the unique `slot` values ascending, in O(N + range) without a sort."""
+    lo = int(slot.min())
+    inv = np.full(int(slot.max()) - lo + 1, -1, np.int64)
+    inv[slot - lo] = np.arange(slot.size)
+    return inv[inv >= 0]
+
+
+def _plan_order(c: Candidates, rows: np.ndarray) -> np.ndarray:
+    """`rows` (ascending slot) in plan order: score DESC, then slot (a stable sort keeps slot order)."""
+    return rows[np.argsort(-c.score[rows], kind="stable")]
+
+
+def select(c: Candidates, budget: int, max_passes: int) -> tuple[np.ndarray, int]:
+    """The greedy's selection as a bool array, and the number of fill passes run."""
+    sel = np.zeros(c.slot.size, bool)
+    rows = np.flatnonzero(~c.free)
+    if rows.size:
+        bucket = c.score[rows].view(np.int64) >> _BUCKET_SHIFT
+        bucket -= bucket.min()
+        per_bucket = np.bincount(bucket, weights=c.nbytes[rows])  # float64: exact below 2^53 bytes
+        from_top = np.cumsum(per_bucket[::-1])[::-1]  # bytes in this bucket and every better one
+        over = np.flatnonzero(from_top > budget)
+        if not over.size:
+            sel[rows] = True
+        else:
+            cut = int(over[-1])
+            sel[rows[bucket > cut]] = True
+            edge = _plan_order(c, rows[bucket == cut])
+            room = budget - int(c.nbytes[sel].sum())
+            sel[edge[np.cumsum(c.nbytes[edge]) <= room]] = True
+    return sel, _fill(c, sel, budget, max_passes)
+
+
+def _fill(c: Candidates, sel: np.ndarray, budget: int, max_passes: int) -> int:
+    """Fill passes (see the module note) until one adds nothing; updates `sel` in place."""
+    left = budget - int(c.nbytes[sel].sum())
+    pool = _plan_order(c, np.flatnonzero(~sel & ~c.free & (c.nbytes <= left)))
+    for n in range(max_passes):
+        pool = pool[~sel[pool] & (c.nbytes[pool] <= left)]
+        take = pool[np.cumsum(c.nbytes[pool]) <= left]
+        if not take.size:
+            return n + 1
+        sel[take] = True
+        left -= int(c.nbytes[take].sum())
+    raise PlanError(
+        f"internal error: the budget fill did not settle in {max_passes} passes; nothing was stored. "
+        "Please report this with the catalog's `mergedb sql 'SELECT count(*) FROM expert_blocks'`"
+    )
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Selected and full bytes and the omitted-update bounds, per expert position and overall.
+
+    For additive methods value = |c_k|·‖Δ_kb‖, so ‖θ_B − θ_F‖ ≤ Σ_omitted value (triangle
+    inequality) = bound_sum, and blocks are disjoint, so ≤ sqrt(Σ_b (Σ_k omitted value)²) =
+    bound_blockwise, which is tighter. Per position, bound_blockwise = sqrt(Σ omitted value²)."""
+
+    bound_sum: float
+    bound_blockwise: float
+    selected_bytes: int
+    full_bytes: int
+    n_selected: int
+    n_free: int
+    per_position: tuple[tuple[float, float, int, int], ...]  # (bound_sum, bound_blockwise, selected, full)
+    omitted_per_block: np.ndarray  # (n_blocks,) Σ_k omitted value of each family block
+    value_per_block: np.ndarray  # (n_blocks,) Σ_k value: the whole update's norm bound there
+    differs: np.ndarray  # (n_blocks,) bool: some non-free candidate of the block is omitted
+
+
+def bounds(c: Candidates, sel: np.ndarray, n_positions: int, n_blocks: int) -> Bounds:
+    v = np.where(sel, 0.0, c.value)  # (N,) omitted value
+    pos = c.position
+    sel_bytes = np.where(sel, c.nbytes, 0)
+    per_pos = zip(
+        np.bincount(pos, weights=v, minlength=n_positions),
+        np.sqrt(np.bincount(pos, weights=v * v, minlength=n_positions)),
+        np.bincount(pos, weights=sel_bytes, minlength=n_positions),
+        np.bincount(pos, weights=c.nbytes, minlength=n_positions),
+    )
+    omitted_per_block = np.bincount(c.gblock, weights=v, minlength=n_blocks)
+    return Bounds(
+        bound_sum=float(v.sum()),
+        bound_blockwise=float(np.sqrt(np.dot(omitted_per_block, omitted_per_block))),
+        selected_bytes=int(sel_bytes.sum()),
+        full_bytes=int(c.nbytes.sum()),
+        n_selected=int(sel.sum()),
+        n_free=int(c.free.sum()),
+        per_position=tuple((float(a), float(b), int(s), int(f)) for a, b, s, f in per_pos),
+        omitted_per_block=omitted_per_block,
+        value_per_block=np.bincount(c.gblock, weights=c.value, minlength=n_blocks),
+        differs=np.bincount(c.gblock[~sel & ~c.free], minlength=n_blocks) > 0,
+    )
+
+
+def selected_keys(c: Candidates, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(position, tensor_idx, block_idx) of the selected candidates, sorted (canonical order)."""
+    return c.position[sel], c.tensor_idx[sel], c.block_idx[sel]
+
+
+def mask_digest(position: np.ndarray, tensor_idx: np.ndarray, block_idx: np.ndarray) -> str:
+    """sha256 over the selected (position, tensor_idx, block_idx), sorted, as little-endian int64,
+    one column after the other: manifest.mask_digest's definition, on arrays already sorted."""
+    h = hashlib.sha256()
+    for col in (position, tensor_idx, block_idx):
+        h.update(np.ascontiguousarray(col, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+def bit_strings(c: Candidates, sel: np.ndarray, n_positions: int, first_block: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The mask as one '0'/'1' string per (position, tensor): character b is block b (the BIT of
+    schema/010). Returns `present` (K·T,) bool (the pair has candidates: only those are stored),
+    `offsets` (K·T + 1,) int64 and the uint8 `chars`: pair g = position·T + tensor_idx is
+    chars[offsets[g]:offsets[g + 1]] (the layout of an Arrow large_string array)."""
+    n_tensors = first_block.size - 1
+    n_blocks = int(first_block[-1])
+    chars = np.full(n_positions * n_blocks, ord("0"), np.uint8)
+    chars[c.slot[sel]] = ord("1")
+    present = np.zeros(n_positions * n_tensors, bool)
+    present[c.position.astype(np.int64) * n_tensors + c.tensor_idx] = True
+    offsets = (np.arange(n_positions, dtype=np.int64)[:, None] * n_blocks + first_block[None, :-1]).reshape(-1)
+    return present, np.append(offsets, n_positions * n_blocks), chars

@@ -40,25 +40,30 @@ class FamilyBlocks:
 
     first_block: np.ndarray  # (T + 1,) int64: family index of each tensor's block 0; last = block count
     tensor_idx: np.ndarray  # (B,) tensor of each block
+    nbytes: np.ndarray  # (B,) int64 bytes of the block in each checkpoint file
     dtype: np.ndarray  # (B,) object: the tensor's dtype name
     base_norm: np.ndarray  # (B,) float64 ‖θ₀,b‖, NaN when unknown (registered before schema 005)
     numel: np.ndarray  # (B,) float64 elements of the block
+    base_nonfinite: np.ndarray  # (B,) float64 NaN/Inf elements in the base's block, NaN when unknown
 
 
-def rounded_bound(fam: FamilyBlocks, n_experts: int, scale: np.ndarray, b: Bounds) -> tuple[float | None, str | None]:
+def rounded_bound(
+    fam: FamilyBlocks, n_experts: int, scale: np.ndarray, b: Bounds, value_per_block: np.ndarray, differs: np.ndarray
+) -> tuple[float | None, str | None]:
     """The bound on ‖θ_B − θ_F‖ of the written output (see the module note), or None and why. Each
     element is c32_k·Δ_k summed over K experts in float32 plus the base: K + 2 roundings, so γ =
     γ_{K+2} = (K+2)u/(1−(K+2)u); products can underflow by 2^-150 each. A base scale s ≠ 1
-    (`scale[tensor_idx]`, SLERP) adds two (s rounded to float32, s·θ₀) and a product."""
+    (`scale[tensor_idx]`, SLERP) adds two (s rounded to float32, s·θ₀) and a product.
+    `value_per_block`, `differs`: greedy.block_sums."""
     scaled = bool(np.any(scale != 1.0))
     k = n_experts + 2 + (2 if scaled else 0)
     gamma = k * _U32 / (1 - k * _U32)
     eta32 = (n_experts + scaled) * 2.0**-150
     known = np.isin(fam.dtype, list(_FORMATS))
-    s = np.flatnonzero(b.differs & known)  # (|S|,) family blocks that can differ
+    s = np.flatnonzero(differs & known)  # (|S|,) family blocks that can differ
     fmt = np.array([_FORMATS[d] for d in fam.dtype[s]], np.float64).reshape(-1, 3)
     u, eta, max_finite = fmt[:, 0], fmt[:, 1], fmt[:, 2]
-    m = np.abs(np.asarray(scale, np.float64)[fam.tensor_idx[s]]) * fam.base_norm[s] + b.value_per_block[s]
+    m = np.abs(np.asarray(scale, np.float64)[fam.tensor_idx[s]]) * fam.base_norm[s] + value_per_block[s]
     missing = int(np.isnan(m).sum())
     if missing:
         return None, (

@@ -6,8 +6,8 @@ numpy arrays, so a plan of 35M candidates costs seconds, not one SQL statement p
 
 Order: the plan's order is (score DESC, position, tensor_idx, block_idx), a unique key, so plans
 repeat exactly. `slot` = position·B + first block of the tensor + block_idx (B blocks in the family)
-is the tie-break part as one integer; candidates are kept sorted by slot ("canonical order"), which
-also makes every float sum below run in one fixed order, whatever order SQL returned the rows in.
+is the tie-break part as one integer. Candidates stay in the order SQL returned them (sorting 35M
+rows would cost more than everything else); only the few rows whose order matters are sorted.
 
 The greedy ("take each block, best first, if it still fits") in three steps, equal to walking the
 whole order: (1) bucket the scores by the top bits of their IEEE-754 patterns (monotone for scores
@@ -31,7 +31,7 @@ _BUCKET_SHIFT = 40  # keep sign, exponent and 12 mantissa bits: 4096 buckets per
 
 @dataclass(frozen=True)
 class Candidates:
-    """Every (expert, block) candidate of a plan, in canonical (slot) order; arrays of length N."""
+    """Every (expert, block) candidate of a plan, in any order; arrays of length N."""
 
     position: np.ndarray  # (N,) int32 expert position in the plan
     tensor_idx: np.ndarray  # (N,) int32
@@ -40,54 +40,29 @@ class Candidates:
     free: np.ndarray  # (N,) bool identical to the base: never read, zero error
     value: np.ndarray  # (N,) float64
     score: np.ndarray  # (N,) float64 ≥ 0
-    gblock: np.ndarray  # (N,) int64 family block index: first block of the tensor + block_idx
-    slot: np.ndarray  # (N,) int64 position·n_blocks + gblock, strictly increasing
+    gblock: np.ndarray  # (N,) int32 family block index: first block of the tensor + block_idx
+    n_family_blocks: int  # B: slot = position·B + gblock is the unique tie-break key
 
     @classmethod
-    def build(cls, cols: dict[str, np.ndarray], first_block: np.ndarray) -> Candidates:
-        """From columns in any order; `first_block[t]` = global index of tensor t's block 0, with
-        first_block[-1] = the family's block count."""
-        n_blocks = int(first_block[-1])
-        gblock = first_block[cols["tensor_idx"]] + cols["block_idx"]
-        slot = cols["position"].astype(np.int64) * n_blocks + gblock
-        if slot.size > 1 and not np.all(slot[1:] > slot[:-1]):
-            order = _counting_order(slot)
-            cols = {k: v[order] for k, v in cols.items()}
-            gblock, slot = gblock[order], slot[order]
-        if slot.size > 1 and not np.all(slot[1:] > slot[:-1]):
-            raise PlanError("internal error: a candidate (expert, tensor, block) appears twice; nothing was stored")
-        score = cols["score"]
-        if not np.all(score >= 0):  # NaN fails too; the buckets need scores ≥ 0
+    def build(cls, cols: dict[str, np.ndarray], **derived: np.ndarray) -> Candidates:
+        """From the fetched columns (position, tensor_idx, block_idx, free) and the derived ones."""
+        if not np.all(derived["score"] >= 0):  # NaN fails too; the buckets need scores ≥ 0
             raise PlanError("internal error: a candidate's score is negative or NaN; nothing was stored")
-        return cls(
-            position=cols["position"],
-            tensor_idx=cols["tensor_idx"],
-            block_idx=cols["block_idx"],
-            nbytes=cols["nbytes"],
-            free=cols["free"],
-            value=cols["value"],
-            score=score,
-            gblock=gblock,
-            slot=slot,
-        )
+        return cls(**cols, **derived)
 
-
-def _counting_order(slot: np.ndarray) -> np.ndarray:
-    """Row indices that sort the unique `slot` values ascending, in O(N + range) without a sort."""
-    lo = int(slot.min())
-    inv = np.full(int(slot.max()) - lo + 1, -1, np.int64)
-    inv[slot - lo] = np.arange(slot.size)
-    return inv[inv >= 0]
+    def slot(self, rows: np.ndarray) -> np.ndarray:
+        """(len(rows),) int64 position·B + gblock of `rows`: (position, tensor_idx, block_idx) as one key."""
+        return self.position[rows].astype(np.int64) * self.n_family_blocks + self.gblock[rows]
 
 
 def _plan_order(c: Candidates, rows: np.ndarray) -> np.ndarray:
-    """`rows` (ascending slot) in plan order: score DESC, then slot (a stable sort keeps slot order)."""
-    return rows[np.argsort(-c.score[rows], kind="stable")]
+    """`rows` in plan order: score DESC, then slot."""
+    return rows[np.lexsort((c.slot(rows), -c.score[rows]))]
 
 
 def select(c: Candidates, budget: int, max_passes: int) -> tuple[np.ndarray, int]:
     """The greedy's selection as a bool array, and the number of fill passes run."""
-    sel = np.zeros(c.slot.size, bool)
+    sel = np.zeros(c.score.size, bool)
     rows = np.flatnonzero(~c.free)
     if rows.size:
         bucket = c.score[rows].view(np.int64) >> _BUCKET_SHIFT
@@ -129,7 +104,8 @@ class Bounds:
 
     For additive methods value = |c_k|·‖Δ_kb‖, so ‖θ_B − θ_F‖ ≤ Σ_omitted value (triangle
     inequality) = bound_sum, and blocks are disjoint, so ≤ sqrt(Σ_b (Σ_k omitted value)²) =
-    bound_blockwise, which is tighter. Per position, bound_blockwise = sqrt(Σ omitted value²)."""
+    bound_blockwise, which is tighter. Per position, bound_blockwise = sqrt(Σ omitted value²).
+    Sums run in the candidates' order (as SQL's parallel sums did: the last bits may vary)."""
 
     bound_sum: float
     bound_blockwise: float
@@ -139,38 +115,52 @@ class Bounds:
     n_free: int
     per_position: tuple[tuple[float, float, int, int], ...]  # (bound_sum, bound_blockwise, selected, full)
     omitted_per_block: np.ndarray  # (n_blocks,) Σ_k omitted value of each family block
-    value_per_block: np.ndarray  # (n_blocks,) Σ_k value: the whole update's norm bound there
-    differs: np.ndarray  # (n_blocks,) bool: some non-free candidate of the block is omitted
+
+
+def _sums_by(key: np.ndarray, weights: list[np.ndarray], n: int) -> list[np.ndarray]:
+    """Σ of each weight array per key value 0..n-1 (np.bincount), converting `key` to the index
+    type once instead of once per sum."""
+    key = key.astype(np.intp, copy=False)
+    return [np.bincount(key, weights=w, minlength=n) for w in weights]
 
 
 def bounds(c: Candidates, sel: np.ndarray, n_positions: int, n_blocks: int) -> Bounds:
     v = np.where(sel, 0.0, c.value)  # (N,) omitted value
-    pos = c.position
     sel_bytes = np.where(sel, c.nbytes, 0)
-    per_pos = zip(
-        np.bincount(pos, weights=v, minlength=n_positions),
-        np.sqrt(np.bincount(pos, weights=v * v, minlength=n_positions)),
-        np.bincount(pos, weights=sel_bytes, minlength=n_positions),
-        np.bincount(pos, weights=c.nbytes, minlength=n_positions),
+    v_sum, v_sq, s_bytes, f_bytes = _sums_by(  # bytes as float64: exact below 2^53
+        c.position, [v, np.square(v), sel_bytes.astype(np.float64), c.nbytes.astype(np.float64)], n_positions
     )
-    omitted_per_block = np.bincount(c.gblock, weights=v, minlength=n_blocks)
+    (omitted_per_block,) = _sums_by(c.gblock, [v], n_blocks)
     return Bounds(
         bound_sum=float(v.sum()),
         bound_blockwise=float(np.sqrt(np.dot(omitted_per_block, omitted_per_block))),
         selected_bytes=int(sel_bytes.sum()),
         full_bytes=int(c.nbytes.sum()),
-        n_selected=int(sel.sum()),
-        n_free=int(c.free.sum()),
-        per_position=tuple((float(a), float(b), int(s), int(f)) for a, b, s, f in per_pos),
+        n_selected=int(np.count_nonzero(sel)),
+        n_free=int(np.count_nonzero(c.free)),
+        per_position=tuple(
+            (float(a), float(b), int(s), int(f)) for a, b, s, f in zip(v_sum, np.sqrt(v_sq), s_bytes, f_bytes)
+        ),
         omitted_per_block=omitted_per_block,
-        value_per_block=np.bincount(c.gblock, weights=c.value, minlength=n_blocks),
-        differs=np.bincount(c.gblock[~sel & ~c.free], minlength=n_blocks) > 0,
     )
 
 
-def selected_keys(c: Candidates, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(position, tensor_idx, block_idx) of the selected candidates, sorted (canonical order)."""
-    return c.position[sel], c.tensor_idx[sel], c.block_idx[sel]
+def block_sums(c: Candidates, sel: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per family block: Σ_k value (the whole update's norm bound there) and whether some non-free
+    candidate is omitted (the block can differ from the full merge)."""
+    left = ~sel & ~c.free
+    return np.bincount(c.gblock, weights=c.value, minlength=n_blocks), np.bincount(
+        c.gblock[left], minlength=n_blocks
+    ) > 0
+
+
+def selected_keys(chars: np.ndarray, first_block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(position, tensor_idx, block_idx) of the selected candidates, sorted, from bit_strings' chars."""
+    n_blocks = int(first_block[-1])
+    slot = np.flatnonzero(chars == ord("1"))
+    pos, g = np.divmod(slot, n_blocks)
+    t = np.searchsorted(first_block, g, side="right") - 1
+    return pos, t, g - first_block[t]
 
 
 def mask_digest(position: np.ndarray, tensor_idx: np.ndarray, block_idx: np.ndarray) -> str:
@@ -190,7 +180,7 @@ def bit_strings(c: Candidates, sel: np.ndarray, n_positions: int, first_block: n
     n_tensors = first_block.size - 1
     n_blocks = int(first_block[-1])
     chars = np.full(n_positions * n_blocks, ord("0"), np.uint8)
-    chars[c.slot[sel]] = ord("1")
+    chars[c.slot(np.flatnonzero(sel))] = ord("1")
     present = np.zeros(n_positions * n_tensors, bool)
     present[c.position.astype(np.int64) * n_tensors + c.tensor_idx] = True
     offsets = (np.arange(n_positions, dtype=np.int64)[:, None] * n_blocks + first_block[None, :-1]).reshape(-1)

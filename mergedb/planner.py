@@ -100,6 +100,8 @@ class _Inputs:
     base_bytes: int  # the base's tensor bytes (streamed in full by a merge, unbudgeted)
     method: methods.Method
     nonfinite: tuple[tuple[str, str, int], ...]  # (expert, tensor, count) with NaN/Inf deltas
+    fam: bounds.FamilyBlocks  # the base family's blocks
+    next_plan_id: int
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class _Selection:
     est_error: float | None
     trims: pa.Table
     mask_digest: str
+    bits: tuple[np.ndarray, np.ndarray, np.ndarray]  # greedy.bit_strings: present, offsets, chars
 
 
 def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, list[tuple[str, str, int]]]:
@@ -152,18 +155,17 @@ def candidate_table(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> pa.Tabl
 
 def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
     """Check the base, experts, weights and parameters of a request; refuse non-finite experts."""
-    base = _rows(
-        con, "SELECT checkpoint_id, fingerprint, content_hash, role FROM checkpoints WHERE name = ?", [req.base]
-    )
-    if not base or base[0][3] != "base":
-        known = [r[0] for r in _rows(con, "SELECT name FROM checkpoints WHERE role = 'base' ORDER BY name")]
-        raise PlanError(f"no base named {req.base!r} in the catalog (bases: {', '.join(known) or 'none'})")
-    base_id, base_fp, base_content, _ = base[0]
-    experts = _rows(
+    rows = _rows(  # every checkpoint (a few rows) and the next plan id: one statement
         con,
-        "SELECT name, checkpoint_id, fingerprint, content_hash, base_id FROM checkpoints "
-        "WHERE role = 'expert' ORDER BY name",
+        "SELECT name, checkpoint_id, fingerprint, content_hash, base_id, role, "
+        "(SELECT coalesce(max(plan_id), 0) + 1 FROM plans) FROM checkpoints ORDER BY name",
     )
+    base = [r for r in rows if r[0] == req.base and r[5] == "base"]
+    if not base:
+        known = [r[0] for r in rows if r[5] == "base"]
+        raise PlanError(f"no base named {req.base!r} in the catalog (bases: {', '.join(known) or 'none'})")
+    _, base_id, base_fp, base_content, _, _, next_id = base[0]
+    experts = [r for r in rows if r[5] == "expert"]
     by_name = {r[0]: r for r in experts}
     names = list(req.experts) if req.experts is not None else [r[0] for r in experts if r[4] == base_id]
     if len(set(names)) != len(names):
@@ -200,7 +202,8 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
         "GROUP BY ALL ORDER BY 1, 2",
         [ids],
     )
-    _refuse_nonfinite_base(con, req.base, base_id, ids)
+    fam = candidates.family_blocks(con, base_id, len(tensors))
+    _refuse_nonfinite_base(con, req.base, base_id, ids, fam, [r[0] for r in tensors])
     if bad and not req.allow_nonfinite:
         e, t, n = bad[0]
         raise PlanError(
@@ -223,25 +226,29 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
         base_bytes=int(sum(r[3] for r in tensors)),
         method=methods.get_method(req.method),
         nonfinite=tuple(bad),
+        fam=fam,
+        next_plan_id=int(next_id),
     )
 
 
-def _refuse_nonfinite_base(con: duckdb.DuckDBPyConnection, base: str, base_id: int, ids: list[int]) -> None:
+def _refuse_nonfinite_base(
+    con: duckdb.DuckDBPyConnection,
+    base: str,
+    base_id: int,
+    ids: list[int],
+    fam: bounds.FamilyBlocks,
+    tensor_names: list[str],
+) -> None:
     """Blame NaN/Inf in the base on the base (every expert's delta inherits them), with or without
     --allow-nonfinite: leaving those blocks out would still copy the base's NaN/Inf into the merge."""
-    rows = _rows(
-        con,
-        "SELECT ft.name, CAST(sum(bl.base_nonfinite) AS BIGINT) FROM blocks bl JOIN family_tensors ft "
-        "USING (base_id, tensor_idx) WHERE bl.base_id = ? AND bl.base_nonfinite > 0 "
-        "GROUP BY ALL ORDER BY min(ft.tensor_idx)",
-        [base_id],
-    )
+    counts = np.bincount(fam.tensor_idx, weights=np.nan_to_num(fam.base_nonfinite), minlength=len(tensor_names))
+    bad = np.flatnonzero(counts > 0)
     fix = "fix the base and register it again under a new --name (its experts with it)"
-    if rows:
-        t, n = rows[0]
-        more = f" (and {len(rows) - 1} more tensors)" if len(rows) > 1 else ""
+    if bad.size:
+        t, n = tensor_names[bad[0]], int(counts[bad[0]])
+        more = f" (and {bad.size - 1} more tensors)" if bad.size > 1 else ""
         raise PlanError(f"base {base!r} has {n} NaN/Inf values in tensor {t!r}{more}; {fix}")
-    known = _rows(con, "SELECT count(base_nonfinite) FROM blocks WHERE base_id = ?", [base_id])[0][0]
+    known = int(np.count_nonzero(~np.isnan(fam.base_nonfinite)))
     if known or len(ids) < 2:
         return
     # a catalog registered before base checks: NaN/Inf in one block of every expert points at the base
@@ -269,6 +276,7 @@ def _select(
     fam, cands = _candidates(con, req, inp, trims, steps)
     budget = parse_budget(req.budget, int(cands.nbytes.sum()))
     sel, passes = greedy.select(cands, budget, MAX_FILL_PASSES)
+    bits = greedy.bit_strings(cands, sel, len(inp.ids), fam.first_block)
     k = len(inp.ids)
     b = greedy.bounds(cands, sel, k, int(fam.first_block[-1]))
     steps.append(("select", "-- greedy.select: bucket cut, sort of the cut bucket, fill passes (numpy)", b.n_selected))
@@ -277,11 +285,14 @@ def _select(
         raise PlanError(f"internal error: selected {b.selected_bytes} bytes over the {budget}-byte budget")
     rounded, note = None, None
     if inp.method.linear:
-        rounded, note = bounds.rounded_bound(fam, k, inp.values.scale, b)
-    omitted = int(cands.slot.size) - b.n_free - b.n_selected
+        per_block = greedy.block_sums(cands, sel, int(fam.first_block[-1]))
+        rounded, note = bounds.rounded_bound(fam, k, inp.values.scale, b, *per_block)
+    omitted = int(cands.score.size) - b.n_free - b.n_selected
     want_estimate = req.estimate if req.estimate is not None else omitted <= ESTIMATE_MAX_ROWS
     est = None
-    if inp.method.linear and want_estimate:
+    if inp.method.linear and want_estimate and omitted == 0:
+        est = 0.0  # nothing omitted: the merge is the full one
+    elif inp.method.linear and want_estimate:
         left = ~sel & ~cands.free
         est = bounds.sketch_estimate(
             con,
@@ -305,7 +316,8 @@ def _select(
         bound_note=note,
         est_error=est,
         trims=trims,
-        mask_digest=greedy.mask_digest(*greedy.selected_keys(cands, sel)),
+        mask_digest=greedy.mask_digest(*greedy.selected_keys(bits[2], fam.first_block)),
+        bits=bits,
     )
 
 
@@ -316,9 +328,8 @@ def _candidates(
     trims: pa.Table,
     steps: list[tuple[str, str, int]] | None = None,
 ) -> tuple[bounds.FamilyBlocks, greedy.Candidates]:
-    fam = candidates.family_blocks(con, inp.base_id, len(inp.mergeable))
+    fam = inp.fam
     sc = candidates.Scoring(
-        inp.base_id,
         inp.ids,
         inp.values.coef,
         trims,
@@ -326,7 +337,7 @@ def _candidates(
         random_seed=req.seed if req.strategy == "random" else None,
         drop_nonfinite=bool(req.allow_nonfinite and inp.nonfinite),
     )
-    return fam, candidates.fetch(con, sc, fam.first_block, [] if steps is None else steps)
+    return fam, candidates.fetch(con, sc, fam, [] if steps is None else steps)
 
 
 def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: _Selection, t0: float) -> int:
@@ -349,7 +360,7 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
     if per_tensor is not None:  # plans with per-expert values keep the hash they always had
         description["tensor_params"] = hashlib.sha256(_canonical_table(per_tensor)).hexdigest()
     plan_hash = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
-    plan_id = int(_rows(con, "SELECT coalesce(max(plan_id), 0) + 1 FROM plans")[0][0])
+    plan_id = inp.next_plan_id
     linear = inp.method.linear
     b = sel.bounds
     k = len(inp.ids)
@@ -368,16 +379,16 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
             "bound_blockwise": pa.array(per[:, 1] if linear else [None] * k, pa.float64()),
         }
     )
-    present, offsets, chars = greedy.bit_strings(sel.cands, sel.sel, k, sel.fam.first_block)
+    present, offsets, chars = sel.bits
     n_tensors = len(inp.mergeable)
-    bits = pa.table(
+    bit_table = pa.table(
         {
             "checkpoint_id": pa.array(np.repeat(np.asarray(inp.ids, np.int32), n_tensors)),
             "tensor_idx": pa.array(np.tile(np.arange(n_tensors, dtype=np.int32), k)),
             "bits": pa.LargeStringArray.from_buffers(present.size, pa.py_buffer(offsets), pa.py_buffer(chars)),
         }
     ).filter(pa.array(present))
-    tables = {"_plan_experts_row": experts, "_plan_trim": sel.trims, "_plan_bits": bits}
+    tables = {"_plan_experts_row": experts, "_plan_trim": sel.trims, "_plan_bits": bit_table}
     if per_tensor is not None:
         tables["_plan_tensor_params"] = per_tensor
     for name, table in tables.items():
@@ -385,11 +396,12 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
     try:
         cols = ", ".join(experts.column_names)
         con.execute(f"INSERT INTO plan_experts (plan_id, {cols}) SELECT $1, {cols} FROM _plan_experts_row", [plan_id])
-        con.execute(
-            "INSERT INTO plan_thresholds (plan_id, checkpoint_id, tensor_idx, t_lo, t_hi, exact) "
-            "SELECT $1, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim",
-            [plan_id],
-        )
+        if sel.trims.num_rows:
+            con.execute(
+                "INSERT INTO plan_thresholds (plan_id, checkpoint_id, tensor_idx, t_lo, t_hi, exact) "
+                "SELECT $1, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim",
+                [plan_id],
+            )
         if per_tensor is not None:
             con.execute(
                 "INSERT INTO plan_tensor_params (plan_id, position, tensor_idx, weight, coef, density, epsilon, gamma, "
@@ -405,7 +417,7 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
     finally:
         for name in tables:
             unregister(con, name)
-    n_candidates = int(sel.cands.slot.size)
+    n_candidates = int(sel.cands.score.size)
     _insert(  # last, so that planning_seconds counts every step
         con,
         "plans",

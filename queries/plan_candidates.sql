@@ -1,19 +1,20 @@
--- plan_candidates: every (expert, block) of the plan's float tensors, with its byte cost and value,
--- for additive methods: value = |c_k|·‖Δ_kb‖ (0 for blocks identical to the base).
--- Reads temp table _plan_experts(checkpoint_id, position, tensor_idx,
---   coef): one row per (expert, tensor), c_k of that tensor.
--- Parameters: $1 base_id.
--- Result: temp table plan_candidates(checkpoint_id, position, tensor_idx, block_idx, nbytes, free,
---   value, score) with score = value / nbytes.
-CREATE OR REPLACE TEMP TABLE plan_candidates AS
-SELECT eb.checkpoint_id,
-       pe.position,
+-- plan_candidates: every (expert, block) of the plan's experts with what its value is made of, for
+-- additive methods: the planner's value of a block is |c_k|·‖Δ_kb‖ (0 for blocks identical to the
+-- base), c_k the expert's coefficient on that tensor, applied in memory (candidates.py), where the
+-- byte cost is added from queries/plan_block_bytes.sql. One scan, no join: 35M rows cost one pass.
+-- Parameters: $1 checkpoint_id of each expert, in plan order (INTEGER[]); $2 leave blocks with
+--   NaN/Inf deltas out (BOOLEAN, --allow-nonfinite); $3 seed of the random ablation scores (BIGINT;
+--   NULL: ranked plans).
+-- Result: position, tensor_idx, block_idx, free, norm (‖Δ_kb‖), random_score (uniform in [0, 1)
+--   per candidate from (position, tensor_idx, block_idx, seed); NULL without a seed).
+SELECT CAST(list_position($1, eb.checkpoint_id) - 1 AS INTEGER) AS position,
        eb.tensor_idx,
        eb.block_idx,
-       bl.nbytes,
        eb.identical AS free,
-       abs(pe.coef) * eb.delta_norm AS value,
-       abs(pe.coef) * eb.delta_norm / greatest(bl.nbytes, 1) AS score
+       eb.delta_norm AS norm,
+       CASE WHEN $3 IS NOT NULL THEN
+           CAST(hash(CAST(list_position($1, eb.checkpoint_id) - 1 AS INTEGER), eb.tensor_idx, eb.block_idx, $3)
+                % 1000000007 AS DOUBLE) / 1000000007.0
+       END AS random_score
 FROM expert_blocks eb
-JOIN _plan_experts pe ON pe.checkpoint_id = eb.checkpoint_id AND pe.tensor_idx = eb.tensor_idx
-JOIN blocks bl ON bl.base_id = $1 AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx;
+WHERE list_contains($1, eb.checkpoint_id) AND (NOT $2 OR eb.nonfinite = 0)

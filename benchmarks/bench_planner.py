@@ -84,7 +84,8 @@ def run(rows_list=(1_000_000, 10_000_000, 35_000_000), folder: Path = CACHE) -> 
                 text=True,
                 check=True,
             )
-            out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+            # the child's stdout may hold DuckDB's progress bar: the result is the line marked RESULT
+            out.append(json.loads(res.stdout.rsplit("RESULT ", 1)[1].splitlines()[0]))
             print(out[-1], flush=True)
     return {"runs": out}
 
@@ -97,7 +98,7 @@ if __name__ == "__main__":
     ap.add_argument("--one", nargs=2, metavar=("CATALOG", "BUDGET"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(Path(a.one[0]), a.one[1])))
+        print("RESULT " + json.dumps(one(Path(a.one[0]), a.one[1])))
     else:
         rows = tuple(a.rows) if a.rows else ((20_000,) if a.quick else (1_000_000, 10_000_000, 35_000_000))
         doc = run(rows, a.catalog_dir)

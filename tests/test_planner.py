@@ -64,6 +64,17 @@ def test_budget_properties_on_random_catalogs(tmp_path_factory, experts, tensors
     p = cat.plan(PlanRequest(base, None, "task_arithmetic", f"{budget}B"))
     rows = mask(cat, p.plan_id)
     sel = selected(rows)
+    # stored as one bit string per (expert, tensor), one bit per block; the view and the executor's
+    # mask are both expansions of it
+    bits = cat.sql(
+        "SELECT bit_length(selected) AS n, bit_count(selected) AS ones FROM plan_mask_bits WHERE plan_id = ?",
+        [p.plan_id],
+    ).to_pylist()
+    assert len(bits) == experts * tensors and {b["n"] for b in bits} == {blocks}
+    assert sum(b["ones"] for b in bits) == len(sel) == p.n_selected
+    xp = cat.execution_plan(p.plan_id)
+    cols = [xp.mask.column(c).to_pylist() for c in ("position", "tensor_idx", "block_idx")]
+    assert set(zip(*cols)) == sel and len(cols[0]) == len(sel)
     # soundness
     assert p.selected_bytes == sum(r["nbytes"] for r in rows if r["selected"]) <= budget
     # the SQL cut equals an independent greedy on the same scores
@@ -331,3 +342,20 @@ def test_nonfinite_expert_refused_then_allowed(tmp_path):
         [p.plan_id],
     ).to_pylist()
     assert bad == [{"n": 0}]
+
+
+def test_equal_scores_break_ties_by_position_tensor_block(tmp_path):
+    """Every score equal (one bucket holds all): the budget takes the first blocks in (position,
+    tensor_idx, block_idx) order, whatever order the catalog returns them in."""
+    import duckdb as db
+
+    path = tmp_path / "c.duckdb"
+    cat = Catalog(path)
+    simulate(cat, 3, 4, 5, block_bytes=1000, identical_fraction=0.0, seed=3)
+    con = db.connect(str(path))
+    con.execute("UPDATE expert_blocks SET delta_norm = 2.5")
+    con.close()
+    base = cat.checkpoints()[0].name
+    p = cat.plan(PlanRequest(base, None, "task_arithmetic", "23000B"))  # 23 blocks of 1000 bytes
+    keys = sorted((pos, t, b) for pos in range(3) for t in range(4) for b in range(5))
+    assert selected(mask(cat, p.plan_id)) == set(keys[:23]) and p.selected_bytes == 23000

@@ -46,13 +46,19 @@ def fetch(
     score = value / cost (or the random ablation's score)."""
     name = "plan_candidates_trimmed" if sc.trimmed else "plan_candidates"
     con.register("_plan_trim", sc.trims)
+    con.register(
+        "_plan_positions",
+        pa.table(
+            {"checkpoint_id": pa.array(sc.ids, pa.int32()), "position": pa.array(np.arange(len(sc.ids)), pa.int32())}
+        ),
+    )
     try:
         ids = [int(i) for i in sc.ids]
         total = len(ids) * int(fam.first_block[-1])  # at most every block of every expert; untouched
         # pages of np.empty cost no memory, and the arrays are cut to the rows read
         cols = {c: np.empty(total, t) for c, t in _COLUMNS.items()}
         random = np.empty(total if sc.random_seed is not None else 0, np.float64)
-        reader = con.sql(query(name), params=[ids, sc.drop_nonfinite, sc.random_seed]).to_arrow_reader(1 << 20)
+        reader = con.sql(query(name), params=[sc.drop_nonfinite, sc.random_seed]).to_arrow_reader(1 << 20)
         at = 0
         for batch in reader:  # one batch at a time: memory is the arrays plus one batch
             end = at + batch.num_rows
@@ -65,6 +71,7 @@ def fetch(
             at = end
     finally:
         unregister(con, "_plan_trim")
+        unregister(con, "_plan_positions")
     cols = {c: v[:at] for c, v in cols.items()}
     random = random[:at]
     steps.append(("candidates", query(name), at))

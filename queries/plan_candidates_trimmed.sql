@@ -2,10 +2,11 @@
 -- ‖Δ_kb surviving the trim‖, the survivors estimated from the block histogram: bins wholly inside
 -- [t_lo, t_hi) count fully, a straddling bin by the overlapping fraction of its width. The value is
 -- |c_k|·norm (candidates.py).
--- Reads temp table _plan_trim(checkpoint_id, tensor_idx, t_lo, t_hi).
+-- Reads temp tables _plan_positions (as plan_candidates.sql) and _plan_trim(checkpoint_id,
+--   tensor_idx, t_lo, t_hi).
 -- Parameters: as plan_candidates.sql.
 -- Result: as plan_candidates.sql.
-SELECT CAST(list_position($1, eb.checkpoint_id) - 1 AS INTEGER) AS position,
+SELECT pp.position,
        eb.tensor_idx,
        eb.block_idx,
        eb.identical AS free,
@@ -17,10 +18,11 @@ SELECT CAST(list_position($1, eb.checkpoint_id) - 1 AS INTEGER) AS position,
                     / (eb.hist_hi[i] - eb.hist_lo[i])
             )), 0.0))
        END AS norm,
-       CASE WHEN $3 IS NOT NULL THEN
-           CAST(hash(CAST(list_position($1, eb.checkpoint_id) - 1 AS INTEGER), eb.tensor_idx, eb.block_idx, $3)
+       CASE WHEN $2 IS NOT NULL THEN
+           CAST(hash(pp.position, eb.tensor_idx, eb.block_idx, $2)
                 % 1000000007 AS DOUBLE) / 1000000007.0
        END AS random_score
 FROM expert_blocks eb
+JOIN _plan_positions pp ON pp.checkpoint_id = eb.checkpoint_id
 LEFT JOIN _plan_trim tr ON tr.checkpoint_id = eb.checkpoint_id AND tr.tensor_idx = eb.tensor_idx
-WHERE list_contains($1, eb.checkpoint_id) AND (NOT $2 OR eb.nonfinite = 0)
+WHERE NOT $1 OR eb.nonfinite = 0

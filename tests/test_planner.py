@@ -266,10 +266,14 @@ def test_trimmed_values_interpolate_the_histogram(registered, method, params):
             [p.plan_id],
         ),
     )
-    rows = cat_with.sql(
-        "SELECT i.position, i.name, i.row_start, i.row_end, c.free, c.value, c.score, c.nbytes, i.t_lo, i.t_hi, "
-        "i.exact FROM cands c JOIN info i USING (position, tensor_idx, block_idx)"
-    ).to_arrow_table().to_pylist()
+    rows = (
+        cat_with.sql(
+            "SELECT i.position, i.name, i.row_start, i.row_end, c.free, c.value, c.score, c.nbytes, i.t_lo, i.t_hi, "
+            "i.exact FROM cands c JOIN info i USING (position, tensor_idx, block_idx)"
+        )
+        .to_arrow_table()
+        .to_pylist()
+    )
     coefs = ref_coefficients(method, params, list(weights))
     density, gamma = params["density"], params.get("gamma", 0.0)
     assert len(rows) > 100

@@ -75,7 +75,7 @@ def fetch(
     cols = {c: v[:at] for c, v in cols.items()}
     random = random[:at]
     steps.append(("candidates", query(name), at))
-    gblock = fam.first_block.astype(np.int32)[cols["tensor_idx"]]
+    gblock = fam.first_block[cols["tensor_idx"]]  # (N,) int64: the index type bincount needs
     gblock += cols["block_idx"]
     nbytes = cost(fam, gblock)
     value = np.abs(sc.coef[cols["position"], cols["tensor_idx"]])

@@ -40,7 +40,7 @@ class Candidates:
     free: np.ndarray  # (N,) bool identical to the base: never read, zero error
     value: np.ndarray  # (N,) float64
     score: np.ndarray  # (N,) float64 ≥ 0
-    gblock: np.ndarray  # (N,) int32 family block index: first block of the tensor + block_idx
+    gblock: np.ndarray  # (N,) int64 family block index: first block of the tensor + block_idx
     n_family_blocks: int  # B: slot = position·B + gblock is the unique tie-break key
 
     @classmethod
@@ -62,20 +62,21 @@ def _plan_order(c: Candidates, rows: np.ndarray) -> np.ndarray:
 
 def select(c: Candidates, budget: int, max_passes: int) -> tuple[np.ndarray, int]:
     """The greedy's selection as a bool array, and the number of fill passes run."""
+    nonfree = ~c.free
     sel = np.zeros(c.score.size, bool)
-    rows = np.flatnonzero(~c.free)
-    if rows.size:
-        bucket = c.score[rows].view(np.int64) >> _BUCKET_SHIFT
+    if nonfree.any():  # whole-array passes, no index arrays: at 35M rows every temporary counts
+        bucket = c.score.view(np.int64) >> _BUCKET_SHIFT  # (N,) monotone in the score (scores ≥ 0)
         bucket -= bucket.min()
-        per_bucket = np.bincount(bucket, weights=c.nbytes[rows])  # float64: exact below 2^53 bytes
+        per_bucket = np.bincount(bucket, weights=np.where(nonfree, c.nbytes, 0.0))  # exact below 2^53
         from_top = np.cumsum(per_bucket[::-1])[::-1]  # bytes in this bucket and every better one
         over = np.flatnonzero(from_top > budget)
         if not over.size:
-            sel[rows] = True
+            sel = nonfree
         else:
             cut = int(over[-1])
-            sel[rows[bucket > cut]] = True
-            edge = _plan_order(c, rows[bucket == cut])
+            np.greater(bucket, cut, out=sel)
+            sel &= nonfree
+            edge = _plan_order(c, np.flatnonzero((bucket == cut) & nonfree))
             room = budget - int(c.nbytes[sel].sum())
             sel[edge[np.cumsum(c.nbytes[edge]) <= room]] = True
     return sel, _fill(c, sel, budget, max_passes)
@@ -126,15 +127,13 @@ def _sums_by(key: np.ndarray, weights: list[np.ndarray], n: int) -> list[np.ndar
 
 def bounds(c: Candidates, sel: np.ndarray, n_positions: int, n_blocks: int) -> Bounds:
     v = np.where(sel, 0.0, c.value)  # (N,) omitted value
-    sel_bytes = np.where(sel, c.nbytes, 0)
-    v_sum, v_sq, s_bytes, f_bytes = _sums_by(  # bytes as float64: exact below 2^53
-        c.position, [v, np.square(v), sel_bytes.astype(np.float64), c.nbytes.astype(np.float64)], n_positions
-    )
+    sel_bytes = np.where(sel, c.nbytes, 0.0)  # float64: exact below 2^53
+    v_sum, v_sq, s_bytes, f_bytes = _sums_by(c.position, [v, np.square(v), sel_bytes, c.nbytes], n_positions)
     (omitted_per_block,) = _sums_by(c.gblock, [v], n_blocks)
     return Bounds(
         bound_sum=float(v.sum()),
         bound_blockwise=float(np.sqrt(np.dot(omitted_per_block, omitted_per_block))),
-        selected_bytes=int(sel_bytes.sum()),
+        selected_bytes=int(c.nbytes[sel].sum()),
         full_bytes=int(c.nbytes.sum()),
         n_selected=int(np.count_nonzero(sel)),
         n_free=int(np.count_nonzero(c.free)),

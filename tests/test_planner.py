@@ -363,3 +363,28 @@ def test_equal_scores_break_ties_by_position_tensor_block(tmp_path):
     p = cat.plan(PlanRequest(base, None, "task_arithmetic", "23000B"))  # 23 blocks of 1000 bytes
     keys = sorted((pos, t, b) for pos in range(3) for t in range(4) for b in range(5))
     assert selected(mask(cat, p.plan_id)) == set(keys[:23]) and p.selected_bytes == 23000
+
+
+def test_random_strategy_is_a_seeded_greedy_on_uniform_scores(tmp_path):
+    """--strategy random: scores uniform in [0, 1) from the seed, the same greedy cut, true bounds."""
+    cat = Catalog(tmp_path / "c.duckdb")
+    simulate(cat, 3, 4, 50, block_bytes=1000, identical_fraction=0.1, seed=5)
+    base = cat.checkpoints()[0].name
+    req = PlanRequest(base, None, "task_arithmetic", "30%", strategy="random", seed=7)
+    p = cat.plan(req)
+    cands = cat.plan_candidates(req).to_pylist()
+    scores = np.array([c["score"] for c in cands])
+    assert scores.min() >= 0 and scores.max() < 1 and 0.4 < scores.mean() < 0.6  # 600 uniform draws
+    rows = [dict(c, selected=False) for c in cands]
+    assert selected(mask(cat, p.plan_id)) == numpy_greedy(rows, p.budget_bytes)
+    assert cat.plan(req).plan_hash == p.plan_hash  # the seed fixes the mask
+    other = cat.plan(PlanRequest(base, None, "task_arithmetic", "30%", strategy="random", seed=8))
+    ranked = cat.plan(PlanRequest(base, None, "task_arithmetic", "30%"))
+    assert len({p.plan_hash, other.plan_hash, ranked.plan_hash}) == 3
+    # values stay |c_k|·‖Δ_kb‖ (c_k = 1): the bound sums what the random mask left out
+    left = cat.sql(
+        "SELECT sum(eb.delta_norm) AS s FROM plan_mask m JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id "
+        "AND eb.tensor_idx = m.tensor_idx AND eb.block_idx = m.block_idx WHERE m.plan_id = ? AND NOT m.selected",
+        [p.plan_id],
+    ).to_pylist()[0]["s"]
+    assert p.bound_sum == pytest.approx(left, rel=1e-12)

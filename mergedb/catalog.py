@@ -334,6 +334,16 @@ class Catalog:
             summary = plans.load_plan(con, plan_id)
         return replace(summary, explain=tuple(steps) if explain else ())
 
+    def plan_candidates(self, request: planner.PlanRequest) -> pa.Table:
+        """Every (expert, block) candidate of `request` as the planner scores it (position, tensor_idx,
+        block_idx, nbytes, free, value, score), without planning; plans store only the selection."""
+        with self.duckdb_connection(write=True) as con:
+            con.execute("BEGIN")
+            try:
+                return planner.candidate_table(con, request)
+            finally:
+                faults.rollback(con)
+
     def plan_from_config(self, cfg: Any, budget: str = "all", name: str | None = None, **kw: Any) -> plans.PlanSummary:
         """Plan a mergekit YAML config (text, a path, or a `configs.MergeConfig`); see mkplan.plan_from_config."""
         return mkplan.plan_from_config(self, cfg, budget, name, **kw)

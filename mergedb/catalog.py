@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from . import faults, frontier, mkplan, planner, plans, register, scores, stats, usersql
 from .errors import CatalogError, MergeDBError, PlanError, RunNotRecordedError
+from .frontier import candidates as _plan_candidates
 from .resources import migrations
 from .sweep import in_memory as _sweep_in_memory
 
@@ -334,16 +335,6 @@ class Catalog:
             summary = plans.load_plan(con, plan_id)
         return replace(summary, explain=tuple(steps) if explain else ())
 
-    def plan_candidates(self, request: planner.PlanRequest) -> pa.Table:
-        """Every (expert, block) candidate of `request` as the planner scores it (position, tensor_idx,
-        block_idx, nbytes, free, value, score), without planning; plans store only the selection."""
-        with self.duckdb_connection(write=True) as con:
-            con.execute("BEGIN")
-            try:
-                return planner.candidate_table(con, request)
-            finally:
-                faults.rollback(con)
-
     def plan_from_config(self, cfg: Any, budget: str = "all", name: str | None = None, **kw: Any) -> plans.PlanSummary:
         """Plan a mergekit YAML config (text, a path, or a `configs.MergeConfig`); see mkplan.plan_from_config."""
         return mkplan.plan_from_config(self, cfg, budget, name, **kw)
@@ -464,6 +455,7 @@ class Catalog:
         cat = self if wait is None else Catalog(self.path, wait=wait, sketch_dim=self._sketch_dim)
         return scores.record_run(cat, plan_id, out, result, error)
 
+    plan_candidates = _plan_candidates  # a request's scored candidates, nothing stored (frontier.py)
     sweep = _sweep_in_memory  # many plans merged in memory, each expert block read once (sweep.py)
     record_score = scores.record  # a measurement of a stored plan, for searches (scores.py)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class Candidates:
     carrier: np.ndarray  # (M,) int64 the carrier row of each dependent row
 
     @classmethod
-    def build(cls, cols: dict[str, np.ndarray], **derived: np.ndarray) -> Candidates:
+    def build(cls, cols: dict[str, Any], **derived: Any) -> Candidates:
         """From the fetched columns (position, tensor_idx, block_idx, free) and the derived ones."""
         if not np.all(derived["score"] >= 0):  # NaN fails too; the buckets need scores ≥ 0
             raise PlanError("internal error: a candidate's score is negative or NaN; nothing was stored")

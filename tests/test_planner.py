@@ -388,3 +388,70 @@ def test_random_strategy_is_a_seeded_greedy_on_uniform_scores(tmp_path):
         [p.plan_id],
     ).to_pylist()[0]["s"]
     assert p.bound_sum == pytest.approx(left, rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    k=st.integers(1, 3),
+    t=st.integers(1, 4),
+    b=st.integers(1, 6),
+    budget_frac=st.floats(0.0, 1.0),
+    random_scores=st.booleans(),
+)
+def test_greedy_with_fixed_costs_is_the_walk(seed, k, t, b, budget_frac, random_scores):
+    """greedy.select with carriers (candidates.charge_fixed) against the plain walk: in the order
+    (score desc, position, tensor, block) take a non-free block if it fits and, for a tensor with a
+    fixed cost, the pair's carrier — its best block by the scores before charging, lowest block on
+    ties — is taken; the carrier pays the fixed bytes. Small blocks, big factors, equal scores."""
+    from mergedb import candidates, greedy
+
+    rng = np.random.default_rng(seed)
+    pos, ten, blk = (a.reshape(-1).astype(np.int32) for a in np.meshgrid(range(k), range(t), range(b), indexing="ij"))
+    n = pos.size
+    free = rng.random(n) < 0.2
+    nbytes = rng.integers(0, 50, n).astype(np.int64)
+    value = rng.choice([0.0, 1.0, 2.0, 3.5], n) * rng.integers(1, 3, n)  # many ties
+    score = rng.choice([0.1, 0.5, 0.9], n) if random_scores else value / np.maximum(nbytes, 1)
+    fixed = np.where(rng.random(k * t) < 0.6, rng.integers(1, 120, k * t), 0).astype(np.int64)
+    pair = pos.astype(np.int64) * t + ten
+    # the reference's carriers, from the scores before charging
+    carrier_of = {}
+    for g in range(k * t):
+        rows = [i for i in range(n) if pair[i] == g and not free[i]]
+        if fixed[g] and rows:
+            carrier_of[g] = min(rows, key=lambda i: (-score[i], blk[i]))
+    cost = nbytes.copy()
+    for g, c in carrier_of.items():
+        cost[c] += fixed[g]
+    kw = {} if random_scores else {"value": value}
+    new_nbytes, new_score = nbytes.copy(), score.copy()
+    dep, car = candidates.charge_fixed(pair, fixed, blk, free, nbytes=new_nbytes, score=new_score, **kw)
+    assert np.array_equal(new_nbytes, cost)
+    assert all(new_score[d] < new_score[c] for d, c in zip(dep, car))  # carriers come first
+    assert {int(d): int(c) for d, c in zip(dep, car)} == {
+        i: carrier_of[int(pair[i])]
+        for i in range(n)
+        if int(pair[i]) in carrier_of and i != carrier_of[int(pair[i])] and not free[i]
+    }
+    cands = greedy.Candidates.build(
+        {"position": pos, "tensor_idx": ten, "block_idx": blk, "free": free},
+        nbytes=new_nbytes,
+        value=value,
+        score=new_score,
+        gblock=(ten * b + blk).astype(np.int64),
+        n_family_blocks=t * b,
+        dependent=dep,
+        carrier=car,
+    )
+    budget = int(budget_frac * cost[~free].sum())
+    sel, _ = greedy.select(cands, budget, 256)
+    taken, left = set(), budget
+    for i in sorted(range(n), key=lambda i: (-new_score[i], pos[i], ten[i], blk[i])):
+        g = int(pair[i])
+        ok = g not in carrier_of or carrier_of[g] == i or carrier_of[g] in taken
+        if not free[i] and cost[i] <= left and ok:
+            taken.add(i)
+            left -= int(cost[i])
+    assert set(np.flatnonzero(sel).tolist()) == taken
+    assert int(cost[sel].sum()) <= budget

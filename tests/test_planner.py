@@ -428,7 +428,8 @@ def test_greedy_with_fixed_costs_is_the_walk(seed, k, t, b, budget_frac, random_
     new_nbytes, new_score = nbytes.copy(), score.copy()
     dep, car = candidates.charge_fixed(pair, fixed, blk, free, nbytes=new_nbytes, score=new_score, **kw)
     assert np.array_equal(new_nbytes, cost)
-    assert all(new_score[d] < new_score[c] for d, c in zip(dep, car))  # carriers come first
+    # carriers come first in the plan's order (equal only at score 0, where the carrier is the lowest block)
+    assert all((-new_score[c], blk[c]) < (-new_score[d], blk[d]) for d, c in zip(dep, car))
     assert {int(d): int(c) for d, c in zip(dep, car)} == {
         i: carrier_of[int(pair[i])]
         for i in range(n)

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from . import faults, frontier, mkplan, planner, plans, register, scores, stats, usersql
 from .errors import CatalogError, MergeDBError, PlanError, RunNotRecordedError
+from .frontier import candidates as _plan_candidates
 from .resources import migrations
 from .sweep import in_memory as _sweep_in_memory
 
@@ -454,6 +455,7 @@ class Catalog:
         cat = self if wait is None else Catalog(self.path, wait=wait, sketch_dim=self._sketch_dim)
         return scores.record_run(cat, plan_id, out, result, error)
 
+    plan_candidates = _plan_candidates  # a request's scored candidates, nothing stored (frontier.py)
     sweep = _sweep_in_memory  # many plans merged in memory, each expert block read once (sweep.py)
     record_score = scores.record  # a measurement of a stored plan, for searches (scores.py)
 

@@ -42,7 +42,7 @@ _ORPHANS = [
     ("family_tensors", "base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
     ("checkpoints", "role = 'expert' AND base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
     ("plan_experts", "plan_id NOT IN (SELECT plan_id FROM plans)"),
-    ("plan_mask", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+    ("plan_mask_bits", "plan_id NOT IN (SELECT plan_id FROM plans)"),
     ("runs", "plan_id NOT IN (SELECT plan_id FROM plans)"),
 ]
 

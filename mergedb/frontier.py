@@ -3,7 +3,8 @@ estimate at a ladder of budgets, so a budget can be chosen before a byte of weig
 
 `make_plans` (behind `Catalog.frontier`) makes the plans from the catalog alone, in one transaction
 rolled back unless they are to be kept; `records` turns them into rows and `plot`, with the
-optional `plot` extra (matplotlib), into a PNG.
+optional `plot` extra (matplotlib), into a PNG. `candidates` (behind `Catalog.plan_candidates`)
+shows what any plan of a request would choose from, also rolled back.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
 
 from . import faults, planner, plans
 from .errors import MergeDBError
@@ -41,6 +44,17 @@ def make_plans(
             faults.rollback(con)
             raise
     return out
+
+
+def candidates(cat: Catalog, request: planner.PlanRequest) -> pa.Table:
+    """Every (expert, block) candidate of `request` as the planner scores it (position, tensor_idx,
+    block_idx, nbytes, free, value, score), without planning; plans store only the selection."""
+    with cat.duckdb_connection(write=True) as con:
+        con.execute("BEGIN")
+        try:
+            return planner.candidate_table(con, request)
+        finally:
+            faults.rollback(con)
 
 
 def records(summaries: list[PlanSummary]) -> list[dict[str, Any]]:

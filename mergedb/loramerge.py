@@ -9,7 +9,7 @@ for it; blocks without an adapter take the merger's usual path.
 
 Reads: an adapter block reads its rows of L (or its replacement rows) and, once per (expert,
 tensor) per run, R, kept while the tensor's selected blocks of that expert are pending and dropped
-after the last one; exactly the bytes the plan charged (planner: plancost.py).
+after the last one; exactly the bytes the plan charged (planner: candidates.charge_fixed).
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import tensorparams
+from . import greedy, tensorparams
 from .errors import MergeDBError
 from .layout import TensorLayout
 from .methods import validate
@@ -101,30 +102,32 @@ class ExecutionPlan:
 def mask_digest(mask: pa.Table) -> str:
     """sha256 over the selected (position, tensor_idx, block_idx), sorted, as little-endian int64.
 
-    The one definition used by the planner (plan hash), the manifest and `check --output`."""
+    The one definition used by the planner (plan hash, greedy.mask_digest on sorted arrays), the
+    manifest and `check --output`."""
     order = mask.select(["position", "tensor_idx", "block_idx"]).sort_by(
         [("position", "ascending"), ("tensor_idx", "ascending"), ("block_idx", "ascending")]
     )
-    h = hashlib.sha256()
-    for col in order.columns:
-        h.update(col.to_numpy().astype("<i8").tobytes())
-    return h.hexdigest()
+    return greedy.mask_digest(*(col.to_numpy() for col in order.columns))
 
 
 def mask_table(xp: ExecutionPlan) -> pa.Table:
-    """The replayable mask: selected blocks with their row ranges and content hashes."""
-    pos = xp.mask.column("position").to_pylist()
-    tix = xp.mask.column("tensor_idx").to_pylist()
-    bix = xp.mask.column("block_idx").to_pylist()
+    """The replayable mask: selected blocks with their row ranges and content hashes (vectorised:
+    a plan may select millions of blocks)."""
+    pos = xp.mask.column("position").to_numpy().astype(np.int64)
+    tix = xp.mask.column("tensor_idx").to_numpy().astype(np.int64)
+    bix = xp.mask.column("block_idx").to_numpy().astype(np.int64)
+    first = np.concatenate([[0], np.cumsum([len(t.rows) for t in xp.tensors])]).astype(np.int64)
+    rows = np.array([r for t in xp.tensors for r in t.rows], np.int64).reshape(-1, 2)  # (blocks, 2)
+    g = first[tix] + bix
     return pa.table(
         {
-            "expert": [xp.experts[p].name for p in pos],
-            "position": pa.array(pos, pa.int32()),
-            "tensor": [xp.tensors[t].name for t in tix],
-            "tensor_idx": pa.array(tix, pa.int32()),
-            "block_idx": pa.array(bix, pa.int32()),
-            "row_start": pa.array([xp.tensors[t].rows[b][0] for t, b in zip(tix, bix)], pa.int64()),
-            "row_end": pa.array([xp.tensors[t].rows[b][1] for t, b in zip(tix, bix)], pa.int64()),
+            "expert": pa.array([e.name for e in xp.experts], pa.string()).take(pa.array(pos)),
+            "position": pa.array(pos.astype(np.int32)),
+            "tensor": pa.array([t.name for t in xp.tensors], pa.string()).take(pa.array(tix)),
+            "tensor_idx": pa.array(tix.astype(np.int32)),
+            "block_idx": pa.array(bix.astype(np.int32)),
+            "row_start": pa.array(rows[g, 0]),
+            "row_end": pa.array(rows[g, 1]),
             "content_hash": xp.mask.column("content_hash"),
         }
     ).sort_by([("position", "ascending"), ("tensor_idx", "ascending"), ("block_idx", "ascending")])
@@ -365,15 +368,20 @@ def _mask_problems(doc: dict[str, Any], mask: pa.Table, k: int) -> list[str]:
             return [f"{MASK} column {c} must hold integers without nulls"]
     if not pa.types.is_string(mask.schema.field("content_hash").type):
         return [f"{MASK} column content_hash must hold strings"]
-    n_blocks = [len(t["rows"]) for t in doc["layout"]]
-    cols = [mask.column(c).to_pylist() for c in _MASK_COLUMNS[:3]]
-    seen = set()
-    for pos, ti, b in zip(*cols):
-        if not (0 <= pos < k and 0 <= ti < len(n_blocks) and 0 <= b < n_blocks[ti]):
-            return [f"{MASK} row (position {pos}, tensor_idx {ti}, block_idx {b}) refers to no expert block"]
-        if (pos, ti, b) in seen:
-            return [f"{MASK} row (position {pos}, tensor_idx {ti}, block_idx {b}) appears twice"]
-        seen.add((pos, ti, b))
+    n_blocks = np.array([len(t["rows"]) for t in doc["layout"]], np.int64)
+    pos, ti, b = (mask.column(c).to_numpy().astype(np.int64) for c in _MASK_COLUMNS[:3])
+    t_ok = np.clip(ti, 0, max(len(n_blocks) - 1, 0))
+    bad = (pos < 0) | (pos >= k) | (ti < 0) | (ti >= len(n_blocks))
+    bad |= (b < 0) | (b >= (n_blocks[t_ok] if len(n_blocks) else 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        return [f"{MASK} row (position {pos[i]}, tensor_idx {ti[i]}, block_idx {b[i]}) refers to no expert block"]
+    key = (pos * len(n_blocks) + ti) * (int(n_blocks.max()) if len(n_blocks) else 1) + b
+    order = np.argsort(key, kind="stable")
+    twice = np.flatnonzero(key[order][1:] == key[order][:-1])
+    if twice.size:
+        i = int(order[twice[0] + 1])
+        return [f"{MASK} row (position {pos[i]}, tensor_idx {ti[i]}, block_idx {b[i]}) appears twice"]
     if mask_digest(mask) != doc["mask_digest"]:
         return [f"{MASK} does not match the manifest's mask digest"]
     return []

@@ -18,12 +18,10 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import bounds, methods, plancost, planstats, tensorparams
+from . import bounds, candidates, greedy, methods, planstats, tensorparams
 from .errors import MergeDBError, PlanError
 from .faults import unregister
-from .manifest import mask_digest
 from .plans import validate_plan_name
-from .resources import query
 from .units import parse_size, shown
 
 MAX_FILL_PASSES = 256
@@ -99,28 +97,28 @@ class _Inputs:
     coefs: tuple[float, ...]  # per expert (plan_experts.coef): per element, averaged over tensors
     values: tensorparams.TensorValues  # per (expert, tensor): what the SQL, thresholds and executor use
     mergeable: tuple[bool, ...]  # per tensor_idx
+    base_bytes: int  # the base's tensor bytes (streamed in full by a merge, unbudgeted)
     method: methods.Method
     nonfinite: tuple[tuple[str, str, int], ...]  # (expert, tensor, count) with NaN/Inf deltas
+    fam: bounds.FamilyBlocks  # the base family's blocks
+    next_plan_id: int
 
 
 @dataclass(frozen=True)
 class _Selection:
-    """What the SQL steps chose (the mask itself stays in the temporary table plan_ranked)."""
+    """What the greedy chose: the candidates, the selection, its bounds and estimate."""
 
     budget: int
-    full_bytes: int
-    n_candidates: int
-    n_free: int
-    n_selected: int
-    selected_bytes: int
-    bound_sum: float | None  # linear methods only
-    bound_blockwise: float | None
-    bound_rounded: float | None  # after rounding to the output dtype (see queries/plan_bounds_rounded.sql)
+    fam: bounds.FamilyBlocks
+    cands: greedy.Candidates
+    sel: np.ndarray  # (N,) bool, the candidates' canonical order
+    bounds: greedy.Bounds
+    bound_rounded: float | None  # after rounding to the output dtype (see bounds.rounded_bound)
     bound_note: str | None  # why bound_rounded is None for a linear method
-    per_expert: dict[int, tuple]  # position -> plan_bounds row
     est_error: float | None
     trims: pa.Table
     mask_digest: str
+    bits: tuple[np.ndarray, np.ndarray, np.ndarray]  # greedy.bit_strings: present, offsets, chars
 
 
 def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, list[tuple[str, str, int]]]:
@@ -145,20 +143,29 @@ def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, li
     return plan_id, steps
 
 
+def candidate_table(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> pa.Table:
+    """Every candidate of `req` as the planner scores it, without cutting or storing anything:
+    position, tensor_idx, block_idx, nbytes, free, value, score (the caller rolls back)."""
+    inputs = _resolve(con, req)
+    c = _candidates(con, req, inputs, planstats.thresholds(con, inputs.method, inputs.values, list(inputs.ids)))[1]
+    return pa.table(
+        {k: getattr(c, k) for k in ("position", "tensor_idx", "block_idx", "nbytes", "free", "value", "score")}
+    )
+
+
 def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
     """Check the base, experts, weights and parameters of a request; refuse non-finite experts."""
-    base = _rows(
-        con, "SELECT checkpoint_id, fingerprint, content_hash, role FROM checkpoints WHERE name = ?", [req.base]
-    )
-    if not base or base[0][3] != "base":
-        known = [r[0] for r in _rows(con, "SELECT name FROM checkpoints WHERE role = 'base' ORDER BY name")]
-        raise PlanError(f"no base named {req.base!r} in the catalog (bases: {', '.join(known) or 'none'})")
-    base_id, base_fp, base_content, _ = base[0]
-    experts = _rows(
+    rows = _rows(  # every checkpoint (a few rows) and the next plan id: one statement
         con,
-        "SELECT name, checkpoint_id, fingerprint, content_hash, base_id FROM checkpoints "
-        "WHERE role = 'expert' ORDER BY name",
+        "SELECT name, checkpoint_id, fingerprint, content_hash, base_id, role, "
+        "(SELECT coalesce(max(plan_id), 0) + 1 FROM plans) FROM checkpoints ORDER BY name",
     )
+    base = [r for r in rows if r[0] == req.base and r[5] == "base"]
+    if not base:
+        known = [r[0] for r in rows if r[5] == "base"]
+        raise PlanError(f"no base named {req.base!r} in the catalog (bases: {', '.join(known) or 'none'})")
+    _, base_id, base_fp, base_content, _, _, next_id = base[0]
+    experts = [r for r in rows if r[5] == "expert"]
     by_name = {r[0]: r for r in experts}
     names = list(req.experts) if req.experts is not None else [r[0] for r in experts if r[4] == base_id]
     if len(set(names)) != len(names):
@@ -172,7 +179,9 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
     params = methods.validate(req.method, req.params, weights, len(names))
     ids = [by_name[n][1] for n in names]
     tensors = _rows(
-        con, "SELECT name, mergeable, numel FROM family_tensors WHERE base_id = ? ORDER BY tensor_idx", [base_id]
+        con,
+        "SELECT name, mergeable, numel, nbytes FROM family_tensors WHERE base_id = ? ORDER BY tensor_idx",
+        [base_id],
     )
     mergeable = [bool(r[1]) for r in tensors]
     values = tensorparams.resolve(
@@ -193,7 +202,8 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
         "GROUP BY ALL ORDER BY 1, 2",
         [ids],
     )
-    _refuse_nonfinite_base(con, req.base, base_id, ids)
+    fam = candidates.family_blocks(con, base_id, len(tensors))
+    _refuse_nonfinite_base(con, req.base, base_id, ids, fam, [r[0] for r in tensors])
     if bad and not req.allow_nonfinite:
         e, t, n = bad[0]
         raise PlanError(
@@ -213,27 +223,32 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
         coefs=tuple(coefs),
         values=values,
         mergeable=tuple(mergeable),
+        base_bytes=int(sum(r[3] for r in tensors)),
         method=methods.get_method(req.method),
         nonfinite=tuple(bad),
+        fam=fam,
+        next_plan_id=int(next_id),
     )
 
 
-def _refuse_nonfinite_base(con: duckdb.DuckDBPyConnection, base: str, base_id: int, ids: list[int]) -> None:
+def _refuse_nonfinite_base(
+    con: duckdb.DuckDBPyConnection,
+    base: str,
+    base_id: int,
+    ids: list[int],
+    fam: bounds.FamilyBlocks,
+    tensor_names: list[str],
+) -> None:
     """Blame NaN/Inf in the base on the base (every expert's delta inherits them), with or without
     --allow-nonfinite: leaving those blocks out would still copy the base's NaN/Inf into the merge."""
-    rows = _rows(
-        con,
-        "SELECT ft.name, CAST(sum(bl.base_nonfinite) AS BIGINT) FROM blocks bl JOIN family_tensors ft "
-        "USING (base_id, tensor_idx) WHERE bl.base_id = ? AND bl.base_nonfinite > 0 "
-        "GROUP BY ALL ORDER BY min(ft.tensor_idx)",
-        [base_id],
-    )
+    counts = np.bincount(fam.tensor_idx, weights=np.nan_to_num(fam.base_nonfinite), minlength=len(tensor_names))
+    bad = np.flatnonzero(counts > 0)
     fix = "fix the base and register it again under a new --name (its experts with it)"
-    if rows:
-        t, n = rows[0]
-        more = f" (and {len(rows) - 1} more tensors)" if len(rows) > 1 else ""
+    if bad.size:
+        t, n = tensor_names[bad[0]], int(counts[bad[0]])
+        more = f" (and {bad.size - 1} more tensors)" if bad.size > 1 else ""
         raise PlanError(f"base {base!r} has {n} NaN/Inf values in tensor {t!r}{more}; {fix}")
-    known = _rows(con, "SELECT count(base_nonfinite) FROM blocks WHERE base_id = ?", [base_id])[0][0]
+    known = int(np.count_nonzero(~np.isnan(fam.base_nonfinite)))
     if known or len(ids) < 2:
         return
     # a catalog registered before base checks: NaN/Inf in one block of every expert points at the base
@@ -255,102 +270,78 @@ def _refuse_nonfinite_base(con: duckdb.DuckDBPyConnection, base: str, base_id: i
 def _select(
     con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, steps: list[tuple[str, str, int]]
 ) -> _Selection:
-    """Rank every (expert, block) candidate and cut at the budget: fills the temporary table
-    plan_ranked (see queries/plan_*.sql) and measures the bounds and the estimate."""
-    k, n = inp.values.coef.shape
-    con.register(
-        "_plan_experts",  # one row per (expert, tensor): its coefficient there
-        pa.table(
-            {
-                "checkpoint_id": pa.array(np.repeat(inp.ids, n), pa.int32()),
-                "position": pa.array(np.repeat(np.arange(k), n), pa.int32()),
-                "tensor_idx": pa.array(np.tile(np.arange(n), k), pa.int32()),
-                "coef": pa.array(inp.values.coef.reshape(-1), pa.float64()),
-            }
-        ),
-    )
+    """Score every (expert, block) candidate in SQL (queries/plan_candidates*.sql), fetch them once,
+    and cut at the budget in memory (greedy.py): the greedy, the bounds and the estimate."""
     trims = planstats.thresholds(con, inp.method, inp.values, list(inp.ids))
-    con.register("_plan_trim", trims)
-    try:
-        candidates = "plan_candidates_trimmed" if inp.method.score == "trimmed" else "plan_candidates"
-        _run(con, steps, "candidates", query(candidates), [inp.base_id], "SELECT count(*) FROM plan_candidates")
-        if req.strategy == "random":
-            _run(con, steps, "random", query("plan_random_scores"), [req.seed], "SELECT count(*) FROM plan_candidates")
-        if req.allow_nonfinite and inp.nonfinite:
-            con.execute(
-                "DELETE FROM plan_candidates WHERE (checkpoint_id, tensor_idx, block_idx) IN "
-                "(SELECT (checkpoint_id, tensor_idx, block_idx) FROM expert_blocks WHERE nonfinite > 0)"
-            )
-        steps += plancost.charge_fixed_costs(con, list(inp.ids), random_scores=req.strategy == "random")
-        full_bytes, n_cand, n_free = _rows(
-            con,
-            "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT), count(*), count(*) FILTER (WHERE free) "
-            "FROM plan_candidates",
-        )[0]
-        budget = parse_budget(req.budget, full_bytes)
-        cut = _rows(con, query("plan_cut"), [budget])[0][0]
-        steps.append(("cut", query("plan_cut"), 1))
-        cut = -(2**62) if cut is None else int(cut)  # everything fits: every bucket is above the cut
-        _run(
-            con, steps, "prefix", query("plan_prefix"), [budget, cut], "SELECT count(*) FROM plan_ranked WHERE selected"
-        )
-        _fill(con, budget, steps)
-        bound_rows = _rows(con, query("plan_bounds"))
-        steps.append(("bounds", query("plan_bounds"), len(bound_rows)))
-        rounded, note = None, None
-        if inp.method.linear:
-            rounded, note = bounds.rounded_bound(con, inp.base_id, len(inp.ids), inp.values.scale)
-            steps.append(("bounds_rounded", query("plan_bounds_rounded"), 1))
-    finally:
-        unregister(con, "_plan_experts")
-        unregister(con, "_plan_trim")
-    per_expert = {r[0]: r for r in bound_rows if r[0] is not None}
-    total = next(r for r in bound_rows if r[0] is None)
-    selected_bytes, n_selected = int(total[3] or 0), int(total[5] or 0)
-    if selected_bytes > budget:  # cannot happen by construction; never store a plan that breaks it
-        raise PlanError(f"internal error: selected {selected_bytes} bytes over the {budget}-byte budget")
-    omitted = n_cand - n_free - n_selected
+    fam, cands = _candidates(con, req, inp, trims, steps)
+    budget = parse_budget(req.budget, int(cands.nbytes.sum()))
+    sel, passes = greedy.select(cands, budget, MAX_FILL_PASSES)
+    bits = greedy.bit_strings(cands, sel, len(inp.ids), fam.first_block)
+    k = len(inp.ids)
+    b = greedy.bounds(cands, sel, k, int(fam.first_block[-1]))
+    steps.append(("select", "-- greedy.select: bucket cut, sort of the cut bucket, fill passes (numpy)", b.n_selected))
+    steps.append(("fill", "-- greedy fill passes until one adds nothing", passes))
+    if b.selected_bytes > budget:  # cannot happen by construction; never store a plan that breaks it
+        raise PlanError(f"internal error: selected {b.selected_bytes} bytes over the {budget}-byte budget")
+    rounded, note = None, None
+    if inp.method.linear:
+        per_block = greedy.block_sums(cands, sel, int(fam.first_block[-1]))
+        rounded, note = bounds.rounded_bound(fam, k, inp.values.scale, b, *per_block)
+    omitted = int(cands.score.size) - b.n_free - b.n_selected
     want_estimate = req.estimate if req.estimate is not None else omitted <= ESTIMATE_MAX_ROWS
-    linear = inp.method.linear
-    selected = con.sql("SELECT position, tensor_idx, block_idx FROM plan_ranked WHERE selected").to_arrow_table()
+    est = None
+    if inp.method.linear and want_estimate and omitted == 0:
+        est = 0.0  # nothing omitted: the merge is the full one
+    elif inp.method.linear and want_estimate:
+        left = ~sel & ~cands.free
+        est = bounds.sketch_estimate(
+            con,
+            inp.values.coef,
+            pa.table(
+                {
+                    "checkpoint_id": pa.array(np.asarray(inp.ids, np.int32)[cands.position[left]]),
+                    "position": pa.array(cands.position[left]),
+                    "tensor_idx": pa.array(cands.tensor_idx[left]),
+                    "block_idx": pa.array(cands.block_idx[left]),
+                }
+            ),
+        )
     return _Selection(
         budget=budget,
-        full_bytes=int(full_bytes),
-        n_candidates=int(n_cand),
-        n_free=int(n_free),
-        n_selected=n_selected,
-        selected_bytes=selected_bytes,
-        bound_sum=total[1] if linear else None,
-        bound_blockwise=total[2] if linear else None,
+        fam=fam,
+        cands=cands,
+        sel=sel,
+        bounds=b,
         bound_rounded=rounded,
         bound_note=note,
-        per_expert=per_expert,
-        est_error=bounds.sketch_estimate(con, inp.values.coef) if linear and want_estimate else None,
+        est_error=est,
         trims=trims,
-        mask_digest=mask_digest(selected),
+        mask_digest=greedy.mask_digest(*greedy.selected_keys(bits[2], fam.first_block)),
+        bits=bits,
     )
 
 
-def _fill(con: duckdb.DuckDBPyConnection, budget: int, steps: list[tuple[str, str, int]]) -> None:
-    """Greedy fill after the prefix: repeat queries/plan_fill.sql until a pass adds nothing."""
-    fill = query("plan_fill")
-    for _ in range(MAX_FILL_PASSES):
-        used = _rows(con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM plan_ranked WHERE selected")[0][0]
-        added = int(con.execute(fill, [budget - used]).fetchall()[0][0])
-        steps.append(("fill", fill, added))
-        if added == 0:
-            return
-    raise PlanError(
-        f"internal error: the budget fill did not settle in {MAX_FILL_PASSES} passes; nothing was stored. "
-        "Please report this with the catalog's `mergedb sql 'SELECT count(*) FROM expert_blocks'`"
+def _candidates(
+    con: duckdb.DuckDBPyConnection,
+    req: PlanRequest,
+    inp: _Inputs,
+    trims: pa.Table,
+    steps: list[tuple[str, str, int]] | None = None,
+) -> tuple[bounds.FamilyBlocks, greedy.Candidates]:
+    fam = inp.fam
+    sc = candidates.Scoring(
+        inp.ids,
+        inp.values.coef,
+        trims,
+        trimmed=inp.method.score == "trimmed",
+        random_seed=req.seed if req.strategy == "random" else None,
+        drop_nonfinite=bool(req.allow_nonfinite and inp.nonfinite),
     )
+    return fam, candidates.fetch(con, sc, fam, [] if steps is None else steps)
 
 
 def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: _Selection, t0: float) -> int:
     """Write the plan, its experts, thresholds and mask; returns the new plan_id."""
-    base_bytes = _rows(
-        con, "SELECT CAST(coalesce(sum(nbytes), 0) AS BIGINT) FROM family_tensors WHERE base_id = ?", [inp.base_id]
-    )[0][0]
     description = {
         "method": req.method,
         "params": inp.params,
@@ -369,80 +360,94 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
     if per_tensor is not None:  # plans with per-expert values keep the hash they always had
         description["tensor_params"] = hashlib.sha256(_canonical_table(per_tensor)).hexdigest()
     plan_hash = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
-    plan_id = int(_rows(con, "SELECT coalesce(max(plan_id), 0) + 1 FROM plans")[0][0])
-    row = {
-        "plan_id": plan_id,
-        "name": req.name,
-        "plan_hash": plan_hash,
-        "method": req.method,
-        "params": json.dumps(inp.params, sort_keys=True),
-        "seed": req.seed,
-        "budget_spec": str(req.budget),
-        "budget_bytes": sel.budget,
-        "base_id": inp.base_id,
-        "base_fingerprint": inp.base_fingerprint,
-        "base_content": inp.base_content,
-        "full_bytes": sel.full_bytes,
-        "selected_bytes": sel.selected_bytes,
-        "base_bytes": base_bytes,
-        "n_candidates": sel.n_candidates,
-        "n_selected": sel.n_selected,
-        "free_blocks": sel.n_free,
-        "bound_sum": sel.bound_sum,
-        "bound_blockwise": sel.bound_blockwise,
-        "bound_rounded": sel.bound_rounded,
-        "bound_note": sel.bound_note,
-        "est_error": sel.est_error,
-        "planning_seconds": 0.0,  # set below, once everything is stored
-        "strategy": req.strategy,
-    }
-    _insert(con, "plans", row)
+    plan_id = inp.next_plan_id
     linear = inp.method.linear
-    for pos, (cid, w, c, fp, ch) in enumerate(zip(inp.ids, inp.weights, inp.coefs, inp.fingerprints, inp.contents)):
-        b = sel.per_expert.get(pos)
-        _insert(
-            con,
-            "plan_experts",
-            {
-                "plan_id": plan_id,
-                "position": pos,
-                "checkpoint_id": cid,
-                "weight": w,
-                "coef": c,
-                "fingerprint": fp,
-                "content_hash": ch,
-                "full_bytes": int(b[4]) if b else 0,
-                "selected_bytes": int(b[3]) if b else 0,
-                "bound_sum": (b[1] if b else 0.0) if linear else None,
-                "bound_blockwise": (b[2] if b else 0.0) if linear else None,
-            },
-        )
-    con.register("_plan_trim", sel.trims)
-    try:
-        con.execute(
-            "INSERT INTO plan_thresholds (plan_id, checkpoint_id, tensor_idx, t_lo, t_hi, exact) "
-            "SELECT ?, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim",
-            [plan_id],
-        )
-    finally:
-        unregister(con, "_plan_trim")
+    b = sel.bounds
+    k = len(inp.ids)
+    per = np.array(b.per_position, np.float64).reshape(k, 4)  # (K, 4): bound_sum, blockwise, selected, full
+    experts = pa.table(
+        {
+            "position": pa.array(np.arange(k), pa.int32()),
+            "checkpoint_id": pa.array(inp.ids, pa.int32()),
+            "weight": pa.array(inp.weights, pa.float64()),
+            "coef": pa.array(inp.coefs, pa.float64()),
+            "fingerprint": pa.array(inp.fingerprints, pa.string()),
+            "content_hash": pa.array(inp.contents, pa.string()),
+            "full_bytes": pa.array(per[:, 3].astype(np.int64)),
+            "selected_bytes": pa.array(per[:, 2].astype(np.int64)),
+            "bound_sum": pa.array(per[:, 0] if linear else [None] * k, pa.float64()),
+            "bound_blockwise": pa.array(per[:, 1] if linear else [None] * k, pa.float64()),
+        }
+    )
+    present, offsets, chars = sel.bits
+    n_tensors = len(inp.mergeable)
+    bit_table = pa.table(
+        {
+            "checkpoint_id": pa.array(np.repeat(np.asarray(inp.ids, np.int32), n_tensors)),
+            "tensor_idx": pa.array(np.tile(np.arange(n_tensors, dtype=np.int32), k)),
+            "bits": pa.LargeStringArray.from_buffers(present.size, pa.py_buffer(offsets), pa.py_buffer(chars)),
+        }
+    ).filter(pa.array(present))
+    tables = {"_plan_experts_row": experts, "_plan_trim": sel.trims, "_plan_bits": bit_table}
     if per_tensor is not None:
-        con.register("_plan_tensor_params", per_tensor)
-        try:
+        tables["_plan_tensor_params"] = per_tensor
+    for name, table in tables.items():
+        con.register(name, table)
+    try:
+        cols = ", ".join(experts.column_names)
+        con.execute(f"INSERT INTO plan_experts (plan_id, {cols}) SELECT $1, {cols} FROM _plan_experts_row", [plan_id])
+        if sel.trims.num_rows:
+            con.execute(
+                "INSERT INTO plan_thresholds (plan_id, checkpoint_id, tensor_idx, t_lo, t_hi, exact) "
+                "SELECT $1, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim",
+                [plan_id],
+            )
+        if per_tensor is not None:
             con.execute(
                 "INSERT INTO plan_tensor_params (plan_id, position, tensor_idx, weight, coef, density, epsilon, gamma, "
-                "lam, t, base_scale) SELECT ?, position, tensor_idx, weight, coef, density, epsilon, gamma, lam, t, "
+                "lam, t, base_scale) SELECT $1, position, tensor_idx, weight, coef, density, epsilon, gamma, lam, t, "
                 "base_scale FROM _plan_tensor_params",
                 [plan_id],
             )
-        finally:
-            unregister(con, "_plan_tensor_params")
-    con.execute(
-        "INSERT INTO plan_mask (plan_id, checkpoint_id, tensor_idx, block_idx, selected, free, score, value, nbytes) "
-        "SELECT ?, checkpoint_id, tensor_idx, block_idx, selected, free, score, value, nbytes FROM plan_ranked",
-        [plan_id],
+        con.execute(
+            "INSERT INTO plan_mask_bits (plan_id, checkpoint_id, tensor_idx, selected) "
+            "SELECT $1, checkpoint_id, tensor_idx, CAST(bits AS BIT) FROM _plan_bits",
+            [plan_id],
+        )
+    finally:
+        for name in tables:
+            unregister(con, name)
+    n_candidates = int(sel.cands.score.size)
+    _insert(  # last, so that planning_seconds counts every step
+        con,
+        "plans",
+        {
+            "plan_id": plan_id,
+            "name": req.name,
+            "plan_hash": plan_hash,
+            "method": req.method,
+            "params": json.dumps(inp.params, sort_keys=True),
+            "seed": req.seed,
+            "budget_spec": str(req.budget),
+            "budget_bytes": sel.budget,
+            "base_id": inp.base_id,
+            "base_fingerprint": inp.base_fingerprint,
+            "base_content": inp.base_content,
+            "full_bytes": b.full_bytes,
+            "selected_bytes": b.selected_bytes,
+            "base_bytes": inp.base_bytes,
+            "n_candidates": n_candidates,
+            "n_selected": b.n_selected,
+            "free_blocks": b.n_free,
+            "bound_sum": b.bound_sum if linear else None,
+            "bound_blockwise": b.bound_blockwise if linear else None,
+            "bound_rounded": sel.bound_rounded,
+            "bound_note": sel.bound_note,
+            "est_error": sel.est_error,
+            "planning_seconds": time.perf_counter() - t0,
+            "strategy": req.strategy,
+        },
     )
-    con.execute("UPDATE plans SET planning_seconds = ? WHERE plan_id = ?", [time.perf_counter() - t0, plan_id])
     return plan_id
 
 
@@ -450,11 +455,6 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict[str, Any]) -> 
     """INSERT one row, naming its columns (never positional)."""
     cols = ", ".join(row)
     con.execute(f"INSERT INTO {table} ({cols}) VALUES ({', '.join('?' * len(row))})", list(row.values()))
-
-
-def _run(con: duckdb.DuckDBPyConnection, steps: list, name: str, sql: str, params: list[Any], count_sql: str) -> None:
-    con.execute(sql, params).fetchall()
-    steps.append((name, sql, int(_rows(con, count_sql)[0][0])))
 
 
 def _canonical_table(t: pa.Table) -> bytes:

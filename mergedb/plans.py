@@ -165,11 +165,11 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         "GROUP BY ALL ORDER BY ft.tensor_idx",
         [p[9]],
     ).fetchall()
-    mask = con.sql(
-        "SELECT pe.position, m.tensor_idx, m.block_idx, eb.content_hash FROM plan_mask m "
+    mask = con.sql(  # the selected blocks, expanded from the plan's bit strings (schema/010)
+        "SELECT pe.position, m.tensor_idx, eb.block_idx, eb.content_hash FROM plan_mask_bits m "
         "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
         "JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id AND eb.tensor_idx = m.tensor_idx "
-        "AND eb.block_idx = m.block_idx WHERE m.plan_id = $1 AND m.selected "
+        "WHERE m.plan_id = $1 AND get_bit(m.selected, eb.block_idx) = 1 "
         "ORDER BY 1, 2, 3",
         params=[pid],
     ).to_arrow_table()

@@ -304,6 +304,63 @@ def test_every_budget_counts_fixed_factors_once(fam):
     assert plan.selected_bytes == _selected_cost(lora, plan.plan_id)
 
 
+def _walk(cat: Catalog, experts: tuple[str, ...], budget: int) -> tuple[set, int]:
+    """The textbook greedy with carriers, from the catalog's raw rows: score = |c_k|·‖Δ_kb‖ / cost
+    (task arithmetic, weights 1: c_k = 1), cost = read_bytes (dense: the block's bytes); per adapter
+    (expert, tensor) with fixed bytes, its carrier is the non-free block of best score (lowest block
+    on ties), costs read + fixed and scores value / that, the others score at most its score ×
+    (1 − 2⁻⁴⁰); walk (score desc, position, tensor, block), take a block if it fits and its carrier
+    is taken. Returns the selected (position, tensor, block) and their bytes."""
+    rows = cat.sql(
+        "SELECT c.name, eb.tensor_idx AS t, eb.block_idx AS b, eb.identical AS free, eb.delta_norm AS v, "
+        "coalesce(eb.read_bytes, bl.nbytes) AS cost, coalesce(et.fixed_bytes, 0) AS fixed FROM expert_blocks eb "
+        "JOIN checkpoints c USING (checkpoint_id) JOIN blocks bl ON bl.base_id = c.base_id "
+        "AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx "
+        "JOIN expert_tensors et ON et.checkpoint_id = eb.checkpoint_id AND et.tensor_idx = eb.tensor_idx"
+    ).to_pylist()
+    cands = {}
+    for r in rows:
+        if r["name"] in experts:
+            k = (experts.index(r["name"]), r["t"], r["b"])
+            cands[k] = dict(r, score=r["v"] / max(r["cost"], 1), carrier=None)
+    groups: dict = {}
+    for k, c in cands.items():
+        if c["fixed"] > 0 and not c["free"]:
+            groups.setdefault(k[:2], []).append(k)
+    for keys in groups.values():
+        top = min(keys, key=lambda k: (-cands[k]["score"], k[2]))
+        cands[top]["cost"] += cands[top]["fixed"]
+        cands[top]["score"] = cands[top]["v"] / cands[top]["cost"]
+        for k in keys:
+            if k != top:
+                cands[k]["score"] = min(cands[k]["score"], cands[top]["score"] * (1 - 2**-40))
+                cands[k]["carrier"] = top
+    taken, left = set(), budget
+    for k in sorted(cands, key=lambda k: (-cands[k]["score"], k)):
+        c = cands[k]
+        if not c["free"] and c["cost"] <= left and (c["carrier"] is None or c["carrier"] in taken):
+            taken.add(k)
+            left -= c["cost"]
+    return taken, budget - left
+
+
+def test_plan_is_the_textbook_greedy_with_carriers(fam):
+    """At many budgets the plan selects exactly what the walk above selects, and the plan_mask view's
+    nbytes of the selected rows sum to the plan's bytes (the fixed factor on one row each)."""
+    _, lora, _ = fam
+    experts = ("ad1", "other", "ad2", "ad3")
+    for pct in (0.5, 2, 5, 12, 25, 40, 60, 80, 95, 100):
+        plan = lora.plan(PlanRequest("base", experts, "task_arithmetic", f"{pct}%"))
+        got = lora.sql(
+            "SELECT pe.position, m.tensor_idx, m.block_idx, m.nbytes FROM plan_mask m JOIN plan_experts pe "
+            f"ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id WHERE m.plan_id = {plan.plan_id} "
+            "AND m.selected"
+        ).to_pylist()
+        want, want_bytes = _walk(lora, experts, plan.budget_bytes)
+        assert {(r["position"], r["tensor_idx"], r["block_idx"]) for r in got} == want, pct
+        assert plan.selected_bytes == want_bytes == sum(r["nbytes"] for r in got), pct
+
+
 def test_cli_registers_one_adapter_and_refuses_dora_in_one_line(fam, tmp_path):
     root, _, _ = fam
     runner = CliRunner()

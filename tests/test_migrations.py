@@ -80,6 +80,12 @@ def source(tmp_path_factory):
     return fam, root / "source.duckdb", plans
 
 
+# plan_mask's rows before 010: the view's columns, and the per-candidate score and value it no
+# longer has (arbitrary here: 010 drops them)
+_OLD_MASK = "plan_id, checkpoint_id, tensor_idx, block_idx, selected, free, 0.5, 0.25, nbytes"
+MASK_BITS_SINCE = 10
+
+
 def _old_catalog(path: Path, version: int, source: Path) -> dict[str, tuple[list[str], list[tuple]]]:
     """A catalog at schema `version`, as mergedb's migration code writes it, holding the source's
     rows in every table that version had. Returns table -> (that version's columns, its rows)."""
@@ -100,6 +106,9 @@ def _old_catalog(path: Path, version: int, source: Path) -> dict[str, tuple[list
                 continue
             cols = ", ".join(_columns(con, table))
             con.execute(f"DELETE FROM {table}")  # density_grid is filled by 001 itself
+            if table == "plan_mask":  # a table before 010, a view of plan_mask_bits since: what 010 converts
+                con.execute(f"INSERT INTO plan_mask ({cols}) SELECT {_OLD_MASK} FROM src.plan_mask")
+                continue
             con.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM src.{table}")
         con.execute("DETACH src")
         if version < PER_TENSOR_SINCE:  # such a plan could not exist then: drop it from every plan table
@@ -155,6 +164,11 @@ def test_old_catalog_upgrades_keeps_rows_and_plans(source, tmp_path, version, op
         versions = con.execute("SELECT version, name FROM schema_version ORDER BY version").fetchall()
         assert versions == [(int(f.name[:3]), f.stem) for f in FILES]
         for table, (cols, before) in rows.items():  # every row survives, unchanged, in the old columns
+            if table == "plan_mask":  # the view shows the old rows' keys and flags (score, value are gone)
+                keep = [i for i, c in enumerate(cols) if c not in ("score", "value")]
+                kept = [c for c in cols if c not in ("score", "value")]
+                assert _rows(con, table, kept) == (kept, sorted(tuple(r[i] for i in keep) for r in before))
+                continue
             assert _rows(con, table, cols) == (cols, before), table
         if version >= 2:  # plans made before 004 were ranked plans
             assert con.execute("SELECT DISTINCT strategy FROM plans").fetchall() == [("ranked",)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import duckdb
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,10 +16,13 @@ from tests.reference import kth_largest, load_model, ref_coefficients
 
 
 def mask(cat, plan_id):
+    """The plan's candidates (the plan_mask view) with the textbook score |c_k|·‖Δ_kb‖ / bytes."""
     return cat.sql(
-        "SELECT pe.position, m.tensor_idx, m.block_idx, m.selected, m.free, m.score, m.nbytes FROM plan_mask m "
+        "SELECT pe.position, m.tensor_idx, m.block_idx, m.selected, m.free, "
+        "abs(pe.coef) * eb.delta_norm / greatest(m.nbytes, 1) AS score, m.nbytes FROM plan_mask m "
         "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
-        "WHERE m.plan_id = ? ORDER BY 1, 2, 3",
+        "JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id AND eb.tensor_idx = m.tensor_idx "
+        "AND eb.block_idx = m.block_idx WHERE m.plan_id = ? ORDER BY 1, 2, 3",
         [plan_id],
     ).to_pylist()
 
@@ -60,6 +64,17 @@ def test_budget_properties_on_random_catalogs(tmp_path_factory, experts, tensors
     p = cat.plan(PlanRequest(base, None, "task_arithmetic", f"{budget}B"))
     rows = mask(cat, p.plan_id)
     sel = selected(rows)
+    # stored as one bit string per (expert, tensor), one bit per block; the view and the executor's
+    # mask are both expansions of it
+    bits = cat.sql(
+        "SELECT bit_length(selected) AS n, bit_count(selected) AS ones FROM plan_mask_bits WHERE plan_id = ?",
+        [p.plan_id],
+    ).to_pylist()
+    assert len(bits) == experts * tensors and {b["n"] for b in bits} == {blocks}
+    assert sum(b["ones"] for b in bits) == len(sel) == p.n_selected
+    xp = cat.execution_plan(p.plan_id)
+    cols = [xp.mask.column(c).to_pylist() for c in ("position", "tensor_idx", "block_idx")]
+    assert set(zip(*cols)) == sel and len(cols[0]) == len(sel)
     # soundness
     assert p.selected_bytes == sum(r["nbytes"] for r in rows if r["selected"]) <= budget
     # the SQL cut equals an independent greedy on the same scores
@@ -235,18 +250,30 @@ def test_trimmed_values_interpolate_the_histogram(registered, method, params):
     cat, models = registered
     names = ["expert_00", "expert_01", "expert_02", "expert_03"]
     weights = (1.0, 0.5, -0.7, 2.0)
-    p = cat.plan(PlanRequest("base", tuple(names), method, "50%", weights, params))
-    rows = cat.sql(
-        "SELECT pe.position, ft.name, bl.row_start, bl.row_end, m.free, m.value, m.score, m.nbytes, "
-        "th.t_lo, th.t_hi, th.exact FROM plan_mask m "
-        "JOIN plans pl ON pl.plan_id = m.plan_id "
-        "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
-        "JOIN family_tensors ft ON ft.base_id = pl.base_id AND ft.tensor_idx = m.tensor_idx "
-        "JOIN blocks bl ON bl.base_id = pl.base_id AND bl.tensor_idx = m.tensor_idx AND bl.block_idx = m.block_idx "
-        "JOIN plan_thresholds th ON th.plan_id = m.plan_id AND th.checkpoint_id = m.checkpoint_id "
-        "AND th.tensor_idx = m.tensor_idx WHERE m.plan_id = ?",
-        [p.plan_id],
-    ).to_pylist()
+    req = PlanRequest("base", tuple(names), method, "50%", weights, params)
+    p = cat.plan(req)
+    cat_with = duckdb.connect()
+    cat_with.register("cands", cat.plan_candidates(req))
+    cat_with.register(
+        "info",
+        cat.sql(
+            "SELECT pe.position, ft.name, bl.tensor_idx, bl.block_idx, bl.row_start, bl.row_end, th.t_lo, th.t_hi, "
+            "th.exact FROM plan_experts pe JOIN plans pl USING (plan_id) "
+            "JOIN family_tensors ft ON ft.base_id = pl.base_id "
+            "JOIN blocks bl ON bl.base_id = pl.base_id AND bl.tensor_idx = ft.tensor_idx "
+            "JOIN plan_thresholds th ON th.plan_id = pe.plan_id AND th.checkpoint_id = pe.checkpoint_id "
+            "AND th.tensor_idx = ft.tensor_idx WHERE pe.plan_id = ?",
+            [p.plan_id],
+        ),
+    )
+    rows = (
+        cat_with.sql(
+            "SELECT i.position, i.name, i.row_start, i.row_end, c.free, c.value, c.score, c.nbytes, i.t_lo, i.t_hi, "
+            "i.exact FROM cands c JOIN info i USING (position, tensor_idx, block_idx)"
+        )
+        .to_arrow_table()
+        .to_pylist()
+    )
     coefs = ref_coefficients(method, params, list(weights))
     density, gamma = params["density"], params.get("gamma", 0.0)
     assert len(rows) > 100
@@ -319,3 +346,113 @@ def test_nonfinite_expert_refused_then_allowed(tmp_path):
         [p.plan_id],
     ).to_pylist()
     assert bad == [{"n": 0}]
+
+
+def test_equal_scores_break_ties_by_position_tensor_block(tmp_path):
+    """Every score equal (one bucket holds all): the budget takes the first blocks in (position,
+    tensor_idx, block_idx) order, whatever order the catalog returns them in."""
+    import duckdb as db
+
+    path = tmp_path / "c.duckdb"
+    cat = Catalog(path)
+    simulate(cat, 3, 4, 5, block_bytes=1000, identical_fraction=0.0, seed=3)
+    con = db.connect(str(path))
+    con.execute("UPDATE expert_blocks SET delta_norm = 2.5")
+    con.close()
+    base = cat.checkpoints()[0].name
+    p = cat.plan(PlanRequest(base, None, "task_arithmetic", "23000B"))  # 23 blocks of 1000 bytes
+    keys = sorted((pos, t, b) for pos in range(3) for t in range(4) for b in range(5))
+    assert selected(mask(cat, p.plan_id)) == set(keys[:23]) and p.selected_bytes == 23000
+
+
+def test_random_strategy_is_a_seeded_greedy_on_uniform_scores(tmp_path):
+    """--strategy random: scores uniform in [0, 1) from the seed, the same greedy cut, true bounds."""
+    cat = Catalog(tmp_path / "c.duckdb")
+    simulate(cat, 3, 4, 50, block_bytes=1000, identical_fraction=0.1, seed=5)
+    base = cat.checkpoints()[0].name
+    req = PlanRequest(base, None, "task_arithmetic", "30%", strategy="random", seed=7)
+    p = cat.plan(req)
+    cands = cat.plan_candidates(req).to_pylist()
+    scores = np.array([c["score"] for c in cands])
+    assert scores.min() >= 0 and scores.max() < 1 and 0.4 < scores.mean() < 0.6  # 600 uniform draws
+    rows = [dict(c, selected=False) for c in cands]
+    assert selected(mask(cat, p.plan_id)) == numpy_greedy(rows, p.budget_bytes)
+    assert cat.plan(req).plan_hash == p.plan_hash  # the seed fixes the mask
+    other = cat.plan(PlanRequest(base, None, "task_arithmetic", "30%", strategy="random", seed=8))
+    ranked = cat.plan(PlanRequest(base, None, "task_arithmetic", "30%"))
+    assert len({p.plan_hash, other.plan_hash, ranked.plan_hash}) == 3
+    # values stay |c_k|·‖Δ_kb‖ (c_k = 1): the bound sums what the random mask left out
+    left = cat.sql(
+        "SELECT sum(eb.delta_norm) AS s FROM plan_mask m JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id "
+        "AND eb.tensor_idx = m.tensor_idx AND eb.block_idx = m.block_idx WHERE m.plan_id = ? AND NOT m.selected",
+        [p.plan_id],
+    ).to_pylist()[0]["s"]
+    assert p.bound_sum == pytest.approx(left, rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    k=st.integers(1, 3),
+    t=st.integers(1, 4),
+    b=st.integers(1, 6),
+    budget_frac=st.floats(0.0, 1.0),
+    random_scores=st.booleans(),
+)
+def test_greedy_with_fixed_costs_is_the_walk(seed, k, t, b, budget_frac, random_scores):
+    """greedy.select with carriers (candidates.charge_fixed) against the plain walk: in the order
+    (score desc, position, tensor, block) take a non-free block if it fits and, for a tensor with a
+    fixed cost, the pair's carrier — its best block by the scores before charging, lowest block on
+    ties — is taken; the carrier pays the fixed bytes. Small blocks, big factors, equal scores."""
+    from mergedb import candidates, greedy
+
+    rng = np.random.default_rng(seed)
+    pos, ten, blk = (a.reshape(-1).astype(np.int32) for a in np.meshgrid(range(k), range(t), range(b), indexing="ij"))
+    n = pos.size
+    free = rng.random(n) < 0.2
+    nbytes = rng.integers(0, 50, n).astype(np.int64)
+    value = rng.choice([0.0, 1.0, 2.0, 3.5], n) * rng.integers(1, 3, n)  # many ties
+    score = rng.choice([0.1, 0.5, 0.9], n) if random_scores else value / np.maximum(nbytes, 1)
+    fixed = np.where(rng.random(k * t) < 0.6, rng.integers(1, 120, k * t), 0).astype(np.int64)
+    pair = pos.astype(np.int64) * t + ten
+    # the reference's carriers, from the scores before charging
+    carrier_of = {}
+    for g in range(k * t):
+        rows = [i for i in range(n) if pair[i] == g and not free[i]]
+        if fixed[g] and rows:
+            carrier_of[g] = min(rows, key=lambda i: (-score[i], blk[i]))
+    cost = nbytes.copy()
+    for g, c in carrier_of.items():
+        cost[c] += fixed[g]
+    kw = {} if random_scores else {"value": value}
+    new_nbytes, new_score = nbytes.copy(), score.copy()
+    dep, car = candidates.charge_fixed(pair, fixed, blk, free, nbytes=new_nbytes, score=new_score, **kw)
+    assert np.array_equal(new_nbytes, cost)
+    # carriers come first in the plan's order (equal only at score 0, where the carrier is the lowest block)
+    assert all((-new_score[c], blk[c]) < (-new_score[d], blk[d]) for d, c in zip(dep, car))
+    assert {int(d): int(c) for d, c in zip(dep, car)} == {
+        i: carrier_of[int(pair[i])]
+        for i in range(n)
+        if int(pair[i]) in carrier_of and i != carrier_of[int(pair[i])] and not free[i]
+    }
+    cands = greedy.Candidates.build(
+        {"position": pos, "tensor_idx": ten, "block_idx": blk, "free": free},
+        nbytes=new_nbytes,
+        value=value,
+        score=new_score,
+        gblock=(ten * b + blk).astype(np.int64),
+        n_family_blocks=t * b,
+        dependent=dep,
+        carrier=car,
+    )
+    budget = int(budget_frac * cost[~free].sum())
+    sel, _ = greedy.select(cands, budget, 256)
+    taken, left = set(), budget
+    for i in sorted(range(n), key=lambda i: (-new_score[i], pos[i], ten[i], blk[i])):
+        g = int(pair[i])
+        ok = g not in carrier_of or carrier_of[g] == i or carrier_of[g] in taken
+        if not free[i] and cost[i] <= left and ok:
+            taken.add(i)
+            left -= int(cost[i])
+    assert set(np.flatnonzero(sel).tolist()) == taken
+    assert int(cost[sel].sum()) <= budget

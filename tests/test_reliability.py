@@ -66,9 +66,9 @@ def test_check_clean_then_finds_each_problem(registered):
     import duckdb
 
     con = duckdb.connect(str(cat.path))
-    con.execute("INSERT INTO plan_mask VALUES (999, 1, 0, 0, true, false, 1.0, 1.0, 10)")
+    con.execute("INSERT INTO plan_mask_bits VALUES (999, 1, 0, '1'::BIT)")
     con.close()
-    assert any("plan_mask" in p.where for p in check_catalog(cat))
+    assert any("plan_mask_bits" in p.where for p in check_catalog(cat))
     res = CliRunner().invoke(app, ["check", "-c", str(cat.path)])
     assert res.exit_code == 1 and "problem" in res.output
 

@@ -1,0 +1,184 @@
+"""The plan's candidates: every (expert, block) of its experts, scored, as numpy arrays.
+
+queries/plan_candidates.sql (or plan_candidates_trimmed.sql) reads each expert block's norm in one
+scan without joins; queries/plan_block_bytes.sql gives each family block's byte cost. `cost` and
+`value` below put them together — the one place a candidate's cost is defined. Everything after
+is greedy.py's, in memory.
+
+LoRA adapters (schema/009) cost what a merge reads: a block's own rows (expert_blocks.read_bytes)
+and, once per (expert, tensor), the factor every block of the tensor needs (expert_tensors.
+fixed_bytes, queries/plan_fixed_bytes.sql). `charge_fixed` charges that factor to exactly one
+candidate of the (expert, tensor), its carrier (the non-free candidate with the highest score,
+lowest block_idx on ties): the carrier's cost includes the fixed bytes and its score becomes
+value / (read + fixed) (a random score stays as it is); the tensor's other candidates have their
+scores capped strictly below the carrier's (× (1 − 2⁻⁴⁰)), so the carrier precedes them in the
+plan's order and any prefix of that order that holds one of them holds the carrier. The greedy's
+fill (greedy.py) takes them only once their carrier is taken. So the selected bytes count every
+fixed factor once, exactly, and stay within the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from . import bounds, greedy
+from .errors import PlanError
+from .faults import unregister
+from .resources import query
+
+_COLUMNS = {
+    "position": np.int32,
+    "tensor_idx": np.int32,
+    "block_idx": np.int32,
+    "free": np.bool_,
+    "norm": np.float64,
+    "read_bytes": np.int64,  # -1: a dense expert's block (its cost is the block's bytes)
+}
+_CAP = 1 - 2**-40  # a carrier's other candidates score at most this × the carrier's score
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What the candidates SQL needs: the plan's experts, their per-tensor coefficients, the trims."""
+
+    ids: tuple[int, ...]  # checkpoint_id per expert position
+    coef: np.ndarray  # (K, T) c_k of each (expert, tensor)
+    trims: pa.Table  # (checkpoint_id, tensor_idx, t_lo, t_hi): planstats.thresholds
+    trimmed: bool  # value of the survivors of the trim (queries/plan_candidates_trimmed.sql)
+    random_seed: int | None = None  # --strategy random: uniform scores from the seed
+    drop_nonfinite: bool = False  # --allow-nonfinite: leave blocks with NaN/Inf deltas out
+
+
+def cost(fam: bounds.FamilyBlocks, gblock: np.ndarray, read_bytes: np.ndarray) -> np.ndarray:
+    """(N,) int64 bytes the budget is charged for each candidate before fixed costs: what a merge
+    reads for it, its block's bytes in the file for a dense expert (read_bytes −1), an adapter's
+    read_bytes otherwise (0: a block the adapter leaves untouched). Overwrites `read_bytes`."""
+    dense = read_bytes < 0
+    if dense.all():  # no adapter: in place, no (N,) temporaries (35M rows are 280 MB each)
+        np.take(fam.nbytes, gblock, out=read_bytes)
+    elif dense.any():
+        np.copyto(read_bytes, fam.nbytes[gblock], where=dense)
+    return read_bytes
+
+
+def charge_fixed(
+    pair: np.ndarray, fixed: np.ndarray, block_idx: np.ndarray, free: np.ndarray, **arrays: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Charge each (expert, tensor)'s fixed bytes to its carrier (see the module note), in place on
+    arrays["nbytes"] and arrays["score"]; arrays["value"] set: ranked scores, the carrier's becomes
+    value / cost; absent: random scores, kept. `pair` (N,) int64 position·T + tensor_idx, `fixed`
+    (K·T,) int64 fixed bytes of each pair (0: none). Returns (dependent, carrier): the rows of the
+    other non-free candidates of those pairs and, for each, its carrier's row (empty: dense plans)."""
+    nbytes, score, value = arrays["nbytes"], arrays["score"], arrays.get("value")
+    rows = np.flatnonzero(~free & (fixed[pair] > 0))  # (M,) candidates of tensors with a fixed cost
+    # per pair: best score first, lowest block_idx on ties (unique within a pair)
+    rows = rows[np.lexsort((block_idx[rows], -score[rows], pair[rows]))]
+    first = np.ones(rows.size, bool)
+    first[1:] = pair[rows[1:]] != pair[rows[:-1]]
+    carriers = rows[first]
+    group = np.cumsum(first) - 1  # (M,) index of each row's carrier in `carriers`
+    nbytes[carriers] += fixed[pair[carriers]]
+    if value is not None:
+        score[carriers] = value[carriers] / np.maximum(nbytes[carriers], 1)
+    # strictly below the carrier: nextafter guards scores so small that the product rounds back up;
+    # a carrier scoring 0 has only 0-score others, which the order puts after it (lower block_idx)
+    cap = np.minimum(score[carriers] * _CAP, np.nextafter(score[carriers], 0))
+    dependent = rows[~first]
+    score[dependent] = np.minimum(score[dependent], cap[group[~first]])
+    return dependent, carriers[group[~first]]
+
+
+def fetch(
+    con: duckdb.DuckDBPyConnection, sc: Scoring, fam: bounds.FamilyBlocks, steps: list[tuple[str, str, int]]
+) -> greedy.Candidates:
+    """Read the candidates once, in batches, into numpy arrays, and score them: value = |c_k|·norm,
+    score = value / cost (or the random ablation's score)."""
+    name = "plan_candidates_trimmed" if sc.trimmed else "plan_candidates"
+    con.register("_plan_trim", sc.trims)
+    con.register(
+        "_plan_positions",
+        pa.table(
+            {"checkpoint_id": pa.array(sc.ids, pa.int32()), "position": pa.array(np.arange(len(sc.ids)), pa.int32())}
+        ),
+    )
+    try:
+        ids = [int(i) for i in sc.ids]
+        total = len(ids) * int(fam.first_block[-1])  # at most every block of every expert; untouched
+        # pages of np.empty cost no memory, and the arrays are cut to the rows read
+        cols: dict[str, np.ndarray] = {c: np.empty(total, t) for c, t in _COLUMNS.items()}
+        random = np.empty(total if sc.random_seed is not None else 0, np.float64)
+        reader = con.sql(query(name), params=[sc.drop_nonfinite, sc.random_seed]).to_arrow_reader(1 << 20)
+        at = 0
+        for batch in reader:  # one batch at a time: memory is the arrays plus one batch
+            end = at + batch.num_rows
+            if end > total:
+                raise PlanError(f"internal error: more candidates than {total} expert blocks; nothing was stored")
+            for i, c in enumerate(cols):
+                cols[c][at:end] = batch.column(i).to_numpy(zero_copy_only=False)
+            if random.size:
+                random[at:end] = batch.column(len(cols)).to_numpy(zero_copy_only=False)
+            at = end
+        fixed = _fixed_bytes(con, len(ids), fam.first_block.size - 1)
+    finally:
+        unregister(con, "_plan_trim")
+        unregister(con, "_plan_positions")
+    cols = {c: v[:at] for c, v in cols.items()}
+    random = random[:at]
+    steps.append(("candidates", query(name), at))
+    gblock = fam.first_block[cols["tensor_idx"]]  # (N,) int64: the index type bincount needs
+    gblock += cols["block_idx"]
+    nbytes = cost(fam, gblock, cols.pop("read_bytes"))
+    value = np.abs(sc.coef[cols["position"], cols["tensor_idx"]])
+    value *= cols.pop("norm")
+    score = random if random.size else value / np.maximum(nbytes, 1)
+    dependent = carrier = np.zeros(0, np.int64)
+    if fixed.any():  # some adapter of the plan has fixed costs
+        n_tensors = fam.first_block.size - 1
+        pair = cols["position"].astype(np.int64) * n_tensors + cols["tensor_idx"]  # (N,) int64
+        ranked = {} if random.size else {"value": value}
+        dependent, carrier = charge_fixed(
+            pair, fixed, cols["block_idx"], cols["free"], nbytes=nbytes, score=score, **ranked
+        )
+        steps.append(("fixed_cost", "-- candidates.charge_fixed: a carrier per (expert, tensor)", int(dependent.size)))
+    return greedy.Candidates.build(
+        cols,
+        nbytes=nbytes,
+        value=value,
+        score=score,
+        gblock=gblock,
+        n_family_blocks=int(fam.first_block[-1]),
+        dependent=dependent,
+        carrier=carrier,
+    )
+
+
+def _fixed_bytes(con: duckdb.DuckDBPyConnection, n_positions: int, n_tensors: int) -> np.ndarray:
+    """(K·T,) int64 fixed bytes of each (position, tensor) pair (queries/plan_fixed_bytes.sql)."""
+    t = con.sql(query("plan_fixed_bytes")).to_arrow_table()
+    fixed = np.zeros(n_positions * n_tensors, np.int64)
+    pos = t.column("position").to_numpy().astype(np.int64)
+    fixed[pos * n_tensors + t.column("tensor_idx").to_numpy()] = t.column("fixed_bytes").to_numpy()
+    return fixed
+
+
+def family_blocks(con: duckdb.DuckDBPyConnection, base_id: int, n_tensors: int) -> bounds.FamilyBlocks:
+    """The base family's blocks in (tensor_idx, block_idx) order (queries/plan_block_bytes.sql)."""
+    t = con.sql(query("plan_block_bytes"), params=[base_id]).to_arrow_table()
+    tix = t.column("tensor_idx").to_numpy()
+    counts = np.bincount(tix, minlength=n_tensors)
+    first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+    if not np.array_equal(t.column("block_idx").to_numpy(), np.arange(tix.size) - first[tix]):
+        raise PlanError(f"internal error: base {base_id}'s blocks are not numbered 0, 1, … per tensor")
+    return bounds.FamilyBlocks(
+        first_block=first,
+        tensor_idx=tix,
+        nbytes=t.column("nbytes").to_numpy().astype(np.int64),
+        dtype=np.asarray(t.column("dtype").to_pylist(), dtype=object),
+        base_norm=t.column("base_norm").to_numpy(zero_copy_only=False).astype(np.float64),  # NaN: NULL (before 005)
+        numel=t.column("numel").to_numpy().astype(np.float64),
+        base_nonfinite=t.column("base_nonfinite").to_numpy(zero_copy_only=False).astype(np.float64),  # NaN: NULL
+    )

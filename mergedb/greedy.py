@@ -1,0 +1,207 @@
+"""The budget cut in memory: the exact greedy over the scored candidates, its bounds, the mask.
+
+The planner scores every (expert, block) candidate in SQL (queries/plan_candidates*.sql: the value
+model and the byte cost) and fetches the candidates once; what follows is a few O(N) passes over
+numpy arrays, so a plan of 35M candidates costs seconds, not one SQL statement per step.
+
+Order: the plan's order is (score DESC, position, tensor_idx, block_idx), a unique key, so plans
+repeat exactly. `slot` = position·B + first block of the tensor + block_idx (B blocks in the family)
+is the tie-break part as one integer. Candidates stay in the order SQL returned them (sorting 35M
+rows would cost more than everything else); only the few rows whose order matters are sorted.
+
+The greedy ("take each block, best first, if it still fits") in three steps, equal to walking the
+whole order: (1) bucket the scores by the top bits of their IEEE-754 patterns (monotone for scores
+≥ 0) and find, from the best bucket down, the bucket where the budget runs out; every block above it
+fits; (2) sort that bucket alone and take the prefix that fits; (3) fill: among the blocks not taken
+that are no larger than what is left, take the prefix (in plan order) that fits, and repeat until a
+pass adds nothing — after a block that does not fit, the greedy can only take smaller ones.
+
+Fixed costs (LoRA adapters, candidates.charge_fixed): a dependent candidate may be taken only once
+its carrier, which pays its (expert, tensor)'s fixed bytes, is. The carrier precedes its dependents
+in the plan's order, so steps (1) and (2), which take a prefix of the order, hold it already; a
+fill pass drops the dependents whose carrier is neither taken nor in the pass's pool (too large for
+what is left, it never will be), and in the pass's prefix a dependent comes after its carrier. That
+is the walk "take each block, best first, if it fits and its carrier is taken", exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanError
+
+_BUCKET_SHIFT = 40  # keep sign, exponent and 12 mantissa bits: 4096 buckets per octave of score
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Every (expert, block) candidate of a plan, in any order; arrays of length N."""
+
+    position: np.ndarray  # (N,) int32 expert position in the plan
+    tensor_idx: np.ndarray  # (N,) int32
+    block_idx: np.ndarray  # (N,) int32
+    nbytes: np.ndarray  # (N,) int64 the candidate's byte cost (plan_candidates.sql)
+    free: np.ndarray  # (N,) bool identical to the base: never read, zero error
+    value: np.ndarray  # (N,) float64
+    score: np.ndarray  # (N,) float64 ≥ 0
+    gblock: np.ndarray  # (N,) int64 family block index: first block of the tensor + block_idx
+    n_family_blocks: int  # B: slot = position·B + gblock is the unique tie-break key
+    dependent: np.ndarray  # (M,) int64 rows that wait for a carrier (candidates.charge_fixed); empty: dense
+    carrier: np.ndarray  # (M,) int64 the carrier row of each dependent row
+
+    @classmethod
+    def build(cls, cols: dict[str, Any], **derived: Any) -> Candidates:
+        """From the fetched columns (position, tensor_idx, block_idx, free) and the derived ones."""
+        if not np.all(derived["score"] >= 0):  # NaN fails too; the buckets need scores ≥ 0
+            raise PlanError("internal error: a candidate's score is negative or NaN; nothing was stored")
+        return cls(**cols, **derived)
+
+    def slot(self, rows: np.ndarray) -> np.ndarray:
+        """(len(rows),) int64 position·B + gblock of `rows`: (position, tensor_idx, block_idx) as one key."""
+        return self.position[rows].astype(np.int64) * self.n_family_blocks + self.gblock[rows]
+
+
+def _plan_order(c: Candidates, rows: np.ndarray) -> np.ndarray:
+    """`rows` in plan order: score DESC, then slot."""
+    return rows[np.lexsort((c.slot(rows), -c.score[rows]))]
+
+
+def select(c: Candidates, budget: int, max_passes: int) -> tuple[np.ndarray, int]:
+    """The greedy's selection as a bool array, and the number of fill passes run."""
+    nonfree = ~c.free
+    sel = np.zeros(c.score.size, bool)
+    if nonfree.any():  # whole-array passes, no index arrays: at 35M rows every temporary counts
+        bucket = c.score.view(np.int64) >> _BUCKET_SHIFT  # (N,) monotone in the score (scores ≥ 0)
+        bucket -= bucket.min()
+        per_bucket = np.bincount(bucket, weights=np.where(nonfree, c.nbytes, 0.0))  # exact below 2^53
+        from_top = np.cumsum(per_bucket[::-1])[::-1]  # bytes in this bucket and every better one
+        over = np.flatnonzero(from_top > budget)
+        if not over.size:
+            sel = nonfree
+        else:
+            cut = int(over[-1])
+            np.greater(bucket, cut, out=sel)
+            sel &= nonfree
+            edge = _plan_order(c, np.flatnonzero((bucket == cut) & nonfree))
+            room = budget - int(c.nbytes[sel].sum())
+            sel[edge[np.cumsum(c.nbytes[edge]) <= room]] = True
+    passes = _fill(c, sel, budget, max_passes)
+    if np.any(sel[c.dependent] & ~sel[c.carrier]):  # cannot happen by construction (see the module note)
+        raise PlanError("internal error: a block was selected without its fixed-cost carrier; nothing was stored")
+    return sel, passes
+
+
+def _fill(c: Candidates, sel: np.ndarray, budget: int, max_passes: int) -> int:
+    """Fill passes (see the module note) until one adds nothing; updates `sel` in place."""
+    left = budget - int(c.nbytes[sel].sum())
+    pool = _plan_order(c, np.flatnonzero(~sel & ~c.free & (c.nbytes <= left)))
+    mark = np.zeros(c.score.size if c.dependent.size else 0, bool)  # (N,) scratch, only with carriers
+    for n in range(max_passes):
+        pool = pool[~sel[pool] & (c.nbytes[pool] <= left)]
+        if c.dependent.size:  # drop dependents whose carrier is neither taken nor in the pool
+            mark[pool] = True
+            waiting = c.dependent[~sel[c.carrier] & ~mark[c.carrier]]
+            mark[pool] = False
+            mark[waiting] = True
+            pool = pool[~mark[pool]]
+            mark[waiting] = False
+        take = pool[np.cumsum(c.nbytes[pool]) <= left]
+        if not take.size:
+            return n + 1
+        sel[take] = True
+        left -= int(c.nbytes[take].sum())
+    raise PlanError(
+        f"internal error: the budget fill did not settle in {max_passes} passes; nothing was stored. "
+        "Please report this with the catalog's `mergedb sql 'SELECT count(*) FROM expert_blocks'`"
+    )
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Selected and full bytes and the omitted-update bounds, per expert position and overall.
+
+    For additive methods value = |c_k|·‖Δ_kb‖, so ‖θ_B − θ_F‖ ≤ Σ_omitted value (triangle
+    inequality) = bound_sum, and blocks are disjoint, so ≤ sqrt(Σ_b (Σ_k omitted value)²) =
+    bound_blockwise, which is tighter. Per position, bound_blockwise = sqrt(Σ omitted value²).
+    Sums run in the candidates' order (as SQL's parallel sums did: the last bits may vary)."""
+
+    bound_sum: float
+    bound_blockwise: float
+    selected_bytes: int
+    full_bytes: int
+    n_selected: int
+    n_free: int
+    per_position: tuple[tuple[float, float, int, int], ...]  # (bound_sum, bound_blockwise, selected, full)
+    omitted_per_block: np.ndarray  # (n_blocks,) Σ_k omitted value of each family block
+
+
+def _sums_by(key: np.ndarray, weights: list[np.ndarray], n: int) -> list[np.ndarray]:
+    """Σ of each weight array per key value 0..n-1 (np.bincount), converting `key` to the index
+    type once instead of once per sum."""
+    key = key.astype(np.intp, copy=False)
+    return [np.bincount(key, weights=w, minlength=n) for w in weights]
+
+
+def bounds(c: Candidates, sel: np.ndarray, n_positions: int, n_blocks: int) -> Bounds:
+    v = np.where(sel, 0.0, c.value)  # (N,) omitted value
+    sel_bytes = np.where(sel, c.nbytes, 0.0)  # float64: exact below 2^53
+    v_sum, v_sq, s_bytes, f_bytes = _sums_by(c.position, [v, np.square(v), sel_bytes, c.nbytes], n_positions)
+    (omitted_per_block,) = _sums_by(c.gblock, [v], n_blocks)
+    return Bounds(
+        bound_sum=float(v.sum()),
+        bound_blockwise=float(np.sqrt(np.dot(omitted_per_block, omitted_per_block))),
+        selected_bytes=int(c.nbytes[sel].sum()),
+        full_bytes=int(c.nbytes.sum()),
+        n_selected=int(np.count_nonzero(sel)),
+        n_free=int(np.count_nonzero(c.free)),
+        per_position=tuple(
+            (float(a), float(b), int(s), int(f)) for a, b, s, f in zip(v_sum, np.sqrt(v_sq), s_bytes, f_bytes)
+        ),
+        omitted_per_block=omitted_per_block,
+    )
+
+
+def block_sums(c: Candidates, sel: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per family block: Σ_k value (the whole update's norm bound there) and whether some non-free
+    candidate is omitted (the block can differ from the full merge)."""
+    left = ~sel & ~c.free
+    return np.bincount(c.gblock, weights=c.value, minlength=n_blocks), np.bincount(
+        c.gblock[left], minlength=n_blocks
+    ) > 0
+
+
+def selected_keys(chars: np.ndarray, first_block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(position, tensor_idx, block_idx) of the selected candidates, sorted, from bit_strings' chars."""
+    n_blocks = int(first_block[-1])
+    slot = np.flatnonzero(chars == ord("1"))
+    pos, g = np.divmod(slot, n_blocks)
+    t = np.searchsorted(first_block, g, side="right") - 1
+    return pos, t, g - first_block[t]
+
+
+def mask_digest(position: np.ndarray, tensor_idx: np.ndarray, block_idx: np.ndarray) -> str:
+    """sha256 over the selected (position, tensor_idx, block_idx), sorted, as little-endian int64,
+    one column after the other: manifest.mask_digest's definition, on arrays already sorted."""
+    h = hashlib.sha256()
+    for col in (position, tensor_idx, block_idx):
+        h.update(np.ascontiguousarray(col, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+def bit_strings(c: Candidates, sel: np.ndarray, n_positions: int, first_block: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The mask as one '0'/'1' string per (position, tensor): character b is block b (the BIT of
+    schema/010). Returns `present` (K·T,) bool (the pair has candidates: only those are stored),
+    `offsets` (K·T + 1,) int64 and the uint8 `chars`: pair g = position·T + tensor_idx is
+    chars[offsets[g]:offsets[g + 1]] (the layout of an Arrow large_string array)."""
+    n_tensors = first_block.size - 1
+    n_blocks = int(first_block[-1])
+    chars = np.full(n_positions * n_blocks, ord("0"), np.uint8)
+    chars[c.slot(np.flatnonzero(sel))] = ord("1")
+    present = np.zeros(n_positions * n_tensors, bool)
+    present[c.position.astype(np.int64) * n_tensors + c.tensor_idx] = True
+    offsets = (np.arange(n_positions, dtype=np.int64)[:, None] * n_blocks + first_block[None, :-1]).reshape(-1)
+    return present, np.append(offsets, n_positions * n_blocks), chars

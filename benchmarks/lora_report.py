@@ -42,7 +42,7 @@ def report_lines(doc: dict | None) -> list[str]:
             md["register_adapters"],
             f"{md['register_adapters']['logical_bytes'] / gb:.3f} GB",
         ),
-        f"| mergedb plan | {md['plan_wall']:.1f} | | 0 | | | |",
+        row("mergedb plan", md["plan"], "0"),
         row("mergedb execute (model)", md["execute_model"], f"{md['execute_model']['expert_bytes'] / gb:.3f} GB"),
         row(
             "mergedb execute --as-lora (exact)",

@@ -18,12 +18,12 @@ HIDDEN, LAYERS, VOCAB = 64, 2, 96
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _config(dtype: torch.dtype) -> Any:
+def _config(dtype: torch.dtype, hidden: int = HIDDEN) -> Any:
     import transformers
 
     return transformers.LlamaConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -40,12 +40,12 @@ def load_base(base_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
 
 
-def make_base(path: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
-    """A tiny Llama base under `path` (model.safetensors + config.json) in `dtype`."""
+def make_base(path: Path, dtype: torch.dtype = torch.float32, seed: int = 0, hidden: int = HIDDEN) -> Path:
+    """A tiny Llama base under `path` (model.safetensors + config.json) in `dtype` (`hidden` wide)."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(_config(dtype)).to(dtype)
+    model = transformers.LlamaForCausalLM(_config(dtype, hidden)).to(dtype)
     with torch.no_grad():  # transformers' init leaves norms at 1: perturb them so every tensor is generic
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))

@@ -113,25 +113,7 @@ def scan_adapters(
             chash = block_hash(rows_raw, fixed_raw)
             hashes.append(chash)
             costs[key] = rows_raw.nbytes
-            rows.append(
-                scan.BlockRow(
-                    ft.tensor_idx,
-                    blk.block_idx,
-                    False,
-                    s.norm,
-                    s.max_abs,
-                    s.nnz,
-                    s.nonfinite,
-                    chash,
-                    s.hist_lo,
-                    stats.hist_hi(s.hist_lo),
-                    s.hist_count,
-                    s.hist_sum,
-                    s.hist_sumsq,
-                    s.sketch,
-                    s.base_dot,
-                )  # fmt: skip
-            )
+            rows.append(scan.changed_row(ft.tensor_idx, blk.block_idx, chash, s))
         if all_zero:
             thresholds = np.zeros(len(stats.DENSITY_GRID), np.float32)
         else:

@@ -280,25 +280,7 @@ def scan_experts(
             skey = stats.sketch_key(ft.name, blk.block_idx)
             codes = shared.get(ft, blk.block_idx, blk.numel) if shared is not None else None
             s = stats.block_stats(ef, bf, seg, skey, summary, sketch_dim, exceptions, codes)
-            rows.append(
-                BlockRow(
-                    ft.tensor_idx,
-                    blk.block_idx,
-                    False,
-                    s.norm,
-                    s.max_abs,
-                    s.nnz,
-                    s.nonfinite,
-                    chash,
-                    s.hist_lo,
-                    stats.hist_hi(s.hist_lo),
-                    s.hist_count,
-                    s.hist_sum,
-                    s.hist_sumsq,
-                    s.sketch,
-                    s.base_dot,
-                )
-            )
+            rows.append(changed_row(ft.tensor_idx, blk.block_idx, chash, s))
         if not ft.mergeable:
             return rows, None, hashes
         if all_identical:
@@ -356,6 +338,14 @@ def content_hash(block_hashes: list[str]) -> str:
     for hx in block_hashes:
         h.update(hx.encode())
     return h.hexdigest()
+
+
+def changed_row(tensor_idx: int, block_idx: int, chash: str, s: stats.BlockStats) -> BlockRow:
+    """The row of a block whose delta is not zero, from its statistics (scan and lorascan)."""
+    return BlockRow(
+        tensor_idx, block_idx, False, s.norm, s.max_abs, s.nnz, s.nonfinite, chash, s.hist_lo,
+        stats.hist_hi(s.hist_lo), s.hist_count, s.hist_sum, s.hist_sumsq, s.sketch, s.base_dot,
+    )  # fmt: skip
 
 
 def _zero_row(tensor_idx: int, block_idx: int, chash: str, dim: int) -> BlockRow:

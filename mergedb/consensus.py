@@ -48,7 +48,7 @@ from .tensorparams import TensorValues
 
 DRAWS = 256  # Monte Carlo elements per block
 _SEED = 20261130
-_CHUNK = 1 << 22  # entries of a (blocks, draws, experts) working array
+_CHUNK = 1 << 20  # entries of a (blocks, draws, experts) working array
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,8 @@ def _draws(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(_SEED)
     strata = np.argsort(rng.random((k, DRAWS)), axis=1).T  # (R, K) a permutation of 0..R-1 per expert
     u = (strata + rng.random((DRAWS, k))) / DRAWS
-    sign = np.where(rng.random((DRAWS, k)) < 0.5, -1.0, 1.0)
-    return u, sign, rng.standard_normal((DRAWS, k))
+    sign = np.where(rng.random((DRAWS, k)) < 0.5, -1.0, 1.0).astype(np.float32)
+    return u, sign, rng.standard_normal((DRAWS, k)).astype(np.float32)
 
 
 def _chunks(m: Model) -> list[slice]:
@@ -130,15 +130,14 @@ def _chunks(m: Model) -> list[slice]:
     return [slice(a, min(a + step, nb)) for a in range(0, nb, step)]
 
 
-def _values(m: Model, blocks: slice, draws: tuple[np.ndarray, ...], forced: bool = False) -> np.ndarray:
-    """(b, R, K) τ drawn for `blocks`; `forced`: every element non-zero (the draw's magnitude and sign)."""
+def _values(m: Model, blocks: slice, draws: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(b, R, K) float32 τ drawn for `blocks`, and the same with every element non-zero (the draw's
+    magnitude and sign: what k's element is where it is forced non-zero)."""
     u, sign, z = draws
-    sig = m.sigma[:, blocks].T[:, None, :]  # (b, 1, K)
-    mag = m.mu[:, blocks].T[:, None, :] * np.exp(sig * z[None] - sig**2 / 2)
-    x = sign[None] * mag
-    if not forced:
-        x = np.where(u[None] < m.p[:, blocks].T[:, None, :], x, 0.0)
-    return x
+    sig = m.sigma[:, blocks].T[:, None, :].astype(np.float32)  # (b, 1, K)
+    mu = m.mu[:, blocks].T[:, None, :].astype(np.float32)
+    forced = (sign[None] * mu) * np.exp(sig * z[None] - sig * sig / 2)
+    return np.where(u[None] < m.p[:, blocks].T[:, None, :], forced, np.float32(0)), forced
 
 
 def _merge(s: np.ndarray, n_pos: np.ndarray, d_pos: np.ndarray, n_neg: np.ndarray, d_neg: np.ndarray, norm: bool):
@@ -169,9 +168,8 @@ def leave_one_out(m: Model) -> np.ndarray:
     out = np.zeros((k, nb))
     draws = _draws(k)
     for blocks in _chunks(m):
-        w = m.w[:, blocks].T[:, None, :]  # (b, 1, K)
-        x = _values(m, blocks, draws)  # (b, R, K)
-        xf = _values(m, blocks, draws, forced=True)
+        w = m.w[:, blocks].T[:, None, :].astype(np.float32)  # (b, 1, K)
+        x, xf = _values(m, blocks, draws)  # (b, R, K)
         tot = _totals(x, w)
         wx, wxf = w * x, w * xf
         pos, neg, posf = x > 0, x < 0, xf > 0
@@ -190,7 +188,7 @@ def leave_one_out(m: Model) -> np.ndarray:
             d_neg + np.where(posf, 0.0, w),
             m.normalize,
         )
-        msq = ((with_k - without) ** 2).mean(axis=1).T  # (K, b)
+        msq = np.square(with_k - without).mean(axis=1, dtype=np.float64).T  # (K, b)
         out[:, blocks] = msq * m.p[:, blocks] * (m.numel[blocks] * m.lam[blocks] ** 2)[None, :]
     return np.sqrt(out)
 
@@ -204,11 +202,11 @@ def deviation(m: Model, read: np.ndarray) -> float:
     for blocks in _chunks(m):
         if not partial[blocks].any():
             continue
-        w = m.w[:, blocks].T[:, None, :]
-        x = _values(m, blocks, draws)
+        w = m.w[:, blocks].T[:, None, :].astype(np.float32)
+        x = _values(m, blocks, draws)[0]
         full = _merge(*_totals(x, w), m.normalize)
-        got = _merge(*_totals(x * read[:, blocks].T[:, None, :], w), m.normalize)
-        msq = ((got - full) ** 2).mean(axis=1)  # (b,)
+        got = _merge(*_totals(np.where(read[:, blocks].T[:, None, :], x, np.float32(0)), w), m.normalize)
+        msq = np.square(got - full).mean(axis=1, dtype=np.float64)  # (b,)
         total += float(np.sum(msq * m.numel[blocks] * m.lam[blocks] ** 2))
     return float(np.sqrt(total))
 
@@ -219,7 +217,7 @@ def merged_norm(m: Model) -> np.ndarray:
     out = np.zeros(nb)
     draws = _draws(k)
     for blocks in _chunks(m):
-        w = m.w[:, blocks].T[:, None, :]
-        full = _merge(*_totals(_values(m, blocks, draws), w), m.normalize)
-        out[blocks] = (full**2).mean(axis=1) * m.numel[blocks] * m.lam[blocks] ** 2
+        w = m.w[:, blocks].T[:, None, :].astype(np.float32)
+        full = _merge(*_totals(_values(m, blocks, draws)[0], w), m.normalize)
+        out[blocks] = np.square(full).mean(axis=1, dtype=np.float64) * m.numel[blocks] * m.lam[blocks] ** 2
     return np.sqrt(out)

@@ -41,12 +41,12 @@ def kind(method: methods.Method) -> str:
     return "sketch, t = 1"
 
 
-CONSENSUS_MAX_CELLS = 1_000_000  # above this many (expert, block) cells the consensus model is opt-in
+CONSENSUS_MAX_CELLS = 100_000  # above this many (expert, block) cells the consensus model is opt-in
 
 
 def by_default(method: methods.Method, c: greedy.Candidates, omitted: int, max_rows: int) -> bool:
     """Whether a plan computes the estimate without being asked (PlanRequest.estimate None): up to
-    `max_rows` omitted blocks (planner.ESTIMATE_MAX_ROWS), and for the consensus model (about 1 s per 250k cells of
+    `max_rows` omitted blocks (planner.ESTIMATE_MAX_ROWS), and for the consensus model (about 1 s per 100k cells of
     experts × family blocks on one core) up to CONSENSUS_MAX_CELLS cells."""
     if method.consensus:
         return int(c.position.max(initial=-1) + 1) * c.n_family_blocks <= CONSENSUS_MAX_CELLS

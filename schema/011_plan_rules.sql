@@ -4,7 +4,7 @@
 --   useful bytes forced before the greedy's fill (NULL: no coverage rule).
 -- est_kind: how plans.est_error (an estimate of ‖θ_B − θ_F‖) was computed, for every method
 --   (deviation.py): 'sketch', 'sketch + drop variance', 'trimmed diagonal', 'consensus model',
---   'sketch, model_stock t'; NULL when not estimated. Plans made before 011 keep NULL rules and,
+--   'sketch, t from sketches' (model_stock); NULL when not estimated. Plans made before 011 keep NULL rules and,
 --   where they have an est_error (additive methods), est_kind 'sketch'.
 
 ALTER TABLE plans ADD COLUMN value_model VARCHAR NOT NULL DEFAULT 'norm';

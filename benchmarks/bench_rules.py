@@ -5,7 +5,7 @@
     python -m benchmarks.bench_rules [--size small] [--experts 8] [--block-size 4MiB]
 
 Every merge runs in memory in float32 (executor.merge_to_dict); the family and catalog are cached
-under benchmarks/cache/rules/. Writes benchmarks/results/rules.json and prints a markdown table.
+under benchmarks/cache/rules/. Writes benchmarks/results/rules-SIZE-BLOCK.json and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -89,7 +89,10 @@ def main() -> None:
                 )
                 cells = [method, budget, rule, f"{err / upd:.3f}", f"{err:.3g}", f"{p.est_error:.3g}"]
                 print("| " + " | ".join(cells) + " |", flush=True)
-    save("rules", {"size": a.size, "experts": a.experts, "block_size": a.block_size, "rows": rows})
+    save(
+        f"rules-{a.size}-{a.block_size}",
+        {"size": a.size, "experts": a.experts, "block_size": a.block_size, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import fetchplan, kernels, loramerge, methods, multifold, stepwise
+from . import fetchplan, kernels, methods, multifold, stepwise
 from .checkpoint import PlanInputs
 from .errors import ChangedFileError, MergeDBError
 from .layout import TensorLayout, block_bytes, output_dtype, row_elems
@@ -142,7 +142,11 @@ class Merger:
         self.values = xp.tensor_values()  # per (position, tensor_idx), where the plan sets them per tensor
         self.defaults = [xp.default_values(p) for p in range(len(xp.experts))]
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
-        self.lora = loramerge.LoraInputs(xp) if any(is_adapter(s.path) for s in xp.experts) else None
+        self.lora = None
+        if any(is_adapter(s.path) for s in xp.experts):  # loramerge (and the LoRA scan code it uses)
+            from . import loramerge  # is imported only for plans with adapters: `execute` starts lighter
+
+            self.lora = loramerge.LoraInputs(xp)
         try:  # remote files fetch ahead on the I/O threads; adapters are read by self.lora
             self.inputs = PlanInputs(xp, self.lora.positions if self.lora else frozenset(), pool=self.io)
         except BaseException:
@@ -278,6 +282,8 @@ class Merger:
         elif self.fused:
             for b in u.blocks:
                 if self._has_adapter(u.tensor_idx, b):  # formed from its factors, folded as float32
+                    from . import loramerge
+
                     loramerge.fused_block(self, u.tensor_idx, b, base_raw, out)
                 else:
                     self._fused_block(u.tensor_idx, b, base_raw, out)
@@ -401,6 +407,8 @@ class Merger:
         work = self.sel.get(ti, {}).get(b, [])
         kind = kernels.IN_KIND[t.dtype]
         if self._has_adapter(ti, b):  # float32 bits of the base and of every expert (loramerge)
+            from . import loramerge
+
             base, ex, kind = loramerge.stock_inputs(self, ti, b, base, kind)
         else:
             buf = self.local.get("stock", max(1, len(work)) * nb, np.uint8)  # every expert of the block at once

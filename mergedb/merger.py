@@ -64,6 +64,19 @@ Fold = Callable[..., None]
 FoldBlock = Callable[[int, int, np.ndarray, Fold, Callable[[np.ndarray], None]], bool]
 
 
+@dataclass(frozen=True)
+class BaseRange:
+    """A merged tensor whose bytes are the base's, unread: `nbytes` at `offset` of the local file
+    open as `fd` (`path`). Merger.tensors(..., copy=True) hands these out for tensors the plan leaves
+    untouched, so the writer can copy them file to file (executor.write_shard) without decoding,
+    without a buffer in this process, and as a reflink where the file system has them."""
+
+    fd: int
+    path: str
+    offset: int
+    nbytes: int
+
+
 @dataclass
 class Counters:
     expert: int = 0
@@ -232,9 +245,12 @@ class Merger:
             return [Unit(ti, tuple(blocks))]
         return [Unit(ti, (b,)) for b in blocks]
 
-    def tensors(self, indices: list[int]) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
-        """(name, dtype, shape, bytes as uint8 array) of each merged tensor, in the order of `indices`."""
-        pending: collections.deque[tuple[int, Future[np.ndarray], list[Future[None]], np.ndarray | None]]
+    def tensors(
+        self, indices: list[int], copy: bool = False
+    ) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray | BaseRange]]:
+        """(name, dtype, shape, bytes as uint8 array) of each merged tensor, in the order of `indices`;
+        with `copy`, a `BaseRange` instead of the bytes of each tensor `base_range` gives one for."""
+        pending: collections.deque[tuple[int, Future[np.ndarray] | BaseRange, list[Future[None]], np.ndarray | None]]
         pending = collections.deque()
         ahead = 0  # bytes of tensors started but not yet handed out
         nxt = 0
@@ -242,14 +258,29 @@ class Merger:
             while nxt < len(indices) and (not pending or ahead < AHEAD_BYTES):
                 ti = indices[nxt]
                 nxt += 1
-                pending.append(self._start(ti))
-                ahead += self._nbytes(ti)
+                rng = self.base_range(ti) if copy else None
+                pending.append((ti, rng, [], None) if rng else self._start(ti))
+                ahead += 0 if rng else self._nbytes(ti)
             ti, base_f, futs, out = pending.popleft()
             for f in futs:
                 f.result()
-            ahead -= self._nbytes(ti)
             t = self.xp.tensors[ti]
+            if isinstance(base_f, BaseRange):
+                with self._lock:
+                    self.count.base += base_f.nbytes
+                yield t.name, t.dtype, t.shape, base_f
+                continue
+            ahead -= self._nbytes(ti)
             yield t.name, output_dtype(t, self.dtype), t.shape, base_f.result() if out is None else out
+
+    def base_range(self, ti: int) -> BaseRange | None:
+        """Where the base holds tensor `ti`'s output bytes, when the plan leaves it untouched (no
+        unit, same dtype), the base is a local file and no --verify asks for its blocks' hashes."""
+        t = self.xp.tensors[ti]
+        if self.units(ti) or output_dtype(t, self.dtype) != t.dtype or (self.verify and t.base_hashes):
+            return None
+        src, info, path = self.inputs.where[0][t.name]
+        return None if src.remote else BaseRange(src.fd, path, info.start, info.nbytes)
 
     def _nbytes(self, ti: int) -> int:
         t = self.xp.tensors[ti]

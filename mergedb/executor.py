@@ -41,8 +41,8 @@ from .manifest import (
     plan_from_manifest,
     write_json,
 )
-from .merger import BaseRange, FoldBlock, Merger, ReadBlock, normalize_dtype, output_dtype
-from .tensorfile import DTYPES, SafetensorsWriter, tensor_nbytes
+from .merger import FoldBlock, Merger, ReadBlock, normalize_dtype, output_dtype
+from .tensorfile import DTYPES, FileRange, SafetensorsWriter, tensor_nbytes
 from .units import check_threads
 
 
@@ -239,8 +239,8 @@ def write_shard(
     hashes: dict[str, str] = {}
     with SafetensorsWriter(path, entries, {"format": "pt"}) as w:
         for name, _, _, data in merger.tensors(group, copy=True):
-            if isinstance(data, BaseRange):  # untouched: the base's bytes, copied file to file
-                w.copy(name, data.fd, data.offset, data.nbytes)
+            if isinstance(data, FileRange):  # untouched: the base's bytes, copied file to file
+                w.copy(name, data)
                 hashes[name] = hash_range(data)
             else:
                 w.write(name, data)
@@ -250,7 +250,7 @@ def write_shard(
     return hashes, w.total_size
 
 
-def hash_range(r: BaseRange) -> str:
+def hash_range(r: FileRange) -> str:
     """xxh3-128 of a file range, read through a read-only mapping (the page cache's own pages, no copy
     into this process; the copy before it has just brought them in, except after a reflink)."""
     if r.nbytes == 0:

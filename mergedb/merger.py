@@ -38,7 +38,7 @@ from .layout import TensorLayout, block_bytes, output_dtype, row_elems
 from .lora import is_adapter
 from .manifest import ExecutionPlan, Source
 from .stock import StockTensor
-from .tensorfile import DTYPES, tensor_nbytes
+from .tensorfile import DTYPES, FileRange, tensor_nbytes
 from .tensorparams import TensorParams
 from .units import check_threads
 
@@ -64,17 +64,11 @@ Fold = Callable[..., None]
 FoldBlock = Callable[[int, int, np.ndarray, Fold, Callable[[np.ndarray], None]], bool]
 
 
-@dataclass(frozen=True)
-class BaseRange:
-    """A merged tensor whose bytes are the base's, unread: `nbytes` at `offset` of the local file
-    open as `fd` (`path`). Merger.tensors(..., copy=True) hands these out for tensors the plan leaves
-    untouched, so the writer can copy them file to file (executor.write_shard) without decoding,
-    without a buffer in this process, and as a reflink where the file system has them."""
+def _loramerge() -> Any:
+    """loramerge.py (and the LoRA scan code it uses), imported only for plans with adapters."""
+    from . import loramerge
 
-    fd: int
-    path: str
-    offset: int
-    nbytes: int
+    return loramerge
 
 
 @dataclass
@@ -142,12 +136,8 @@ class Merger:
         self.method = methods.get_method(xp.method)
         self.sel = xp.selected()
         self._trim_cache: dict[tuple[int, int], kernels.Trim] = {}
-        self.trims = {
-            (p, t): r
-            for p, t, r in zip(
-                xp.trims.column("position").to_pylist(), xp.trims.column("tensor_idx").to_pylist(), xp.trims.to_pylist()
-            )
-        }
+        pos_ti = (xp.trims.column(c).to_pylist() for c in ("position", "tensor_idx"))
+        self.trims = {(p, t): r for p, t, r in zip(*pos_ti, xp.trims.to_pylist())}  # per (position, tensor_idx)
         self.threads = (os.cpu_count() or 1) if threads is None else check_threads(threads)
         self.order = random.Random(unit_order_seed) if unit_order_seed is not None else None
         self.fused = self.method.sparsify in kernels.MODE
@@ -155,11 +145,7 @@ class Merger:
         self.values = xp.tensor_values()  # per (position, tensor_idx), where the plan sets them per tensor
         self.defaults = [xp.default_values(p) for p in range(len(xp.experts))]
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
-        self.lora = None
-        if any(is_adapter(s.path) for s in xp.experts):  # loramerge (and the LoRA scan code it uses)
-            from . import loramerge  # is imported only for plans with adapters: `execute` starts lighter
-
-            self.lora = loramerge.LoraInputs(xp)
+        self.lora = _loramerge().LoraInputs(xp) if any(is_adapter(s.path) for s in xp.experts) else None
         try:  # remote files fetch ahead on the I/O threads; adapters are read by self.lora
             self.inputs = PlanInputs(xp, self.lora.positions if self.lora else frozenset(), pool=self.io)
         except BaseException:
@@ -247,10 +233,10 @@ class Merger:
 
     def tensors(
         self, indices: list[int], copy: bool = False
-    ) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray | BaseRange]]:
+    ) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray | FileRange]]:
         """(name, dtype, shape, bytes as uint8 array) of each merged tensor, in the order of `indices`;
-        with `copy`, a `BaseRange` instead of the bytes of each tensor `base_range` gives one for."""
-        pending: collections.deque[tuple[int, Future[np.ndarray] | BaseRange, list[Future[None]], np.ndarray | None]]
+        with `copy`, the base's `FileRange` for the tensors the plan leaves untouched (see base_range)."""
+        pending: collections.deque[tuple[int, Future[np.ndarray] | FileRange, list[Future[None]], np.ndarray | None]]
         pending = collections.deque()
         ahead = 0  # bytes of tensors started but not yet handed out
         nxt = 0
@@ -265,22 +251,25 @@ class Merger:
             for f in futs:
                 f.result()
             t = self.xp.tensors[ti]
-            if isinstance(base_f, BaseRange):
-                with self._lock:
-                    self.count.base += base_f.nbytes
-                yield t.name, t.dtype, t.shape, base_f
-                continue
-            ahead -= self._nbytes(ti)
-            yield t.name, output_dtype(t, self.dtype), t.shape, base_f.result() if out is None else out
+            copied = isinstance(base_f, FileRange)  # held in no buffer: not counted ahead
+            ahead -= 0 if copied else self._nbytes(ti)
+            data = base_f if copied else base_f.result() if out is None else out
+            yield t.name, output_dtype(t, self.dtype), t.shape, data
 
-    def base_range(self, ti: int) -> BaseRange | None:
-        """Where the base holds tensor `ti`'s output bytes, when the plan leaves it untouched (no
-        unit, same dtype), the base is a local file and no --verify asks for its blocks' hashes."""
+    def base_range(self, ti: int) -> FileRange | None:
+        """Where the base holds tensor `ti`'s output bytes, when the plan leaves it untouched (no unit,
+        same dtype), the base is a local file and no --verify asks for its blocks' hashes. The writer
+        copies these file to file (executor.write_shard); the kernel starts reading them ahead now."""
         t = self.xp.tensors[ti]
         if self.units(ti) or output_dtype(t, self.dtype) != t.dtype or (self.verify and t.base_hashes):
             return None
         src, info, path = self.inputs.where[0][t.name]
-        return None if src.remote else BaseRange(src.fd, path, info.start, info.nbytes)
+        if src.remote:
+            return None
+        os.posix_fadvise(src.fd, info.start, info.nbytes, os.POSIX_FADV_WILLNEED)
+        with self._lock:  # read by the copy, as by _read_base
+            self.count.base += info.nbytes
+        return FileRange(src.fd, path, info.start, info.nbytes)
 
     def _nbytes(self, ti: int) -> int:
         t = self.xp.tensors[ti]
@@ -313,9 +302,7 @@ class Merger:
         elif self.fused:
             for b in u.blocks:
                 if self._has_adapter(u.tensor_idx, b):  # formed from its factors, folded as float32
-                    from . import loramerge
-
-                    loramerge.fused_block(self, u.tensor_idx, b, base_raw, out)
+                    _loramerge().fused_block(self, u.tensor_idx, b, base_raw, out)
                 else:
                     self._fused_block(u.tensor_idx, b, base_raw, out)
         else:
@@ -438,9 +425,7 @@ class Merger:
         work = self.sel.get(ti, {}).get(b, [])
         kind = kernels.IN_KIND[t.dtype]
         if self._has_adapter(ti, b):  # float32 bits of the base and of every expert (loramerge)
-            from . import loramerge
-
-            base, ex, kind = loramerge.stock_inputs(self, ti, b, base, kind)
+            base, ex, kind = _loramerge().stock_inputs(self, ti, b, base, kind)
         else:
             buf = self.local.get("stock", max(1, len(work)) * nb, np.uint8)  # every expert of the block at once
             for f in [

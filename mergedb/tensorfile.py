@@ -343,6 +343,16 @@ def encode(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=DTYPES[dtype][1])
 
 
+@dataclass(frozen=True)
+class FileRange:
+    """`nbytes` at `offset` of the open file `fd` (`path`): a tensor to copy file to file unread."""
+
+    fd: int
+    path: str
+    offset: int
+    nbytes: int
+
+
 _NO_COPY_RANGE = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}  # copy_file_range cannot here
 
 
@@ -396,10 +406,11 @@ class SafetensorsWriter:
                 f"{self.path}: tensor {name!r} has {nbytes} bytes, header says {self._expected[self._next][1]}"
             )
 
-    def copy(self, name: str, fd: int, offset: int, nbytes: int) -> None:
-        """Write tensor `name` as the `nbytes` at `offset` of the open file `fd`, copied by the kernel
-        (os.copy_file_range: no pass through this process, a reflink on XFS/btrfs); read and written
-        in chunks where the file systems cannot."""
+    def copy(self, name: str, src: FileRange) -> None:
+        """Write tensor `name` as the bytes of `src`, copied by the kernel (os.copy_file_range: no pass
+        through this process, a reflink on XFS/btrfs); read and written in chunks where the file
+        systems cannot."""
+        fd, offset, nbytes = src.fd, src.offset, src.nbytes
         self._check(name, nbytes)
         self._file.flush()
         dst, at = self._file.fileno(), self._file.tell()
@@ -408,7 +419,9 @@ class SafetensorsWriter:
             while done < nbytes:
                 got = os.copy_file_range(fd, dst, nbytes - done, offset + done, at + done)
                 if got == 0:
-                    raise FormatError(f"{self.path}: the source of {name!r} ended {nbytes - done} bytes early")
+                    raise FormatError(
+                        f"{src.path}: file ended {nbytes - done} bytes before the end of {name!r} (truncated?)"
+                    )
                 done += got
         except OSError as e:  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP: no in-kernel copy between these files
             if e.errno not in _NO_COPY_RANGE or done:
@@ -416,7 +429,7 @@ class SafetensorsWriter:
             chunk = np.empty(min(nbytes, 16 * 2**20), np.uint8)
             for lo in range(0, nbytes, len(chunk)):
                 part = memoryview(chunk)[: min(len(chunk), nbytes - lo)]
-                pread_into(fd, part, offset + lo)
+                pread_into(fd, part, offset + lo, src.path)
                 os.pwrite(dst, part, at + lo)
         self._file.seek(at + nbytes)
         self._next += 1

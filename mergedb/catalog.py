@@ -5,6 +5,10 @@ every other process out while one holds it read-write), the schema migrations, a
 façade that the CLI and library users call. The work behind each operation lives in its own
 module: register.py (registration), planner.py (plans), plans.py (stored plans read back),
 check.py (integrity), executor.py (merges).
+
+It is long because it is that façade: one short method per operation, each importing the module
+that does the work when it is called, so that `mergedb execute` loads no planner, registration or
+statistics code (tests/test_help.py checks).
 """
 
 from __future__ import annotations
@@ -15,19 +19,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
 
-from . import faults, frontier, mkplan, planner, plans, register, scores, stats, usersql
+from . import faults, plans, scores, usersql
 from .errors import CatalogError, MergeDBError, PlanError, RunNotRecordedError
-from .frontier import candidates as _plan_candidates
 from .resources import migrations
-from .sweep import in_memory as _sweep_in_memory
+from .units import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
+    from . import planner, register
     from .executor import ExecuteResult, WriteShards
     from .manifest import ExecutionPlan
 
@@ -56,14 +61,29 @@ _LOCK = re.compile(r"lock", re.IGNORECASE)
 _PID = re.compile(r"PID (\d+)")
 
 
+class _Elsewhere:
+    """A Catalog method defined as function `name(cat, ...)` of module `module`, imported when first
+    looked up (Catalog.sweep is sweep.in_memory), so importing the catalog does not import it."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __get__(self, cat: Catalog | None, owner: type) -> Any:
+        fn = getattr(import_module(f".{self.module}", __package__), self.name)
+        return fn if cat is None else fn.__get__(cat, owner)
+
+
 class Catalog:
     """A mergedb catalog file. Cheap to create: nothing is opened until an operation needs it."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, wait: float = 0.0, sketch_dim: int | None = None):
         self.path = Path(path) if path is not None else default_path()
         self.wait = wait
-        if sketch_dim is not None and not (type(sketch_dim) is int and 0 < sketch_dim <= stats.MAX_SKETCH_DIM):
-            raise CatalogError(f"sketch_dim must be a whole number from 1 to {stats.MAX_SKETCH_DIM}: {sketch_dim!r}")
+        if sketch_dim is not None:
+            from .stats import MAX_SKETCH_DIM
+
+            if not (type(sketch_dim) is int and 0 < sketch_dim <= MAX_SKETCH_DIM):
+                raise CatalogError(f"sketch_dim must be a whole number from 1 to {MAX_SKETCH_DIM}: {sketch_dim!r}")
         self._sketch_dim = sketch_dim
 
     def __repr__(self) -> str:
@@ -229,7 +249,9 @@ class Catalog:
                     con.execute(sql)
                     con.execute("INSERT INTO schema_version VALUES (?, ?, current_timestamp)", [version, name])
                 if current == 0:
-                    dim = self._sketch_dim or stats.DEFAULT_SKETCH_DIM
+                    from .stats import DEFAULT_SKETCH_DIM
+
+                    dim = self._sketch_dim or DEFAULT_SKETCH_DIM
                     con.execute("INSERT INTO settings VALUES ('sketch_dim', ?)", [str(dim)])
                 con.execute("COMMIT")
             except BaseException:
@@ -242,7 +264,9 @@ class Catalog:
 
     def sketch_dim(self) -> int:
         """Dimension of the catalog's linear sketches (fixed when the catalog is created)."""
-        return self._sketch_dim or stats.DEFAULT_SKETCH_DIM
+        from .stats import DEFAULT_SKETCH_DIM
+
+        return self._sketch_dim or DEFAULT_SKETCH_DIM
 
     # -- inspection --------------------------------------------------------------------------
 
@@ -292,7 +316,7 @@ class Catalog:
         base: bool = False,
         base_model: str | None = None,
         name: str | None = None,
-        block_size: int | str = register.DEFAULT_BLOCK_SIZE,
+        block_size: int | str = DEFAULT_BLOCK_SIZE,
         refresh: bool = False,
         threads: int | None = None,
         progress: Callable[[int], None] | None = None,
@@ -306,6 +330,8 @@ class Catalog:
         the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
         `scanner`: see register.register (rayexec.expert_scanner fans the scans out on Ray).
         """
+        from . import register
+
         return register.register(
             self,
             paths,
@@ -324,6 +350,8 @@ class Catalog:
 
     def plan(self, request: planner.PlanRequest, explain: bool = False) -> plans.PlanSummary:
         """Plan a merge from the catalog alone (no weights are read) and store it; one transaction."""
+        from . import planner
+
         with self.duckdb_connection(write=True) as con:
             con.execute("BEGIN")
             try:
@@ -337,20 +365,25 @@ class Catalog:
 
     def plan_from_config(self, cfg: Any, budget: str = "all", name: str | None = None, **kw: Any) -> plans.PlanSummary:
         """Plan a mergekit YAML config (text, a path, or a `configs.MergeConfig`); see mkplan.plan_from_config."""
+        from . import mkplan
+
         return mkplan.plan_from_config(self, cfg, budget, name, **kw)
 
     def frontier(
         self,
         request: planner.PlanRequest,
-        budgets: Sequence[str] = frontier.BUDGETS,
+        budgets: Sequence[str] | None = None,
         *,
         keep: bool = False,
     ) -> list[plans.PlanSummary]:
         """Plan `request` at each budget from the catalog alone (no weights read): bytes against bounds.
 
         All plans are made in one transaction, rolled back unless `keep`, so by default nothing is
-        stored. Kept plans of a named request are named `NAME@BUDGET`."""
-        return frontier.make_plans(self, request, budgets, keep=keep)
+        stored. Kept plans of a named request are named `NAME@BUDGET`. `budgets` default:
+        frontier.BUDGETS."""
+        from . import frontier
+
+        return frontier.make_plans(self, request, frontier.BUDGETS if budgets is None else budgets, keep=keep)
 
     def plans(self) -> list[plans.PlanSummary]:
         """Every stored plan, oldest first."""
@@ -455,8 +488,8 @@ class Catalog:
         cat = self if wait is None else Catalog(self.path, wait=wait, sketch_dim=self._sketch_dim)
         return scores.record_run(cat, plan_id, out, result, error)
 
-    plan_candidates = _plan_candidates  # a request's scored candidates, nothing stored (frontier.py)
-    sweep = _sweep_in_memory  # many plans merged in memory, each expert block read once (sweep.py)
+    plan_candidates = _Elsewhere("frontier", "candidates")  # a request's scored candidates, nothing stored
+    sweep = _Elsewhere("sweep", "in_memory")  # many plans merged in memory, each expert block read once
     record_score = scores.record  # a measurement of a stored plan, for searches (scores.py)
 
 

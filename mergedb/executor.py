@@ -12,6 +12,7 @@ The merge itself (units of work, threads, fused kernels) is merger.py.
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import resource
 import shutil
@@ -41,7 +42,7 @@ from .manifest import (
     write_json,
 )
 from .merger import FoldBlock, Merger, ReadBlock, normalize_dtype, output_dtype
-from .tensorfile import DTYPES, SafetensorsWriter, tensor_nbytes
+from .tensorfile import DTYPES, FileRange, SafetensorsWriter, tensor_nbytes
 from .units import check_threads
 
 
@@ -237,12 +238,30 @@ def write_shard(
     entries = [(xp.tensors[i].name, output_dtype(xp.tensors[i], dtype), xp.tensors[i].shape) for i in group]
     hashes: dict[str, str] = {}
     with SafetensorsWriter(path, entries, {"format": "pt"}) as w:
-        for name, _, _, data in merger.tensors(group):
-            w.write(name, data)
-            hashes[name] = xxhash.xxh3_128_hexdigest(data)
+        for name, _, _, data in merger.tensors(group, copy=True):
+            if isinstance(data, FileRange):  # untouched: the base's bytes, copied file to file
+                w.copy(name, data)
+                hashes[name] = hash_range(data)
+            else:
+                w.write(name, data)
+                hashes[name] = xxhash.xxh3_128_hexdigest(data)
             if progress:
                 progress(data.nbytes)
     return hashes, w.total_size
+
+
+def hash_range(r: FileRange) -> str:
+    """xxh3-128 of a file range, read through a read-only mapping (the page cache's own pages, no copy
+    into this process; the copy before it has just brought them in, except after a reflink)."""
+    if r.nbytes == 0:
+        return xxhash.xxh3_128_hexdigest(b"")
+    start = r.offset - r.offset % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(r.fd, r.offset + r.nbytes - start, access=mmap.ACCESS_READ, offset=start) as mm:
+        view = memoryview(mm)[r.offset - start :]
+        try:
+            return xxhash.xxh3_128_hexdigest(view)
+        finally:
+            view.release()
 
 
 def _write_shards_here(

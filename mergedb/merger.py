@@ -31,14 +31,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import fetchplan, kernels, loramerge, methods, multifold, stepwise
+from . import fetchplan, kernels, methods, multifold, stepwise
 from .checkpoint import PlanInputs
 from .errors import ChangedFileError, MergeDBError
 from .layout import TensorLayout, block_bytes, output_dtype, row_elems
 from .lora import is_adapter
 from .manifest import ExecutionPlan, Source
 from .stock import StockTensor
-from .tensorfile import DTYPES, tensor_nbytes
+from .tensorfile import DTYPES, FileRange, tensor_nbytes
 from .tensorparams import TensorParams
 from .units import check_threads
 
@@ -62,6 +62,13 @@ ReadBlock = Callable[[int, int, int, np.ndarray, Callable[[np.ndarray], None]], 
 Bands = tuple[np.ndarray, np.ndarray, np.ndarray]
 Fold = Callable[..., None]
 FoldBlock = Callable[[int, int, np.ndarray, Fold, Callable[[np.ndarray], None]], bool]
+
+
+def _loramerge() -> Any:
+    """loramerge.py (and the LoRA scan code it uses), imported only for plans with adapters."""
+    from . import loramerge
+
+    return loramerge
 
 
 @dataclass
@@ -129,12 +136,8 @@ class Merger:
         self.method = methods.get_method(xp.method)
         self.sel = xp.selected()
         self._trim_cache: dict[tuple[int, int], kernels.Trim] = {}
-        self.trims = {
-            (p, t): r
-            for p, t, r in zip(
-                xp.trims.column("position").to_pylist(), xp.trims.column("tensor_idx").to_pylist(), xp.trims.to_pylist()
-            )
-        }
+        pos_ti = (xp.trims.column(c).to_pylist() for c in ("position", "tensor_idx"))
+        self.trims = {(p, t): r for p, t, r in zip(*pos_ti, xp.trims.to_pylist())}  # per (position, tensor_idx)
         self.threads = (os.cpu_count() or 1) if threads is None else check_threads(threads)
         self.order = random.Random(unit_order_seed) if unit_order_seed is not None else None
         self.fused = self.method.sparsify in kernels.MODE
@@ -142,7 +145,7 @@ class Merger:
         self.values = xp.tensor_values()  # per (position, tensor_idx), where the plan sets them per tensor
         self.defaults = [xp.default_values(p) for p in range(len(xp.experts))]
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
-        self.lora = loramerge.LoraInputs(xp) if any(is_adapter(s.path) for s in xp.experts) else None
+        self.lora = _loramerge().LoraInputs(xp) if any(is_adapter(s.path) for s in xp.experts) else None
         try:  # remote files fetch ahead on the I/O threads; adapters are read by self.lora
             self.inputs = PlanInputs(xp, self.lora.positions if self.lora else frozenset(), pool=self.io)
         except BaseException:
@@ -228,9 +231,12 @@ class Merger:
             return [Unit(ti, tuple(blocks))]
         return [Unit(ti, (b,)) for b in blocks]
 
-    def tensors(self, indices: list[int]) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
-        """(name, dtype, shape, bytes as uint8 array) of each merged tensor, in the order of `indices`."""
-        pending: collections.deque[tuple[int, Future[np.ndarray], list[Future[None]], np.ndarray | None]]
+    def tensors(
+        self, indices: list[int], copy: bool = False
+    ) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray | FileRange]]:
+        """(name, dtype, shape, bytes as uint8 array) of each merged tensor, in the order of `indices`;
+        with `copy`, the base's `FileRange` for the tensors the plan leaves untouched (see base_range)."""
+        pending: collections.deque[tuple[int, Future[np.ndarray] | FileRange, list[Future[None]], np.ndarray | None]]
         pending = collections.deque()
         ahead = 0  # bytes of tensors started but not yet handed out
         nxt = 0
@@ -238,14 +244,32 @@ class Merger:
             while nxt < len(indices) and (not pending or ahead < AHEAD_BYTES):
                 ti = indices[nxt]
                 nxt += 1
-                pending.append(self._start(ti))
-                ahead += self._nbytes(ti)
+                rng = self.base_range(ti) if copy else None
+                pending.append((ti, rng, [], None) if rng else self._start(ti))
+                ahead += 0 if rng else self._nbytes(ti)
             ti, base_f, futs, out = pending.popleft()
             for f in futs:
                 f.result()
-            ahead -= self._nbytes(ti)
             t = self.xp.tensors[ti]
-            yield t.name, output_dtype(t, self.dtype), t.shape, base_f.result() if out is None else out
+            copied = isinstance(base_f, FileRange)  # held in no buffer: not counted ahead
+            ahead -= 0 if copied else self._nbytes(ti)
+            data = base_f if copied else base_f.result() if out is None else out
+            yield t.name, output_dtype(t, self.dtype), t.shape, data
+
+    def base_range(self, ti: int) -> FileRange | None:
+        """Where the base holds tensor `ti`'s output bytes, when the plan leaves it untouched (no unit,
+        same dtype), the base is a local file and no --verify asks for its blocks' hashes. The writer
+        copies these file to file (executor.write_shard); the kernel starts reading them ahead now."""
+        t = self.xp.tensors[ti]
+        if self.units(ti) or output_dtype(t, self.dtype) != t.dtype or (self.verify and t.base_hashes):
+            return None
+        src, info, path = self.inputs.where[0][t.name]
+        if src.remote:
+            return None
+        os.posix_fadvise(src.fd, info.start, info.nbytes, os.POSIX_FADV_WILLNEED)
+        with self._lock:  # read by the copy, as by _read_base
+            self.count.base += info.nbytes
+        return FileRange(src.fd, path, info.start, info.nbytes)
 
     def _nbytes(self, ti: int) -> int:
         t = self.xp.tensors[ti]
@@ -278,7 +302,7 @@ class Merger:
         elif self.fused:
             for b in u.blocks:
                 if self._has_adapter(u.tensor_idx, b):  # formed from its factors, folded as float32
-                    loramerge.fused_block(self, u.tensor_idx, b, base_raw, out)
+                    _loramerge().fused_block(self, u.tensor_idx, b, base_raw, out)
                 else:
                     self._fused_block(u.tensor_idx, b, base_raw, out)
         else:
@@ -401,7 +425,7 @@ class Merger:
         work = self.sel.get(ti, {}).get(b, [])
         kind = kernels.IN_KIND[t.dtype]
         if self._has_adapter(ti, b):  # float32 bits of the base and of every expert (loramerge)
-            base, ex, kind = loramerge.stock_inputs(self, ti, b, base, kind)
+            base, ex, kind = _loramerge().stock_inputs(self, ti, b, base, kind)
         else:
             buf = self.local.get("stock", max(1, len(work)) * nb, np.uint8)  # every expert of the block at once
             for f in [

@@ -23,12 +23,10 @@ from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback, unregister
 from .layout import Block, FamilyTensor
-from .units import check_threads, parse_block_size
+from .units import DEFAULT_BLOCK_SIZE, check_threads, parse_block_size
 
 if TYPE_CHECKING:
     from .catalog import Catalog
-
-DEFAULT_BLOCK_SIZE = 4 * 2**20
 
 
 @dataclass(frozen=True)

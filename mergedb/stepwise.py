@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import kernels, loramerge
+from . import kernels
 from .layout import output_dtype, row_elems
 from .stock import StockDots
 from .tensorfile import DTYPES, as_float32, encode
@@ -37,6 +37,8 @@ def merge_slow(m: Merger, u: Unit, base_raw: np.ndarray, out: np.ndarray) -> Non
         deltas = []
         for pos, h in selected.get(b, []):
             if m.lora is not None and pos in m.lora.adapters:  # formed from its factors
+                from . import loramerge  # only for plans with adapters (merger.py)
+
                 d = loramerge.slow_delta(m, ti, b, pos, h, base, m.local.get("e", n, np.float32))
             else:
                 raw = m._read_one(ti, b, pos, h, m.local.get("raw", len(base) * raw_dt.itemsize, np.uint8))

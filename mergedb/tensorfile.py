@@ -14,6 +14,7 @@ allocation that depends on it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -342,6 +343,19 @@ def encode(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=DTYPES[dtype][1])
 
 
+@dataclass(frozen=True)
+class FileRange:
+    """`nbytes` at `offset` of the open file `fd` (`path`): a tensor to copy file to file unread."""
+
+    fd: int
+    path: str
+    offset: int
+    nbytes: int
+
+
+_NO_COPY_RANGE = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}  # copy_file_range cannot here
+
+
 class SafetensorsWriter:
     """Writes one safetensors file tensor by tensor: header first, then data in header order.
 
@@ -378,15 +392,46 @@ class SafetensorsWriter:
         self._file.write(struct.pack("<Q", len(blob)) + blob)
 
     def write(self, name: str, data: bytes | memoryview | np.ndarray) -> None:
+        view = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+        self._check(name, view.nbytes)
+        self._file.write(view)
+        self._next += 1
+
+    def _check(self, name: str, nbytes: int) -> None:
         if self._next >= len(self._expected) or self._expected[self._next][0] != name:
             want = self._expected[self._next][0] if self._next < len(self._expected) else "nothing"
             raise MergeDBError(f"{self.path}: wrote tensor {name!r} out of order, expected {want!r}")
-        view = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
-        if view.nbytes != self._expected[self._next][1]:
+        if nbytes != self._expected[self._next][1]:
             raise MergeDBError(
-                f"{self.path}: tensor {name!r} has {view.nbytes} bytes, header says {self._expected[self._next][1]}"
+                f"{self.path}: tensor {name!r} has {nbytes} bytes, header says {self._expected[self._next][1]}"
             )
-        self._file.write(view)
+
+    def copy(self, name: str, src: FileRange) -> None:
+        """Write tensor `name` as the bytes of `src`, copied by the kernel (os.copy_file_range: no pass
+        through this process, a reflink on XFS/btrfs); read and written in chunks where the file
+        systems cannot."""
+        fd, offset, nbytes = src.fd, src.offset, src.nbytes
+        self._check(name, nbytes)
+        self._file.flush()
+        dst, at = self._file.fileno(), self._file.tell()
+        done = 0
+        try:
+            while done < nbytes:
+                got = os.copy_file_range(fd, dst, nbytes - done, offset + done, at + done)
+                if got == 0:
+                    raise FormatError(
+                        f"{src.path}: file ended {nbytes - done} bytes before the end of {name!r} (truncated?)"
+                    )
+                done += got
+        except OSError as e:  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP: no in-kernel copy between these files
+            if e.errno not in _NO_COPY_RANGE or done:
+                raise
+            chunk = np.empty(min(nbytes, 16 * 2**20), np.uint8)
+            for lo in range(0, nbytes, len(chunk)):
+                part = memoryview(chunk)[: min(len(chunk), nbytes - lo)]
+                pread_into(fd, part, offset + lo, src.path)
+                os.pwrite(dst, part, at + lo)
+        self._file.seek(at + nbytes)
         self._next += 1
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from .errors import MergeDBError
 MAX_BYTES = 2**62  # 4 EiB: far above any checkpoint, and sums of such sizes stay inside int64
 MAX_BLOCK_SIZE = 2**40  # 1 TiB: a block larger than this is one whole tensor anyway
 MAX_THREADS = 1024
+DEFAULT_BLOCK_SIZE = 4 * 2**20  # registration's block: the unit of statistics, planning and reads
 
 _UNITS = {
     "b": 1,

@@ -293,3 +293,36 @@ def test_della_keeps_by_magnitude_rank(tmp_path):
     assert k[a >= hi].mean() > k[a <= lo].mean() + 0.3  # keep probability rises with rank (0.2 → 0.8)
     ratio = dp[kept] / d[kept]  # 1/p with p in [0.2, 0.8]
     assert ratio.min() >= 1 / 0.8 - 1e-3 and ratio.max() <= 1 / 0.2 + 1e-3
+
+
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_untouched_tensors_are_the_bases_bytes_copied_file_to_file(family, tmp_path, monkeypatch, in_kernel):
+    """A budgeted merge at the base's dtype copies each tensor it leaves untouched from the base file
+    (os.copy_file_range, or chunked reads and writes where the file systems cannot): the output holds
+    the base's bytes (read by the safetensors library) and the manifest the xxh3 of what was written."""
+    import xxhash
+
+    from tests.reference import load_raw
+
+    kind, folder, cat = family
+    copied = []
+    real = os.copy_file_range
+
+    def spy(src, dst, n, off_src=None, off_dst=None):
+        if not in_kernel:
+            raise OSError(18, "Invalid cross-device link")  # EXDEV: the chunked fallback
+        copied.append(real(src, dst, n, off_src, off_dst))
+        return copied[-1]
+
+    monkeypatch.setattr(os, "copy_file_range", spy)
+    plan = cat.plan(PlanRequest("base", tuple(EXPERTS), "task_arithmetic", "10%", WEIGHTS, {"lambda": 0.9}))
+    xp = cat.execution_plan(plan.plan_id)
+    touched = {xp.tensors[ti].name for ti in xp.selected()}
+    res = executor.execute(xp, tmp_path / "out")
+    base, out = load_raw(folder / "base"), load_raw(tmp_path / "out")
+    untouched = set(base) - touched
+    assert untouched and touched and set(out) == set(base)  # both paths run
+    for name, data in out.items():
+        assert res.manifest["tensor_hashes"][name] == xxhash.xxh3_128_hexdigest(data), name
+        assert (data == base[name]) if name in untouched else len(data) == len(base[name]), name
+    assert sum(copied) == (sum(len(base[n]) for n in untouched) if in_kernel else 0)

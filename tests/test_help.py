@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from mergedb.catalog import Catalog
 from mergedb.cli import app
 
 runner = CliRunner()
@@ -29,6 +31,35 @@ def test_library_names_still_import_lazily():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+# What `mergedb execute` and `mergedb plan` must not load: each is a cost paid by every such process
+# (planning, registration and the statistics kernels for execute; the merge engine for plan).
+NOT_FOR_EXECUTE = ("planner", "register", "stats", "scan", "lorascan", "loramerge", "frontier", "mkplan", "sweep")
+NOT_FOR_PLAN = ("executor", "merger", "kernels", "register", "scan", "lorascan", "loramerge", "sweep")
+# runs the CLI as `mergedb` does and prints the mergedb modules loaded when the process ends
+RUN_CLI = (
+    "import atexit, runpy, sys\n"
+    "atexit.register(lambda: print('LOADED', *sorted(m for m in sys.modules if m.startswith('mergedb.'))))\n"
+    "sys.argv = ['mergedb', *sys.argv[1:]]\n"
+    "runpy.run_module('mergedb.cli', run_name='__main__')\n"
+)
+
+
+def _loaded(cwd: Path, *args: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", RUN_CLI, *args], capture_output=True, text=True, cwd=cwd)
+    assert out.returncode == 0, out.stderr
+    return {m.removeprefix("mergedb.") for m in out.stdout.split("LOADED", 1)[1].split()}
+
+
+def test_execute_and_plan_import_only_what_they_use(tmp_path, tiny_family):
+    db = str(tmp_path / "c.duckdb")
+    Catalog(db).register([tiny_family], base_model="base")
+    plan = _loaded(tmp_path, "plan", "--base", "base", "--all", "--method", "ties", "--budget", "50%", "-c", db)
+    assert "planner" in plan and not set(NOT_FOR_PLAN) & plan, sorted(plan)
+    execute = _loaded(tmp_path, "execute", "1", "--out", str(tmp_path / "out"), "-c", db, "-q")
+    assert (tmp_path / "out" / "model.safetensors").exists()
+    assert "executor" in execute and not set(NOT_FOR_EXECUTE) & execute, sorted(execute)
 
 
 @pytest.mark.parametrize("name", [c.name or c.callback.__name__.replace("_cmd", "") for c in COMMANDS])

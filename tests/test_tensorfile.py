@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import struct
 
 import numpy as np
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
 from mergedb.errors import FormatError, MergeDBError
-from mergedb.tensorfile import DTYPES, SafetensorsWriter, float32_to_bf16, read_header
+from mergedb.tensorfile import DTYPES, FileRange, SafetensorsWriter, float32_to_bf16, read_header
 
 
 def test_writer_golden_bytes(tmp_path):
@@ -37,6 +39,30 @@ def test_writer_refuses_out_of_order_and_short(tmp_path):
     w = SafetensorsWriter(tmp_path / "y.safetensors", [("a", "F32", (1,))])
     with pytest.raises(MergeDBError, match="closed before"):
         w.close()
+
+
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_writer_copies_a_file_range_or_refuses_a_short_one(tmp_path, monkeypatch, in_kernel):
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * 40)
+    if not in_kernel:  # as on file systems without an in-kernel copy between them: chunked reads and writes
+
+        def no_copy(*a):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", no_copy)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with SafetensorsWriter(tmp_path / "c.safetensors", [("a", "U8", (2,)), ("b", "U8", (5000,))]) as w:
+            w.write("a", np.array([1, 2], np.uint8))
+            w.copy("b", FileRange(fd, str(src), 3001, 5000))
+        assert load_file(str(tmp_path / "c.safetensors"))["b"].tobytes() == src.read_bytes()[3001:8001]
+        w = SafetensorsWriter(tmp_path / "d.safetensors", [("b", "U8", (9000,))])
+        with pytest.raises(FormatError, match="src.bin: file ended"):
+            w.copy("b", FileRange(fd, str(src), 3001, 9000))  # 7239 bytes left in the file
+        w.abort()
+    finally:
+        os.close(fd)
 
 
 def test_bf16_rounding_matches_torch():

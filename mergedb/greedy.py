@@ -35,6 +35,7 @@ import numpy as np
 from .errors import PlanError
 
 _BUCKET_SHIFT = 40  # keep sign, exponent and 12 mantissa bits: 4096 buckets per octave of score
+SORT_MAX = 1 << 17  # up to this many non-free candidates one sort is cheaper than the buckets' histogram
 
 
 @dataclass(frozen=True)
@@ -70,11 +71,18 @@ def _plan_order(c: Candidates, rows: np.ndarray) -> np.ndarray:
     return rows[np.lexsort((c.slot(rows), -c.score[rows]))]
 
 
-def select(c: Candidates, budget: int, max_passes: int) -> tuple[np.ndarray, int]:
-    """The greedy's selection as a bool array, and the number of fill passes run."""
+def select(c: Candidates, budget: int, max_passes: int, *, sort_max: int = SORT_MAX) -> tuple[np.ndarray, int]:
+    """The greedy's selection as a bool array, and the number of fill passes run. Up to `sort_max`
+    non-free candidates, one sort of them in plan order gives the cut (the longest prefix that fits)
+    and the fill's pool; above it, the score buckets (module note) spare sorting them all. Both
+    give the same selection."""
     nonfree = ~c.free
     sel = np.zeros(c.score.size, bool)
-    if nonfree.any():  # whole-array passes, no index arrays: at 35M rows every temporary counts
+    pool = None
+    if np.count_nonzero(nonfree) <= sort_max:
+        pool = _plan_order(c, np.flatnonzero(nonfree))
+        sel[pool[np.cumsum(c.nbytes[pool]) <= budget]] = True  # nbytes ≥ 0: the cumsum is monotone
+    elif nonfree.any():  # whole-array passes, no index arrays: at 35M rows every temporary counts
         bucket = c.score.view(np.int64) >> _BUCKET_SHIFT  # (N,) monotone in the score (scores ≥ 0)
         bucket -= bucket.min()
         per_bucket = np.bincount(bucket, weights=np.where(nonfree, c.nbytes, 0.0))  # exact below 2^53
@@ -89,16 +97,20 @@ def select(c: Candidates, budget: int, max_passes: int) -> tuple[np.ndarray, int
             edge = _plan_order(c, np.flatnonzero((bucket == cut) & nonfree))
             room = budget - int(c.nbytes[sel].sum())
             sel[edge[np.cumsum(c.nbytes[edge]) <= room]] = True
-    passes = _fill(c, sel, budget, max_passes)
+    passes = _fill(c, sel, budget, max_passes, pool)
     if np.any(sel[c.dependent] & ~sel[c.carrier]):  # cannot happen by construction (see the module note)
         raise PlanError("internal error: a block was selected without its fixed-cost carrier; nothing was stored")
     return sel, passes
 
 
-def _fill(c: Candidates, sel: np.ndarray, budget: int, max_passes: int) -> int:
-    """Fill passes (see the module note) until one adds nothing; updates `sel` in place."""
+def _fill(c: Candidates, sel: np.ndarray, budget: int, max_passes: int, order: np.ndarray | None = None) -> int:
+    """Fill passes (see the module note) until one adds nothing; updates `sel` in place. `order`:
+    the non-free candidates in plan order when the caller has them already (else sorted here)."""
     left = budget - int(c.nbytes[sel].sum())
-    pool = _plan_order(c, np.flatnonzero(~sel & ~c.free & (c.nbytes <= left)))
+    if order is None:
+        pool = _plan_order(c, np.flatnonzero(~sel & ~c.free & (c.nbytes <= left)))
+    else:  # a subsequence of the plan order stays in plan order
+        pool = order
     mark = np.zeros(c.score.size if c.dependent.size else 0, bool)  # (N,) scratch, only with carriers
     for n in range(max_passes):
         pool = pool[~sel[pool] & (c.nbytes[pool] <= left)]

@@ -111,7 +111,8 @@ def fetch(
         # pages of np.empty cost no memory, and the arrays are cut to the rows read
         cols: dict[str, np.ndarray] = {c: np.empty(total, t) for c, t in _COLUMNS.items()}
         random = np.empty(total if sc.random_seed is not None else 0, np.float64)
-        reader = con.sql(query(name), params=[sc.drop_nonfinite, sc.random_seed]).to_arrow_reader(1 << 20)
+        # batches of 64k rows: their buffers are reused; 1M-row batches came back as fresh pages each time
+        reader = con.sql(query(name), params=[sc.drop_nonfinite, sc.random_seed]).to_arrow_reader(1 << 16)
         at = 0
         for batch in reader:  # one batch at a time: memory is the arrays plus one batch
             end = at + batch.num_rows
@@ -129,12 +130,22 @@ def fetch(
     cols = {c: v[:at] for c, v in cols.items()}
     random = random[:at]
     steps.append(("candidates", query(name), at))
-    gblock = fam.first_block[cols["tensor_idx"]]  # (N,) int64: the index type bincount needs
-    gblock += cols["block_idx"]
-    nbytes = cost(fam, gblock, cols.pop("read_bytes"))
-    value = np.abs(sc.coef[cols["position"], cols["tensor_idx"]])
-    value *= cols.pop("norm")
-    score = random if random.size else value / np.maximum(nbytes, 1)
+    if at >= greedy.COMPILED_MIN_ROWS:  # one compiled pass, in place: no (N,) temporaries
+        from . import planpass
+
+        gblock = np.empty(at, np.int64)
+        score = random if random.size else np.empty(at, np.float64)
+        nbytes, value = cols.pop("read_bytes"), cols.pop("norm")
+        coef = np.ascontiguousarray(sc.coef, np.float64)
+        args = (cols["position"], cols["tensor_idx"], cols["block_idx"], nbytes, value, fam.first_block, fam.nbytes)
+        planpass.score_rows(*args, coef, not random.size, gblock, score)
+    else:
+        gblock = fam.first_block[cols["tensor_idx"]]  # (N,) int64: the index type bincount needs
+        gblock += cols["block_idx"]
+        nbytes = cost(fam, gblock, cols.pop("read_bytes"))
+        value = np.abs(sc.coef[cols["position"], cols["tensor_idx"]])
+        value *= cols.pop("norm")
+        score = random if random.size else value / np.maximum(nbytes, 1)
     dependent = carrier = np.zeros(0, np.int64)
     if fixed.any():  # some adapter of the plan has fixed costs
         n_tensors = fam.first_block.size - 1

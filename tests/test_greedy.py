@@ -3,6 +3,8 @@ against a plain walk of the plan's order, and its bounds against textbook sums."
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -120,3 +122,71 @@ def test_paths_agree_on_many_distinct_scores(zero_share):
                 taken[i] = True
                 left -= int(nbytes[i])
         assert np.array_equal(by_sort, taken), frac
+
+
+def _all_paths(c, budget, n_positions, n_blocks, first_block):
+    sel, passes = greedy.select(c, budget, 256)
+    b = greedy.bounds(c, sel, n_positions, n_blocks)
+    return sel, passes, b, greedy.bit_strings(c, sel, n_positions, first_block), greedy.block_sums(c, sel, n_blocks)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), budget_frac=st.floats(0.0, 1.1), fixed_costs=st.booleans())
+def test_compiled_passes_equal_the_numpy_paths(seed, budget_frac, fixed_costs):
+    """planpass.py's passes (used from greedy.COMPILED_MIN_ROWS rows) against the numpy code on the same
+    candidates: the same selection, bits and block sums, and bounds equal to the last bit; the bounds
+    also against their textbook sums."""
+    k, t, b = 3, 4, 30
+    c, _, _ = random_candidates(seed, k, t, b, fixed_costs=fixed_costs, random_scores=False)
+    first_block = np.arange(t + 1, dtype=np.int64) * b
+    budget = int(budget_frac * c.nbytes[~c.free].sum())
+    with mock.patch.object(greedy, "COMPILED_MIN_ROWS", 10**12):
+        ref = _all_paths(c, budget, k, t * b, first_block)
+    with mock.patch.object(greedy, "COMPILED_MIN_ROWS", 0):
+        got = _all_paths(c, budget, k, t * b, first_block)
+    assert np.array_equal(ref[0], got[0]) and ref[1] == got[1]
+    for x, y in zip(ref[3] + ref[4], got[3] + got[4]):
+        assert np.array_equal(x, y)
+    rb, gb = ref[2], got[2]
+    assert np.array_equal(rb.omitted_per_block, gb.omitted_per_block)
+    assert {f: getattr(rb, f) for f in vars(rb) if f != "omitted_per_block"} == {
+        f: getattr(gb, f) for f in vars(gb) if f != "omitted_per_block"
+    }
+    sel = got[0]
+    omitted = np.where(sel, 0.0, c.value)
+    assert gb.bound_sum == pytest.approx(sum(omitted.tolist()), rel=1e-12, abs=1e-300)
+    assert gb.selected_bytes == sum(int(n) for n, s in zip(c.nbytes, sel) if s)
+    assert gb.n_selected == int(sel.sum()) and gb.n_free == int(c.free.sum())
+    for p in range(k):
+        rows = c.position == p
+        assert gb.per_position[p][0] == pytest.approx(omitted[rows].sum(), rel=1e-12, abs=1e-300)
+        assert gb.per_position[p][2] == int(c.nbytes[rows & sel].sum())
+        assert gb.per_position[p][3] == int(c.nbytes[rows].sum())
+    per_block = [sum(omitted[c.gblock == g]) for g in range(t * b)]
+    assert np.allclose(gb.omitted_per_block, per_block, rtol=1e-12, atol=0)
+
+
+def test_compiled_scoring_plans_the_same(tmp_path, monkeypatch):
+    """A whole plan with every compiled pass (candidates' scoring included) has the numpy plan's hash,
+    mask and bounds."""
+    from mergedb.catalog import Catalog
+    from mergedb.planner import PlanRequest
+    from mergedb.synth import simulate
+
+    cat = Catalog(tmp_path / "c.duckdb")
+    rng = np.random.default_rng(3)
+    simulate(cat, 3, 4, 25, block_bytes=list(rng.integers(1, 5000, 100)), identical_fraction=0.2, seed=3)
+    base = cat.checkpoints()[0].name
+    got = {}
+    for rows in (10**12, 0):
+        monkeypatch.setattr(greedy, "COMPILED_MIN_ROWS", rows)
+        for budget in ("all", "37%", "5%"):
+            p = cat.plan(PlanRequest(base, None, "task_arithmetic", budget, weights=(0.5, -1.25, 2.0)))
+            bits = cat.sql(
+                "SELECT checkpoint_id, tensor_idx, CAST(selected AS VARCHAR) AS s FROM plan_mask_bits "
+                "WHERE plan_id = ? ORDER BY 1, 2",
+                [p.plan_id],
+            ).to_pylist()
+            got.setdefault(budget, []).append((p.plan_hash, p.bound_sum, p.bound_blockwise, p.bound_rounded, bits))
+    for budget, (numpy_plan, compiled_plan) in got.items():
+        assert numpy_plan == compiled_plan, budget

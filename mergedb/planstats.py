@@ -65,12 +65,15 @@ def thresholds(con: duckdb.DuckDBPyConnection, m: methods.Method, values: Tensor
         gamma = np.zeros_like(density)
         if m.sparsify == "band" and values.gamma is not None:
             gamma = values.gamma[pos, tidx].astype(np.float64)
-        summaries: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        summaries: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        on_grid: dict[float, int] = {}  # density -> its index on the grid (-1: off it); pairs share a few
 
         def at(i: int, d: float) -> tuple[float, bool]:
-            hit = np.flatnonzero(np.abs(stats.DENSITY_GRID - d) < 1e-12)
-            if len(hit):
-                return float(grid_values[grid_at[i] + int(hit[0])]), True
+            if d not in on_grid:
+                hit = np.flatnonzero(np.abs(stats.DENSITY_GRID - d) < 1e-12)
+                on_grid[d] = int(hit[0]) if len(hit) else -1
+            if on_grid[d] >= 0:
+                return float(grid_values[grid_at[i] + on_grid[d]]), True
             if not summaries:
                 summaries.update(_summaries(con, ids))
             codes, counts = summaries[(int(cid[i]), int(tidx[i]))]

@@ -134,7 +134,7 @@ def _child(args: list[str], code: Path | None) -> dict:
     return json.loads(res.stdout.rsplit("RESULT ", 1)[1].splitlines()[0])
 
 
-def run_small(catalog_path: Path, baseline: Path | None, rounds: int = 3, repeats: int = 5) -> dict:
+def run_small(catalog_path: Path, baseline: Path | None, rounds: int = 3, repeats: int = 10) -> dict:
     """Small plans, new (and baseline) code alternating, `rounds` processes each, on copies of the catalog."""
     out: dict[str, list] = {"new": [], "baseline": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +150,8 @@ def run_small(catalog_path: Path, baseline: Path | None, rounds: int = 3, repeat
     for label, runs in out.items():
         for method in SMALL:
             if runs:
-                pooled = {k: [x for r in runs for x in r[method][k]] for k in ("planning_seconds", "call_seconds")}
+                keys = ("planning_seconds", "call_seconds", "cpu_seconds")
+                pooled = {k: [x for r in runs for x in r[method][k]] for k in keys}
                 summary[f"{label}/{method}"] = {
                     **{f"{k}_min": min(v) for k, v in pooled.items()},
                     **{f"{k}_median": statistics.median(v) for k, v in pooled.items()},
@@ -160,18 +161,19 @@ def run_small(catalog_path: Path, baseline: Path | None, rounds: int = 3, repeat
 
 
 def run(rows_list=(1_000_000, 10_000_000, 35_000_000), folder: Path = CACHE, baseline: Path | None = None) -> dict:
-    """Each plan in a fresh process; with `baseline`, the old code's plan right before the new one's."""
+    """Each plan in a fresh process; with `baseline`, old and new code in the order old, new, new, old
+    (neither always runs first, on a colder page cache), and their plan hashes must agree."""
     out, old = [], []
     for rows in rows_list:
         db = catalog(rows, folder)
         for budget in BUDGETS[rows]:
-            if baseline is not None:
-                old.append(_child(["--one", str(db), budget], baseline))
-                print("baseline", old[-1], flush=True)
-            out.append(_child(["--one", str(db), budget], None))
-            print("new", out[-1], flush=True)
-            if baseline is not None and old[-1]["plan_hash"] != out[-1]["plan_hash"]:
-                raise SystemExit(f"plan hashes differ at {rows} rows, {budget}: {old[-1]} vs {out[-1]}")
+            order = [("baseline", baseline), ("new", None), ("new", None), ("baseline", baseline)]
+            for label, code in order if baseline is not None else [("new", None)]:
+                r = _child(["--one", str(db), budget], code)
+                (old if label == "baseline" else out).append(r)
+                print(label, r, flush=True)
+            if baseline is not None and {r["plan_hash"] for r in old[-2:] + out[-2:]} != {out[-1]["plan_hash"]}:
+                raise SystemExit(f"plan hashes differ at {rows} rows, {budget}: {old[-2:]} vs {out[-2:]}")
     return {"runs": out, "baseline_runs": old, "baseline": str(baseline) if baseline else None}
 
 

@@ -15,6 +15,9 @@ whole order: (1) bucket the scores by the top bits of their IEEE-754 patterns (m
 fits; (2) sort that bucket alone and take the prefix that fits; (3) fill: among the blocks not taken
 that are no larger than what is left, take the prefix (in plan order) that fits, and repeat until a
 pass adds nothing — after a block that does not fit, the greedy can only take smaller ones.
+Small plans (≤ SORT_MAX non-free candidates) skip the buckets: one sort of them in plan order gives
+the same prefix (the buckets span every octave the scores cover, ~4M bins when some are 0). Large
+plans (≥ COMPILED_MIN_ROWS) run the buckets, bits and bounds as compiled passes (planpass.py).
 
 Fixed costs (LoRA adapters, candidates.charge_fixed): a dependent candidate may be taken only once
 its carrier, which pays its (expert, tensor)'s fixed bytes, is. The carrier precedes its dependents
@@ -36,7 +39,7 @@ from .errors import PlanError
 
 _BUCKET_SHIFT = 40  # keep sign, exponent and 12 mantissa bits: 4096 buckets per octave of score
 SORT_MAX = 1 << 17  # up to this many non-free candidates one sort is cheaper than the buckets' histogram
-COMPILED_MIN_ROWS = 4_000_000  # from here up planpass.py (numba: ~0.5 CPU-s to import and load; saves ~0.14 per 1M rows)
+COMPILED_MIN_ROWS = 4_000_000  # from here planpass.py (numba: ~0.5 CPU-s to import and load; saves ~0.14 per 1M rows)
 
 
 @dataclass(frozen=True)

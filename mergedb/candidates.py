@@ -132,7 +132,10 @@ def fetch(
             if random.size:
                 random[at:end] = batch.column(len(cols)).to_numpy(zero_copy_only=False)
             at = end
-        fixed = _fixed_bytes(con, len(ids), fam.first_block.size - 1)
+        n_pairs = len(ids) * (fam.first_block.size - 1)
+        # only adapters have fixed bytes, and only their blocks have read_bytes ≥ 0: dense plans skip the statement
+        adapters = cols["read_bytes"][:at].max(initial=-1) >= 0
+        fixed = _fixed_bytes(con, len(ids), fam.first_block.size - 1) if adapters else np.zeros(n_pairs, np.int64)
     finally:
         unregister(con, "_plan_trim")
         unregister(con, "_plan_positions")

@@ -203,10 +203,11 @@ def _bounds_compiled(c: Candidates, sel: np.ndarray, n_positions: int, n_blocks:
     from . import planpass
 
     v = np.empty(c.score.size, np.float64)  # (N,) omitted value: v.sum() is numpy's pairwise sum, as above
-    per = [np.zeros(n_positions, np.float64) for _ in range(4)]  # Σv, Σv², selected and full bytes
+    v_sum, v_sq, s_bytes, f_bytes = (np.zeros(n_positions, np.float64) for _ in range(4))  # (K,) each
     omitted_per_block = np.zeros(n_blocks, np.float64)
-    counts = planpass.bound_rows(c.position, c.gblock, c.value, c.nbytes, sel, c.free, v, *per, omitted_per_block)
-    return _bounds(float(v.sum()), omitted_per_block, tuple(int(x) for x in counts), tuple(per))
+    rows = (c.position, c.gblock, c.value, c.nbytes, sel, c.free)
+    counts = planpass.bound_rows(*rows, v, v_sum, v_sq, s_bytes, f_bytes, omitted_per_block)
+    return _bounds(float(v.sum()), omitted_per_block, tuple(int(x) for x in counts), (v_sum, v_sq, s_bytes, f_bytes))
 
 
 def _bounds(bound_sum: float, omitted_per_block: np.ndarray, counts: tuple, per: tuple) -> Bounds:

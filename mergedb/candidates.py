@@ -118,8 +118,8 @@ def fetch(
         ids = [int(i) for i in sc.ids]
         total = len(ids) * int(fam.first_block[-1])  # at most every block of every expert; untouched
         # pages of np.empty cost no memory, and the arrays are cut to the rows read
-        cols: dict[str, np.ndarray] = {c: np.empty(total, t) for c, t in _COLUMNS.items()}
-        random = np.empty(total if sc.random_seed is not None else 0, np.float64)
+        cols: dict[str, np.ndarray] = {c: greedy.empty(total, t) for c, t in _COLUMNS.items()}
+        random = greedy.empty(total if sc.random_seed is not None else 0, np.float64)
         # batches of 64k rows: their buffers are reused; 1M-row batches came back as fresh pages each time
         reader = con.sql(_statement(name), params=[sc.drop_nonfinite, sc.random_seed]).to_arrow_reader(1 << 16)
         at = 0
@@ -145,8 +145,8 @@ def fetch(
     if at >= greedy.COMPILED_MIN_ROWS:  # one compiled pass, in place: no (N,) temporaries
         from . import planpass
 
-        gblock = np.empty(at, np.int64)
-        score = random if random.size else np.empty(at, np.float64)
+        gblock = greedy.empty(at, np.int64)
+        score = random if random.size else greedy.empty(at, np.float64)
         nbytes, value = cols.pop("read_bytes"), cols.pop("norm")
         coef = np.ascontiguousarray(sc.coef, np.float64)
         args = (cols["position"], cols["tensor_idx"], cols["block_idx"], nbytes, value, fam.first_block, fam.nbytes)

@@ -4,8 +4,16 @@
 700 tensors × 50 blocks, sketches of dimension 8 so that the catalog fits a small disk: a plan
 reads no sketch above 2M omitted blocks). Each plan runs in a fresh process, so its peak RSS
 (VmHWM) is its own; CPU seconds are reported beside wall seconds because the machine may be
-shared (the load average at the start of each run is recorded).
-Run: python -m benchmarks.bench_planner [--quick] [--catalog-dir DIR] [--rows 1000000 ...]
+shared (the load average at the start of each run is recorded); user and system CPU and minor page
+faults are recorded apart, since page faults (fresh memory) were most of a large plan's cost.
+
+Side by side: `--baseline DIR` (a checkout of older code, e.g. `git archive 7efc085 | tar -x -C DIR`)
+runs each plan with that code too, alternating old and new in one run, and checks that both give
+the same plan hash. `--small CATALOG` times small plans instead (the bench family, K = 8, full read:
+issue 11's "planning ≤ 1% of execution"): task arithmetic and TIES, several per process, on a copy
+of CATALOG (the cached catalog is never written).
+Run: python -m benchmarks.bench_planner [--quick] [--catalog-dir DIR] [--rows 1000000 ...] [--baseline DIR]
+     python -m benchmarks.bench_planner --small benchmarks/cache/catalog-bench-20-4MiB.duckdb [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -14,8 +22,11 @@ import argparse
 import json
 import os
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +54,16 @@ def catalog(rows: int, folder: Path) -> Path:
     return db
 
 
+def _usage() -> dict:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user": r.ru_utime, "sys": r.ru_stime, "minflt": r.ru_minflt, "wall": time.perf_counter()}
+
+
+def _since(u0: dict) -> dict:
+    u1 = _usage()
+    return {k: u1[k] - u0[k] for k in u0}
+
+
 def one(db: Path, budget: str) -> dict:
     """Plan task arithmetic over every expert at `budget` in this process; time, CPU and memory."""
     from mergedb.catalog import Catalog
@@ -51,20 +72,23 @@ def one(db: Path, budget: str) -> dict:
     cat = Catalog(db)
     base = cat.checkpoints()[0].name
     load = os.getloadavg()[0]
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    t0 = time.perf_counter()
+    u0 = _usage()
     p = cat.plan(PlanRequest(base, None, "task_arithmetic", budget))
-    wall = time.perf_counter() - t0
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    d = _since(u0)
     hwm = next(int(x.split()[1]) for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM"))
     return {
         "rows": p.n_candidates,
         "experts": len(p.experts),
         "method": "task_arithmetic",
         "budget": budget,
-        "plan_seconds": wall,
+        "plan_seconds": d["wall"],
         "planner_reported_seconds": p.planning_seconds,
-        "cpu_seconds": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime),
+        "cpu_seconds": d["user"] + d["sys"],
+        "user_seconds": d["user"],
+        "sys_seconds": d["sys"],
+        "minor_faults": d["minflt"],
+        "plan_hash": p.plan_hash,
+        "bound_sum": p.bound_sum,
         "selected_bytes": p.selected_bytes,
         "budget_bytes": p.budget_bytes,
         "n_selected": p.n_selected,
@@ -73,21 +97,96 @@ def one(db: Path, budget: str) -> dict:
     }
 
 
-def run(rows_list=(1_000_000, 10_000_000, 35_000_000), folder: Path = CACHE) -> dict:
-    out = []
+SMALL = {"task_arithmetic": {"lambda": 0.5}, "ties": {"density": 0.2}}
+
+
+def small(db: Path, repeats: int) -> dict:
+    """Small plans in this process (the bench family, K = 8, full read): per plan, the planner's own
+    planning_seconds (wall) and CPU seconds, the whole Catalog.plan call (connection included) and its CPU."""
+    from mergedb import planner
+    from mergedb.catalog import Catalog
+    from mergedb.planner import PlanRequest
+
+    make_plan, planning_cpu = planner.make_plan, []
+
+    def timed(*args):  # make_plan's CPU seconds (all threads): on a loaded machine its wall time waits
+        t0 = time.process_time()
+        try:
+            return make_plan(*args)
+        finally:
+            planning_cpu.append(time.process_time() - t0)
+
+    planner.make_plan = timed
+    cat = Catalog(db)
+    experts = tuple(f"expert_{i:02d}" for i in range(8))
+    out = {}
+    for method, params in SMALL.items():
+        req = PlanRequest("base", experts, method, "all", params=params)
+        cat.plan(req)  # warm: imports, first statements
+        runs = []
+        for _ in range(repeats):
+            u0 = _usage()
+            p = cat.plan(req)
+            d = _since(u0)
+            runs.append((p.planning_seconds, d["wall"], d["user"] + d["sys"], planning_cpu[-1]))
+        out[method] = {
+            "plan_hash": p.plan_hash,
+            "planning_seconds": [r[0] for r in runs],
+            "call_seconds": [r[1] for r in runs],
+            "cpu_seconds": [r[2] for r in runs],
+            "planning_cpu_seconds": [r[3] for r in runs],
+        }
+    return out
+
+
+def _child(args: list[str], code: Path | None) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.bench_planner", *args] + (["--code", str(code)] if code else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent)
+    # the child's stdout may hold DuckDB's progress bar: the result is the line marked RESULT
+    return json.loads(res.stdout.rsplit("RESULT ", 1)[1].splitlines()[0])
+
+
+def run_small(catalog_path: Path, baseline: Path | None, rounds: int = 3, repeats: int = 10) -> dict:
+    """Small plans, new (and baseline) code alternating, `rounds` processes each, on copies of the catalog."""
+    out: dict[str, list] = {"new": [], "baseline": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(rounds):
+            for label, code in (("baseline", baseline), ("new", None)):
+                if label == "baseline" and baseline is None:
+                    continue
+                db = Path(tmp) / f"{label}-{i}.duckdb"
+                shutil.copy(catalog_path, db)
+                out[label].append(_child(["--small-one", str(db), str(repeats)], code))
+                print(label, {m: round(min(r["planning_seconds"]) * 1e3, 1) for m, r in out[label][-1].items()})
+    summary = {}
+    for label, runs in out.items():
+        for method in SMALL:
+            if runs:
+                keys = ("planning_seconds", "call_seconds", "cpu_seconds", "planning_cpu_seconds")
+                pooled = {k: [x for r in runs for x in r[method][k]] for k in keys}
+                summary[f"{label}/{method}"] = {
+                    **{f"{k}_min": min(v) for k, v in pooled.items()},
+                    **{f"{k}_median": statistics.median(v) for k, v in pooled.items()},
+                    "plan_hashes": sorted({r[method]["plan_hash"] for r in runs}),
+                }
+    return {"small": out, "small_summary": summary, "load_average_1min": os.getloadavg()[0]}
+
+
+def run(rows_list=(1_000_000, 10_000_000, 35_000_000), folder: Path = CACHE, baseline: Path | None = None) -> dict:
+    """Each plan in a fresh process; with `baseline`, old and new code in the order old, new, new, old
+    (neither always runs first, on a colder page cache), and their plan hashes must agree."""
+    out, old = [], []
     for rows in rows_list:
         db = catalog(rows, folder)
         for budget in BUDGETS[rows]:
-            res = subprocess.run(
-                [sys.executable, "-m", "benchmarks.bench_planner", "--one", str(db), budget],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            # the child's stdout may hold DuckDB's progress bar: the result is the line marked RESULT
-            out.append(json.loads(res.stdout.rsplit("RESULT ", 1)[1].splitlines()[0]))
-            print(out[-1], flush=True)
-    return {"runs": out}
+            order = [("baseline", baseline), ("new", None), ("new", None), ("baseline", baseline)]
+            for label, code in order if baseline is not None else [("new", None)]:
+                r = _child(["--one", str(db), budget], code)
+                (old if label == "baseline" else out).append(r)
+                print(label, r, flush=True)
+            if baseline is not None and {r["plan_hash"] for r in old[-2:] + out[-2:]} != {out[-1]["plan_hash"]}:
+                raise SystemExit(f"plan hashes differ at {rows} rows, {budget}: {old[-2:]} vs {out[-2:]}")
+    return {"runs": out, "baseline_runs": old, "baseline": str(baseline) if baseline else None}
 
 
 if __name__ == "__main__":
@@ -95,11 +194,21 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--catalog-dir", type=Path, default=CACHE)
     ap.add_argument("--rows", type=int, nargs="*", choices=sorted(SHAPES))
+    ap.add_argument("--baseline", type=Path, help="a checkout of older code to run side by side")
+    ap.add_argument("--small", type=Path, metavar="CATALOG", help="time small plans on a copy of CATALOG")
     ap.add_argument("--one", nargs=2, metavar=("CATALOG", "BUDGET"), help=argparse.SUPPRESS)
+    ap.add_argument("--small-one", nargs=2, metavar=("CATALOG", "REPEATS"), help=argparse.SUPPRESS)
+    ap.add_argument("--code", type=Path, help=argparse.SUPPRESS)  # a child: import mergedb from there
     a = ap.parse_args()
+    if a.code:
+        sys.path.insert(0, str(a.code.resolve()))
     if a.one:
         print("RESULT " + json.dumps(one(Path(a.one[0]), a.one[1])))
+    elif a.small_one:
+        print("RESULT " + json.dumps(small(Path(a.small_one[0]), int(a.small_one[1]))))
+    elif a.small:
+        print(save("planner-small", run_small(a.small, a.baseline)))
     else:
         rows = tuple(a.rows) if a.rows else ((20_000,) if a.quick else (1_000_000, 10_000_000, 35_000_000))
-        doc = run(rows, a.catalog_dir)
+        doc = run(rows, a.catalog_dir, a.baseline)
         print(save("planner" + ("-quick" if a.quick else ""), doc))

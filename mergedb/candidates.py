@@ -20,6 +20,7 @@ fixed factor once, exactly, and stay within the budget.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import duckdb
 import numpy as np
@@ -39,6 +40,14 @@ _COLUMNS = {
     "read_bytes": np.int64,  # -1: a dense expert's block (its cost is the block's bytes)
 }
 _CAP = 1 - 2**-40  # a carrier's other candidates score at most this × the carrier's score
+
+
+@cache
+def _statement(name: str) -> str:
+    """queries/<name>.sql without its header comment lines, for con.sql(): DuckDB's Python layer
+    tokenizes the text of every con.sql() call one character at a time (~3 ms a statement with
+    the header, a small plan's largest cost after the connection)."""
+    return "\n".join(line for line in query(name).splitlines() if not line.lstrip().startswith("--"))
 
 
 @dataclass(frozen=True)
@@ -109,9 +118,10 @@ def fetch(
         ids = [int(i) for i in sc.ids]
         total = len(ids) * int(fam.first_block[-1])  # at most every block of every expert; untouched
         # pages of np.empty cost no memory, and the arrays are cut to the rows read
-        cols: dict[str, np.ndarray] = {c: np.empty(total, t) for c, t in _COLUMNS.items()}
-        random = np.empty(total if sc.random_seed is not None else 0, np.float64)
-        reader = con.sql(query(name), params=[sc.drop_nonfinite, sc.random_seed]).to_arrow_reader(1 << 20)
+        cols: dict[str, np.ndarray] = {c: greedy.empty(total, t) for c, t in _COLUMNS.items()}
+        random = greedy.empty(total if sc.random_seed is not None else 0, np.float64)
+        # batches of 64k rows: their buffers are reused; 1M-row batches came back as fresh pages each time
+        reader = con.sql(_statement(name), params=[sc.drop_nonfinite, sc.random_seed]).to_arrow_reader(1 << 16)
         at = 0
         for batch in reader:  # one batch at a time: memory is the arrays plus one batch
             end = at + batch.num_rows
@@ -122,19 +132,32 @@ def fetch(
             if random.size:
                 random[at:end] = batch.column(len(cols)).to_numpy(zero_copy_only=False)
             at = end
-        fixed = _fixed_bytes(con, len(ids), fam.first_block.size - 1)
+        n_pairs = len(ids) * (fam.first_block.size - 1)
+        # only adapters have fixed bytes, and only their blocks have read_bytes ≥ 0: dense plans skip the statement
+        adapters = cols["read_bytes"][:at].max(initial=-1) >= 0
+        fixed = _fixed_bytes(con, len(ids), fam.first_block.size - 1) if adapters else np.zeros(n_pairs, np.int64)
     finally:
         unregister(con, "_plan_trim")
         unregister(con, "_plan_positions")
     cols = {c: v[:at] for c, v in cols.items()}
     random = random[:at]
     steps.append(("candidates", query(name), at))
-    gblock = fam.first_block[cols["tensor_idx"]]  # (N,) int64: the index type bincount needs
-    gblock += cols["block_idx"]
-    nbytes = cost(fam, gblock, cols.pop("read_bytes"))
-    value = np.abs(sc.coef[cols["position"], cols["tensor_idx"]])
-    value *= cols.pop("norm")
-    score = random if random.size else value / np.maximum(nbytes, 1)
+    if at >= greedy.COMPILED_MIN_ROWS:  # one compiled pass, in place: no (N,) temporaries
+        from . import planpass
+
+        gblock = greedy.empty(at, np.int64)
+        score = random if random.size else greedy.empty(at, np.float64)
+        nbytes, value = cols.pop("read_bytes"), cols.pop("norm")
+        coef = np.ascontiguousarray(sc.coef, np.float64)
+        args = (cols["position"], cols["tensor_idx"], cols["block_idx"], nbytes, value, fam.first_block, fam.nbytes)
+        planpass.score_rows(*args, coef, not random.size, gblock, score)
+    else:
+        gblock = fam.first_block[cols["tensor_idx"]]  # (N,) int64: the index type bincount needs
+        gblock += cols["block_idx"]
+        nbytes = cost(fam, gblock, cols.pop("read_bytes"))
+        value = np.abs(sc.coef[cols["position"], cols["tensor_idx"]])
+        value *= cols.pop("norm")
+        score = random if random.size else value / np.maximum(nbytes, 1)
     dependent = carrier = np.zeros(0, np.int64)
     if fixed.any():  # some adapter of the plan has fixed costs
         n_tensors = fam.first_block.size - 1
@@ -158,7 +181,7 @@ def fetch(
 
 def _fixed_bytes(con: duckdb.DuckDBPyConnection, n_positions: int, n_tensors: int) -> np.ndarray:
     """(K·T,) int64 fixed bytes of each (position, tensor) pair (queries/plan_fixed_bytes.sql)."""
-    t = con.sql(query("plan_fixed_bytes")).to_arrow_table()
+    t = con.sql(_statement("plan_fixed_bytes")).to_arrow_table()
     fixed = np.zeros(n_positions * n_tensors, np.int64)
     pos = t.column("position").to_numpy().astype(np.int64)
     fixed[pos * n_tensors + t.column("tensor_idx").to_numpy()] = t.column("fixed_bytes").to_numpy()
@@ -167,7 +190,7 @@ def _fixed_bytes(con: duckdb.DuckDBPyConnection, n_positions: int, n_tensors: in
 
 def family_blocks(con: duckdb.DuckDBPyConnection, base_id: int, n_tensors: int) -> bounds.FamilyBlocks:
     """The base family's blocks in (tensor_idx, block_idx) order (queries/plan_block_bytes.sql)."""
-    t = con.sql(query("plan_block_bytes"), params=[base_id]).to_arrow_table()
+    t = con.sql(_statement("plan_block_bytes"), params=[base_id]).to_arrow_table()
     tix = t.column("tensor_idx").to_numpy()
     counts = np.bincount(tix, minlength=n_tensors)
     first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])

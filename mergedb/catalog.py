@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from . import faults, plans, scores, usersql
+from . import faults, plans, schemaversion, scores, usersql
 from .errors import CatalogError, MergeDBError, PlanError, RunNotRecordedError
 from .resources import migrations
 from .units import DEFAULT_BLOCK_SIZE
@@ -112,9 +112,9 @@ class Catalog:
             raise
         version = -1
         try:
-            version = self._version(con, create=write and create)
+            version, dim = schemaversion.read(con, self.path, create=write and create)
             if write:
-                self._migrate(con, version)
+                self._migrate(con, version, dim)
             elif version < migrations()[-1][0]:
                 con.close()  # an older catalog: upgrade it once, briefly read-write, then read
                 with self.duckdb_connection(write=True):
@@ -189,54 +189,8 @@ class Catalog:
     def _not_opened(self, e: duckdb.Error) -> CatalogError:
         return faults.diagnose(self.path, e) or CatalogError(f"cannot open catalog {self.path}: {e}")
 
-    def _version(self, con: duckdb.DuckDBPyConnection, create: bool) -> int:
-        """The catalog's schema version (0: a new, empty database that `create` allows to become one).
-
-        A mergedb catalog is recognised by its `schema_version` table, whose first row is mergedb's
-        first migration; any other DuckDB file is refused, never migrated."""
-        latest, first = migrations()[-1][0], migrations()[0][1]
-        tables = [
-            r[0]
-            for r in con.execute(
-                "SELECT table_name FROM information_schema.tables "
-                "WHERE table_catalog = current_database() AND table_schema = 'main' ORDER BY 1"
-            ).fetchall()
-        ]
-        if "schema_version" not in tables:
-            if not tables and create:
-                return 0
-            if not tables:
-                raise CatalogError(
-                    f"{self.path} is an empty DuckDB file, not a mergedb catalog yet; create one there with "
-                    "`mergedb register PATH`"
-                )
-            raise self._foreign(
-                f"it has tables {', '.join(tables[:5])}{', …' if len(tables) > 5 else ''} but no schema_version table"
-            )
-        cols = {
-            r[0]
-            for r in con.execute(
-                "SELECT column_name FROM information_schema.columns "
-                "WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = 'schema_version'"
-            ).fetchall()
-        }
-        if not {"version", "name"} <= cols:
-            raise self._foreign("its schema_version table is not mergedb's")
-        rows = con.execute("SELECT version, name FROM schema_version ORDER BY version LIMIT 1").fetchall()
-        if not rows or (rows[0][0], rows[0][1]) != (1, first):
-            raise self._foreign(f"its schema_version table does not start with mergedb's {first!r}")
-        current = int(con.execute("SELECT max(version) FROM schema_version").fetchall()[0][0])
-        if current > latest:
-            raise CatalogError(
-                f"catalog {self.path} was written by a newer mergedb (schema version {current}, this mergedb "
-                f"knows up to {latest}); upgrade mergedb: pip install -U mergedb"
-            )
-        return current
-
-    def _foreign(self, why: str) -> CatalogError:
-        return faults.foreign(self.path, why)
-
-    def _migrate(self, con: duckdb.DuckDBPyConnection, current: int) -> None:
+    def _migrate(self, con: duckdb.DuckDBPyConnection, current: int, dim: int | None = None) -> None:
+        """Apply the pending migrations; check the sketch dimension (`dim`: already read, if known)."""
         pending = [m for m in migrations() if m[0] > current]
         if pending:
             con.execute("BEGIN")
@@ -257,7 +211,8 @@ class Catalog:
             except BaseException:
                 faults.rollback(con)
                 raise
-        dim = int(con.execute("SELECT value FROM settings WHERE key = 'sketch_dim'").fetchall()[0][0])
+        if pending or dim is None:
+            dim = int(con.execute("SELECT value FROM settings WHERE key = 'sketch_dim'").fetchall()[0][0])
         if self._sketch_dim is not None and self._sketch_dim != dim:
             raise CatalogError(f"catalog {self.path} uses sketches of dimension {dim}, not {self._sketch_dim}")
         self._sketch_dim = dim
@@ -432,8 +387,8 @@ class Catalog:
 
         if rank is not None and not as_lora:
             raise PlanError("a rank applies to a LoRA output only: pass as_lora=True (--as-lora) with it")
-        xp = self.execution_plan(plan)
-        with self.duckdb_connection() as con:
+        with self.duckdb_connection() as con:  # one connection (~30 ms each) for the plan and the paths
+            xp = plans.execution_plan(con, plans.resolve_plan(con, plan))
             registered = con.execute("SELECT path, root FROM checkpoints").fetchall()
         outdir.check_clear_of(Path(out), [p for row in registered for p in row], "a registered checkpoint")
         if self.path.exists() and not os.access(self.path, os.W_OK):

@@ -15,6 +15,9 @@ whole order: (1) bucket the scores by the top bits of their IEEE-754 patterns (m
 fits; (2) sort that bucket alone and take the prefix that fits; (3) fill: among the blocks not taken
 that are no larger than what is left, take the prefix (in plan order) that fits, and repeat until a
 pass adds nothing — after a block that does not fit, the greedy can only take smaller ones.
+Small plans (≤ SORT_MAX non-free candidates) skip the buckets: one sort of them in plan order gives
+the same prefix (the buckets span every octave the scores cover, ~4M bins when some are 0). Large
+plans (≥ COMPILED_MIN_ROWS) run the buckets, bits and bounds as compiled passes (planpass.py).
 
 Fixed costs (LoRA adapters, candidates.charge_fixed): a dependent candidate may be taken only once
 its carrier, which pays its (expert, tensor)'s fixed bytes, is. The carrier precedes its dependents
@@ -34,7 +37,28 @@ import numpy as np
 
 from .errors import PlanError
 
+try:  # numpy asks the kernel for transparent huge pages for every array of ≥ 4 MB
+    from numpy._core.multiarray import _set_madvise_hugepage  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - another numpy
+    _set_madvise_hugepage = None
+
 _BUCKET_SHIFT = 40  # keep sign, exponent and 12 mantissa bits: 4096 buckets per octave of score
+SORT_MAX = 1 << 17  # up to this many non-free candidates one sort is cheaper than the buckets' histogram
+COMPILED_MIN_ROWS = 4_000_000  # from here planpass.py (numba: ~0.5 CPU-s to import and load; saves ~0.14 per 1M rows)
+
+
+def empty(n: int, dtype: Any) -> np.ndarray:
+    """np.empty(n, dtype), from COMPILED_MIN_ROWS rows up without transparent huge pages. On the
+    machines measured (most memory holding page cache) a huge page costs a reclaim when first
+    touched: a 35M-row plan spent 3.6–6.0 s of system time with them and 2.3–2.4 without (side by
+    side, two runs each). numpy's setting is process-wide: it is switched off for this allocation only."""
+    if n < COMPILED_MIN_ROWS or _set_madvise_hugepage is None:
+        return np.empty(n, dtype)
+    before = _set_madvise_hugepage(False)
+    try:
+        return np.empty(n, dtype)
+    finally:
+        _set_madvise_hugepage(before)
 
 
 @dataclass(frozen=True)
@@ -70,11 +94,20 @@ def _plan_order(c: Candidates, rows: np.ndarray) -> np.ndarray:
     return rows[np.lexsort((c.slot(rows), -c.score[rows]))]
 
 
-def select(c: Candidates, budget: int, max_passes: int) -> tuple[np.ndarray, int]:
-    """The greedy's selection as a bool array, and the number of fill passes run."""
+def select(c: Candidates, budget: int, max_passes: int, *, sort_max: int = SORT_MAX) -> tuple[np.ndarray, int]:
+    """The greedy's selection as a bool array, and the number of fill passes run. Up to `sort_max`
+    non-free candidates, one sort of them in plan order gives the cut (the longest prefix that fits)
+    and the fill's pool; above it, the score buckets (module note) spare sorting them all. Both
+    give the same selection."""
     nonfree = ~c.free
     sel = np.zeros(c.score.size, bool)
-    if nonfree.any():  # whole-array passes, no index arrays: at 35M rows every temporary counts
+    pool = None
+    if np.count_nonzero(nonfree) <= sort_max:
+        pool = _plan_order(c, np.flatnonzero(nonfree))
+        sel[pool[np.cumsum(c.nbytes[pool]) <= budget]] = True  # nbytes ≥ 0: the cumsum is monotone
+    elif c.score.size >= COMPILED_MIN_ROWS:
+        _bucket_cut_compiled(c, budget, sel)
+    elif nonfree.any():  # whole-array passes, no index arrays
         bucket = c.score.view(np.int64) >> _BUCKET_SHIFT  # (N,) monotone in the score (scores ≥ 0)
         bucket -= bucket.min()
         per_bucket = np.bincount(bucket, weights=np.where(nonfree, c.nbytes, 0.0))  # exact below 2^53
@@ -89,16 +122,43 @@ def select(c: Candidates, budget: int, max_passes: int) -> tuple[np.ndarray, int
             edge = _plan_order(c, np.flatnonzero((bucket == cut) & nonfree))
             room = budget - int(c.nbytes[sel].sum())
             sel[edge[np.cumsum(c.nbytes[edge]) <= room]] = True
-    passes = _fill(c, sel, budget, max_passes)
+    passes = _fill(c, sel, budget, max_passes, pool)
     if np.any(sel[c.dependent] & ~sel[c.carrier]):  # cannot happen by construction (see the module note)
         raise PlanError("internal error: a block was selected without its fixed-cost carrier; nothing was stored")
     return sel, passes
 
 
-def _fill(c: Candidates, sel: np.ndarray, budget: int, max_passes: int) -> int:
-    """Fill passes (see the module note) until one adds nothing; updates `sel` in place."""
+def _bucket_cut_compiled(c: Candidates, budget: int, sel: np.ndarray) -> None:
+    """Steps (1) and (2) of the module note in three compiled passes (planpass.py), into `sel`:
+    buckets counted from the lowest non-free one (the free ones carry no bytes), int64 byte sums."""
+    from . import planpass
+
+    bits = c.score.view(np.int64)
+    lo, hi = planpass.bucket_range(bits, c.free)
+    if hi < lo:  # every candidate is free
+        return
+    per_bucket, per_count = np.zeros(hi - lo + 1, np.int64), np.zeros(hi - lo + 1, np.int64)
+    planpass.bucket_bytes(bits, c.free, c.nbytes, lo, per_bucket, per_count)
+    from_top = np.cumsum(per_bucket[::-1])[::-1]  # bytes in this bucket and every better one
+    over = np.flatnonzero(from_top > budget)
+    if not over.size:
+        np.logical_not(c.free, out=sel)
+        return
+    cut = int(over[-1])
+    edge = np.empty(int(per_count[cut]), np.int64)  # (rows of the cut bucket,) ascending
+    room = budget - int(planpass.cut_rows(bits, c.free, c.nbytes, lo, cut, sel, edge))
+    edge = _plan_order(c, edge)
+    sel[edge[np.cumsum(c.nbytes[edge]) <= room]] = True
+
+
+def _fill(c: Candidates, sel: np.ndarray, budget: int, max_passes: int, order: np.ndarray | None = None) -> int:
+    """Fill passes (see the module note) until one adds nothing; updates `sel` in place. `order`:
+    the non-free candidates in plan order when the caller has them already (else sorted here)."""
     left = budget - int(c.nbytes[sel].sum())
-    pool = _plan_order(c, np.flatnonzero(~sel & ~c.free & (c.nbytes <= left)))
+    if order is None:
+        pool = _plan_order(c, np.flatnonzero(~sel & ~c.free & (c.nbytes <= left)))
+    else:  # a subsequence of the plan order stays in plan order
+        pool = order
     mark = np.zeros(c.score.size if c.dependent.size else 0, bool)  # (N,) scratch, only with carriers
     for n in range(max_passes):
         pool = pool[~sel[pool] & (c.nbytes[pool] <= left)]
@@ -147,17 +207,39 @@ def _sums_by(key: np.ndarray, weights: list[np.ndarray], n: int) -> list[np.ndar
 
 
 def bounds(c: Candidates, sel: np.ndarray, n_positions: int, n_blocks: int) -> Bounds:
+    if c.score.size >= COMPILED_MIN_ROWS:
+        return _bounds_compiled(c, sel, n_positions, n_blocks)
     v = np.where(sel, 0.0, c.value)  # (N,) omitted value
     sel_bytes = np.where(sel, c.nbytes, 0.0)  # float64: exact below 2^53
     v_sum, v_sq, s_bytes, f_bytes = _sums_by(c.position, [v, np.square(v), sel_bytes, c.nbytes], n_positions)
     (omitted_per_block,) = _sums_by(c.gblock, [v], n_blocks)
+    counts = (int(c.nbytes[sel].sum()), int(c.nbytes.sum()), int(np.count_nonzero(sel)), int(np.count_nonzero(c.free)))
+    return _bounds(float(v.sum()), omitted_per_block, counts, (v_sum, v_sq, s_bytes, f_bytes))
+
+
+def _bounds_compiled(c: Candidates, sel: np.ndarray, n_positions: int, n_blocks: int) -> Bounds:
+    """bounds() in one compiled pass (planpass.bound_rows): the same sums in the same order."""
+    from . import planpass
+
+    v = empty(c.score.size, np.float64)  # (N,) omitted value: v.sum() is numpy's pairwise sum, as above
+    v_sum, v_sq, s_bytes, f_bytes = (np.zeros(n_positions, np.float64) for _ in range(4))  # (K,) each
+    omitted_per_block = np.zeros(n_blocks, np.float64)
+    rows = (c.position, c.gblock, c.value, c.nbytes, sel, c.free)
+    counts = planpass.bound_rows(*rows, v, v_sum, v_sq, s_bytes, f_bytes, omitted_per_block)
+    return _bounds(float(v.sum()), omitted_per_block, tuple(int(x) for x in counts), (v_sum, v_sq, s_bytes, f_bytes))
+
+
+def _bounds(bound_sum: float, omitted_per_block: np.ndarray, counts: tuple, per: tuple) -> Bounds:
+    """Bounds from the sums: counts (selected bytes, full bytes, selected, free), per position (Σv, Σv², selected
+    bytes, full bytes)."""
+    v_sum, v_sq, s_bytes, f_bytes = per
     return Bounds(
-        bound_sum=float(v.sum()),
+        bound_sum=bound_sum,
         bound_blockwise=float(np.sqrt(np.dot(omitted_per_block, omitted_per_block))),
-        selected_bytes=int(c.nbytes[sel].sum()),
-        full_bytes=int(c.nbytes.sum()),
-        n_selected=int(np.count_nonzero(sel)),
-        n_free=int(np.count_nonzero(c.free)),
+        selected_bytes=counts[0],
+        full_bytes=counts[1],
+        n_selected=counts[2],
+        n_free=counts[3],
         per_position=tuple(
             (float(a), float(b), int(s), int(f)) for a, b, s, f in zip(v_sum, np.sqrt(v_sq), s_bytes, f_bytes)
         ),
@@ -168,6 +250,12 @@ def bounds(c: Candidates, sel: np.ndarray, n_positions: int, n_blocks: int) -> B
 def block_sums(c: Candidates, sel: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     """Per family block: Σ_k value (the whole update's norm bound there) and whether some non-free
     candidate is omitted (the block can differ from the full merge)."""
+    if c.score.size >= COMPILED_MIN_ROWS:
+        from . import planpass
+
+        per_block, differs = np.zeros(n_blocks, np.float64), np.zeros(n_blocks, bool)
+        planpass.block_rows(c.gblock, c.value, sel, c.free, per_block, differs)
+        return per_block, differs
     left = ~sel & ~c.free
     return np.bincount(c.gblock, weights=c.value, minlength=n_blocks), np.bincount(
         c.gblock[left], minlength=n_blocks
@@ -200,8 +288,13 @@ def bit_strings(c: Candidates, sel: np.ndarray, n_positions: int, first_block: n
     n_tensors = first_block.size - 1
     n_blocks = int(first_block[-1])
     chars = np.full(n_positions * n_blocks, ord("0"), np.uint8)
-    chars[c.slot(np.flatnonzero(sel))] = ord("1")
     present = np.zeros(n_positions * n_tensors, bool)
-    present[c.position.astype(np.int64) * n_tensors + c.tensor_idx] = True
+    if c.score.size >= COMPILED_MIN_ROWS:
+        from . import planpass
+
+        planpass.bit_rows(c.position, c.tensor_idx, c.gblock, sel, n_blocks, n_tensors, chars, present)
+    else:
+        chars[c.slot(np.flatnonzero(sel))] = ord("1")
+        present[c.position.astype(np.int64) * n_tensors + c.tensor_idx] = True
     offsets = (np.arange(n_positions, dtype=np.int64)[:, None] * n_blocks + first_block[None, :-1]).reshape(-1)
     return present, np.append(offsets, n_positions * n_blocks), chars

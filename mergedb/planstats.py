@@ -41,26 +41,51 @@ def slerp_values(
 
 def thresholds(con: duckdb.DuckDBPyConnection, m: methods.Method, values: TensorValues, ids: list[int]) -> pa.Table:
     """Per (expert, tensor) trim thresholds at that pair's density (and γ): exact from the density
-    grid when the density is on it, from the magnitude summary (within 0.8%) otherwise."""
+    grid when the density is on it, from the magnitude summary (within 0.8%) otherwise. The rows
+    come as Arrow columns (no Python object per grid entry); only pairs off the grid read their
+    summary."""
     cols: dict[str, list[Any]] = {"checkpoint_id": [], "tensor_idx": [], "t_lo": [], "t_hi": [], "exact": []}
     if m.sparsify in ("magnitude", "band"):
-        pos_of = {cid: i for i, cid in enumerate(ids)}
-        rows = con.execute(
-            "SELECT et.checkpoint_id, et.tensor_idx, et.grid_threshold, et.summary_code, et.summary_count, ft.numel "
+        t = con.sql(
+            "SELECT et.checkpoint_id, et.tensor_idx, et.grid_threshold, ft.numel "
             "FROM expert_tensors et JOIN checkpoints c USING (checkpoint_id) JOIN family_tensors ft "
-            "ON ft.base_id = c.base_id AND ft.tensor_idx = et.tensor_idx WHERE list_contains(?, et.checkpoint_id) "
+            "ON ft.base_id = c.base_id AND ft.tensor_idx = et.tensor_idx WHERE list_contains($1, et.checkpoint_id) "
             "ORDER BY 1, 2",
-            [ids],
-        ).fetchall()
-        for cid, tidx, grid, codes, counts, numel in rows:
-            pos = pos_of[cid]
-            density = float(values.density[pos, tidx])
-            gamma = float(values.gamma[pos, tidx]) if m.sparsify == "band" and values.gamma is not None else 0.0
-            lo, lo_exact = _threshold_at(gamma + density, grid, codes, counts, numel)
+            params=[ids],
+        ).to_arrow_table()
+        cid = t.column("checkpoint_id").to_numpy()
+        tidx = t.column("tensor_idx").to_numpy()
+        numel = t.column("numel").to_numpy()
+        grid = t.column("grid_threshold").combine_chunks()  # FLOAT[] per pair, NOT NULL
+        grid_at = grid.offsets.to_numpy()[:-1]  # (n,) where each pair's grid starts in grid.values
+        grid_values = grid.values.to_numpy()
+        pos_of = {c: i for i, c in enumerate(ids)}
+        pos = np.array([pos_of[int(c)] for c in cid], np.int64)
+        density = values.density[pos, tidx].astype(np.float64)
+        gamma = np.zeros_like(density)
+        if m.sparsify == "band" and values.gamma is not None:
+            gamma = values.gamma[pos, tidx].astype(np.float64)
+        summaries: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        on_grid: dict[float, int] = {}  # density -> its index on the grid (-1: off it); pairs share a few
+
+        def at(i: int, d: float) -> tuple[float, bool]:
+            if d not in on_grid:
+                hit = np.flatnonzero(np.abs(stats.DENSITY_GRID - d) < 1e-12)
+                on_grid[d] = int(hit[0]) if len(hit) else -1
+            if on_grid[d] >= 0:
+                return float(grid_values[grid_at[i] + on_grid[d]]), True
+            if not summaries:
+                summaries.update(_summaries(con, ids))
+            codes, counts = summaries[(int(cid[i]), int(tidx[i]))]
+            return stats.threshold_from_summary(codes, counts, int(numel[i]), d), False
+
+        for i in range(t.num_rows):
+            g = float(gamma[i])
+            lo, lo_exact = at(i, g + float(density[i]))
             hi, hi_exact = (None, True)
-            if gamma > 0 and int(gamma * numel) >= 1:
-                hi, hi_exact = _threshold_at(gamma, grid, codes, counts, numel)
-            for k, v in zip(cols, (cid, tidx, lo, hi, lo_exact and hi_exact)):
+            if g > 0 and int(g * int(numel[i])) >= 1:
+                hi, hi_exact = at(i, g)
+            for k, v in zip(cols, (int(cid[i]), int(tidx[i]), lo, hi, lo_exact and hi_exact)):
                 cols[k].append(v)
     return pa.table(
         {
@@ -73,10 +98,11 @@ def thresholds(con: duckdb.DuckDBPyConnection, m: methods.Method, values: Tensor
     )
 
 
-def _threshold_at(
-    density: float, grid: list[float], codes: list[int], counts: list[int], numel: int
-) -> tuple[float, bool]:
-    hit = np.flatnonzero(np.abs(stats.DENSITY_GRID - density) < 1e-12)
-    if len(hit):
-        return float(grid[int(hit[0])]), True
-    return stats.threshold_from_summary(np.asarray(codes), np.asarray(counts), numel, density), False
+def _summaries(con: duckdb.DuckDBPyConnection, ids: list[int]) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+    """(checkpoint_id, tensor_idx) -> the magnitude summary's codes and counts, for thresholds off the grid."""
+    rows = con.execute(
+        "SELECT checkpoint_id, tensor_idx, summary_code, summary_count FROM expert_tensors "
+        "WHERE list_contains(?, checkpoint_id)",
+        [ids],
+    ).fetchall()
+    return {(c, t): (np.asarray(codes), np.asarray(counts)) for c, t, codes, counts in rows}

@@ -1,0 +1,78 @@
+"""Which mergedb schema version a DuckDB file holds, or why it is not a mergedb catalog.
+
+Read on every catalog connection (catalog.Catalog.duckdb_connection), so the usual case is one
+statement; a file it does not recognise is looked at table by table to say what it is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+
+from . import faults
+from .errors import CatalogError
+from .resources import migrations
+
+
+def read(con: duckdb.DuckDBPyConnection, path: Path, create: bool) -> tuple[int, int | None]:
+    """The catalog's schema version (0: a new, empty database that `create` allows to become one)
+    and, when read on the way, its sketch dimension (settings).
+
+    A mergedb catalog is recognised by its `schema_version` table, whose first row is mergedb's
+    first migration; any other DuckDB file is refused, never migrated. One statement answers
+    for a mergedb catalog; only a file it does not recognise takes the slow path below, which
+    says what it found."""
+    latest, first = migrations()[-1][0], migrations()[0][1]
+    try:  # one statement for the usual case (each costs ~2–5 ms of a small plan)
+        row = con.execute(
+            "SELECT min(version), arg_min(name, version), max(version), "
+            "(SELECT max(value) FROM settings WHERE key = 'sketch_dim') FROM schema_version"
+        ).fetchall()[0]
+    except duckdb.Error:
+        row = None
+    if row is not None and row[0] == 1 and row[1] == first and row[2] <= latest:
+        return int(row[2]), int(row[3]) if row[3] is not None else None
+    return _checked(con, path, create, latest, first), None
+
+
+def _checked(con: duckdb.DuckDBPyConnection, path: Path, create: bool, latest: int, first: str) -> int:
+    """read() for a file the one-statement check did not recognise: which tables it has, and why
+    it is not (or not yet) a catalog this mergedb can open."""
+    tables = [
+        r[0]
+        for r in con.execute(
+            "SELECT table_name FROM information_schema.tables "
+            "WHERE table_catalog = current_database() AND table_schema = 'main' ORDER BY 1"
+        ).fetchall()
+    ]
+    if "schema_version" not in tables:
+        if not tables and create:
+            return 0
+        if not tables:
+            raise CatalogError(
+                f"{path} is an empty DuckDB file, not a mergedb catalog yet; create one there with "
+                "`mergedb register PATH`"
+            )
+        raise faults.foreign(
+            path, f"it has tables {', '.join(tables[:5])}{', …' if len(tables) > 5 else ''} but no schema_version table"
+        )
+    cols = {
+        r[0]
+        for r in con.execute(
+            "SELECT column_name FROM information_schema.columns "
+            "WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = 'schema_version'"
+        ).fetchall()
+    }
+    if not {"version", "name"} <= cols:
+        raise faults.foreign(path, "its schema_version table is not mergedb's")
+    rows = con.execute("SELECT version, name FROM schema_version ORDER BY version LIMIT 1").fetchall()
+    if not rows or (rows[0][0], rows[0][1]) != (1, first):
+        raise faults.foreign(path, f"its schema_version table does not start with mergedb's {first!r}")
+    current = int(con.execute("SELECT max(version) FROM schema_version").fetchall()[0][0])
+    if current > latest:
+        raise CatalogError(
+            f"catalog {path} was written by a newer mergedb (schema version {current}, this mergedb "
+            f"knows up to {latest}); upgrade mergedb: pip install -U mergedb"
+        )
+    return current

@@ -67,6 +67,7 @@ class SweepResult:
     fold_groups: int = 0  # groups of plans with one fold (foldshare.FoldKey), summed over waves
     folds_shared: int = 0  # blocks a plan finished from sums its group folded, not folding them itself
     fold_passes: int = 0  # folds per block: sets of groups folded together (foldshare.mask_sets), over waves
+    base_bytes_read: int = 0  # base tensor bytes read: once per set merged together, once per plan run alone
 
 
 def _dtypes(dtype: str | None | Sequence[str | None], n: int) -> list[str | None]:
@@ -124,7 +125,7 @@ def sweep(
     _check_outs(cat, outs)
     t0, phys0 = time.perf_counter(), executor.physical_read_bytes()
     results: list[ExecuteResult | None] = [None] * len(xps)
-    read = served = reread = peak = groups = shared_folds = passes = 0
+    read = served = reread = peak = groups = shared_folds = passes = base = 0
     failed: list[str] = []
     for idx in _waves(len(xps), max_parallel):
         wave = Wave(xps, idx, cache_bytes, threads, dtypes)
@@ -147,7 +148,7 @@ def sweep(
             return run
 
         with contextlib.closing(wave.results(work)) as futures:  # closed at once on Ctrl-C: stops the wave
-            for i, f in zip(idx, futures):
+            for j, (i, f) in enumerate(zip(idx, futures)):
                 try:
                     res = f.result()
                 except MergeDBError as e:
@@ -156,11 +157,13 @@ def sweep(
                     continue
                 results[i] = res
                 served += res.expert_bytes
+                base += 0 if j in wave.feeds else res.base_bytes
                 cat.record_run(xps[i].plan_id, outs[i], res, wait=RECORD_WAIT)
         read, reread = read + wave.shared.read_bytes, reread + wave.shared.reread_bytes
         peak = max(peak, wave.shared.peak)
         groups, shared_folds = groups + len(wave.groups), shared_folds + wave.folds_shared
         passes += len(wave.folds.sets)
+        base += sum(m.count.base for m in wave.mergers)
         if failed:
             done = [summaries[i].name for i in range(len(xps)) if results[i] is not None]
             raise MergeDBError(
@@ -180,6 +183,7 @@ def sweep(
         groups,
         shared_folds,
         passes,
+        base,
     )
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kernels
+from . import kernels, multifold
 from .errors import MergeDBError
 from .executor import ShardsWritten, write_shard
 from .layout import block_bytes, output_dtype, row_elems
@@ -40,8 +40,20 @@ from .tensorfile import DTYPES, tensor_nbytes
 
 FEED = 2  # finished tensors a plan's writer may have waiting
 _NO_F32, _NO_BF16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `kernels.finish`'s unused output
+_NO_F32_2D, _NO_BF16_2D = np.empty((0, 0), np.float32), np.empty((0, 0), np.uint16)  # `finish_many`'s
 
-Item = tuple[int, str, str, tuple[int, ...], np.ndarray, bool]  # (tensor_idx, name, dtype, shape, bytes, pooled)
+
+class Lease:
+    """A tensor's (P, bytes) output buffer, one row per plan, back to the pool when every plan's
+    writer has given its row back."""
+
+    def __init__(self, buf: np.ndarray) -> None:
+        self.buf, self.left = buf, buf.shape[0]
+
+
+Item = tuple[
+    int, str, str, tuple[int, ...], np.ndarray, "Lease | None"
+]  # (tensor_idx, name, dtype, shape, bytes, lease)
 
 
 def sums_bytes(xp: ExecutionPlan, groups: int, consensus: bool) -> int:
@@ -73,6 +85,8 @@ class SetMerger(Merger):
         self.lams = [xp.tensor_values() for xp in plans]
         self.lam0 = [xp.default_values(0) for xp in plans]
         self.normalize = [bool(xp.params.get("normalize", True)) for xp in plans]
+        self.group_arr = np.array(self.group_of, np.int64)
+        self.normalize_arr = np.array(self.normalize, np.bool_)
         self.free: dict[int, list[np.ndarray]] = collections.defaultdict(list)
         self.free_bytes = 0
         self.pool_lock = threading.Lock()
@@ -81,25 +95,29 @@ class SetMerger(Merger):
     # -- buffers -------------------------------------------------------------------------------
 
     def buffer(self, size: int) -> np.ndarray:
+        """A (P, size) uint8 buffer: every plan's output of one tensor, from the pool when it holds one."""
         with self.pool_lock:
             if self.free[size]:
-                self.free_bytes -= size
+                self.free_bytes -= size * len(self.plans)
                 return self.free[size].pop()
-        return np.empty(size, np.uint8)
+        return np.empty((len(self.plans), size), np.uint8)
 
-    def give_back(self, buf: np.ndarray) -> None:
-        """A plan's writer is done with `buf`: keep it for a later tensor of its size (a few per plan)."""
+    def give_back(self, lease: Lease) -> None:
+        """A plan's writer is done with its row of `lease`; the last one's keeps the buffer for a
+        later tensor of its size (at most AHEAD_BYTES per plan are kept)."""
         with self.pool_lock:
-            if self.free_bytes + buf.nbytes <= len(self.plans) * AHEAD_BYTES:
-                self.free[buf.nbytes].append(buf)
+            lease.left -= 1
+            buf = lease.buf
+            if lease.left == 0 and self.free_bytes + buf.nbytes <= len(self.plans) * AHEAD_BYTES:
+                self.free[buf.shape[1]].append(buf)
                 self.free_bytes += buf.nbytes
 
     # -- scheduling ----------------------------------------------------------------------------
 
-    def plan_tensors(self, indices: list[int]) -> Iterator[tuple[int, list[np.ndarray] | None, np.ndarray]]:
-        """(tensor_idx, each plan's output buffer or None, base bytes) in the order of `indices`;
+    def plan_tensors(self, indices: list[int]) -> Iterator[tuple[int, np.ndarray | None, np.ndarray]]:
+        """(tensor_idx, the plans' (P, bytes) outputs or None, base bytes) in the order of `indices`;
         None: the plans' output is the base's bytes. As Merger.tensors: a bounded reorder buffer."""
-        pending: collections.deque[tuple[int, Future[np.ndarray], list[Future[None]], list[np.ndarray] | None]]
+        pending: collections.deque[tuple[int, Future[np.ndarray], list[Future[None]], np.ndarray | None]]
         pending = collections.deque()
         ahead = nxt = 0
         while nxt < len(indices) or pending:
@@ -118,45 +136,66 @@ class SetMerger(Merger):
         t = self.xp.tensors[ti]
         return tensor_nbytes(t.dtype, t.shape) + len(self.plans) * tensor_nbytes(output_dtype(t, self.dtype), t.shape)
 
-    def _start_set(self, ti: int) -> tuple[int, Future[np.ndarray], list[Future[None]], list[np.ndarray] | None]:
+    def _start_set(self, ti: int) -> tuple[int, Future[np.ndarray], list[Future[None]], np.ndarray | None]:
         t = self.xp.tensors[ti]
         base_f = self.io.submit(self._read_base, ti)
         units = self.units(ti)
         if not units:
             return ti, base_f, [], None
-        outs = [self.buffer(tensor_nbytes(output_dtype(t, self.dtype), t.shape)) for _ in self.plans]
+        outs = self.buffer(tensor_nbytes(output_dtype(t, self.dtype), t.shape))  # (P, bytes)
         merged = {b for u in units for b in u.blocks}
         rest = [b for b in range(len(t.rows)) if b not in merged]  # the base's bytes (same dtype: see units)
         futs = [self.compute.submit(self._copy_base, ti, rest, base_f, outs)] if rest else []
         futs += [self.compute.submit(self._run_set, u, base_f, outs) for u in units]
         return ti, base_f, futs, outs
 
-    def _copy_base(self, ti: int, blocks: list[int], base_f: Future[np.ndarray], outs: list[np.ndarray]) -> None:
+    def _copy_base(self, ti: int, blocks: list[int], base_f: Future[np.ndarray], outs: np.ndarray) -> None:
         base = base_f.result()
         for b in blocks:
             lo, hi = block_bytes(self.xp.tensors[ti], base.nbytes, b)
-            for out in outs:
-                out[lo:hi] = base[lo:hi]
+            outs[:, lo:hi] = base[lo:hi]  # every plan's row
 
     # -- arithmetic ----------------------------------------------------------------------------
 
-    def _run_set(self, u: Unit, base_f: Future[np.ndarray], outs: list[np.ndarray]) -> None:
-        """Fold each block of `u` once, then finish every plan's output block from its group's sums."""
+    def _run_set(self, u: Unit, base_f: Future[np.ndarray], outs: np.ndarray) -> None:
+        """Fold each block of `u` once, then finish every plan's output block from its group's sums
+        (multifold.finish_many: the base decoded once for all; F16 outputs plan by plan)."""
         base_raw = base_f.result()
         ti = u.tensor_idx
+        t = self.xp.tensors[ti]
+        out_dtype = output_dtype(t, self.dtype)
         for b in u.blocks:
-            _, n, _, _ = self._block(ti, b, base_raw)
+            lo, n, _, base = self._block(ti, b, base_raw)
             if self.bands is not None:
                 acc = self.local.get("acc", self.nsums * 5 * n, np.float32).reshape(self.nsums, 5, n)
                 self._fold(ti, b, base_raw, acc, tuple(np.stack([bd[i][ti] for bd in self.bands]) for i in range(3)))
             else:
                 acc = self.local.get("acc", (5 if self.method.consensus else 1) * n, np.float32).reshape(-1, n)
                 self._fold(ti, b, base_raw, acc)
-            for p, out in enumerate(outs):
-                self._finish_plan(p, ti, b, base_raw, acc[self.group_of[p]] if self.bands is not None else acc, out)
+            if out_dtype == "F16":
+                for p, out in enumerate(outs):
+                    self._finish_plan(p, ti, b, base_raw, acc[self.group_of[p]] if self.bands is not None else acc, out)
+            else:
+                sums = acc if self.bands is not None else acc.reshape(1, *acc.shape)  # (G, S, n)
+                lam, scale = self._lam_scale(ti)
+                rows = outs.view(DTYPES[out_dtype][1])[:, lo : lo + n]  # (P, n) every plan's block
+                kind = kernels.IN_KIND[t.dtype]
+                if out_dtype == "BF16":
+                    multifold.finish_many(
+                        base, kind, sums, self.group_arr, self.normalize_arr, lam, scale, _NO_F32_2D, rows
+                    )
+                else:
+                    multifold.finish_many(
+                        base, kind, sums, self.group_arr, self.normalize_arr, lam, scale, rows, _NO_BF16_2D
+                    )
             with self._lock:
                 self.folds += 1
                 self.shared += len(outs) - 1
+
+    def _lam_scale(self, ti: int) -> tuple[np.ndarray, float]:
+        """Each plan's λ in tensor ti (P,) float64, and the set's base scale there."""
+        tvs = [lams.get((0, ti)) or lam0 for lams, lam0 in zip(self.lams, self.lam0)]
+        return np.array([tv.lam for tv in tvs], np.float64), tvs[0].base_scale
 
     def _finish_plan(self, p: int, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray, out: np.ndarray) -> None:
         """Plan p's block b of tensor ti from the sums `acc`: merger.Merger._finish with p's λ,
@@ -202,20 +241,20 @@ class Feed:
                 return
 
     def tensors(self, indices: list[int], keep: bool = False) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
-        """(name, dtype, shape, bytes) of tensors `indices`, which must come next; a written buffer
-        goes back to the pool when the next is asked for (`keep`: never, the caller holds them)."""
+        """(name, dtype, shape, bytes) of tensors `indices`, which must come next; a written row goes
+        back to the pool when the next is asked for (`keep`: each a copy, which the caller holds)."""
         for want in indices:
             item = self.q.get()
             if isinstance(item, BaseException):
                 raise item
-            ti, name, dt, shape, data, pooled = item
+            ti, name, dt, shape, data, lease = item
             if ti != want:
                 raise MergeDBError(f"sweep: tensor {ti} came where {want} was expected (a bug in mergedb)")
-            if keep and not pooled:
-                data = data.copy()  # the base's bytes, shared by the set's plans: each state its own
+            if keep:
+                data = data.copy()  # a row of the set's buffer, or the base's bytes: each state its own
             yield name, dt, shape, data
-            if pooled and not keep and self.merger is not None:
-                self.merger.give_back(data)
+            if lease is not None and self.merger is not None:
+                self.merger.give_back(lease)
 
     def write_shards(
         self,
@@ -258,8 +297,11 @@ def produce(make: Callable[[], SetMerger], feeds: Sequence[Feed], step: Callable
                 raise MergeDBError("every plan of this fold set stopped; its merge stopped too")
             t = merger.xp.tensors[ti]
             dt = output_dtype(t, merger.dtype)
+            lease = None if outs is None else Lease(outs)
             for p, feed in enumerate(feeds):
-                feed.put((ti, t.name, dt, t.shape, base if outs is None else outs[p], outs is not None))
+                if feed.dead and lease is not None:
+                    merger.give_back(lease)  # this plan stopped: its row is not written
+                feed.put((ti, t.name, dt, t.shape, base if outs is None else outs[p], lease))
             step()
     except BaseException as e:
         for feed in feeds:

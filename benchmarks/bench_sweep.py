@@ -152,16 +152,22 @@ def run(n: int, gname: str, k: int, family: Path, catalog: Path, work: Path, max
     shutil.rmtree(work / "one")
 
     doc["load_sweep"] = load()
+    doc["disk_free_before_sweep"] = shutil.disk_usage(work).free
     evict(files)
     t0, (c0, _) = time.perf_counter(), _children()
     ids = [str(p.plan_id) for p in plans]
     child = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_sweep", "--child", str(db), str(work / "sweep"),
          str(max_parallel or n), *ids],
-        check=True,
         capture_output=True,
         text=True,
     )  # fmt: skip
+    if child.returncode != 0:  # kept in the results: the cause of a failed sweep is not lost again
+        doc["sweep"] = {"failed": True, "returncode": child.returncode, "stderr": child.stderr[-4000:]}
+        doc["disk_free_after_sweep"] = shutil.disk_usage(work).free
+        shutil.rmtree(work / "sweep", ignore_errors=True)
+        print(f"sweep of {n} ({gname}) failed, rc {child.returncode}:\n{child.stderr[-4000:]}", file=sys.stderr)
+        return doc
     doc["sweep"] = {
         "wall": time.perf_counter() - t0,
         "cpu_seconds": _children()[0] - c0,
@@ -188,6 +194,7 @@ def run(n: int, gname: str, k: int, family: Path, catalog: Path, work: Path, max
         "runs": runs,
     }
     doc["sweep_over_one"] = doc["sweep"]["wall"] / doc["one"]["wall"]
+    doc["sweep_cpu_over_one"] = doc["sweep"]["cpu_seconds"] / doc["one"]["cpu_seconds"]
     doc["separate_over_sweep"] = doc["separate"]["wall"] / doc["sweep"]["wall"]
     doc["outputs_identical"] = True
     return doc
@@ -211,6 +218,7 @@ def _child(db: str, out: str, max_parallel: str, ids: list[str]) -> None:
                 "fold_groups": res.fold_groups,
                 "folds_shared": res.folds_shared,
                 "fold_passes": res.fold_passes,
+                "base_bytes_read": res.base_bytes_read,
             }
         )
     )
@@ -246,7 +254,11 @@ def main() -> None:
         for n in a.n if not a.mergekit_only else []:
             for g in a.grids:
                 doc["sweeps"].append(run(n, g, k, family, catalog, Path(work), a.max_parallel))
-                print(json.dumps({x: doc["sweeps"][-1][x] for x in ("n", "grid", "sweep_over_one")}), flush=True)
+                last = doc["sweeps"][-1]
+                print(
+                    json.dumps({x: last.get(x) for x in ("n", "grid", "sweep_over_one", "sweep_cpu_over_one")}),
+                    flush=True,
+                )
                 save("sweep" + ("-quick" if a.quick else ""), doc)  # what is done so far survives a crash
         if a.mergekit_runs and MERGEKIT_YAML.exists() and not a.quick:
             experts = tuple(f"expert_{i:02d}" for i in range(k))

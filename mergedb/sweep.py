@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -123,6 +124,7 @@ def sweep(
     _refuse_adapters(xps)
     outs = [root / (s.name or f"plan-{s.plan_id}") for s in summaries]
     _check_outs(cat, outs)
+    _check_space(root, xps, dtypes, summaries)
     t0, phys0 = time.perf_counter(), executor.physical_read_bytes()
     results: list[ExecuteResult | None] = [None] * len(xps)
     read = served = reread = peak = groups = shared_folds = passes = base = 0
@@ -191,6 +193,29 @@ def _refuse_adapters(xps: list[ExecutionPlan]) -> None:
     """Adapters read their factors outside the shared reads (loramerge.py): a sweep could not count them."""
     for src in (s for xp in xps for s in xp.experts if is_adapter(s.path)):
         raise PlanError(f"{src.name!r} is a LoRA adapter; sweeps do not take adapters yet: execute each plan alone")
+
+
+def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None], summaries: list[PlanSummary]) -> None:
+    """Refuse, before anything runs, a sweep whose outputs' tensors alone exceed the free space where
+    they go (N outputs of a model's size each: a disk that fills half-way fails the plans late)."""
+    from .layout import output_dtype
+    from .merger import normalize_dtype
+    from .tensorfile import tensor_nbytes
+
+    need = sum(
+        tensor_nbytes(output_dtype(t, normalize_dtype(dt)), t.shape) for xp, dt in zip(xps, dtypes) for t in xp.tensors
+    )
+    where = root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if need > free:
+        names = ", ".join(str(s.name or s.plan_id) for s in summaries[:3]) + (", ..." if len(summaries) > 3 else "")
+        raise MergeDBError(
+            f"the sweep's {len(xps)} outputs need {need / 1e9:.2f} GB under {root} but its disk has "
+            f"{free / 1e9:.2f} GB free; free space, choose another DIR, or sweep fewer plans "
+            f"(the plans are stored: {names}; sweep.sweep takes their ids, `mergedb execute PLAN` runs one)"
+        )
 
 
 RECORD_WAIT = 30.0  # seconds a finished merge waits for the catalog to record its run

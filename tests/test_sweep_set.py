@@ -40,14 +40,18 @@ def _files(out: Path) -> dict[str, str]:
     return got
 
 
-def _base_tensor_bytes(base: Path) -> int:
-    """Σ of the base's tensor sizes, from each shard's safetensors header."""
+def _base_tensor_bytes(base: Path, bf16_as_fp32: bool = False) -> int:
+    """Σ of the base's tensor sizes, from each shard's safetensors header (BF16 tensors counted at
+    4 bytes an element with `bf16_as_fp32`: an fp32 output's)."""
     total = 0
     for f in base.glob("*.safetensors"):
         raw = f.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
         header = json.loads(raw[8 : 8 + n])
-        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+        for k, v in header.items():
+            if k != "__metadata__":
+                size = v["data_offsets"][1] - v["data_offsets"][0]
+                total += 2 * size if bf16_as_fp32 and v["dtype"] == "BF16" else size
     return total
 
 
@@ -127,3 +131,27 @@ def test_in_memory_set_states_are_each_plan_alone_and_own_their_memory(fam):
     same = [n for n in s1 if np.array_equal(s1[n], s2[n])]
     assert same  # untouched tensors exist at 20%
     assert not any(np.shares_memory(s1[n], s2[n]) for n in s1)
+
+
+def test_a_sweep_larger_than_the_free_disk_is_refused_before_anything_runs(fam, tmp_path, monkeypatch):
+    """Free space a byte short of the outputs' tensor bytes (3 plans × the base's tensors in fp32,
+    its I64 tensor as it is): refused with both figures; no output, no run recorded."""
+    import shutil
+    from collections import namedtuple
+
+    root, cat = fam
+    need = 3 * _base_tensor_bytes(root / "fam" / "base", bf16_as_fp32=True)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * need, 0, need - 1))
+    reqs = grid.grid_requests(PlanRequest("base", None, "ties", "all"), {"lambda": [0.5, 1.0, 2.0]}, "set-disk")
+    runs = cat.sql("SELECT count(*) AS n FROM runs").to_pylist()[0]["n"]
+    with pytest.raises(MergeDBError, match=rf"need {need / 1e9:.2f} GB under .* has {(need - 1) / 1e9:.2f} GB free"):
+        sw.sweep(cat, reqs, tmp_path / "s", dtype="fp32")
+    assert not (tmp_path / "s").exists()
+    assert cat.sql("SELECT count(*) AS n FROM runs").to_pylist()[0]["n"] == runs
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * need, 0, need))
+    ids = [
+        p["plan_id"]
+        for p in cat.sql("SELECT plan_id FROM plans WHERE name LIKE 'set-disk-%' ORDER BY plan_id").to_pylist()
+    ]
+    assert len(sw.sweep(cat, ids, tmp_path / "s", dtype="fp32").runs) == 3  # exactly enough: it runs

@@ -155,3 +155,60 @@ def test_a_sweep_larger_than_the_free_disk_is_refused_before_anything_runs(fam, 
         for p in cat.sql("SELECT plan_id FROM plans WHERE name LIKE 'set-disk-%' ORDER BY plan_id").to_pylist()
     ]
     assert len(sw.sweep(cat, ids, tmp_path / "s", dtype="fp32").runs) == 3  # exactly enough: it runs
+
+
+def _ties_finish_reference(base_bits, sums, normalize, lam, scale):
+    """The TIES finish in numpy float32, textbook order: elected sign's sum (tot ≥ 0: positive),
+    divided by its weight when normalizing (1 below 1e-8), scale·base + λ·that; weighted sums
+    (one row): scale·base + total."""
+    f32 = np.float32
+    base = (base_bits.astype(np.uint32) << 16).view(np.float32)
+    if sums.shape[0] == 1:
+        return f32(scale) * base + sums[0]
+    tot, pos, neg, pos_w, neg_w = sums
+    el = np.where(tot >= 0, pos, neg)
+    if normalize:
+        den = np.where(tot >= 0, pos_w, neg_w)
+        el = el / np.where(np.abs(den) < f32(1e-8), f32(1.0), den)
+    return f32(scale) * base + f32(lam) * el
+
+
+def _to_bf16_bits(x):
+    """float32 -> bfloat16 bits, round to nearest even, NaN as 0x7FC0."""
+    b = x.view(np.uint32)
+    r = ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    return np.where((b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000), np.uint16(0x7FC0), r)
+
+
+@pytest.mark.parametrize("rows", [5, 1])
+def test_finish_many_is_the_finish_formula_for_every_plan(rows):
+    """5 plans over 3 groups of sums (ties with zeros, tiny weights, a NaN; n not a multiple of the
+    chunk), each with its own λ and normalize, into float32 rows and into bfloat16 rows."""
+    from mergedb import kernels, multifold
+
+    rng = np.random.default_rng(7)
+    n = kernels.CHUNK + 517
+    sums = rng.standard_normal((3, rows, n)).astype(np.float32)
+    sums[:, 0, :40] = 0.0  # tot = 0 elects the positive sign
+    if rows == 5:
+        sums[:, 3:, 40:80] = 1e-9  # weights below 1e-8 divide by 1
+    sums[1, 0, 90] = np.nan
+    base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    base[(base & 0x7F80) == 0x7F80] = 0x3F80  # finite base values
+    group = np.array([0, 1, 2, 0, 1])
+    normalize = np.array([True, False, True, False, True])
+    lam = np.array([0.5, 1.0, 1.3, 2.0, 0.7])
+    for scale in (1.0, 0.8):
+        want = np.stack(
+            [_ties_finish_reference(base, sums[g], normalize[p], lam[p], scale) for p, g in enumerate(group)]
+        )
+        res = np.empty((5, n), np.float32)
+        multifold.finish_many(
+            base, kernels.IN_KIND["BF16"], sums, group, normalize, lam, scale, res, np.empty((0, 0), np.uint16)
+        )
+        np.testing.assert_array_equal(res.view(np.uint32), want.view(np.uint32))
+        bf = np.empty((5, 2 * n), np.uint16)[:, ::2]  # strided rows, as a (P, n) slice of a buffer
+        multifold.finish_many(
+            base, kernels.IN_KIND["BF16"], sums, group, normalize, lam, scale, np.empty((0, 0), np.float32), bf
+        )
+        np.testing.assert_array_equal(bf, _to_bf16_bits(want))

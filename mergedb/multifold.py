@@ -66,14 +66,16 @@ def fold_many(base, ex, kind, coefs, lo, hi, acc):  # pragma: no cover - compile
 
 
 @numba.njit(nogil=True, cache=True)
-def finish_many(base, kind, acc, group, normalize, lam, scale, res, bf16):  # pragma: no cover - compiled
+def finish_many(base, kind, acc, group, normalize, lam, scale, res, bf16, stride, at):  # pragma: no cover - compiled
     """`kernels.finish` for P plans of one fold set at once: the base decoded once per chunk.
 
     base (n,) raw bits; acc (G, S, n) float32 sums (S = 5 sign-consensus, 1 weighted); plan p
     finishes from acc[group[p]] with normalize[p] (bool) and lam[p] (float64, rounded to float32
-    as `finish` does) and the set's `scale`; into res (P, n) float32, or, when bf16 (P, n) uint16
-    has rows, as bfloat16 bits rounded to nearest even. Per element and plan the float32
-    operations and their order are exactly those of `finish`, so each row is bit-identical to it."""
+    as `finish` does) and the set's `scale`, into elements [p·stride + at, p·stride + at + n) of
+    res (flat float32: P rows of `stride`), or, when bf16 (flat uint16) is not empty, of bf16 as
+    bfloat16 bits rounded to nearest even. Flat rows keep every loop over contiguous memory. Per
+    element and plan the float32 operations and their order are exactly those of `finish`, so each
+    plan's elements are bit-identical to it."""
     n = base.shape[0]
     plans = group.shape[0]
     consensus = acc.shape[1] == 5
@@ -87,9 +89,10 @@ def finish_many(base, kind, acc, group, normalize, lam, scale, res, bf16):  # pr
     for c0 in range(0, n, CHUNK):
         m = min(CHUNK, n - c0)
         bf = bbits[:m].view(np.float32)  # (m,) float32 base, decoded once for every plan
-        rf = rbits[:m].view(np.float32)  # (m,) float32 result of one plan
         _decode_chunk(base[c0 : c0 + m], kind, bbits[:m])
         for p in range(plans):
+            o = p * stride + at + c0  # plan p's first element of this chunk
+            rf = rbits[:m].view(np.float32) if to_bf16 else res[o : o + m]  # (m,) float32 result
             q = group[p]
             lam32 = np.float32(lam[p])
             tot = acc[q, 0, c0 : c0 + m]
@@ -110,11 +113,9 @@ def finish_many(base, kind, acc, group, normalize, lam, scale, res, bf16):  # pr
                 for i in range(m):
                     rf[i] = s32 * bf[i] + tot[i]
             if to_bf16:
+                out = bf16[o : o + m]
                 for i in range(m):
                     x = rbits[i]
                     r = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
                     nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-                    bf16[p, c0 + i] = np.uint16(0x7FC0) if nan else np.uint16(r)
-            else:
-                for i in range(m):
-                    res[p, c0 + i] = rf[i]
+                    out[i] = np.uint16(0x7FC0) if nan else np.uint16(r)

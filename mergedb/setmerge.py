@@ -40,7 +40,6 @@ from .tensorfile import DTYPES, tensor_nbytes
 
 FEED = 2  # finished tensors a plan's writer may have waiting
 _NO_F32, _NO_BF16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `kernels.finish`'s unused output
-_NO_F32_2D, _NO_BF16_2D = np.empty((0, 0), np.float32), np.empty((0, 0), np.uint16)  # `finish_many`'s
 
 
 class Lease:
@@ -178,16 +177,13 @@ class SetMerger(Merger):
             else:
                 sums = acc if self.bands is not None else acc.reshape(1, *acc.shape)  # (G, S, n)
                 lam, scale = self._lam_scale(ti)
-                rows = outs.view(DTYPES[out_dtype][1])[:, lo : lo + n]  # (P, n) every plan's block
-                kind = kernels.IN_KIND[t.dtype]
+                flat = outs.view(DTYPES[out_dtype][1]).reshape(-1)  # P rows of `stride` elements
+                stride, kind = flat.size // len(outs), kernels.IN_KIND[t.dtype]
+                args = (base, kind, sums, self.group_arr, self.normalize_arr, lam, scale)
                 if out_dtype == "BF16":
-                    multifold.finish_many(
-                        base, kind, sums, self.group_arr, self.normalize_arr, lam, scale, _NO_F32_2D, rows
-                    )
+                    multifold.finish_many(*args, _NO_F32, flat, stride, lo)
                 else:
-                    multifold.finish_many(
-                        base, kind, sums, self.group_arr, self.normalize_arr, lam, scale, rows, _NO_BF16_2D
-                    )
+                    multifold.finish_many(*args, flat, _NO_BF16, stride, lo)
             with self._lock:
                 self.folds += 1
                 self.shared += len(outs) - 1

@@ -165,9 +165,11 @@ class SetMerger(Merger):
         out_dtype = output_dtype(t, self.dtype)
         for b in u.blocks:
             lo, n, _, base = self._block(ti, b, base_raw)
+            acc: np.ndarray  # (G, 5, n) float32 sums of the set's G groups, or (1 or 5, n) of its one group
             if self.bands is not None:
                 acc = self.local.get("acc", self.nsums * 5 * n, np.float32).reshape(self.nsums, 5, n)
-                self._fold(ti, b, base_raw, acc, tuple(np.stack([bd[i][ti] for bd in self.bands]) for i in range(3)))
+                w, t_lo, t_hi = (np.stack([bd[i][ti] for bd in self.bands]) for i in range(3))  # (G, K) each
+                self._fold(ti, b, base_raw, acc, (w, t_lo, t_hi))
             else:
                 acc = self.local.get("acc", (5 if self.method.consensus else 1) * n, np.float32).reshape(-1, n)
                 self._fold(ti, b, base_raw, acc)

@@ -24,7 +24,7 @@ import math
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -282,22 +282,23 @@ class Wave:
 
     def run(self, j: int, work: Work) -> Any:
         """`work(slot)` for the wave's j-th plan."""
-        d = self.set_of[j]
+        d, g = self.set_of[j], self.group_of[j]
         feed = self.feeds.get(j)
-        r = None if feed is not None else self.runner[("plan", j)]
-        g = self.group_of[j]
-        fold = self.folds.block(g) if feed is None and self.folds.plans(g) > 1 else None
-        step = (lambda: self.pace.step(r)) if r is not None else (lambda: None)
-        try:
-            return work(Slot(feed, self.readers[d], fold, step, self.threads))
-        finally:
-            if feed is not None:
+        if feed is not None:  # its set's merge paces itself; this plan only writes
+            try:
+                return work(Slot(feed, self.readers[d], None, lambda: None, self.threads))
+            finally:
                 feed.stop()  # the set's merge puts nothing more for this plan
-            else:
-                self.pace.finish(r)
+                self._done(d)
+        r = self.runner[("plan", j)]
+        fold = self.folds.block(g) if self.folds.plans(g) > 1 else None
+        try:
+            return work(Slot(None, self.readers[d], fold, lambda: self.pace.step(r), self.threads))
+        finally:
+            self.pace.finish(r)
             self._done(d)
 
-    def results(self, work: Callable[[int], Work]) -> Iterator[Any]:
+    def results(self, work: Callable[[int], Work]) -> Generator[Any, None, None]:
         """Run `work(i)` for every plan of the wave at once; their futures in order."""
         n = len(self.idx) + len(self.together)
         with ThreadPoolExecutor(n, thread_name_prefix="mergedb-sweep") as pool:

@@ -16,7 +16,10 @@ first grid (`--mergekit-runs`, default 2) and its N-run figures are N × their m
 "extrapolated from M runs"; `--mergekit-all` runs all N of every grid. The machine's load
 (`uptime`) is recorded before each arm.
 
-Run: python -m benchmarks.bench_sweep [--n 8 32] [--k 8] [--mergekit-runs 2] [--quick]
+`--separate-runs M` measures only the first M of the N separate runs and extrapolates them the same
+way (N × their mean, labelled), for a loaded machine where 32 separate runs take too long.
+
+Run: python -m benchmarks.bench_sweep [--n 8 32] [--k 8] [--mergekit-runs 2] [--separate-runs M] [--quick]
 """
 
 from __future__ import annotations
@@ -133,8 +136,11 @@ def mergekit_arm(n: int, runs: list[dict]) -> dict:
     }
 
 
-def run(n: int, gname: str, k: int, family: Path, catalog: Path, work: Path, max_parallel: int | None) -> dict:
-    """The one / sweep / separate arms of n plans of grid `gname`."""
+def run(
+    n: int, gname: str, k: int, family: Path, catalog: Path, work: Path, max_parallel: int | None, separate: int | None
+) -> dict:
+    """The one / sweep / separate arms of n plans of grid `gname`; `separate`: run only the first
+    that many of the n separate executes and extrapolate (n × their mean, labelled)."""
     db = work / f"bench-sweep-{gname}-{n}.duckdb"
     shutil.copyfile(catalog, db)
     cat = Catalog(db)
@@ -152,16 +158,22 @@ def run(n: int, gname: str, k: int, family: Path, catalog: Path, work: Path, max
     shutil.rmtree(work / "one")
 
     doc["load_sweep"] = load()
+    doc["disk_free_before_sweep"] = shutil.disk_usage(work).free
     evict(files)
     t0, (c0, _) = time.perf_counter(), _children()
     ids = [str(p.plan_id) for p in plans]
     child = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_sweep", "--child", str(db), str(work / "sweep"),
          str(max_parallel or n), *ids],
-        check=True,
         capture_output=True,
         text=True,
     )  # fmt: skip
+    if child.returncode != 0:  # kept in the results: the cause of a failed sweep is not lost again
+        doc["sweep"] = {"failed": True, "returncode": child.returncode, "stderr": child.stderr[-4000:]}
+        doc["disk_free_after_sweep"] = shutil.disk_usage(work).free
+        shutil.rmtree(work / "sweep", ignore_errors=True)
+        print(f"sweep of {n} ({gname}) failed, rc {child.returncode}:\n{child.stderr[-4000:]}", file=sys.stderr)
+        return doc
     doc["sweep"] = {
         "wall": time.perf_counter() - t0,
         "cpu_seconds": _children()[0] - c0,
@@ -174,22 +186,26 @@ def run(n: int, gname: str, k: int, family: Path, catalog: Path, work: Path, max
     doc["load_separate"] = load()
     evict(files)
     runs = []
-    for p in plans:
+    for p in plans[: separate or n]:
         runs.append(_execute(db, p.plan_id, work / "separate" / p.name))
         if runs[-1]["content_hash"] != hashes[p.name]:
             raise SystemExit(f"sweep output of {p.name} differs from its separate run")
         shutil.rmtree(work / "separate" / p.name)
+    scale = n / len(runs)  # 1 when every separate run was measured
     doc["separate"] = {
-        "wall": sum(r["wall"] for r in runs),
-        "cpu_seconds": sum(r["cpu_seconds"] for r in runs),
-        "expert_bytes": sum(r["expert_bytes"] for r in runs),
-        "physical_bytes": sum(r["physical_bytes"] for r in runs),
+        "measured_runs": len(runs),
+        "extrapolated": len(runs) < n,
+        "wall": scale * sum(r["wall"] for r in runs),
+        "cpu_seconds": scale * sum(r["cpu_seconds"] for r in runs),
+        "expert_bytes": scale * sum(r["expert_bytes"] for r in runs),
+        "physical_bytes": scale * sum(r["physical_bytes"] for r in runs),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in runs),
         "runs": runs,
     }
     doc["sweep_over_one"] = doc["sweep"]["wall"] / doc["one"]["wall"]
+    doc["sweep_cpu_over_one"] = doc["sweep"]["cpu_seconds"] / doc["one"]["cpu_seconds"]
     doc["separate_over_sweep"] = doc["separate"]["wall"] / doc["sweep"]["wall"]
-    doc["outputs_identical"] = True
+    doc["outputs_identical"] = True  # of the plans run separately (all, or the first `separate`)
     return doc
 
 
@@ -211,6 +227,7 @@ def _child(db: str, out: str, max_parallel: str, ids: list[str]) -> None:
                 "fold_groups": res.fold_groups,
                 "folds_shared": res.folds_shared,
                 "fold_passes": res.fold_passes,
+                "base_bytes_read": res.base_bytes_read,
             }
         )
     )
@@ -222,6 +239,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--grids", nargs="+", default=["lambda", "density"], choices=["lambda", "density"])
     ap.add_argument("--max-parallel", type=int, default=None, help="plans in flight [default: all N]")
+    ap.add_argument("--separate-runs", type=int, default=None, help="measure M of the N separate runs [default: all]")
     ap.add_argument("--mergekit-runs", type=int, default=2, help="M measured mergekit runs (0: no mergekit arm)")
     ap.add_argument("--mergekit-all", action="store_true", help="run all N mergekit merges of every grid")
     ap.add_argument("--mergekit-only", action="store_true", help="add the mergekit arm to results/sweep.json")
@@ -245,8 +263,12 @@ def main() -> None:
             Catalog(catalog).register([family], base_model="base")
         for n in a.n if not a.mergekit_only else []:
             for g in a.grids:
-                doc["sweeps"].append(run(n, g, k, family, catalog, Path(work), a.max_parallel))
-                print(json.dumps({x: doc["sweeps"][-1][x] for x in ("n", "grid", "sweep_over_one")}), flush=True)
+                doc["sweeps"].append(run(n, g, k, family, catalog, Path(work), a.max_parallel, a.separate_runs))
+                last = doc["sweeps"][-1]
+                print(
+                    json.dumps({x: last.get(x) for x in ("n", "grid", "sweep_over_one", "sweep_cpu_over_one")}),
+                    flush=True,
+                )
                 save("sweep" + ("-quick" if a.quick else ""), doc)  # what is done so far survives a crash
         if a.mergekit_runs and MERGEKIT_YAML.exists() and not a.quick:
             experts = tuple(f"expert_{i:02d}" for i in range(k))

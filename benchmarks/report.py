@@ -281,7 +281,7 @@ def _sweep(doc: dict | None) -> list[str]:
             f"{sw['cpu_seconds']:.1f} | "
             f"{sw['expert_bytes_read'] / 1e9:.2f} GB read once ({sw['expert_bytes_served'] / 1e9:.1f} GB served) | "
             f"{sw['physical_bytes'] / 1e9:.2f} GB | {sw['peak_rss_bytes'] / 2**30:.2f} GiB |",
-            f"{lead} {n} separate `execute`s | {sep['wall']:.1f} | {sep['cpu_seconds']:.1f} | "
+            f"{lead} {n} separate `execute`s{_extrapolated(sep)} | {sep['wall']:.1f} | {sep['cpu_seconds']:.1f} | "
             f"{sep['expert_bytes'] / 1e9:.1f} GB | {sep['physical_bytes'] / 1e9:.2f} GB | "
             f"{sep['peak_rss_bytes'] / 2**20:.0f} MiB |",
         ]
@@ -299,10 +299,16 @@ def _sweep(doc: dict | None) -> list[str]:
         notes.append(
             f"- N = {n}, {g} grid: {n} merges in **{ratio:.2f}×** the wall of one{target} and {cpu:.1f}× its CPU "
             "seconds; "
-            f"{s['separate_over_sweep']:.2f}× faster than separate runs{vs_mk}. Load: one `{s['load_one']}`; "
+            f"{s['separate_over_sweep']:.2f}× faster than separate runs{_extrapolated(sep)}{vs_mk}. "
+            f"Load: one `{s['load_one']}`; "
             f"sweep `{s['load_sweep']}`."
         )
     return [*out, "", *notes, ""]
+
+
+def _extrapolated(sep: dict) -> str:
+    """' (extrapolated from M runs)' when only M of the N separate runs were measured."""
+    return f" (extrapolated from {sep['measured_runs']} runs)" if sep.get("extrapolated") else ""
 
 
 def _passes(sw: dict) -> str:

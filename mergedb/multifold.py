@@ -1,4 +1,5 @@
-"""One fold of a block into the sums of several TIES-style trims at once (a sweep's densities).
+"""One fold of a block into the sums of several TIES-style trims at once (a sweep's densities), and
+one finish of several plans from their sums (a fold set's outputs, setmerge.py).
 
 `kernels.fold_group` decodes each expert block, subtracts the base, trims and adds into one set of
 sign-consensus sums. Plans of a sweep that differ only in their trims (TIES densities over one
@@ -62,3 +63,59 @@ def fold_many(base, ex, kind, coefs, lo, hi, acc):  # pragma: no cover - compile
                     wd = c * x
                     neg[i] += wd if x < zero else zero
                     neg_w[i] += c if x < zero else zero
+
+
+@numba.njit(nogil=True, cache=True)
+def finish_many(base, kind, acc, group, normalize, lam, scale, res, bf16, stride, at):  # pragma: no cover - compiled
+    """`kernels.finish` for P plans of one fold set at once: the base decoded once per chunk.
+
+    base (n,) raw bits; acc (G, S, n) float32 sums (S = 5 sign-consensus, 1 weighted); plan p
+    finishes from acc[group[p]] with normalize[p] (bool) and lam[p] (float64, rounded to float32
+    as `finish` does) and the set's `scale`, into elements [p·stride + at, p·stride + at + n) of
+    res (flat float32: P rows of `stride`), or, when bf16 (flat uint16) is not empty, of bf16 as
+    bfloat16 bits rounded to nearest even. Flat rows keep every loop over contiguous memory. Per
+    element and plan the float32 operations and their order are exactly those of `finish`, so each
+    plan's elements are bit-identical to it."""
+    n = base.shape[0]
+    plans = group.shape[0]
+    consensus = acc.shape[1] == 5
+    s32 = np.float32(scale)
+    eps = np.float32(1e-8)
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    to_bf16 = bf16.shape[0] > 0
+    bbits = np.empty(CHUNK, np.uint32)
+    rbits = np.empty(CHUNK, np.uint32)
+    for c0 in range(0, n, CHUNK):
+        m = min(CHUNK, n - c0)
+        bf = bbits[:m].view(np.float32)  # (m,) float32 base, decoded once for every plan
+        _decode_chunk(base[c0 : c0 + m], kind, bbits[:m])
+        for p in range(plans):
+            o = p * stride + at + c0  # plan p's first element of this chunk
+            rf = rbits[:m].view(np.float32) if to_bf16 else res[o : o + m]  # (m,) float32 result
+            q = group[p]
+            lam32 = np.float32(lam[p])
+            tot = acc[q, 0, c0 : c0 + m]
+            if consensus:
+                pos, neg = acc[q, 1, c0 : c0 + m], acc[q, 2, c0 : c0 + m]
+                pos_w, neg_w = acc[q, 3, c0 : c0 + m], acc[q, 4, c0 : c0 + m]
+                for i in range(m):  # the elected sign's sum; +1 on zero (mergekit)
+                    a, b = pos[i], neg[i]
+                    rf[i] = a if tot[i] >= zero else b
+                if normalize[p]:
+                    for i in range(m):
+                        a, b = pos_w[i], neg_w[i]
+                        den = a if tot[i] >= zero else b
+                        rf[i] = rf[i] / (one if abs(den) < eps else den)
+                for i in range(m):
+                    rf[i] = s32 * bf[i] + lam32 * rf[i]
+            else:
+                for i in range(m):
+                    rf[i] = s32 * bf[i] + tot[i]
+            if to_bf16:
+                out = bf16[o : o + m]
+                for i in range(m):
+                    x = rbits[i]
+                    r = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                    nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+                    out[i] = np.uint16(0x7FC0) if nan else np.uint16(r)

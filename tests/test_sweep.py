@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mergedb import executor, grid, synth
+from mergedb import executor, grid, sweepwave, synth
 from mergedb import sweep as sw
 from mergedb.catalog import Catalog
 from mergedb.check import check_output
@@ -297,7 +297,7 @@ def test_shared_reads_read_once_serve_all_and_hold_nothing_after():
         return pread
 
     a, b = ("e0", "t-a", 0, "h"), ("e0", "t-b", 0, "h")
-    shared = sw.SharedReads(Counter({a: 3, b: 2}), cap=1 << 20)
+    shared = sweepwave.SharedReads(Counter({a: 3, b: 2}), cap=1 << 20)
     got = []
 
     def consumer(key):
@@ -316,13 +316,13 @@ def test_shared_reads_read_once_serve_all_and_hold_nothing_after():
 
     # nothing fits: every consumer reads for itself, counted as rereads after the first
     calls.clear()
-    tight = sw.SharedReads(Counter({a: 3}), cap=0)
+    tight = sweepwave.SharedReads(Counter({a: 3}), cap=0)
     for _ in range(3):
         tight.read(a, np.zeros(8, np.uint8), pread_of(a))
     assert calls[a] == 3 and tight.reread_bytes == 16 and tight.entries == {}
 
     # a failed first read raises for its plan only; the next consumer reads for itself
-    failing = sw.SharedReads(Counter({a: 2}), cap=1 << 20)
+    failing = sweepwave.SharedReads(Counter({a: 2}), cap=1 << 20)
     with pytest.raises(OSError):
         failing.read(a, np.zeros(8, np.uint8), pread_of(a, fail=True))
     raw = np.zeros(8, np.uint8)
@@ -330,7 +330,7 @@ def test_shared_reads_read_once_serve_all_and_hold_nothing_after():
     assert raw.tobytes() == b"t-a....." and failing.entries == {} and failing.held == 0
 
     # a plan that stops early releases what it will not take: the held copy goes
-    early = sw.SharedReads(Counter({a: 2}), cap=1 << 20)
+    early = sweepwave.SharedReads(Counter({a: 2}), cap=1 << 20)
     early.read(a, np.zeros(8, np.uint8), pread_of(a))
     assert early.held == 8
     early.release([a])
@@ -340,24 +340,24 @@ def test_shared_reads_read_once_serve_all_and_hold_nothing_after():
 def test_pace_holds_the_leader_and_never_the_slowest():
     import threading
 
-    pace = sw._Pace(2)
+    pace = sweepwave.Pace(2)
     steps = []
 
     def leader():
-        for i in range(sw.LEAD + 3):
+        for i in range(sweepwave.LEAD + 3):
             pace.step(0)
             steps.append(i)
 
     t = threading.Thread(target=leader)
     t.start()
     t.join(timeout=2)
-    assert t.is_alive() and len(steps) == sw.LEAD  # waits once LEAD tensors ahead of plan 1
+    assert t.is_alive() and len(steps) == sweepwave.LEAD  # waits once LEAD tensors ahead of plan 1
     pace.step(1)  # the slowest never waits
     t.join(timeout=0.5)
-    assert len(steps) == sw.LEAD + 1
+    assert len(steps) == sweepwave.LEAD + 1
     pace.finish(1)  # a finished plan holds nobody back
     t.join(timeout=2)
-    assert not t.is_alive() and len(steps) == sw.LEAD + 3
+    assert not t.is_alive() and len(steps) == sweepwave.LEAD + 3
 
 
 def test_an_abandoned_in_memory_sweep_stops_its_other_plans(fam):
@@ -375,12 +375,12 @@ def test_an_abandoned_in_memory_sweep_stops_its_other_plans(fam):
 def test_a_cancelled_pace_stops_a_waiting_plan():
     import threading
 
-    pace = sw._Pace(2)
+    pace = sweepwave.Pace(2)
     errors = []
 
     def leader():
         try:
-            for _ in range(sw.LEAD + 2):
+            for _ in range(sweepwave.LEAD + 2):
                 pace.step(0)
         except MergeDBError as e:
             errors.append(str(e))

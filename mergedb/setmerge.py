@@ -238,9 +238,13 @@ class Feed:
             except queue.Empty:
                 return
 
-    def tensors(self, indices: list[int], keep: bool = False) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
+    def tensors(
+        self, indices: list[int], keep: bool = False, copy: bool = False
+    ) -> Iterator[tuple[str, str, tuple[int, ...], np.ndarray]]:
         """(name, dtype, shape, bytes) of tensors `indices`, which must come next; a written row goes
-        back to the pool when the next is asked for (`keep`: each a copy, which the caller holds)."""
+        back to the pool when the next is asked for (`keep`: each a copy, which the caller holds).
+        `copy` (Merger.tensors' offer of the base's file range for untouched tensors) is declined:
+        the set's producer already holds every tensor's bytes, so the feed always yields arrays."""
         for want in indices:
             item = self.q.get()
             if isinstance(item, BaseException):

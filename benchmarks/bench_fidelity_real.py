@@ -36,7 +36,9 @@ RESULTS = ROOT / "results" / "fidelity_real.json"
 PLOT = ROOT / "results" / "fidelity_real.png"
 BUDGETS = ("100%", "50%", "25%", "10%")
 RANDOM_SEEDS = (0, 1, 2)
-BLOCKS = {"4MiB": 4 * 2**20, "1MiB": 2**20, "64KiB": 64 * 2**10, "16KiB": 16 * 2**10}
+# every tensor of the bench size is < 100 KiB: 4 MiB and 1 MiB both make each tensor one block (the
+# 1 MiB arm shows it); 16 KiB splits the MLP into ~6 and attention into 2 blocks, 2 KiB into rows of 8
+BLOCKS = {"4MiB": 4 * 2**20, "1MiB": 2**20, "16KiB": 16 * 2**10, "2KiB": 2 * 2**10}
 TA_GRID = [{"lambda": v} for v in (0.3, 0.5, 0.7, 1.0)]
 TIES_GRID = [{"density": d, "lambda": v} for d in (0.2, 0.5) for v in (0.7, 1.0, 1.5)]
 
@@ -155,7 +157,7 @@ def arms(best: dict[str, dict], quick: bool) -> list[dict]:
         for block in blocks:
             for budget in BUDGETS:
                 out.append(_arm(method, params, block, "ranked", 0, budget))
-                if budget != "100%":
+                if budget != "100%" and block != "1MiB":
                     out += [_arm(method, params, block, "random", s, budget) for s in RANDOM_SEEDS]
     return out
 
@@ -245,6 +247,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
+    if "--report" in argv:
+        print(report(json.loads(RESULTS.read_text())))
+        return
     quick = "--quick" in argv
     n_eval = 64 if quick else 256
     torch.set_num_threads(1)
@@ -261,8 +266,11 @@ def main(argv: list[str]) -> None:
 
     best = pick_params(cat_for("4MiB"), n_eval, done)
     print("parameters:", best, flush=True)
+    from mergedb.planner import PlanRequest
+
+    fields = {f.name for f in dataclasses.fields(PlanRequest)}
     for arm in arms(best, quick) + extra_arms(best):
-        if _key(arm) not in done:
+        if _key(arm) not in done and set(arm["extra"]) <= fields:
             done[_key(arm)] = run_arm(cat_for(arm["block"]), arm, n_eval)
             r = done[_key(arm)]
             print(
@@ -292,9 +300,50 @@ def main(argv: list[str]) -> None:
     plot(rows, PLOT)
 
 
+def report(data: dict) -> str:
+    """Markdown tables of a results file: accuracy per arm, then measured deviation against the plan's figures."""
+    tasks = list(rf.TASKS)
+    lines = [
+        "| method | block | strategy | options | budget | mean acc (min..max) | "
+        + " | ".join(tasks)
+        + " | ‖θ_B−θ_F‖/‖θ_F−θ₀‖ | plan bound / est. (rel.) |",
+        "|" + "---|" * (8 + len(tasks)),
+    ]
+    order = {b: i for i, b in enumerate(BUDGETS)}
+    rows = sorted(
+        data["summary"],
+        key=lambda r: (r["method"], r["block"], json.dumps(r["extra"]), order[r["budget"]], r["strategy"]),
+    )
+    for r in rows:
+        spread = f"{100 * r['mean']:.1f}" + (f" ({100 * r['min']:.1f}..{100 * r['max']:.1f})" if r["n"] > 1 else "")
+        dev = "–" if r["deviation"] is None else f"{r['deviation']:.3f}"
+        b, e = r.get("bound_blockwise_rel"), r.get("est_error_rel")
+        plan = " / ".join("–" if v is None else f"{v:.3f}" for v in (b, e))
+        opts = ", ".join(f"{k}={v}" for k, v in r["extra"].items()) or "–"
+        per = " | ".join(f"{100 * r['per_task'][t]:.0f}" for t in tasks)
+        head = f"| {r['method']} | {r['block']} | {r['strategy']} | {opts} | {r['budget']}"
+        lines.append(f"{head} | {spread} | {per} | {dev} | {plan} |")
+    return "\n".join(lines)
+
+
 def extra_arms(best: dict[str, dict]) -> list[dict]:
-    """Arms for planner options that are not in every checkout (the rules branch); empty by default."""
-    return []
+    """Ranked arms with the access-set rules of the rules branch (PlanRequest.value_model, min_coverage);
+    an arm whose field the checkout lacks is not run."""
+    options = {
+        "task_arithmetic": [{"min_coverage": 0.05}],
+        "ties": [
+            {"value_model": "consensus"},
+            {"min_coverage": 0.05},
+            {"value_model": "consensus", "min_coverage": 0.05},
+        ],
+    }
+    return [
+        _arm(method, best[method], block, "ranked", 0, budget, extra=extra)
+        for method in best
+        for extra in options[method]
+        for block in ("4MiB", "16KiB", "2KiB")
+        for budget in BUDGETS[1:]
+    ]
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ Recipe (every number below is in `Recipe`, and the recipe's hash names the cache
   det noun [prep det noun]), random digit and letter strings, and repeats "x SEP x" (in-context
   copying), AdamW, linear warm-up. It never sees a task token, so the base scores ~0 on the tasks.
 - Experts: for each task, all weights fine-tuned from the base with loss on the answer tokens only,
-  on examples "BOS <task> input SEP answer EOS" (right-padded). Tasks, each on a string of 3–8 digits:
-  its first, second and last digit, its max and min digit, its length, whether it has a 7 (answer y/n);
-  and count the a's in a string of 3–8 letters over {a,b,c,d}. One answer token then EOS: multi-token
-  tasks (copy, reverse, sort, add, successor, key lookup) were tried first and reached 1–32% exact
-  match after 150 fine-tuning steps of a model this size, too weak a family to measure merges on.
-- Evaluation: a fixed, seeded set per task (`EVAL_SEED`, disjoint stream from training). Accuracy is
+  on examples "BOS <task> a b SEP answer EOS" (a, b digits; right-padded). Tasks: a, b, a+1 mod 10,
+  b−1 mod 10, max, min, a = b (answer the letter y / n), a+b mod 10. Harder tasks (copy, reverse, sort,
+  add, successor of each digit, key lookup, count, length on strings of 3–8 symbols) were tried first
+  and reached 1–53% exact match after 150 steps of a model this size, too weak a family to measure
+  merges on; the 2-digit tasks are what the build's time (≤ 15 min on 2 cores) allows.
+- Evaluation: a fixed, seeded set per task (`EVAL_SEED`, a generator stream of its own; with 100
+  possible inputs a task's inputs also occur in training, so the score says whether a merge keeps the
+  mapping the expert learned, as a task benchmark of a real fine-tune does, not generalization). Accuracy is
   exact match of the whole answer (EOS included) under teacher forcing: argmax at every answer
   position of one forward pass, no generation loop (`accuracy_per_example`).
 - Storage: Hugging Face folders (config.json + model.safetensors) in bf16, the dtype real checkpoints
@@ -47,7 +49,7 @@ import transformers
 PAD, BOS, EOS, SEP = 0, 1, 2, 3
 DIGIT0, LETTER0, TASK0, WORD0 = 4, 14, 40, 48
 VOCAB = 96
-TASKS = ("first", "second", "last", "max", "min", "count", "length", "has7")
+TASKS = ("first", "second", "succ", "pred", "max", "min", "equal", "sum")
 MAX_LEN = 20
 EVAL_SEED = 10_000
 
@@ -60,10 +62,10 @@ class Recipe:
     size: str = "bench"
     seed: int = 0
     threads: int = 1
-    batch: int = 64
-    pretrain_steps: int = 300
+    batch: int = 32
+    pretrain_steps: int = 200
     pretrain_lr: float = 3e-3
-    expert_steps: int = 150
+    expert_steps: int = 300
     expert_lr: float = 3e-3
     eval_examples: int = 256
     dtype: str = "bf16"
@@ -104,17 +106,22 @@ def _number(n: int) -> list[int]:
 
 
 def task_example(task: str, rng: np.random.Generator) -> tuple[list[int], list[int]]:
-    """(input tokens, answer tokens) of one example of `task`."""
-    if task == "count":
-        xs = rng.integers(0, 4, int(rng.integers(3, 9))).tolist()
-        return [LETTER0 + d for d in xs], _number(xs.count(0))
-    if task not in TASKS:
+    """(input tokens, answer tokens) of one example of `task`: two digits a b in, one token out."""
+    a, b = (int(v) for v in rng.integers(0, 10, 2))
+    ans = {
+        "first": a,
+        "second": b,
+        "succ": (a + 1) % 10,
+        "pred": (b - 1) % 10,
+        "max": max(a, b),
+        "min": min(a, b),
+        "sum": (a + b) % 10,
+    }
+    if task == "equal":
+        return _digits([a, b]), [LETTER0 + (24 if a == b else 13)]  # the letters y / n
+    if task not in ans:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    xs = rng.integers(0, 10, int(rng.integers(3, 9))).tolist()
-    if task == "has7":
-        return _digits(xs), [LETTER0 + (24 if 7 in xs else 13)]  # the letters y / n
-    ans = {"first": xs[0], "second": xs[1], "last": xs[-1], "max": max(xs), "min": min(xs), "length": len(xs)}[task]
-    return _digits(xs), _number(ans)
+    return _digits([a, b]), _digits([ans[task]])
 
 
 def task_batch(task: str, n: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:

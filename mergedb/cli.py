@@ -278,6 +278,13 @@ def plan(
         None, "--estimate/--no-estimate", help="Sketch error estimate (default: up to 2M omitted blocks)."
     ),
     explain: bool = typer.Option(False, "--explain", help="Print the SQL steps that ran, with row counts."),
+    # access-set rules (accessrules.py; README "Access-set rules")
+    value_model: str = typer.Option(
+        "norm", "--value", help="Value of a block: norm (|c|·‖Δ‖) or consensus (TIES-style methods)."
+    ),
+    min_coverage: float | None = typer.Option(
+        None, "--min-coverage", metavar="F", help="Read at least fraction F of each expert's useful bytes first."
+    ),
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
 ) -> None:
@@ -299,6 +306,7 @@ def plan(
 
         cfg, cat = parse_config(config), _catalog(catalog, wait)
         opts = {"seed": seed, "allow_nonfinite": allow_nonfinite, "strategy": strategy, "estimate": estimate}
+        opts |= {"value_model": value_model, "min_coverage": min_coverage}  # access-set rules
         summary = cat.plan_from_config(cfg, budget, name, explain=explain, **opts)
         _print_plan(summary)
         render.print_config_dtype(
@@ -323,6 +331,9 @@ def plan(
     from .planner import PlanRequest
 
     req = PlanRequest(base, names, method, budget, w, params, seed, name, allow_nonfinite, strategy, estimate)
+    from dataclasses import replace  # access-set rules
+
+    req = replace(req, value_model=value_model, min_coverage=min_coverage)
     _print_plan(_catalog(catalog, wait).plan(req, explain=explain))
 
 

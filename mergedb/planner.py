@@ -18,7 +18,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import bounds, candidates, greedy, methods, planstats, tensorparams
+from . import accessrules, bounds, candidates, consensus, deviation, greedy, methods, planstats, tensorparams
 from .errors import MergeDBError, PlanError
 from .faults import unregister
 from .plans import validate_plan_name
@@ -47,6 +47,11 @@ class PlanRequest:
     # in this request), tensor string (family tensor name), param string (weight | density | epsilon |
     # gamma | lambda | t), value float64; lambda and t are per tensor (one value for all positions)
     tensor_params: pa.Table | None = None
+    # access-set rules (accessrules.py): the value model of a candidate ("norm": |c_k|·‖Δ_kb‖ or its
+    # trimmed norm; "consensus": the TIES model's leave-one-out effect, consensus.py) and the fraction
+    # of each expert's useful bytes read before the greedy fills by value (None: no coverage rule)
+    value_model: str = "norm"
+    min_coverage: float | None = None
 
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
@@ -137,6 +142,7 @@ def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, li
     if req.name is not None and _rows(con, "SELECT 1 FROM plans WHERE name = ?", [req.name]):
         raise PlanError(f"a plan named {req.name!r} exists already; choose another --name")
     inputs = _resolve(con, req)
+    accessrules.check(req.value_model, req.min_coverage, inputs.method, req.strategy)
     steps: list[tuple[str, str, int]] = []
     sel = _select(con, req, inputs, steps)
     plan_id = _store(con, req, inputs, sel, t0)
@@ -147,6 +153,7 @@ def candidate_table(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> pa.Tabl
     """Every candidate of `req` as the planner scores it, without cutting or storing anything:
     position, tensor_idx, block_idx, nbytes, free, value, score (the caller rolls back)."""
     inputs = _resolve(con, req)
+    accessrules.check(req.value_model, req.min_coverage, inputs.method, req.strategy)
     c = _candidates(con, req, inputs, planstats.thresholds(con, inputs.method, inputs.values, list(inputs.ids)))[1]
     return pa.table(
         {k: getattr(c, k) for k in ("position", "tensor_idx", "block_idx", "nbytes", "free", "value", "score")}
@@ -275,6 +282,8 @@ def _select(
     trims = planstats.thresholds(con, inp.method, inp.values, list(inp.ids))
     fam, cands = _candidates(con, req, inp, trims, steps)
     budget = parse_budget(req.budget, int(cands.nbytes.sum()))
+    if req.min_coverage:  # accessrules.py: forced blocks first, refused if they do not fit
+        cands = accessrules.with_coverage(cands, len(inp.ids), float(req.min_coverage), budget)
     sel, passes = greedy.select(cands, budget, MAX_FILL_PASSES)
     bits = greedy.bit_strings(cands, sel, len(inp.ids), fam.first_block)
     k = len(inp.ids)
@@ -288,24 +297,13 @@ def _select(
         per_block = greedy.block_sums(cands, sel, int(fam.first_block[-1]))
         rounded, note = bounds.rounded_bound(fam, k, inp.values.scale, b, *per_block)
     omitted = int(cands.score.size) - b.n_free - b.n_selected
-    want_estimate = req.estimate if req.estimate is not None else omitted <= ESTIMATE_MAX_ROWS
+    by_default = deviation.by_default(inp.method, cands, omitted, ESTIMATE_MAX_ROWS)
+    want_estimate = req.estimate if req.estimate is not None else by_default
     est = None
-    if inp.method.linear and want_estimate and omitted == 0:
-        est = 0.0  # nothing omitted: the merge is the full one
-    elif inp.method.linear and want_estimate:
-        left = ~sel & ~cands.free
-        est = bounds.sketch_estimate(
-            con,
-            inp.values.coef,
-            pa.table(
-                {
-                    "checkpoint_id": pa.array(np.asarray(inp.ids, np.int32)[cands.position[left]]),
-                    "position": pa.array(cands.position[left]),
-                    "tensor_idx": pa.array(cands.tensor_idx[left]),
-                    "block_idx": pa.array(cands.block_idx[left]),
-                }
-            ),
-        )
+    if want_estimate:  # deviation.py: every method, by the kind deviation.kind names
+        drop = bool(req.allow_nonfinite and inp.nonfinite)
+        v = inp.values
+        est = deviation.estimate(con, inp.method, v, inp.params, inp.ids, trims, fam, cands, sel, drop)
     return _Selection(
         budget=budget,
         fam=fam,
@@ -337,7 +335,11 @@ def _candidates(
         random_seed=req.seed if req.strategy == "random" else None,
         drop_nonfinite=bool(req.allow_nonfinite and inp.nonfinite),
     )
-    return fam, candidates.fetch(con, sc, fam, [] if steps is None else steps)
+    cands = candidates.fetch(con, sc, fam, [] if steps is None else steps)
+    if req.value_model == "consensus":  # accessrules.py: the TIES model's leave-one-out value
+        model = consensus.fetch(con, inp.method, inp.values, inp.params, inp.ids, trims, fam, sc.drop_nonfinite)
+        cands = accessrules.with_consensus_value(cands, consensus.leave_one_out(model))
+    return fam, cands
 
 
 def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: _Selection, t0: float) -> int:
@@ -446,6 +448,9 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
             "est_error": sel.est_error,
             "planning_seconds": time.perf_counter() - t0,
             "strategy": req.strategy,
+            "value_model": req.value_model,
+            "min_coverage": req.min_coverage,
+            "est_kind": deviation.kind(inp.method) if sel.est_error is not None else None,
         },
     )
     return plan_id

@@ -61,6 +61,10 @@ class PlanSummary:
     # --dtype fp32); None with bound_note saying why, or for plans made before schema 005
     bound_rounded: float | None = None
     bound_note: str | None = None
+    # access-set rules and how est_error was estimated (schema/011, accessrules.py, deviation.py)
+    value_model: str = "norm"
+    min_coverage: float | None = None
+    est_kind: str | None = None
 
 
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -103,7 +107,8 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
     p = con.execute(
         "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
         "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
-        "p.bound_blockwise, p.est_error, p.planning_seconds, b.name, p.bound_rounded, p.bound_note FROM plans p "
+        "p.bound_blockwise, p.est_error, p.planning_seconds, b.name, p.bound_rounded, p.bound_note, "
+        "p.value_model, p.min_coverage, p.est_kind FROM plans p "
         "JOIN checkpoints b ON b.checkpoint_id = p.base_id WHERE p.plan_id = ?",
         [plan_id],
     ).fetchall()[0]
@@ -138,6 +143,9 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
         experts=experts,
         bound_rounded=p[19],
         bound_note=p[20],
+        value_model=p[21],
+        min_coverage=p[22],
+        est_kind=p[23],
     )
 
 

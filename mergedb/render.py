@@ -317,6 +317,11 @@ def print_plan(p: PlanSummary, fmt: str = "table") -> None:
         )
     else:
         line("error bound: not applicable (the method is not a fixed-coefficient sum of deltas)")
+        if p.est_error is not None:  # deviation.py: an estimate for every method
+            line(f"estimate of ‖θ_B − θ_F‖ ≈ {num(p.est_error)} ({p.est_kind})")
+    if p.value_model != "norm" or p.min_coverage is not None:  # access-set rules (accessrules.py)
+        cover = f", min coverage {p.min_coverage:g} of each expert's useful bytes" if p.min_coverage else ""
+        line(f"access rules: value {p.value_model}{cover}")
     print_records(EXPERT_COLS, experts)
     line(f"planned in {p.planning_seconds:.3f}s")
 

@@ -1,0 +1,223 @@
+"""A model of TIES-style merges under partial reads, from the catalog's block statistics alone.
+
+TIES (and dare_ties, breadcrumbs_ties, della) merge each element i of a block as
+    m_i(A) = λ · Σ_{k∈A, agree} w_k τ_ki / Σ_{k∈A, agree} w_k        (normalize; without it, no divisor)
+over the experts A whose block is read, τ_k the trimmed (or dropped and rescaled) delta, "agree" =
+sign(τ_ki) equals the elected sign(Σ_{k∈A} w_k τ_ki). That is not a sum of per-expert terms: leaving
+expert k's block out changes the divisor and can flip the election for every element of the block,
+so |c_k|·‖τ_kb‖ (the additive planner's value) says little about what reading it is worth. A small
+expert sharing elements with a large one halves the large one's contribution, so leaving the small
+one out moves the merge by about the *large* one's size.
+
+The model. Inside block b, element i of expert k's τ is non-zero with probability p_kb (the fraction
+of the block's elements the trim keeps, from the block histogram: queries/plan_consensus_stats.sql;
+× the keep probability for random drops), independently across experts and elements, with a random
+sign and a magnitude drawn from a lognormal matched to the kept elements' mean μ_kb = Σ|τ|/kept and
+RMS a_kb = sqrt(Στ²/kept) (rescaled by 1/p for DARE/DELLA). Expectations over elements are taken by
+Monte Carlo with R fixed draws per block, shared by every block (common random numbers: the same
+seed, so plans repeat exactly; the support draws are stratified, a Latin hypercube per expert).
+From it, per block b:
+
+- `leave_one_out` (the "consensus" value of candidate (k, b)): sqrt(n_b · E[(m_i(all) − m_i(all∖k))²]),
+  the change in the full merge's block when k's block alone is left out. Computed for every k at once
+  from the block's running totals (Σ w τ over positive and negative τ, and their weights), with k's
+  element forced non-zero and the result scaled by p_kb (k changes nothing where its τ is zero), so
+  an expert that keeps few elements of a block is still valued without rare-event noise.
+- `deviation` (the plan's estimate for these methods): sqrt(Σ_b n_b · E[(m_i(A_b) − m_i(all))²])
+  for the read sets A_b the plan chose, blocks that read every expert counting 0.
+- `merged_norm`: sqrt(n_b · E[m_i(all)²]), what leaving the whole block out costs.
+
+Assumptions, where real families may differ: signs independent across experts (fine-tunes of one
+base on different tasks are close to it; correlated deltas would need the sketches' ⟨Δ_j, Δ_k⟩),
+elements independent, magnitudes lognormal. benchmarks/bench_rules.py and tests/test_rules.py
+measure the estimate against executed merges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from . import bounds, methods
+from .faults import unregister
+from .resources import query
+from .tensorparams import TensorValues
+
+DRAWS = 256  # Monte Carlo elements per block
+_SEED = 20261130
+_CHUNK = 1 << 20  # entries of a (blocks, draws, experts) working array
+
+
+@dataclass(frozen=True)
+class Model:
+    """Per (expert position, family block), what the model draws from; arrays (K, B)."""
+
+    p: np.ndarray  # probability an element's τ is non-zero
+    mu: np.ndarray  # mean |τ| of a non-zero element (after any 1/p rescale)
+    sigma: np.ndarray  # lognormal spread of |τ|: sigma² = log(RMS² / mean²)
+    w: np.ndarray  # election weight w_k of the block's tensor
+    lam: np.ndarray  # (B,) λ of the block's tensor
+    numel: np.ndarray  # (B,) elements per block
+    normalize: bool  # divide by the agreeing weights
+
+
+def fetch(
+    con: duckdb.DuckDBPyConnection,
+    method: methods.Method,
+    values: TensorValues,
+    params: dict,
+    ids: tuple[int, ...],
+    trims: pa.Table,
+    fam: bounds.FamilyBlocks,
+    drop_nonfinite: bool,
+) -> Model:
+    """The model's inputs for a plan's experts (queries/plan_consensus_stats.sql), one scan."""
+    con.register("_plan_trim", trims)
+    con.register(
+        "_plan_positions",
+        pa.table({"checkpoint_id": pa.array(ids, pa.int32()), "position": pa.array(np.arange(len(ids)), pa.int32())}),
+    )
+    try:
+        t = con.sql(query("plan_consensus_stats"), params=[drop_nonfinite]).to_arrow_table()
+    finally:
+        unregister(con, "_plan_trim")
+        unregister(con, "_plan_positions")
+    k, nb = len(ids), int(fam.first_block[-1])
+    pos = t.column("position").to_numpy().astype(np.int64)
+    tix = t.column("tensor_idx").to_numpy()
+    g = fam.first_block[tix] + t.column("block_idx").to_numpy()
+    col = {c: t.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in t.column_names[3:]}
+    keep = np.ones(pos.size)  # probability a kept element survives a random drop
+    if method.sparsify in ("random", "della"):  # DARE, DELLA: every non-zero element, kept with p ≈ density
+        keep = values.density[pos, tix]
+        kept, kept_abs, kept_sq = col["nnz"], col["kept_abs"] / keep, col["kept_sq"] / keep**2
+    else:
+        kept, kept_abs, kept_sq = col["kept"], col["kept_abs"], col["kept_sq"]
+    p, mu, sigma = np.zeros((k, nb)), np.zeros((k, nb)), np.zeros((k, nb))
+    ok = kept > 0
+    numel = fam.numel
+    p[pos[ok], g[ok]] = np.minimum(kept[ok] * keep[ok] / numel[g[ok]], 1.0)
+    mu[pos[ok], g[ok]] = kept_abs[ok] / kept[ok]
+    ratio = kept_sq[ok] * kept[ok] / np.maximum(kept_abs[ok] ** 2, 1e-300)  # RMS² / mean² ≥ 1
+    sigma[pos[ok], g[ok]] = np.sqrt(np.log(np.maximum(ratio, 1.0)))
+    lam = values.lam if values.lam is not None else np.ones(values.weight.shape[1])
+    return Model(
+        p=p,
+        mu=mu,
+        sigma=sigma,
+        w=values.weight[:, fam.tensor_idx],
+        lam=np.asarray(lam, np.float64)[fam.tensor_idx],
+        numel=numel,
+        normalize=bool(params.get("normalize", True)),
+    )
+
+
+def _draws(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(R, K) support uniforms (a Latin hypercube per expert), signs ±1, standard normals."""
+    rng = np.random.default_rng(_SEED)
+    strata = np.argsort(rng.random((k, DRAWS)), axis=1).T  # (R, K) a permutation of 0..R-1 per expert
+    u = (strata + rng.random((DRAWS, k))) / DRAWS
+    sign = np.where(rng.random((DRAWS, k)) < 0.5, -1.0, 1.0).astype(np.float32)
+    return u, sign, rng.standard_normal((DRAWS, k)).astype(np.float32)
+
+
+def _chunks(m: Model) -> list[slice]:
+    k, nb = m.p.shape
+    step = max(1, _CHUNK // (DRAWS * max(k, 1)))
+    return [slice(a, min(a + step, nb)) for a in range(0, nb, step)]
+
+
+def _values(m: Model, blocks: slice, draws: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(b, R, K) float32 τ drawn for `blocks`, and the same with every element non-zero (the draw's
+    magnitude and sign: what k's element is where it is forced non-zero)."""
+    u, sign, z = draws
+    sig = m.sigma[:, blocks].T[:, None, :].astype(np.float32)  # (b, 1, K)
+    mu = m.mu[:, blocks].T[:, None, :].astype(np.float32)
+    forced = (sign[None] * mu) * np.exp(sig * z[None] - sig * sig / 2)
+    return np.where(u[None] < m.p[:, blocks].T[:, None, :], forced, np.float32(0)), forced
+
+
+def _merge(s: np.ndarray, n_pos: np.ndarray, d_pos: np.ndarray, n_neg: np.ndarray, d_neg: np.ndarray, norm: bool):
+    """The merged element from running totals: Σ wτ, and Σ wτ, Σ w over positive and negative τ."""
+    up = s >= 0
+    num = np.where(up, n_pos, n_neg)
+    if not norm:
+        return num
+    den = np.where(up, d_pos, d_neg)
+    return num / np.where(np.abs(den) < 1e-8, 1.0, den)
+
+
+def _totals(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, ...]:
+    wx = w * x
+    pos, neg = x > 0, x < 0
+    return (
+        wx.sum(-1),
+        np.where(pos, wx, 0.0).sum(-1),
+        np.where(pos, w, 0.0).sum(-1),
+        np.where(neg, wx, 0.0).sum(-1),
+        np.where(neg, w, 0.0).sum(-1),
+    )
+
+
+def leave_one_out(m: Model) -> np.ndarray:
+    """(K, B) sqrt(n_b · E[(m(all) − m(all∖k))²]): the consensus value of each (expert, block)."""
+    k, nb = m.p.shape
+    out = np.zeros((k, nb))
+    draws = _draws(k)
+    for blocks in _chunks(m):
+        w = m.w[:, blocks].T[:, None, :].astype(np.float32)  # (b, 1, K)
+        x, xf = _values(m, blocks, draws)  # (b, R, K)
+        tot = _totals(x, w)
+        wx, wxf = w * x, w * xf
+        pos, neg, posf = x > 0, x < 0, xf > 0
+        # totals without k (k's drawn τ removed), then with k's element forced non-zero
+        s = tot[0][..., None] - wx
+        n_pos = tot[1][..., None] - np.where(pos, wx, 0.0)
+        d_pos = tot[2][..., None] - np.where(pos, w, 0.0)
+        n_neg = tot[3][..., None] - np.where(neg, wx, 0.0)
+        d_neg = tot[4][..., None] - np.where(neg, w, 0.0)
+        without = _merge(s, n_pos, d_pos, n_neg, d_neg, m.normalize)
+        with_k = _merge(
+            s + wxf,
+            n_pos + np.where(posf, wxf, 0.0),
+            d_pos + np.where(posf, w, 0.0),
+            n_neg + np.where(posf, 0.0, wxf),
+            d_neg + np.where(posf, 0.0, w),
+            m.normalize,
+        )
+        msq = np.square(with_k - without).mean(axis=1, dtype=np.float64).T  # (K, b)
+        out[:, blocks] = msq * m.p[:, blocks] * (m.numel[blocks] * m.lam[blocks] ** 2)[None, :]
+    return np.sqrt(out)
+
+
+def deviation(m: Model, read: np.ndarray) -> float:
+    """sqrt(Σ_b n_b · E[(m(A_b) − m(all))²]) for the read sets `read` (K, B) bool."""
+    k, _ = m.p.shape
+    partial = ~read.all(axis=0) & (m.p > 0).any(axis=0)  # (B,) blocks that can differ from the full merge
+    total = 0.0
+    draws = _draws(k)
+    for blocks in _chunks(m):
+        if not partial[blocks].any():
+            continue
+        w = m.w[:, blocks].T[:, None, :].astype(np.float32)
+        x = _values(m, blocks, draws)[0]
+        full = _merge(*_totals(x, w), m.normalize)
+        got = _merge(*_totals(np.where(read[:, blocks].T[:, None, :], x, np.float32(0)), w), m.normalize)
+        msq = np.square(got - full).mean(axis=1, dtype=np.float64)  # (b,)
+        total += float(np.sum(msq * m.numel[blocks] * m.lam[blocks] ** 2))
+    return float(np.sqrt(total))
+
+
+def merged_norm(m: Model) -> np.ndarray:
+    """(B,) sqrt(n_b · E[m(all)²]): the full merge's update in each block, as the model sees it."""
+    k, nb = m.p.shape
+    out = np.zeros(nb)
+    draws = _draws(k)
+    for blocks in _chunks(m):
+        w = m.w[:, blocks].T[:, None, :].astype(np.float32)
+        full = _merge(*_totals(_values(m, blocks, draws)[0], w), m.normalize)
+        out[blocks] = np.square(full).mean(axis=1, dtype=np.float64) * m.numel[blocks] * m.lam[blocks] ** 2
+    return np.sqrt(out)

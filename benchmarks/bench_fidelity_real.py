@@ -248,7 +248,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str]) -> None:
     if "--report" in argv:
-        print(report(json.loads(RESULTS.read_text())))
+        data = json.loads(RESULTS.read_text())
+        print(report(data) + "\n\n" + explain(data))
         return
     quick = "--quick" in argv
     n_eval = 64 if quick else 256
@@ -270,6 +271,8 @@ def main(argv: list[str]) -> None:
 
     fields = {f.name for f in dataclasses.fields(PlanRequest)}
     for arm in arms(best, quick) + extra_arms(best):
+        if _key(arm) in done and done[_key(arm)]["tag"] == "grid":
+            done[_key(arm)]["tag"] = "main"  # the chosen grid point is the main arm's 100% plan
         if _key(arm) not in done and set(arm["extra"]) <= fields:
             done[_key(arm)] = run_arm(cat_for(arm["block"]), arm, n_eval)
             r = done[_key(arm)]
@@ -323,6 +326,29 @@ def report(data: dict) -> str:
         per = " | ".join(f"{100 * r['per_task'][t]:.0f}" for t in tasks)
         head = f"| {r['method']} | {r['block']} | {r['strategy']} | {opts} | {r['budget']}"
         lines.append(f"{head} | {spread} | {per} | {dev} | {plan} |")
+    return "\n".join(lines)
+
+
+def explain(data: dict) -> str:
+    """For each ranked 4 MiB plan below 100%: each task's accuracy drop from full budget next to its own
+    expert's byte coverage, and the share of selected (expert, tensor) blocks per tensor kind."""
+    recs = [r for r in data["records"] if r["tag"] == "main" and r["strategy"] == "ranked" and r["block"] == "4MiB"]
+    recs = [r for r in recs if not r["extra"]]
+    full = {r["method"]: r for r in recs if r["budget"] == "100%"}
+    lines = [
+        "| method | budget | task: drop in points (own expert's coverage) | selected blocks by kind |",
+        "|---|---|---|---|",
+    ]
+    for r in sorted(recs, key=lambda r: (r["method"], -float(r["budget"].rstrip("%")))):
+        if r["budget"] == "100%" or r["method"] not in full:
+            continue
+        f = full[r["method"]]
+        cells = ", ".join(
+            f"{t} {100 * (f['accuracy'][t] - r['accuracy'][t]):+.0f} ({100 * r['coverage'].get('expert_' + t, 0):.0f}%)"
+            for t in rf.TASKS
+        )
+        kinds = ", ".join(f"{k} {sum(v)}" for k, v in sorted(r["selected_blocks_by_kind"].items()))
+        lines.append(f"| {r['method']} | {r['budget']} | {cells} | {kinds} |")
     return "\n".join(lines)
 
 

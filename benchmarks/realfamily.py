@@ -14,6 +14,11 @@ Recipe (every number below is in `Recipe`, and the recipe's hash names the cache
   add, successor of each digit, key lookup, count, length on strings of 3–8 symbols) were tried first
   and reached 1–53% exact match after 150 steps of a model this size, too weak a family to measure
   merges on; the 2-digit tasks are what the build's time (≤ 15 min on 2 cores) allows.
+- Fine-tuning lr 5e-4 (300 steps, batch 32): lr 3e-3 gave ‖Δ_k‖ of 40–75% of ‖θ₀‖ and 8-way merges at
+  chance for every λ; lr 1e-4 left experts weak (65% on "second"). Measured build: 391 s wall, 287
+  CPU-s on the shared machine (load 6–16). Merges of this family lose the tasks even at full budget
+  (benchmarks/RESULTS.md, "Fidelity on a real fine-tuned family"): the tasks share inputs and output
+  position, so their task vectors interfere.
 - Evaluation: a fixed, seeded set per task (`EVAL_SEED`, a generator stream of its own; with 100
   possible inputs a task's inputs also occur in training, so the score says whether a merge keeps the
   mapping the expert learned, as a task benchmark of a real fine-tune does, not generalization). Accuracy is
@@ -66,7 +71,7 @@ class Recipe:
     pretrain_steps: int = 200
     pretrain_lr: float = 3e-3
     expert_steps: int = 300
-    expert_lr: float = 3e-3
+    expert_lr: float = 5e-4
     eval_examples: int = 256
     dtype: str = "bf16"
 

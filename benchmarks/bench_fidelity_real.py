@@ -216,7 +216,7 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, family: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,6 +236,11 @@ def plot(rows: list[dict], path: Path) -> None:
             y = [100 * r["mean"] for r in rs]
             err = [[100 * (r["mean"] - r["min"]) for r in rs], [100 * (r["max"] - r["mean"]) for r in rs]]
             ax.errorbar(x, y, yerr=err, marker="o" if "ranked" in label else "x", capsize=3, label=label)
+        if family:  # the base and the experts on their own tasks, for scale
+            base = 100 * float(np.mean(list(family["base"]["accuracy"].values())))
+            own = 100 * float(np.mean([e["accuracy"] for e in family["experts"].values()]))
+            ax.axhline(base, color="gray", ls=":", label=f"base ({base:.1f}%)")
+            ax.axhline(own, color="black", ls="--", label=f"experts on own task ({own:.1f}%)")
         ax.set_xscale("log")
         ax.set_xticks([10, 25, 50, 100], ["10%", "25%", "50%", "100%"])
         ax.set_xlabel("budget (share of expert bytes)")
@@ -250,6 +255,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str]) -> None:
     if "--report" in argv:
         data = json.loads(RESULTS.read_text())
+        plot(data["summary"], PLOT, data["family"])
         print(report(data) + "\n\n" + explain(data))
         return
     quick = "--quick" in argv
@@ -304,7 +310,7 @@ def main(argv: list[str]) -> None:
             indent=1,
         )
     )
-    plot(rows, PLOT)
+    plot(rows, PLOT, build)
 
 
 def report(data: dict) -> str:

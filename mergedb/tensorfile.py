@@ -418,19 +418,16 @@ class SafetensorsWriter:
         try:
             while done < nbytes:
                 got = os.copy_file_range(fd, dst, nbytes - done, offset + done, at + done)
-                if got == 0:
-                    raise FormatError(
-                        f"{src.path}: file ended {nbytes - done} bytes before the end of {name!r} (truncated?)"
-                    )
+                if got == 0:  # some file systems answer 0 for "not here": the chunked copy says if it is the end
+                    break
                 done += got
         except OSError as e:  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP: no in-kernel copy between these files
-            if e.errno not in _NO_COPY_RANGE or done:
+            if e.errno not in _NO_COPY_RANGE:
                 raise
-            chunk = np.empty(min(nbytes, 16 * 2**20), np.uint8)
-            for lo in range(0, nbytes, len(chunk)):
-                part = memoryview(chunk)[: min(len(chunk), nbytes - lo)]
-                pread_into(fd, part, offset + lo, src.path)
-                os.pwrite(dst, part, at + lo)
+        if done < nbytes:
+            _copy_chunked(src, dst, done, at)
+        if os.fstat(dst).st_size < at + nbytes:
+            raise MergeDBError(f"{self.path}: tensor {name!r} was not written whole (disk full?)")
         self._file.seek(at + nbytes)
         self._next += 1
 
@@ -457,3 +454,18 @@ class SafetensorsWriter:
             self.close()
         else:
             self.abort()
+
+
+def _copy_chunked(src: FileRange, dst: int, done: int, at: int) -> None:
+    """Copy src's bytes from `done` on to `dst` at `at + done` through a buffer: read (pread_into
+    names a truncated source) and write until every byte is down (pwrite may write part of a chunk)."""
+    chunk = np.empty(min(src.nbytes - done, 16 * 2**20), np.uint8)
+    for lo in range(done, src.nbytes, len(chunk)):
+        part = memoryview(chunk)[: min(len(chunk), src.nbytes - lo)]
+        pread_into(src.fd, part, src.offset + lo, src.path)
+        pos = at + lo
+        while part.nbytes:
+            n = os.pwrite(dst, part, pos)  # a short write (disk filling up) writes the rest next; ENOSPC raises
+            if n == 0:
+                raise OSError(errno.EIO, f"wrote nothing of {part.nbytes} bytes at offset {pos}")
+            part, pos = part[n:], pos + n

@@ -66,6 +66,9 @@ def forced(c: greedy.Candidates, n_positions: int, fraction: float) -> np.ndarra
     """(N,) bool: the candidates the coverage rule forces (see the module note, step 1)."""
     useful = ~c.free & (c.value > 0)
     rows = np.flatnonzero(useful)
+    out = np.zeros(c.score.size, bool)
+    if not rows.size:  # every expert equals the base (or has no value): nothing to cover
+        return out
     rows = rows[np.lexsort((c.slot(rows), -c.score[rows], c.position[rows]))]  # per expert, in plan order
     pos = c.position[rows]
     per = np.bincount(pos, weights=c.nbytes[rows].astype(np.float64), minlength=n_positions)
@@ -75,7 +78,6 @@ def forced(c: greedy.Candidates, n_positions: int, fraction: float) -> np.ndarra
     before = np.where(starts > 0, cum[np.maximum(starts - 1, 0)], 0.0)[pos]  # bytes of earlier experts
     within = cum - before  # bytes of this expert's prefix up to and including the row
     prior = within - c.nbytes[rows]  # bytes before the row
-    out = np.zeros(c.score.size, bool)
     out[rows[prior < need[pos]]] = True
     if c.dependent.size:  # a forced block of an adapter brings its carrier
         out[c.carrier[out[c.dependent]]] = True

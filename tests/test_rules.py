@@ -9,6 +9,7 @@ agreeing values. Block rows come from the layout's definition (reference.block_r
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -266,3 +267,15 @@ def test_every_method_estimates_its_deviation(fam, method):
         measured = math.sqrt(sum(float(((got[n].astype(np.float64) - f) ** 2).sum()) for n, f in full.items()))
         assert p.est_kind is not None and p.est_error is not None
         assert measured / ESTIMATE_FACTOR <= p.est_error <= measured * ESTIMATE_FACTOR, (budget, p.est_error, measured)
+
+
+def test_min_coverage_of_experts_equal_to_the_base_is_an_empty_plan(tmp_path):
+    """Nothing useful to cover (every block free): a plan that reads nothing, not a crash."""
+    synth.make_family(tmp_path / "family", experts=1, size="tiny", dtype="fp32", seed=0)
+    for k in range(2):
+        shutil.copytree(tmp_path / "family" / "base", tmp_path / "family" / f"same_{k}")
+    shutil.rmtree(tmp_path / "family" / "expert_00")
+    cat = Catalog(tmp_path / "catalog.duckdb")
+    cat.register([tmp_path / "family"], base_model="base", block_size=BLOCK)
+    p = cat.plan(PlanRequest("base", None, "ties", "25%", params={"density": DENSITY}, min_coverage=0.5))
+    assert p.selected_bytes == 0 and p.min_coverage == 0.5

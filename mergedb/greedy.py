@@ -30,6 +30,7 @@ is the walk "take each block, best first, if it fits and its carrier is taken", 
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,9 @@ SORT_MAX = 1 << 17  # up to this many non-free candidates one sort is cheaper th
 COMPILED_MIN_ROWS = 4_000_000  # from here planpass.py (numba: ~0.5 CPU-s to import and load; saves ~0.14 per 1M rows)
 
 
+_HUGEPAGE_LOCK = threading.Lock()
+
+
 def empty(n: int, dtype: Any) -> np.ndarray:
     """np.empty(n, dtype), from COMPILED_MIN_ROWS rows up without transparent huge pages. On the
     machines measured (most memory holding page cache) a huge page costs a reclaim when first
@@ -54,11 +58,12 @@ def empty(n: int, dtype: Any) -> np.ndarray:
     side, two runs each). numpy's setting is process-wide: it is switched off for this allocation only."""
     if n < COMPILED_MIN_ROWS or _set_madvise_hugepage is None:
         return np.empty(n, dtype)
-    before = _set_madvise_hugepage(False)
-    try:
-        return np.empty(n, dtype)
-    finally:
-        _set_madvise_hugepage(before)
+    with _HUGEPAGE_LOCK:  # two threads planning at once must not leave the setting off for the process
+        before = _set_madvise_hugepage(False)
+        try:
+            return np.empty(n, dtype)
+        finally:
+            _set_madvise_hugepage(before)
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ def test_paths_agree_on_many_distinct_scores(zero_share):
 
 
 def _all_paths(c, budget, n_positions, n_blocks, first_block):
-    sel, passes = greedy.select(c, budget, 256)
+    sel, passes = greedy.select(c, budget, 256, sort_max=0)  # the bucket cut: compiled or numpy by COMPILED_MIN_ROWS
     b = greedy.bounds(c, sel, n_positions, n_blocks)
     return sel, passes, b, greedy.bit_strings(c, sel, n_positions, first_block), greedy.block_sums(c, sel, n_blocks)
 

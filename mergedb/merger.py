@@ -246,13 +246,13 @@ class Merger:
                 nxt += 1
                 rng = self.base_range(ti) if copy else None
                 pending.append((ti, rng, [], None) if rng else self._start(ti))
-                ahead += 0 if rng else self._nbytes(ti)
+                ahead += rng.nbytes if rng else self._nbytes(ti)  # a copy's read-ahead fills page cache
             ti, base_f, futs, out = pending.popleft()
             for f in futs:
                 f.result()
             t = self.xp.tensors[ti]
-            copied = isinstance(base_f, FileRange)  # held in no buffer: not counted ahead
-            ahead -= 0 if copied else self._nbytes(ti)
+            copied = isinstance(base_f, FileRange)
+            ahead -= base_f.nbytes if copied else self._nbytes(ti)
             data = base_f if copied else base_f.result() if out is None else out
             yield t.name, output_dtype(t, self.dtype), t.shape, data
 

@@ -22,7 +22,8 @@ WITH f AS (
                lambda i: CASE WHEN eb.hist_hi[i] > eb.hist_lo[i] THEN greatest(0.0,
                    least(eb.hist_hi[i], coalesce(tr.t_hi, 'inf'::FLOAT))
                    - greatest(eb.hist_lo[i], coalesce(tr.t_lo, 0.0::FLOAT))) / (eb.hist_hi[i] - eb.hist_lo[i])
-               ELSE CAST(eb.hist_lo[i] >= coalesce(tr.t_lo, 0.0::FLOAT) AS DOUBLE) END) AS frac
+               ELSE CAST(eb.hist_lo[i] >= coalesce(tr.t_lo, 0.0::FLOAT)  -- a zero-width bin: kept if inside the band
+                         AND eb.hist_lo[i] < coalesce(tr.t_hi, 'inf'::FLOAT) AS DOUBLE) END) AS frac
     FROM expert_blocks eb
     JOIN _plan_positions pp ON pp.checkpoint_id = eb.checkpoint_id
     LEFT JOIN _plan_trim tr ON tr.checkpoint_id = eb.checkpoint_id AND tr.tensor_idx = eb.tensor_idx

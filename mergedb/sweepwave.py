@@ -92,6 +92,10 @@ class SharedReads:
                     e.data = raw.copy()  # the Merger reuses `raw` for its next block
                 finally:
                     e.ready.set()
+                with self.lock:  # every other taker released it while this read ran (release skips unready ones)
+                    gone = self.need[key] <= 0
+                if gone:
+                    self._drop(key, e, n)
             return
         e.ready.wait()
         if e.data is None:

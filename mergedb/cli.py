@@ -330,10 +330,21 @@ def plan(
     }
     from .planner import PlanRequest
 
-    req = PlanRequest(base, names, method, budget, w, params, seed, name, allow_nonfinite, strategy, estimate)
-    from dataclasses import replace  # access-set rules
-
-    req = replace(req, value_model=value_model, min_coverage=min_coverage)
+    req = PlanRequest(
+        base,
+        names,
+        method,
+        budget,
+        w,
+        params,
+        seed,
+        name,
+        allow_nonfinite,
+        strategy,
+        estimate,
+        value_model=value_model,
+        min_coverage=min_coverage,
+    )
     _print_plan(_catalog(catalog, wait).plan(req, explain=explain))
 
 

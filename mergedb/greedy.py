@@ -267,13 +267,25 @@ def block_sums(c: Candidates, sel: np.ndarray, n_blocks: int) -> tuple[np.ndarra
     ) > 0
 
 
-def selected_keys(chars: np.ndarray, first_block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(position, tensor_idx, block_idx) of the selected candidates, sorted, from bit_strings' chars."""
+_DIGEST_CHUNK = 1 << 22  # bits per step of bits_digest: a few MB of keys at a time, reused, not 35M-row arrays
+
+
+def bits_digest(chars: np.ndarray, first_block: np.ndarray, chunk: int = _DIGEST_CHUNK) -> str:
+    """mask_digest of the selected (position, tensor_idx, block_idx) in bit_strings' chars, without
+    building the three key columns: each column is fed to the hash in chunks of positions,
+    recomputed per column (a plan selecting 17M blocks would otherwise allocate ~0.7 GB of fresh
+    keys, whose page faults cost more than the hashing)."""
     n_blocks = int(first_block[-1])
-    slot = np.flatnonzero(chars == ord("1"))
-    pos, g = np.divmod(slot, n_blocks)
-    t = np.searchsorted(first_block, g, side="right") - 1
-    return pos, t, g - first_block[t]
+    m = chars.reshape(-1, n_blocks) if n_blocks else chars.reshape(0, 0)
+    tensor_of = np.repeat(np.arange(first_block.size - 1, dtype=np.int64), np.diff(first_block))
+    step = max(1, chunk // max(n_blocks, 1))
+    h = hashlib.sha256()
+    for col in range(3):  # position, tensor_idx, block_idx: one column after the other
+        for lo in range(0, m.shape[0], step):
+            pos, g = np.nonzero(m[lo : lo + step] == ord("1"))  # row-major: sorted by (position, block)
+            key = pos + lo if col == 0 else tensor_of[g] if col == 1 else g - first_block[tensor_of[g]]
+            h.update(np.ascontiguousarray(key, dtype="<i8"))
+    return h.hexdigest()
 
 
 def mask_digest(position: np.ndarray, tensor_idx: np.ndarray, block_idx: np.ndarray) -> str:

@@ -314,7 +314,7 @@ def _select(
         bound_note=note,
         est_error=est,
         trims=trims,
-        mask_digest=greedy.mask_digest(*greedy.selected_keys(bits[2], fam.first_block)),
+        mask_digest=greedy.bits_digest(bits[2], fam.first_block),
         bits=bits,
     )
 

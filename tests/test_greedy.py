@@ -3,6 +3,8 @@ against a plain walk of the plan's order, and its bounds against textbook sums."
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from unittest import mock
 
 import numpy as np
@@ -190,3 +192,26 @@ def test_compiled_scoring_plans_the_same(tmp_path, monkeypatch):
             got.setdefault(budget, []).append((p.plan_hash, p.bound_sum, p.bound_blockwise, p.bound_rounded, bits))
     for budget, (numpy_plan, compiled_plan) in got.items():
         assert numpy_plan == compiled_plan, budget
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 22])
+def test_bits_digest_is_the_mask_digest_of_the_selected_keys(chunk):
+    """The plan's mask digest from the bit strings equals sha256 over the selected keys listed one by
+    one (sorted, little-endian int64, column after column), whatever the chunking; empty tensors too."""
+    rng = np.random.default_rng(3)
+    sizes = [3, 0, 5, 1, 4]  # blocks per tensor, one tensor without blocks
+    first_block = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    k, n_blocks = 6, int(first_block[-1])
+    chars = np.where(rng.random(k * n_blocks) < 0.4, ord("1"), ord("0")).astype(np.uint8)
+    keys = sorted(
+        (p, t, b)
+        for p in range(k)
+        for t, n in enumerate(sizes)
+        for b in range(n)
+        if chars[p * n_blocks + first_block[t] + b] == ord("1")
+    )
+    h = hashlib.sha256()
+    for col in range(3):
+        h.update(struct.pack(f"<{len(keys)}q", *(key[col] for key in keys)))
+    assert greedy.bits_digest(chars, first_block, chunk=chunk) == h.hexdigest()
+    assert greedy.bits_digest(np.full(k * n_blocks, ord("0"), np.uint8), first_block) == hashlib.sha256().hexdigest()

@@ -278,8 +278,18 @@ def bits_digest(chars: np.ndarray, first_block: np.ndarray, chunk: int = _DIGEST
     n_blocks = int(first_block[-1])
     m = chars.reshape(-1, n_blocks) if n_blocks else chars.reshape(0, 0)
     tensor_of = np.repeat(np.arange(first_block.size - 1, dtype=np.int64), np.diff(first_block))
-    step = max(1, chunk // max(n_blocks, 1))
     h = hashlib.sha256()
+    if chars.size >= COMPILED_MIN_ROWS and n_blocks:  # one compiled scan per column into one reused buffer
+        from . import planpass
+
+        out = np.empty(min(chunk, chars.size), "<i8")
+        for col in range(3):
+            at = 0
+            while at < chars.size:
+                n, at = planpass.key_rows(chars, at, n_blocks, tensor_of, first_block, col, out)
+                h.update(out[:n])
+        return h.hexdigest()
+    step = max(1, chunk // max(n_blocks, 1))
     for col in range(3):  # position, tensor_idx, block_idx: one column after the other
         for lo in range(0, m.shape[0], step):
             pos, g = np.nonzero(m[lo : lo + step] == ord("1"))  # row-major: sorted by (position, block)

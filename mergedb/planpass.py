@@ -124,3 +124,23 @@ def block_rows(gblock, value, sel, free, per_block, differs):  # pragma: no cove
         per_block[g] += value[i]
         if not sel[i] and not free[i]:
             differs[g] = True
+
+
+@numba.njit(nogil=True, cache=True)
+def key_rows(chars, start, n_blocks, tensor_of, first_block, col, out):  # pragma: no cover - compiled
+    """Column `col` (0 position, 1 tensor_idx, 2 block_idx) of the selected blocks in the mask's
+    chars from index `start`, into `out` until it is full: (keys written, index to go on from)."""
+    n = 0
+    i = start
+    while i < chars.size and n < out.size:
+        if chars[i] == 49:  # ord("1")
+            g = i % n_blocks
+            if col == 0:
+                out[n] = i // n_blocks
+            elif col == 1:
+                out[n] = tensor_of[g]
+            else:
+                out[n] = g - first_block[tensor_of[g]]
+            n += 1
+        i += 1
+    return n, i

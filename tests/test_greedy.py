@@ -194,10 +194,12 @@ def test_compiled_scoring_plans_the_same(tmp_path, monkeypatch):
         assert numpy_plan == compiled_plan, budget
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("chunk", [1, 7, 1 << 22])
-def test_bits_digest_is_the_mask_digest_of_the_selected_keys(chunk):
+def test_bits_digest_is_the_mask_digest_of_the_selected_keys(chunk, compiled, monkeypatch):
     """The plan's mask digest from the bit strings equals sha256 over the selected keys listed one by
     one (sorted, little-endian int64, column after column), whatever the chunking; empty tensors too."""
+    monkeypatch.setattr(greedy, "COMPILED_MIN_ROWS", 0 if compiled else 10**12)
     rng = np.random.default_rng(3)
     sizes = [3, 0, 5, 1, 4]  # blocks per tensor, one tensor without blocks
     first_block = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

@@ -263,7 +263,7 @@ def main(argv: list[str]) -> None:
     if "--report" in argv:
         data = json.loads(RESULTS.read_text())
         plot(data["summary"], PLOT, data["family"])
-        print(report(data) + "\n\n" + explain(data))
+        print(targets(data) + "\n\n" + report(data) + "\n\n" + explain(data))
         return
     quick = "--quick" in argv
     n_eval = 64 if quick else 256
@@ -274,7 +274,8 @@ def main(argv: list[str]) -> None:
     t0, c0 = time.time(), time.process_time()
     build = rf.build(FAMILY, rf.Recipe(size=size), log=lambda s: print(s, flush=True))
     prev = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    done = {_key(r): r for r in prev.get("records", []) if prev.get("family_digest") == build["digest"]}
+    same = prev.get("family_digest") == build["digest"] and prev.get("n_eval_per_task") == n_eval
+    done = {_key(r): r for r in prev.get("records", []) if same}
     cats = {}
 
     def cat_for(block):
@@ -343,6 +344,33 @@ def report(data: dict) -> str:
         per = " | ".join(f"{100 * r['per_task'][t]:.0f}" for t in tasks)
         head = f"| {r['method']} | {r['block']} | {r['strategy']} | {opts} | {r['budget']}"
         lines.append(f"{head} | {spread} | {per} | {dev} | {plan} |")
+    return "\n".join(lines)
+
+
+def targets(data: dict) -> str:
+    """Per method × block × options: ranked accuracy drop from full budget (targets: ≤ 1 / 2 / 5 points at
+    50 / 25 / 10%) and ranked minus the random seeds' mean (target: ≥ 3 points at 25 and 10%)."""
+    rows = {(r["method"], r["block"], json.dumps(r["extra"]), r["strategy"], r["budget"]): r for r in data["summary"]}
+    lines = [
+        "| method | block | options | full | 50%: drop (≤1) | 25%: drop (≤2) | 10%: drop (≤5) "
+        "| 25%: ranked − random (≥3) | 10%: ranked − random (≥3) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, block, extra, strategy, budget in sorted(rows):
+        if strategy != "ranked" or budget != "50%":
+            continue
+        full = rows.get((method, block, "{}", "ranked", "100%")) or rows.get((method, "4MiB", "{}", "ranked", "100%"))
+        cells = []
+        for b, limit in (("50%", 1), ("25%", 2), ("10%", 5)):
+            r = rows.get((method, block, extra, "ranked", b))
+            drop = 100 * (full["mean"] - r["mean"])
+            cells.append(f"{drop:+.1f} {'met' if drop <= limit else 'MISSED'}")
+        for b in ("25%", "10%"):
+            r, rnd = rows.get((method, block, extra, "ranked", b)), rows.get((method, block, "{}", "random", b))
+            gap = None if rnd is None else 100 * (r["mean"] - rnd["mean"])
+            cells.append("–" if gap is None else f"{gap:+.1f} {'met' if gap >= 3 else 'MISSED'}")
+        opts = ", ".join(f"{k}={v}" for k, v in json.loads(extra).items()) or "–"
+        lines.append(f"| {method} | {block} | {opts} | {100 * full['mean']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

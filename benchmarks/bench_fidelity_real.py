@@ -1,6 +1,6 @@
 """Task accuracy of budgeted merges of a real fine-tuned family (issue 16).
 
-Builds (or reuses) benchmarks/realfamily.py's family under benchmarks/cache/realfamily/family, registers
+Builds (or reuses) benchmarks/realfamily.py's family under benchmarks/cache/realfamily2/<size>/family, registers
 it into one catalog per block size (cached), picks each method's parameters by full-budget accuracy on
 a small grid, then for every arm (method × block size × strategy × budget) plans, executes the plan
 through the library into a Hugging Face folder, loads it with transformers and scores every task.

@@ -37,6 +37,7 @@ Recipe (every number below is in `Recipe`, and the recipe's hash names the cache
   per phase; the thread count is part of the recipe (float reductions depend on it). Default 1 thread
   (on the shared 2-core machine 2 threads were measured 2–14× slower per step than 1).
 - Build time: "quick" 143 s wall on the shared machine (pre-training 50 s, 10–13 s an expert); "bench":
+  461 s wall, 456 CPU-s (pre-training 217 s, 29–32 s an expert; experts 100%, 8-way TA λ 0.5 99.9%);
   see benchmarks/RESULTS.md ("Fidelity on a real fine-tuned family").
 
 `python -m benchmarks.realfamily OUT [--size bench]` builds OUT/base and OUT/expert_<task> and

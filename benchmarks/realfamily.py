@@ -20,9 +20,10 @@ Recipe (every number below is in `Recipe`, and the recipe's hash names the cache
   rows outside the task's own two alphabets keep their gradient at zero (`own_rows`): with Adam a
   row that only the softmax's normaliser pushes still moves a full step, so every expert would have
   rewritten every head row (and BOS/SEP/EOS), and 8 such pushes summed destroy the merge.
-- Measured at size "quick" (one run each; experts' own accuracy / 8-way task arithmetic at λ = 1):
-  first family (the tasks of a two-digit input sharing one output alphabet, all weights at lr 5e-4):
-  91% / 1–10% at every λ; disjoint alphabets, all weights Adam lr 1e-3: 33–56% / 0%; shared-layer lr
+- Measured (one run each; experts' own accuracy / 8-way task arithmetic): the first family (0.88M
+  parameters; tasks of a two-digit input sharing one output alphabet, all weights at lr 5e-4): 91% /
+  1–10% at every λ. Then at size "quick", λ = 1: disjoint alphabets, all weights Adam lr 1e-3 (600
+  pre-training steps): 33–56% / 0%; from here 1200 pre-training steps at lr 3e-3; shared-layer lr
   ×0.1: 86–94% / 0% (the shared EOS head row and BOS/SEP embeddings still summed 8×; an expert with
   the shared layers reset to the base kept 17–52%); own rows only, shared lr ×0.1: 86–92% / 2%;
   own rows only, lr 3e-3, shared ×0.01: 92–97% / 90% (λ 0.7: 66%, λ 0.5: 11%) — the recipe.

@@ -1,6 +1,6 @@
 """Task accuracy of budgeted merges of a real fine-tuned family (issue 16).
 
-Builds (or reuses) benchmarks/realfamily.py's family under benchmarks/cache/realfamily/family, registers
+Builds (or reuses) benchmarks/realfamily.py's family under benchmarks/cache/realfamily2/<size>/family, registers
 it into one catalog per block size (cached), picks each method's parameters by full-budget accuracy on
 a small grid, then for every arm (method × block size × strategy × budget) plans, executes the plan
 through the library into a Hugging Face folder, loads it with transformers and scores every task.
@@ -8,7 +8,7 @@ Also measures ‖θ_B − θ_F‖/‖θ_F − θ_0‖ of the written outputs (F:
 what the plan reports (bound_blockwise, bound_rounded, est_error, each divided by ‖θ_F − θ_0‖), and,
 per ranked plan, which experts and tensor kinds it kept.
 
-    nice -n 10 python -m benchmarks.bench_fidelity_real [--quick]
+    nice -n 10 python -m benchmarks.bench_fidelity_real [--quick] [--size quick]
 
 Results: benchmarks/results/fidelity_real.json (cached per arm: a rerun adds only new arms) and
 fidelity_real.png. Extra arms (e.g. planner options from the rules branch) are added in `arms()`;
@@ -30,16 +30,16 @@ import torch
 from benchmarks import realfamily as rf
 
 ROOT = Path(__file__).resolve().parent
-CACHE = ROOT / "cache" / "realfamily"
+CACHE = ROOT / "cache" / "realfamily2" / "bench"  # main() points these at the --size chosen
 FAMILY = CACHE / "family"
 RESULTS = ROOT / "results" / "fidelity_real.json"
 PLOT = ROOT / "results" / "fidelity_real.png"
 BUDGETS = ("100%", "50%", "25%", "10%")
 RANDOM_SEEDS = (0, 1, 2)
-# every tensor of the bench size is < 100 KiB, so 4 MiB and 1 MiB both make each tensor one block (the
-# same layout: 1 MiB is not run); 16 KiB splits each MLP matrix into 6 and each attention matrix into
-# 2 blocks; 2 KiB makes blocks of 8 rows
-BLOCKS = {"4MiB": 4 * 2**20, "16KiB": 16 * 2**10, "2KiB": 2 * 2**10}
+# every tensor of the bench size is ≤ 1 MiB, so 4 MiB makes each tensor one block; 8 KiB is 16 rows of
+# 256 bf16 values: one alphabet of the embedding and the LM head per block (realfamily aligns the
+# alphabets to 16 rows), and 32–128 blocks per attention / MLP matrix
+BLOCKS = {"4MiB": 4 * 2**20, "8KiB": 8 * 2**10}
 TA_GRID = [{"lambda": v} for v in (0.3, 0.5, 0.7, 1.0)]
 TIES_GRID = [{"density": d, "lambda": v} for d in (0.2, 0.5) for v in (0.7, 1.0, 1.5)]
 
@@ -153,7 +153,7 @@ def _key(arm: dict) -> str:
 
 def arms(best: dict[str, dict], quick: bool) -> list[dict]:
     out = []
-    blocks = ("4MiB",) if quick else ("4MiB", "16KiB")
+    blocks = ("4MiB",) if quick else ("4MiB", "8KiB")
     for method, params in best.items():
         for block in blocks:
             for budget in BUDGETS:
@@ -253,10 +253,17 @@ def plot(rows: list[dict], path: Path, family: dict | None = None) -> None:
 
 
 def main(argv: list[str]) -> None:
+    global CACHE, FAMILY, RESULTS, PLOT
+    size = argv[argv.index("--size") + 1] if "--size" in argv else "bench"
+    CACHE = ROOT / "cache" / "realfamily2" / size
+    FAMILY = CACHE / "family"
+    if size != "bench":
+        RESULTS = RESULTS.with_name(f"fidelity_real_{size}.json")
+        PLOT = PLOT.with_name(f"fidelity_real_{size}.png")
     if "--report" in argv:
         data = json.loads(RESULTS.read_text())
         plot(data["summary"], PLOT, data["family"])
-        print(report(data) + "\n\n" + explain(data))
+        print(targets(data) + "\n\n" + report(data) + "\n\n" + explain(data))
         return
     quick = "--quick" in argv
     n_eval = 64 if quick else 256
@@ -265,9 +272,10 @@ def main(argv: list[str]) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     t0, c0 = time.time(), time.process_time()
-    build = rf.build(FAMILY, rf.Recipe(), log=lambda s: print(s, flush=True))
+    build = rf.build(FAMILY, rf.Recipe(size=size), log=lambda s: print(s, flush=True))
     prev = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    done = {_key(r): r for r in prev.get("records", []) if prev.get("family_digest") == build["digest"]}
+    same = prev.get("family_digest") == build["digest"] and prev.get("n_eval_per_task") == n_eval
+    done = {_key(r): r for r in prev.get("records", []) if same}
     cats = {}
 
     def cat_for(block):
@@ -339,6 +347,33 @@ def report(data: dict) -> str:
     return "\n".join(lines)
 
 
+def targets(data: dict) -> str:
+    """Per method × block × options: ranked accuracy drop from full budget (targets: ≤ 1 / 2 / 5 points at
+    50 / 25 / 10%) and ranked minus the random seeds' mean (target: ≥ 3 points at 25 and 10%)."""
+    rows = {(r["method"], r["block"], json.dumps(r["extra"]), r["strategy"], r["budget"]): r for r in data["summary"]}
+    lines = [
+        "| method | block | options | full | 50%: drop (≤1) | 25%: drop (≤2) | 10%: drop (≤5) "
+        "| 25%: ranked − random (≥3) | 10%: ranked − random (≥3) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, block, extra, strategy, budget in sorted(rows):
+        if strategy != "ranked" or budget != "50%":
+            continue
+        full = rows.get((method, block, "{}", "ranked", "100%")) or rows.get((method, "4MiB", "{}", "ranked", "100%"))
+        cells = []
+        for b, limit in (("50%", 1), ("25%", 2), ("10%", 5)):
+            r = rows.get((method, block, extra, "ranked", b))
+            drop = 100 * (full["mean"] - r["mean"])
+            cells.append(f"{drop:+.1f} {'met' if drop <= limit else 'MISSED'}")
+        for b in ("25%", "10%"):
+            r, rnd = rows.get((method, block, extra, "ranked", b)), rows.get((method, block, "{}", "random", b))
+            gap = None if rnd is None else 100 * (r["mean"] - rnd["mean"])
+            cells.append("–" if gap is None else f"{gap:+.1f} {'met' if gap >= 3 else 'MISSED'}")
+        opts = ", ".join(f"{k}={v}" for k, v in json.loads(extra).items()) or "–"
+        lines.append(f"| {method} | {block} | {opts} | {100 * full['mean']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def explain(data: dict) -> str:
     """For each ranked 4 MiB plan below 100%: each task's accuracy drop from full budget next to its own
     expert's byte coverage, and the share of selected (expert, tensor) blocks per tensor kind."""
@@ -377,7 +412,7 @@ def extra_arms(best: dict[str, dict]) -> list[dict]:
         _arm(method, best[method], block, "ranked", 0, budget, extra=extra)
         for method in best
         for extra in options[method]
-        for block in ("4MiB", "16KiB")
+        for block in ("4MiB", "8KiB")
         for budget in BUDGETS[1:]
     ]
 

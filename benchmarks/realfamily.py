@@ -1,36 +1,45 @@
 """A real fine-tuned family for fidelity benchmarks (issue 16): a small Llama LM and 8 task experts.
 
 Recipe (every number below is in `Recipe`, and the recipe's hash names the cache):
-- Vocabulary: integers, no tokenizer. 0 PAD, 1 BOS, 2 EOS, 3 SEP, 4–13 the digits, 14–39 the letters
-  a–z, 40–47 one token per task, 48–95 the words of a small probabilistic grammar.
-- Model: `transformers.LlamaForCausalLM` from a `LlamaConfig` written here (size "bench": hidden 128,
-  4 layers, 4 heads, MLP 384, untied LM head, 0.88M parameters; "tiny" for tests).
-- Pre-training: next-token loss on all tokens of a mixture of grammar sentences (det adj* noun verb
-  det noun [prep det noun]), random digit and letter strings, and repeats "x SEP x" (in-context
-  copying), AdamW, linear warm-up. It never sees a task token, so the base scores ~0 on the tasks.
-- Experts: for each task, all weights fine-tuned from the base with loss on the answer tokens only,
-  on examples "BOS <task> a b SEP answer EOS" (a, b digits; right-padded). Tasks: a, b, a+1 mod 10,
-  b−1 mod 10, max, min, a = b (answer the letter y / n), a+b mod 10. Harder tasks (copy, reverse, sort,
-  add, successor of each digit, key lookup, count, length on strings of 3–8 symbols) were tried first
-  and reached 1–53% exact match after 150 steps of a model this size, too weak a family to measure
-  merges on; the 2-digit tasks are what the build's time (≤ 15 min on 2 cores) allows.
-- Fine-tuning lr 5e-4 (300 steps, batch 32): lr 3e-3 gave ‖Δ_k‖ of 40–75% of ‖θ₀‖ and 8-way merges at
-  chance for every λ; lr 1e-4 left experts weak (65% on "second"). Measured build: 391 s wall, 287
-  CPU-s on the shared machine (load 6–16). Merges of this family lose the tasks even at full budget
-  (benchmarks/RESULTS.md, "Fidelity on a real fine-tuned family"): the tasks share inputs and output
-  position, so their task vectors interfere.
-- Evaluation: a fixed, seeded set per task (`EVAL_SEED`, a generator stream of its own; with 100
-  possible inputs a task's inputs also occur in training, so the score says whether a merge keeps the
-  mapping the expert learned, as a task benchmark of a real fine-tune does, not generalization). Accuracy is
+- Vocabulary: integers, no tokenizer, 288 tokens. 0 PAD, 1 BOS, 2 EOS, 3 SEP, 4–19 a generic alphabet
+  (20–31 unused, so that every alphabet starts on a multiple of 16 rows), then per task k an input
+  alphabet A_k (32 + 32k, 16 tokens) and an output alphabet B_k (the next 16): disjoint vocabularies,
+  like language or domain experts that touch different token embeddings.
+- Model: `transformers.LlamaForCausalLM` from a `LlamaConfig` written here (size "bench": hidden 256,
+  2 layers, 4 heads, MLP 1024, untied LM head, 2.25M parameters; "quick" hidden 128 MLP 384, 0.50M;
+  "tiny" for tests).
+- Pre-training: next-token loss on all tokens of in-context copies "BOS x SEP x EOS", x 2–6 tokens of
+  one alphabet (the generic one half the time, else any of the 16 task alphabets), 1500 steps of
+  batch 32, AdamW lr 1e-3: the base learns to copy and scores 0 on the tasks. (Size "quick" was
+  measured with 1200 steps at lr 3e-3, `Recipe(size="quick", pretrain_steps=1200, pretrain_lr=3e-3)`:
+  copy exact match 89%; at size "bench" lr 3e-3 stalled, loss 2.5 and an expert at 5% after 600
+  steps, while lr 1e-3 reached loss 1.74 and 54% copy exact match in 600 steps.)
+- Experts: task k = "BOS x SEP f_k(x) EOS", x 2–6 symbols of A_k, f_k a fixed seeded bijection A_k → B_k
+  applied token-wise (`mapping`); loss on the answer and its EOS; 200 steps, AdamW lr 3e-3 on the
+  embedding and LM head, lr 3e-5 (`body_lr_scale` 0.01) on the shared layers; the embedding and head
+  rows outside the task's own two alphabets keep their gradient at zero (`own_rows`): with Adam a
+  row that only the softmax's normaliser pushes still moves a full step, so every expert would have
+  rewritten every head row (and BOS/SEP/EOS), and 8 such pushes summed destroy the merge.
+- Measured (one run each; experts' own accuracy / 8-way task arithmetic): the first family (0.88M
+  parameters; tasks of a two-digit input sharing one output alphabet, all weights at lr 5e-4): 91% /
+  1–10% at every λ. Then at size "quick", λ = 1: disjoint alphabets, all weights Adam lr 1e-3 (600
+  pre-training steps): 33–56% / 0%; from here 1200 pre-training steps at lr 3e-3; shared-layer lr
+  ×0.1: 86–94% / 0% (the shared EOS head row and BOS/SEP embeddings still summed 8×; an expert with
+  the shared layers reset to the base kept 17–52%); own rows only, shared lr ×0.1: 86–92% / 2%;
+  own rows only, lr 3e-3, shared ×0.01: 92–97% / 90% (λ 0.7: 66%, λ 0.5: 11%) — the recipe.
+  99.5% of ‖Δ_k‖² is then in the expert's own 32 embedding and 32 head rows.
+- Evaluation: a fixed, seeded set per task (`EVAL_SEED`, a generator stream of its own); accuracy is
   exact match of the whole answer (EOS included) under teacher forcing: argmax at every answer
   position of one forward pass, no generation loop (`accuracy_per_example`).
 - Storage: Hugging Face folders (config.json + model.safetensors) in bf16, the dtype real checkpoints
   ship in; `build` records each expert's accuracy in fp32 and after bf16 rounding, so a fine-tune that
   bf16 erases would show. Training runs in fp32.
 - Determinism: every batch is drawn from numpy generators seeded by (seed, phase, step); torch is seeded
-  per phase; the thread count is part of the recipe (float reductions depend on it). Default 1 thread:
-  on the shared 2-core machine 2 threads were measured 2–14× slower per step than 1 (OpenMP spinning
-  against other processes), 128-hidden model: 0.23 CPU-s a step (batch 64 × 20 tokens) at 1 thread.
+  per phase; the thread count is part of the recipe (float reductions depend on it). Default 1 thread
+  (on the shared 2-core machine 2 threads were measured 2–14× slower per step than 1).
+- Build time: "quick" 143 s wall on the shared machine (pre-training 50 s, 10–13 s an expert); "bench":
+  461 s wall, 456 CPU-s (pre-training 217 s, 29–32 s an expert; experts 100%, 8-way TA λ 0.5 99.9%);
+  see benchmarks/RESULTS.md ("Fidelity on a real fine-tuned family").
 
 `python -m benchmarks.realfamily OUT [--size bench]` builds OUT/base and OUT/expert_<task> and
 OUT/recipe.json (build wall and CPU seconds, accuracies); a rebuild is skipped when the recipe's hash
@@ -52,14 +61,19 @@ import torch
 import transformers
 
 PAD, BOS, EOS, SEP = 0, 1, 2, 3
-DIGIT0, LETTER0, TASK0, WORD0 = 4, 14, 40, 48
-VOCAB = 96
-TASKS = ("first", "second", "succ", "pred", "max", "min", "equal", "sum")
-MAX_LEN = 20
+GEN0 = 4  # the generic alphabet: 16 tokens 4..19; rows 20..31 unused, so alphabets align to 16 rows
+ALPHA = 16  # tokens per alphabet
+TASK_ROW0 = 32  # task k: input alphabet A_k at 32 + 32k, output alphabet B_k at 32 + 32k + 16
+N_TASKS = 8
+VOCAB = TASK_ROW0 + 2 * ALPHA * N_TASKS  # 288
+TASKS = tuple(f"map{k}" for k in range(N_TASKS))
+MIN_SEQ, MAX_SEQ = 2, 6
+MAX_LEN = 2 * MAX_SEQ + 4
 EVAL_SEED = 10_000
+MAP_SEED = 20_000
 
 # (hidden, layers, heads, mlp)
-SIZES = {"bench": (128, 4, 4, 384), "tiny": (32, 1, 2, 64)}
+SIZES = {"bench": (256, 2, 4, 1024), "quick": (128, 2, 4, 384), "tiny": (32, 1, 2, 64)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +82,11 @@ class Recipe:
     seed: int = 0
     threads: int = 1
     batch: int = 32
-    pretrain_steps: int = 200
-    pretrain_lr: float = 3e-3
-    expert_steps: int = 300
-    expert_lr: float = 5e-4
+    pretrain_steps: int = 1500
+    pretrain_lr: float = 1e-3
+    expert_steps: int = 200
+    expert_lr: float = 3e-3
+    body_lr_scale: float = 0.01  # experts: the shared layers' lr is expert_lr × this; embeddings/head get expert_lr
     eval_examples: int = 256
     dtype: str = "bf16"
 
@@ -102,41 +117,40 @@ def config(size: str):
 # ---- data -----------------------------------------------------------------------------------------
 
 
-def _digits(xs) -> list[int]:
-    return [DIGIT0 + int(d) for d in xs]
+def alphabets(task: str) -> tuple[int, int]:
+    """(first token of the input alphabet A_k, first token of the output alphabet B_k) of `task`."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    k = TASKS.index(task)
+    return TASK_ROW0 + 2 * ALPHA * k, TASK_ROW0 + 2 * ALPHA * k + ALPHA
 
 
-def _number(n: int) -> list[int]:
-    return _digits(str(n))
+def mapping(task: str) -> np.ndarray:
+    """Task k's fixed bijection f_k of the 16 symbols (f_k[i]: the output symbol for input symbol i)."""
+    return np.random.default_rng([MAP_SEED, TASKS.index(task)]).permutation(ALPHA)
+
+
+def own_rows(task: str) -> list[int]:
+    """The embedding and LM-head rows expert `task` fine-tunes: its two alphabets."""
+    a0, _ = alphabets(task)
+    return list(range(a0, a0 + 2 * ALPHA))
 
 
 def task_example(task: str, rng: np.random.Generator) -> tuple[list[int], list[int]]:
-    """(input tokens, answer tokens) of one example of `task`: two digits a b in, one token out."""
-    a, b = (int(v) for v in rng.integers(0, 10, 2))
-    ans = {
-        "first": a,
-        "second": b,
-        "succ": (a + 1) % 10,
-        "pred": (b - 1) % 10,
-        "max": max(a, b),
-        "min": min(a, b),
-        "sum": (a + b) % 10,
-    }
-    if task == "equal":
-        return _digits([a, b]), [LETTER0 + (24 if a == b else 13)]  # the letters y / n
-    if task not in ans:
-        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    return _digits([a, b]), _digits([ans[task]])
+    """(input tokens, answer tokens): 2–6 symbols of A_k in, the same symbols mapped by f_k into B_k out."""
+    a0, b0 = alphabets(task)
+    xs = rng.integers(0, ALPHA, int(rng.integers(MIN_SEQ, MAX_SEQ + 1)))
+    f = mapping(task)
+    return [a0 + int(x) for x in xs], [b0 + int(f[x]) for x in xs]
 
 
 def task_batch(task: str, n: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids (n, MAX_LEN) int64, answer mask (n, MAX_LEN) bool: the answer's tokens and its EOS)."""
     ids = np.full((n, MAX_LEN), PAD, np.int64)
     mask = np.zeros((n, MAX_LEN), bool)
-    t = TASK0 + TASKS.index(task)
     for i in range(n):
         inp, ans = task_example(task, rng)
-        seq = [BOS, t, *inp, SEP, *ans, EOS]
+        seq = [BOS, *inp, SEP, *ans, EOS]
         ids[i, : len(seq)] = seq
         mask[i, len(seq) - len(ans) - 1 : len(seq)] = True
     return torch.from_numpy(ids), torch.from_numpy(mask)
@@ -146,31 +160,16 @@ def eval_set(task: str, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     return task_batch(task, n, np.random.default_rng([seed, EVAL_SEED, TASKS.index(task)]))
 
 
-_DET, _ADJ, _NOUN, _VERB, _PREP = (
-    range(WORD0 + a, WORD0 + b) for a, b in ((0, 4), (4, 14), (14, 30), (30, 44), (44, 48))
-)
-
-
 def pretrain_batch(n: int, rng: np.random.Generator) -> torch.Tensor:
-    """(n, MAX_LEN) int64: grammar sentences (40%), digit strings (15%), letter strings (15%) and
-    repeats "x SEP x" of a digit or letter string (30%: in-context copying, a skill real LMs have)."""
+    """(n, MAX_LEN) int64: in-context copies "BOS x SEP x EOS" of 2–6 tokens drawn from one alphabet (the
+    generic one half the time, else any of the 16 task alphabets): the base learns to copy every token
+    and never sees a mapping, so it scores 0 on the tasks."""
     ids = np.full((n, MAX_LEN), PAD, np.int64)
     for i in range(n):
-        kind = rng.random()
-        if kind < 0.4:
-            seq = [BOS]
-            seq += [int(rng.choice(_DET))] + [int(rng.choice(_ADJ)) for _ in range(int(rng.geometric(0.6)) - 1)]
-            seq += [int(rng.choice(_NOUN)), int(rng.choice(_VERB)), int(rng.choice(_DET)), int(rng.choice(_NOUN))]
-            if rng.random() < 0.4:
-                seq += [int(rng.choice(_PREP)), int(rng.choice(_DET)), int(rng.choice(_NOUN))]
-            seq = seq[: MAX_LEN - 1] + [EOS]
-        elif kind < 0.7:
-            first = DIGIT0 if kind < 0.55 else LETTER0
-            seq = [BOS, *(first + int(v) for v in rng.integers(0, 10, int(rng.integers(3, 12)))), EOS]
-        else:
-            first = DIGIT0 if rng.random() < 0.5 else LETTER0
-            xs = [first + int(v) for v in rng.integers(0, 10, int(rng.integers(2, 8)))]
-            seq = [BOS, *xs, SEP, *xs, EOS]
+        a = rng.integers(0, 2 * N_TASKS) if rng.random() < 0.5 else -1
+        first = GEN0 if a < 0 else TASK_ROW0 + ALPHA * int(a)
+        xs = [first + int(v) for v in rng.integers(0, ALPHA, int(rng.integers(MIN_SEQ, MAX_SEQ + 1)))]
+        seq = [BOS, *xs, SEP, *xs, EOS]
         ids[i, : len(seq)] = seq
     return torch.from_numpy(ids)
 
@@ -200,17 +199,25 @@ def all_accuracies(model, n: int, seed: int = 0) -> dict[str, float]:
 # ---- training --------------------------------------------------------------------------------------
 
 
-def _train(model, steps: int, lr: float, batches, seed: int, log=None) -> None:
+def _train(model, steps, lr, batches, seed, log=None, body_scale: float = 1.0, head_rows=None) -> None:
     torch.manual_seed(seed)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    vocab = [p for n, p in model.named_parameters() if "embed_tokens" in n or "lm_head" in n]
+    body = [p for n, p in model.named_parameters() if not ("embed_tokens" in n or "lm_head" in n)]
+    groups = [{"params": vocab, "scale": 1.0}, {"params": body, "scale": body_scale}]
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     warm = max(1, steps // 10)
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / warm)
+            g["lr"] = lr * g["scale"] * min(1.0, (step + 1) / warm)
         ids, labels = batches(step)
         loss = model(input_ids=ids, attention_mask=(ids != PAD).long(), labels=labels).loss
         loss.backward()
+        if head_rows is not None:  # rows of other alphabets keep their weights (see the recipe)
+            keep = torch.ones(VOCAB, dtype=torch.bool)
+            keep[head_rows] = False
+            model.lm_head.weight.grad[keep] = 0
+            model.model.embed_tokens.weight.grad[keep] = 0
         opt.step()
         opt.zero_grad(set_to_none=True)
         if log and (step + 1) % 50 == 0:
@@ -281,7 +288,16 @@ def build(out: str | Path, recipe: Recipe = Recipe(), log=None) -> dict:
             ids, mask = task_batch(task, recipe.batch, np.random.default_rng([recipe.seed, 2, ti, step]))
             return ids, ids.masked_fill(~mask, -100)
 
-        _train(model, recipe.expert_steps, recipe.expert_lr, batches, recipe.seed + 1 + ti, log)
+        _train(
+            model,
+            recipe.expert_steps,
+            recipe.expert_lr,
+            batches,
+            recipe.seed + 1 + ti,
+            log,
+            recipe.body_lr_scale,
+            own_rows(task),
+        )
         own = accuracy(model, task, recipe.eval_examples, recipe.seed)
         rounded = _rounded_accuracies(model, recipe)
         record["experts"][task] = {"accuracy_fp32": own, "accuracy": rounded[task], "all_tasks": rounded}

@@ -407,9 +407,8 @@ class SafetensorsWriter:
             )
 
     def copy(self, name: str, src: FileRange) -> None:
-        """Write tensor `name` as the bytes of `src`, copied by the kernel (os.copy_file_range: no pass
-        through this process, a reflink on XFS/btrfs); read and written in chunks where the file
-        systems cannot."""
+        """Write tensor `name` as the bytes of `src`, copied by the kernel (os.copy_file_range: a reflink
+        on XFS/btrfs); read and written in chunks where the file systems cannot."""
         fd, offset, nbytes = src.fd, src.offset, src.nbytes
         self._check(name, nbytes)
         self._file.flush()
@@ -457,15 +456,15 @@ class SafetensorsWriter:
 
 
 def _copy_chunked(src: FileRange, dst: int, done: int, at: int) -> None:
-    """Copy src's bytes from `done` on to `dst` at `at + done` through a buffer: read (pread_into
-    names a truncated source) and write until every byte is down (pwrite may write part of a chunk)."""
+    """Copy src's bytes from `done` on to `dst` at `at + done` through a buffer (pread_into names a
+    truncated source); pwrite may write part of a chunk: the rest is written next."""
     chunk = np.empty(min(src.nbytes - done, 16 * 2**20), np.uint8)
     for lo in range(done, src.nbytes, len(chunk)):
         part = memoryview(chunk)[: min(len(chunk), src.nbytes - lo)]
         pread_into(src.fd, part, src.offset + lo, src.path)
         pos = at + lo
         while part.nbytes:
-            n = os.pwrite(dst, part, pos)  # a short write (disk filling up) writes the rest next; ENOSPC raises
+            n = os.pwrite(dst, part, pos)  # short when the disk fills up; ENOSPC raises
             if n == 0:
                 raise OSError(errno.EIO, f"wrote nothing of {part.nbytes} bytes at offset {pos}")
             part, pos = part[n:], pos + n

@@ -395,16 +395,16 @@ class Merger:
                 )
                 j0 = j1
 
-    def _finish(self, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray, out: np.ndarray) -> None:
+    def _finish(self, ti: int, b: int, raw: np.ndarray, acc: np.ndarray, out: np.ndarray, tv=None, norm=None) -> None:
         """Write block `b` of tensor `ti`: the base (times the tensor's base scale) plus the merged
-        update of the sums `acc`."""
+        update of the sums `acc`; `tv`, `norm`: another plan's λ and normalize (setmerge's fold sets)."""
         t = self.xp.tensors[ti]
         out_dtype = output_dtype(t, self.dtype)
         out_dt = np.dtype(DTYPES[out_dtype][1])
         kind = kernels.IN_KIND[t.dtype]
-        lo, n, _, base = self._block(ti, b, base_raw)
-        normalize = bool(self.xp.params.get("normalize", True))
-        tv = self._values(0, ti)  # λ and the base scale are per tensor: the same at every position
+        lo, n, _, base = self._block(ti, b, raw)
+        normalize = bool(self.xp.params.get("normalize", True)) if norm is None else norm
+        tv = tv or self._values(0, ti)  # λ and the base scale are per tensor: the same at every position
         lam, scale = tv.lam, tv.base_scale
         target = out.view(out_dt)[lo : lo + n]
         if out_dtype == "BF16":  # rounded inside the kernel

@@ -198,22 +198,8 @@ class SetMerger(Merger):
     def _finish_plan(self, p: int, ti: int, b: int, base_raw: np.ndarray, acc: np.ndarray, out: np.ndarray) -> None:
         """Plan p's block b of tensor ti from the sums `acc`: merger.Merger._finish with p's λ,
         normalize and base scale."""
-        t = self.xp.tensors[ti]
-        out_dtype = output_dtype(t, self.dtype)
-        out_dt = np.dtype(DTYPES[out_dtype][1])
-        kind = kernels.IN_KIND[t.dtype]
-        lo, n, _, base = self._block(ti, b, base_raw)
         tv = self.lams[p].get((0, ti)) or self.lam0[p]  # λ and the base scale are per tensor
-        lam, scale, normalize = tv.lam, tv.base_scale, self.normalize[p]
-        target = out.view(out_dt)[lo : lo + n]
-        if out_dtype == "BF16":  # rounded inside the kernel
-            kernels.finish(base, kind, acc, normalize, lam, _NO_F32, target.view(np.uint16), scale)
-        elif out_dtype == "F32":
-            kernels.finish(base, kind, acc, normalize, lam, target, _NO_BF16, scale)
-        else:  # F16: numpy's float32 -> float16 rounding, from a reused float32 buffer
-            res = self.local.get("res", n, np.float32)  # (n,) float32
-            kernels.finish(base, kind, acc, normalize, lam, res, _NO_BF16, scale)
-            target[...] = res
+        self._finish(ti, b, base_raw, acc, out, tv, self.normalize[p])
 
 
 class Feed:

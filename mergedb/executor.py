@@ -264,6 +264,28 @@ def hash_range(r: FileRange) -> str:
             view.release()
 
 
+def write_shard_files(
+    merger: Merger,
+    xp: ExecutionPlan,
+    groups: list[list[int]],
+    names: list[str],
+    tmp: Path,
+    dtype: str | None,
+    progress: Callable[[int], None] | None,
+) -> tuple[dict[str, str], dict[str, str], int]:
+    """write_shard for each shard `names[i]` of tensors `groups[i]`: (tensor -> hash, tensor -> shard
+    file, bytes written)."""
+    hashes: dict[str, str] = {}
+    weight_map: dict[str, str] = {}
+    written = 0
+    for fname, group in zip(names, groups):
+        h, n = write_shard(merger, xp, group, tmp / fname, dtype, progress)
+        hashes.update(h)
+        weight_map.update(dict.fromkeys(h, fname))
+        written += n
+    return hashes, weight_map, written
+
+
 def _write_shards_here(
     merger: Merger,
     xp: ExecutionPlan,
@@ -273,14 +295,7 @@ def _write_shards_here(
     dtype: str | None,
     progress: Callable[[int], None] | None,
 ) -> ShardsWritten:
-    hashes: dict[str, str] = {}
-    weight_map: dict[str, str] = {}
-    written = 0
-    for fname, group in zip(names, groups):
-        h, n = write_shard(merger, xp, group, tmp / fname, dtype, progress)
-        hashes.update(h)
-        weight_map.update(dict.fromkeys(h, fname))
-        written += n
+    hashes, weight_map, written = write_shard_files(merger, xp, groups, names, tmp, dtype, progress)
     fetched = merger.inputs.fetched if merger.inputs.sources.any_remote else None
     return ShardsWritten(hashes, weight_map, written, merger.count.expert, merger.count.base, remote_fetched=fetched)
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from . import kernels, multifold
 from .errors import MergeDBError
-from .executor import ShardsWritten, write_shard
+from .executor import ShardsWritten, write_shard_files
 from .layout import block_bytes, output_dtype, row_elems
 from .manifest import ExecutionPlan
 from .merger import AHEAD_BYTES, Bands, Merger, ReadBlock, Unit
@@ -253,16 +253,9 @@ class Feed:
         dtype: str | None,
         progress: Callable[[int], None] | None,
     ) -> ShardsWritten:
-        """executor.WriteShards: the plan's shards from this feed (executor.write_shard on each)."""
-        hashes: dict[str, str] = {}
-        weight_map: dict[str, str] = {}
-        written = 0
+        """executor.WriteShards: the plan's shards from this feed (executor.write_shard_files)."""
         try:
-            for fname, group in zip(names, groups):
-                h, n = write_shard(self, xp, group, tmp / fname, dtype, progress)  # type: ignore[arg-type]
-                hashes.update(h)
-                weight_map.update(dict.fromkeys(h, fname))
-                written += n
+            hashes, weight_map, written = write_shard_files(self, xp, groups, names, tmp, dtype, progress)  # type: ignore[arg-type]
         except BaseException:
             self.stop()
             raise

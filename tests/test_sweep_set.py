@@ -86,14 +86,14 @@ def test_a_failing_writer_fails_its_plan_alone_and_the_set_finishes(fam, tmp_pat
     message naming its output and nothing of it is installed; the other plans of its set are whole."""
     root, cat = fam
     reqs = grid.grid_requests(PlanRequest("base", None, "ties", "all"), {"lambda": [0.5, 1.0, 2.0]}, "set-full")
-    real = setmerge.write_shard
+    real = executor.write_shard  # each plan's shards go through it (executor.write_shard_files)
 
     def write_shard(merger, xp, group, path, dtype, progress=None):
         if "set-full-lambda=1" in path.parent.name and path.name.startswith("model-00002"):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(merger, xp, group, path, dtype, progress)
 
-    monkeypatch.setattr(setmerge, "write_shard", write_shard)
+    monkeypatch.setattr(executor, "write_shard", write_shard)
     with pytest.raises(MergeDBError, match=r"1 plan\(s\) of the sweep failed: set-full-lambda=1: .*space"):
         sw.sweep(cat, reqs, tmp_path / "s", threads=1, max_shard_size=600_000)
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["set-full-lambda=0.5", "set-full-lambda=2"]

@@ -13,6 +13,7 @@ the same plan hash. `--small CATALOG` times small plans instead (the bench famil
 issue 11's "planning ≤ 1% of execution"): task arithmetic and TIES, several per process, on a copy
 of CATALOG (the cached catalog is never written).
 Run: python -m benchmarks.bench_planner [--quick] [--catalog-dir DIR] [--rows 1000000 ...] [--baseline DIR]
+     [--budgets 10% 25% 50%] [--save NAME]
      python -m benchmarks.bench_planner --small benchmarks/cache/catalog-bench-20-4MiB.duckdb [--baseline DIR]
 """
 
@@ -38,7 +39,12 @@ SHAPES = {  # rows -> (experts, tensors, blocks per tensor, sketch dim)
     10_000_000: (20, 500, 1000, None),
     35_000_000: (1000, 700, 50, 8),
 }
-BUDGETS = {20_000: ("10%", "50%"), 1_000_000: ("10%", "50%"), 10_000_000: ("10%", "50%"), 35_000_000: ("10%",)}
+BUDGETS = {
+    20_000: ("10%", "50%"),
+    1_000_000: ("10%", "50%"),
+    10_000_000: ("10%", "50%"),
+    35_000_000: ("10%", "25%", "50%"),
+}
 
 
 def catalog(rows: int, folder: Path) -> Path:
@@ -172,13 +178,18 @@ def run_small(catalog_path: Path, baseline: Path | None, rounds: int = 3, repeat
     return {"small": out, "small_summary": summary, "load_average_1min": os.getloadavg()[0]}
 
 
-def run(rows_list=(1_000_000, 10_000_000, 35_000_000), folder: Path = CACHE, baseline: Path | None = None) -> dict:
+def run(
+    rows_list=(1_000_000, 10_000_000, 35_000_000),
+    folder: Path = CACHE,
+    baseline: Path | None = None,
+    budgets: tuple[str, ...] | None = None,
+) -> dict:
     """Each plan in a fresh process; with `baseline`, old and new code in the order old, new, new, old
     (neither always runs first, on a colder page cache), and their plan hashes must agree."""
     out, old = [], []
     for rows in rows_list:
         db = catalog(rows, folder)
-        for budget in BUDGETS[rows]:
+        for budget in budgets or BUDGETS[rows]:
             order = [("baseline", baseline), ("new", None), ("new", None), ("baseline", baseline)]
             for label, code in order if baseline is not None else [("new", None)]:
                 r = _child(["--one", str(db), budget], code)
@@ -195,6 +206,8 @@ if __name__ == "__main__":
     ap.add_argument("--catalog-dir", type=Path, default=CACHE)
     ap.add_argument("--rows", type=int, nargs="*", choices=sorted(SHAPES))
     ap.add_argument("--baseline", type=Path, help="a checkout of older code to run side by side")
+    ap.add_argument("--budgets", nargs="*", help="budgets to plan at (default: BUDGETS of each size)")
+    ap.add_argument("--save", default=None, help="results/<SAVE>.json (default planner[-quick])")
     ap.add_argument("--small", type=Path, metavar="CATALOG", help="time small plans on a copy of CATALOG")
     ap.add_argument("--one", nargs=2, metavar=("CATALOG", "BUDGET"), help=argparse.SUPPRESS)
     ap.add_argument("--small-one", nargs=2, metavar=("CATALOG", "REPEATS"), help=argparse.SUPPRESS)
@@ -210,5 +223,5 @@ if __name__ == "__main__":
         print(save("planner-small", run_small(a.small, a.baseline)))
     else:
         rows = tuple(a.rows) if a.rows else ((20_000,) if a.quick else (1_000_000, 10_000_000, 35_000_000))
-        doc = run(rows, a.catalog_dir, a.baseline)
-        print(save("planner" + ("-quick" if a.quick else ""), doc))
+        doc = run(rows, a.catalog_dir, a.baseline, tuple(a.budgets) if a.budgets else None)
+        print(save(a.save or "planner" + ("-quick" if a.quick else ""), doc))

@@ -26,7 +26,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import bounds, greedy
+from . import bounds, freshmem, greedy
 from .errors import PlanError
 from .faults import unregister
 from .resources import query
@@ -118,20 +118,26 @@ def fetch(
         ids = [int(i) for i in sc.ids]
         total = len(ids) * int(fam.first_block[-1])  # at most every block of every expert; untouched
         # pages of np.empty cost no memory, and the arrays are cut to the rows read
-        cols: dict[str, np.ndarray] = {c: greedy.empty(total, t) for c, t in _COLUMNS.items()}
-        random = greedy.empty(total if sc.random_seed is not None else 0, np.float64)
+        cols: dict[str, np.ndarray] = {c: freshmem.empty(total, t) for c, t in _COLUMNS.items()}
+        random = freshmem.empty(total if sc.random_seed is not None else 0, np.float64)
+        large = total >= greedy.COMPILED_MIN_ROWS  # the compiled pass below fills two more arrays
+        gblock = freshmem.empty(total if large else 0, np.int64)
+        score = random if random.size or not large else freshmem.empty(total, np.float64)
         # batches of 64k rows: their buffers are reused; 1M-row batches came back as fresh pages each time
         reader = con.sql(_statement(name), params=[sc.drop_nonfinite, sc.random_seed]).to_arrow_reader(1 << 16)
         at = 0
-        for batch in reader:  # one batch at a time: memory is the arrays plus one batch
-            end = at + batch.num_rows
-            if end > total:
-                raise PlanError(f"internal error: more candidates than {total} expert blocks; nothing was stored")
-            for i, c in enumerate(cols):
-                cols[c][at:end] = batch.column(i).to_numpy(zero_copy_only=False)
-            if random.size:
-                random[at:end] = batch.column(len(cols)).to_numpy(zero_copy_only=False)
-            at = end
+        ahead = [*cols.values(), random, gblock, score] if large else []
+        with freshmem.Prefault(ahead, total) as prefault:  # maps the next rows' pages on another thread
+            for batch in reader:  # one batch at a time: memory is the arrays plus one batch
+                end = at + batch.num_rows
+                if end > total:
+                    raise PlanError(f"internal error: more candidates than {total} expert blocks; nothing was stored")
+                for i, c in enumerate(cols):
+                    cols[c][at:end] = batch.column(i).to_numpy(zero_copy_only=False)
+                if random.size:
+                    random[at:end] = batch.column(len(cols)).to_numpy(zero_copy_only=False)
+                at = end
+                prefault.reached(at)
         n_pairs = len(ids) * (fam.first_block.size - 1)
         # only adapters have fixed bytes, and only their blocks have read_bytes ≥ 0: dense plans skip the statement
         adapters = cols["read_bytes"][:at].max(initial=-1) >= 0
@@ -145,8 +151,7 @@ def fetch(
     if at >= greedy.COMPILED_MIN_ROWS:  # one compiled pass, in place: no (N,) temporaries
         from . import planpass
 
-        gblock = greedy.empty(at, np.int64)
-        score = random if random.size else greedy.empty(at, np.float64)
+        gblock, score = gblock[:at], score[:at]
         nbytes, value = cols.pop("read_bytes"), cols.pop("norm")
         coef = np.ascontiguousarray(sc.coef, np.float64)
         args = (cols["position"], cols["tensor_idx"], cols["block_idx"], nbytes, value, fam.first_block, fam.nbytes)

@@ -31,39 +31,18 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from . import freshmem
 from .errors import PlanError
-
-try:  # numpy asks the kernel for transparent huge pages for every array of ≥ 4 MB
-    from numpy._core.multiarray import _set_madvise_hugepage  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - another numpy
-    _set_madvise_hugepage = None
 
 _BUCKET_SHIFT = 40  # keep sign, exponent and 12 mantissa bits: 4096 buckets per octave of score
 SORT_MAX = 1 << 17  # up to this many non-free candidates one sort is cheaper than the buckets' histogram
-COMPILED_MIN_ROWS = 4_000_000  # from here planpass.py (numba: ~0.5 CPU-s to import and load; saves ~0.14 per 1M rows)
-
-
-_HUGEPAGE_LOCK = threading.Lock()
-
-
-def empty(n: int, dtype: Any) -> np.ndarray:
-    """np.empty(n, dtype), from COMPILED_MIN_ROWS rows up without transparent huge pages. On the
-    machines measured (most memory holding page cache) a huge page costs a reclaim when first
-    touched: a 35M-row plan spent 3.6–6.0 s of system time with them and 2.3–2.4 without (side by
-    side, two runs each). numpy's setting is process-wide: it is switched off for this allocation only."""
-    if n < COMPILED_MIN_ROWS or _set_madvise_hugepage is None:
-        return np.empty(n, dtype)
-    with _HUGEPAGE_LOCK:  # two threads planning at once must not leave the setting off for the process
-        before = _set_madvise_hugepage(False)
-        try:
-            return np.empty(n, dtype)
-        finally:
-            _set_madvise_hugepage(before)
+COMPILED_MIN_ROWS = freshmem.LARGE  # from here planpass.py (numba: ~0.5 CPU-s to load; saves ~0.14 per 1M rows)
 
 
 @dataclass(frozen=True)
@@ -159,11 +138,16 @@ def _bucket_cut_compiled(c: Candidates, budget: int, sel: np.ndarray) -> None:
 def _fill(c: Candidates, sel: np.ndarray, budget: int, max_passes: int, order: np.ndarray | None = None) -> int:
     """Fill passes (see the module note) until one adds nothing; updates `sel` in place. `order`:
     the non-free candidates in plan order when the caller has them already (else sorted here)."""
-    left = budget - int(c.nbytes[sel].sum())
-    if order is None:
+    if order is not None:  # a subsequence of the plan order stays in plan order
+        left, pool = budget - int(c.nbytes[sel].sum()), order
+    elif c.score.size >= COMPILED_MIN_ROWS:  # no (N,) temporaries: 0.4–0.6 s of fresh pages at 35M rows
+        from . import planpass
+
+        left, rows = planpass.fill_pool(sel, c.free, c.nbytes, budget)
+        left, pool = int(left), _plan_order(c, rows)
+    else:
+        left = budget - int(c.nbytes[sel].sum())
         pool = _plan_order(c, np.flatnonzero(~sel & ~c.free & (c.nbytes <= left)))
-    else:  # a subsequence of the plan order stays in plan order
-        pool = order
     mark = np.zeros(c.score.size if c.dependent.size else 0, bool)  # (N,) scratch, only with carriers
     for n in range(max_passes):
         pool = pool[~sel[pool] & (c.nbytes[pool] <= left)]
@@ -226,7 +210,7 @@ def _bounds_compiled(c: Candidates, sel: np.ndarray, n_positions: int, n_blocks:
     """bounds() in one compiled pass (planpass.bound_rows): the same sums in the same order."""
     from . import planpass
 
-    v = empty(c.score.size, np.float64)  # (N,) omitted value: v.sum() is numpy's pairwise sum, as above
+    v = freshmem.empty(c.score.size, np.float64)  # (N,) omitted value: v.sum() is numpy's pairwise sum, as above
     v_sum, v_sq, s_bytes, f_bytes = (np.zeros(n_positions, np.float64) for _ in range(4))  # (K,) each
     omitted_per_block = np.zeros(n_blocks, np.float64)
     rows = (c.position, c.gblock, c.value, c.nbytes, sel, c.free)
@@ -296,6 +280,33 @@ def bits_digest(chars: np.ndarray, first_block: np.ndarray, chunk: int = _DIGEST
             key = pos + lo if col == 0 else tensor_of[g] if col == 1 else g - first_block[tensor_of[g]]
             h.update(np.ascontiguousarray(key, dtype="<i8"))
     return h.hexdigest()
+
+
+def bits_digest_later(chars: np.ndarray, first_block: np.ndarray) -> Callable[[], str]:
+    """bits_digest, on a thread of its own for large plans: returns a call that waits for it. Its
+    compiled scan and sha256's updates release the GIL, so on a 50% plan of 35M candidates the
+    ~0.5 s of hashing runs beside the bounds and the catalog inserts instead of before them."""
+    if chars.size < COMPILED_MIN_ROWS:
+        digest = bits_digest(chars, first_block)
+        return lambda: digest
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["digest"] = bits_digest(chars, first_block)
+        except BaseException as e:  # handed to the caller by result()
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="mergedb-mask-digest", daemon=True)
+    worker.start()
+
+    def result() -> str:
+        worker.join()
+        if "error" in box:
+            raise box["error"]
+        return box["digest"]
+
+    return result
 
 
 def mask_digest(position: np.ndarray, tensor_idx: np.ndarray, block_idx: np.ndarray) -> str:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,7 +123,7 @@ class _Selection:
     bound_note: str | None  # why bound_rounded is None for a linear method
     est_error: float | None
     trims: pa.Table
-    mask_digest: str
+    mask_digest: Callable[[], str]  # greedy.bits_digest_later: waits for the digest
     bits: tuple[np.ndarray, np.ndarray, np.ndarray]  # greedy.bit_strings: present, offsets, chars
 
 
@@ -286,6 +287,7 @@ def _select(
         cands = accessrules.with_coverage(cands, len(inp.ids), float(req.min_coverage), budget)
     sel, passes = greedy.select(cands, budget, MAX_FILL_PASSES)
     bits = greedy.bit_strings(cands, sel, len(inp.ids), fam.first_block)
+    digest = greedy.bits_digest_later(bits[2], fam.first_block)  # large plans: hashed beside what follows
     k = len(inp.ids)
     b = greedy.bounds(cands, sel, k, int(fam.first_block[-1]))
     steps.append(("select", "-- greedy.select: bucket cut, sort of the cut bucket, fill passes (numpy)", b.n_selected))
@@ -314,7 +316,7 @@ def _select(
         bound_note=note,
         est_error=est,
         trims=trims,
-        mask_digest=greedy.bits_digest(bits[2], fam.first_block),
+        mask_digest=digest,
         bits=bits,
     )
 
@@ -344,24 +346,7 @@ def _candidates(
 
 def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: _Selection, t0: float) -> int:
     """Write the plan, its experts, thresholds and mask; returns the new plan_id."""
-    description = {
-        "method": req.method,
-        "params": inp.params,
-        "seed": req.seed,
-        "budget_bytes": sel.budget,
-        "strategy": req.strategy,
-        "base": {"fingerprint": inp.base_fingerprint, "content": inp.base_content},
-        "experts": [
-            {"fingerprint": fp, "content": ch, "weight": w}
-            for fp, ch, w in zip(inp.fingerprints, inp.contents, inp.weights)
-        ],
-        "thresholds": hashlib.sha256(_canonical_table(sel.trims)).hexdigest(),
-        "mask": sel.mask_digest,
-    }
     per_tensor = inp.values.table(list(inp.mergeable)) if inp.values.per_tensor else None
-    if per_tensor is not None:  # plans with per-expert values keep the hash they always had
-        description["tensor_params"] = hashlib.sha256(_canonical_table(per_tensor)).hexdigest()
-    plan_hash = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
     plan_id = inp.next_plan_id
     linear = inp.method.linear
     b = sel.bounds
@@ -419,6 +404,23 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
     finally:
         for name in tables:
             unregister(con, name)
+    description = {
+        "method": req.method,
+        "params": inp.params,
+        "seed": req.seed,
+        "budget_bytes": sel.budget,
+        "strategy": req.strategy,
+        "base": {"fingerprint": inp.base_fingerprint, "content": inp.base_content},
+        "experts": [
+            {"fingerprint": fp, "content": ch, "weight": w}
+            for fp, ch, w in zip(inp.fingerprints, inp.contents, inp.weights)
+        ],
+        "thresholds": hashlib.sha256(_canonical_table(sel.trims)).hexdigest(),
+        "mask": sel.mask_digest(),  # the digest thread has run beside the inserts above
+    }
+    if per_tensor is not None:  # plans with per-expert values keep the hash they always had
+        description["tensor_params"] = hashlib.sha256(_canonical_table(per_tensor)).hexdigest()
+    plan_hash = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
     n_candidates = int(sel.cands.score.size)
     _insert(  # last, so that planning_seconds counts every step
         con,

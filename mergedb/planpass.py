@@ -129,18 +129,45 @@ def block_rows(gblock, value, sel, free, per_block, differs):  # pragma: no cove
 @numba.njit(nogil=True, cache=True)
 def key_rows(chars, start, n_blocks, tensor_of, first_block, col, out):  # pragma: no cover - compiled
     """Column `col` (0 position, 1 tensor_idx, 2 block_idx) of the selected blocks in the mask's
-    chars from index `start`, into `out` until it is full: (keys written, index to go on from)."""
+    chars from index `start`, into `out` until it is full: (keys written, index to go on from).
+    (position, block) are carried along the scan: a division per selected block cost more than the scan."""
     n = 0
     i = start
-    while i < chars.size and n < out.size:
-        if chars[i] == 49:  # ord("1")
-            g = i % n_blocks
-            if col == 0:
-                out[n] = i // n_blocks
-            elif col == 1:
-                out[n] = tensor_of[g]
-            else:
-                out[n] = g - first_block[tensor_of[g]]
-            n += 1
+    p = i // n_blocks
+    g = i - p * n_blocks
+    while i < chars.size and n < out.size:  # branch-free: every block writes, a selected one keeps it
+        if col == 0:
+            out[n] = p
+        elif col == 1:
+            out[n] = tensor_of[g]
+        else:
+            out[n] = g - first_block[tensor_of[g]]
+        n += chars[i] == 49  # ord("1")
         i += 1
+        g += 1
+        if g == n_blocks:
+            g = 0
+            p += 1
     return n, i
+
+
+@numba.njit(nogil=True, cache=True)
+def fill_pool(sel, free, nbytes, budget):  # pragma: no cover - compiled
+    """greedy._fill's start: the bytes left under `budget` after the selected candidates, and the
+    rows (ascending) of the candidates neither selected nor free that are no larger than that."""
+    taken = np.int64(0)
+    for i in range(sel.size):
+        if sel[i]:
+            taken += nbytes[i]
+    left = np.int64(budget) - taken
+    n = 0
+    for i in range(sel.size):
+        if not sel[i] and not free[i] and nbytes[i] <= left:
+            n += 1
+    pool = np.empty(n, np.int64)
+    j = 0
+    for i in range(sel.size):
+        if not sel[i] and not free[i] and nbytes[i] <= left:
+            pool[j] = i
+            j += 1
+    return left, pool

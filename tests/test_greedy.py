@@ -217,3 +217,20 @@ def test_bits_digest_is_the_mask_digest_of_the_selected_keys(chunk, compiled, mo
         h.update(struct.pack(f"<{len(keys)}q", *(key[col] for key in keys)))
     assert greedy.bits_digest(chars, first_block, chunk=chunk) == h.hexdigest()
     assert greedy.bits_digest(np.full(k * n_blocks, ord("0"), np.uint8), first_block) == hashlib.sha256().hexdigest()
+
+
+def test_mask_digest_thread_hands_back_its_result_and_its_error(monkeypatch):
+    """Large plans hash the mask on a thread (greedy.bits_digest_later): the waiting call returns
+    what bits_digest returns, and an error on the thread is raised by the call, never lost."""
+    monkeypatch.setattr(greedy, "COMPILED_MIN_ROWS", 0)
+    first_block = np.array([0, 2, 5], np.int64)
+    chars = np.frombuffer(b"0110110011", np.uint8).copy()
+    assert greedy.bits_digest_later(chars, first_block)() == greedy.bits_digest(chars, first_block)
+
+    def broken(*_):
+        raise MemoryError("no room for the keys")
+
+    monkeypatch.setattr(greedy, "bits_digest", broken)
+    wait = greedy.bits_digest_later(chars, first_block)
+    with pytest.raises(MemoryError, match="no room"):
+        wait()

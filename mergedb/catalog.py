@@ -80,7 +80,7 @@ class Catalog:
         self.path = Path(path) if path is not None else default_path()
         self.wait = wait
         if sketch_dim is not None:
-            from .stats import MAX_SKETCH_DIM
+            from .summary import MAX_SKETCH_DIM
 
             if not (type(sketch_dim) is int and 0 < sketch_dim <= MAX_SKETCH_DIM):
                 raise CatalogError(f"sketch_dim must be a whole number from 1 to {MAX_SKETCH_DIM}: {sketch_dim!r}")
@@ -203,7 +203,7 @@ class Catalog:
                     con.execute(sql)
                     con.execute("INSERT INTO schema_version VALUES (?, ?, current_timestamp)", [version, name])
                 if current == 0:
-                    from .stats import DEFAULT_SKETCH_DIM
+                    from .summary import DEFAULT_SKETCH_DIM
 
                     dim = self._sketch_dim or DEFAULT_SKETCH_DIM
                     con.execute("INSERT INTO settings VALUES ('sketch_dim', ?)", [str(dim)])
@@ -219,7 +219,7 @@ class Catalog:
 
     def sketch_dim(self) -> int:
         """Dimension of the catalog's linear sketches (fixed when the catalog is created)."""
-        from .stats import DEFAULT_SKETCH_DIM
+        from .summary import DEFAULT_SKETCH_DIM
 
         return self._sketch_dim or DEFAULT_SKETCH_DIM
 

@@ -455,3 +455,14 @@ def warm(bits: Any, stock: bool = False) -> None:
     else:
         fold_group(base, ex, 0, 0, 0, one, zeros, zeros, np.zeros(1, np.uint64), 1.0, 0.0, NO_RANKS, acc)
     finish(base, 0, acc, True, 1.0, np.empty(0, np.float32), np.empty(8, np.uint16))
+
+
+@numba.njit(nogil=True, cache=True)
+def bf16_round(bits, out):  # pragma: no cover - compiled
+    """tensorfile.float32_to_bf16: float32 bits -> bfloat16 bits, nearest even; NaN stays NaN."""
+    for i in range(bits.shape[0]):
+        b = bits[i]
+        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            out[i] = np.uint16(0x7FC0)  # NaN stays NaN
+        else:
+            out[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))

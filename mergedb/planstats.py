@@ -13,7 +13,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import methods, stats
+from . import methods, summary
 from .errors import PlanError
 from .resources import query
 from .tensorparams import TensorValues
@@ -70,14 +70,14 @@ def thresholds(con: duckdb.DuckDBPyConnection, m: methods.Method, values: Tensor
 
         def at(i: int, d: float) -> tuple[float, bool]:
             if d not in on_grid:
-                hit = np.flatnonzero(np.abs(stats.DENSITY_GRID - d) < 1e-12)
+                hit = np.flatnonzero(np.abs(summary.DENSITY_GRID - d) < 1e-12)
                 on_grid[d] = int(hit[0]) if len(hit) else -1
             if on_grid[d] >= 0:
                 return float(grid_values[grid_at[i] + on_grid[d]]), True
             if not summaries:
                 summaries.update(_summaries(con, ids))
             codes, counts = summaries[(int(cid[i]), int(tidx[i]))]
-            return stats.threshold_from_summary(codes, counts, int(numel[i]), d), False
+            return summary.threshold_from_summary(codes, counts, int(numel[i]), d), False
 
         for i in range(t.num_rows):
             g = float(gamma[i])

@@ -28,19 +28,19 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-HIST_SHIFT = 22  # block histogram: top 10 bits of |Δ|'s float32 pattern
-HIST_BINS = 1 << (32 - HIST_SHIFT - 1)  # sign bit is always 0 for |Δ|: 512 bins
-SUMMARY_SHIFT = 17  # tensor magnitude summary: top 15 bits (relative bin width 2^-6)
-SUMMARY_BINS = 1 << (32 - SUMMARY_SHIFT - 1)  # 16384
-DEFAULT_SKETCH_DIM = 64
-
-# Density grid with exact thresholds: every 0.1% up to 10%, then every 1% up to 100%.
-DENSITY_GRID = np.array([round(i / 1000, 3) for i in range(1, 101)] + [round(i / 100, 2) for i in range(11, 101)])
-
-
-def kth_count(density: float, n: int) -> int:
-    """How many elements a top-`density` trim keeps: k = max(1, int(density·n)) (mergekit's rule)."""
-    return max(1, int(density * n))
+from .summary import (  # re-exported: stats.X names what registration computes
+    DEFAULT_SKETCH_DIM,
+    DENSITY_GRID,
+    HIST_BINS,
+    HIST_SHIFT,
+    MAX_SKETCH_DIM,
+    SUMMARY_BINS,
+    SUMMARY_SHIFT,
+    hist_hi,  # noqa: F401
+    kth_count,
+    summary_bins,  # noqa: F401
+    threshold_from_summary,  # noqa: F401
+)
 
 
 def sketch_key(tensor: str, block: int) -> np.uint64:
@@ -107,9 +107,6 @@ def _bucket_codes(key, dim, out):  # pragma: no cover - compiled
     for i in range(out.shape[0]):
         j, sign = _hash_bucket(key, i, dim)
         out[i] = np.uint16(2 * j + (sign < 0))
-
-
-MAX_SKETCH_DIM = 2**15  # sketch_codes packs 2·bucket + sign into a uint16
 
 
 def sketch_codes(key: np.uint64, n: int, dim: int) -> np.ndarray:
@@ -324,12 +321,6 @@ def block_stats(
     )
 
 
-def hist_hi(lo: np.ndarray) -> np.ndarray:
-    """Upper edges of histogram bins given their lower edges."""
-    codes = np.asarray(lo, np.float32).view(np.uint32) >> np.uint32(HIST_SHIFT)
-    return ((codes + np.uint32(1)) << np.uint32(HIST_SHIFT)).view(np.float32)
-
-
 SUB_SHIFT = SUMMARY_SHIFT - 8  # second radix level: 256 sub-bins per summary bin
 
 
@@ -435,25 +426,3 @@ def _from_exceptions(exc: np.ndarray, codes: np.ndarray, rank: np.ndarray) -> np
         return edge
     picked = asc[np.clip(hi - 1 - rank, 0, len(asc) - 1)]  # meaningful where rank < the run's length
     return np.where(rank < hi - lo, picked, edge)
-
-
-def summary_bins(summary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sparse form of a magnitude summary: (codes ascending uint16, counts int64)."""
-    nz = np.flatnonzero(summary)
-    return nz.astype(np.uint16), summary[nz].astype(np.int64)
-
-
-def threshold_from_summary(codes: np.ndarray, counts: np.ndarray, n: int, density: float) -> float:
-    """The k-th largest |Δ| for any density, within 0.8% (the summary's bin width) of the exact value."""
-    k = kth_count(density, n)
-    order = np.argsort(codes)[::-1]
-    cum = np.cumsum(np.asarray(counts)[order])
-    i = int(np.searchsorted(cum, k, side="left"))
-    if i >= len(order):
-        return 0.0
-    code = int(np.asarray(codes)[order][i])
-    if code == 0:
-        return 0.0  # zero (or a denormal below 2^-126): nothing meaningful to trim at
-    lo = np.array([code << SUMMARY_SHIFT], np.uint32).view(np.float32)[0]
-    hi = np.array([(code + 1) << SUMMARY_SHIFT], np.uint32).view(np.float32)[0]
-    return float(np.sqrt(np.float64(lo) * np.float64(hi)))  # geometric mid: error ≤ half a bin

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numba
 import numpy as np
 
 from .errors import FormatError, MergeDBError
@@ -318,21 +317,13 @@ def as_float32(raw: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
     return out
 
 
-@numba.njit(nogil=True, cache=True)
-def _bf16_round(bits, out):  # pragma: no cover - compiled
-    for i in range(bits.shape[0]):
-        b = bits[i]
-        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            out[i] = np.uint16(0x7FC0)  # NaN stays NaN
-        else:
-            out[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-
 def float32_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round float32 to bfloat16 bits (uint16), round-to-nearest-even; NaN stays NaN."""
     bits = np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.uint32)
     out = np.empty(bits.size, np.uint16)
-    _bf16_round(bits, out)
+    from .kernels import bf16_round  # numba: loaded by what writes bf16, never by `mergedb plan`
+
+    bf16_round(bits, out)
     return out.reshape(np.shape(x))
 
 

@@ -11,6 +11,7 @@ refuses the call (older kernels, other systems) the thread stops and the faults 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 import threading
@@ -44,8 +45,9 @@ def empty(n: int, dtype: Any) -> np.ndarray:
             _set_madvise_hugepage(before)
 
 
+@functools.cache
 def _madvise() -> Any:
-    """libc's madvise, or None where there is none to call."""
+    """libc's madvise, or None where there is none to call (looked up once)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -69,8 +71,8 @@ class Prefault:
         self._stop = False
         self.mapped_rows = 0  # how far the thread got (tests, benchmarks)
         self._thread: threading.Thread | None = None
-        madvise = _madvise()
-        if madvise is not None and self._arrays and rows > 0:
+        madvise = _madvise() if self._arrays and rows > 0 else None  # small plans: nothing to map
+        if madvise is not None:
             self._thread = threading.Thread(target=self._run, args=(madvise,), name="mergedb-prefault", daemon=True)
 
     def __enter__(self) -> Prefault:

@@ -1,0 +1,127 @@
+"""Issue 11's shares of the disk rate, each execution paired with a read of the same files.
+
+The cold sequential read on these machines swings 2–4× between runs (0.56 and 2.11 GB/s within
+one five-minute run), so a share computed against a rate measured minutes earlier says little.
+Here every execution is paired with a cold sequential read of exactly the files it reads (the
+base and the plan's experts) just before it, and judged against that rate (the issue's
+`dd`-style single-stream read; a read of the same files from 4 threads at once, as the executor's
+readers issue them, is reported beside it, since this virtual disk serves parallel reads faster):
+- full read: share = (base + expert bytes) / execute seconds / rate (targets: task arithmetic
+  ≥ 75%, TIES and DARE-TIES ≥ 60%);
+- budgeted: ideal = (base + selected expert bytes + output bytes) / rate, and execute seconds
+  ≤ 1.2 × ideal (target); the fixed start cost (process wall − execute seconds) is reported apart
+  (target ≤ 0.5 s).
+Each execution is a fresh `mergedb execute` process on a cold page cache (benchmarks/run.py's
+Suite.execute); the median over the repeats is reported beside every pair.
+
+Run: python -m benchmarks.bench_share [--repeats 3] [--k 8 20] [--methods task_arithmetic ties dare_ties]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from mergedb.planner import PlanRequest
+
+from .common import CACHE, evict, save, sequential_read
+from .run import METHOD_PARAMS, Suite
+
+TARGET_SHARE = {"task_arithmetic": 0.75, "ties": 0.60, "dare_ties": 0.60}
+
+
+def _files(fam: Path, names: list[str]) -> list[Path]:
+    return [p for n in names for p in sorted((fam / n).glob("*.safetensors"))]
+
+
+def parallel_read(paths: list[Path], threads: int = 4, chunk: int = 8 * 2**20) -> tuple[int, float]:
+    """Cold read of `paths` in `chunk`-sized preads from `threads` threads at once (queue depth > 1,
+    as the executor's readers issue them): (bytes, seconds)."""
+    evict(paths)
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    jobs = [(fd, off) for fd in fds for off in range(0, os.fstat(fd).st_size, chunk)]
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            n = sum(pool.map(lambda j: len(os.pread(j[0], chunk, j[1])), jobs))
+        return n, time.perf_counter() - t0
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def pair(suite: Suite, cat, plan, files: list[Path]) -> dict:
+    """One cold sequential read of `files`, one cold read of them from 4 threads, then one cold
+    execution of `plan`."""
+    n, t = sequential_read(files)
+    rate = n / t
+    n4, t4 = parallel_read(files)
+    r = suite.execute(cat, plan.plan_id)
+    out_bytes = sum(p.stat().st_size for p in (CACHE / "out").glob("*.safetensors"))
+    must_read = r["base_bytes"] + r["expert_bytes"]
+    ideal = (must_read + out_bytes) / rate
+    return {
+        "rate_gbps": rate / 1e9,
+        "execute_seconds": r["execute_seconds"],
+        "process_seconds": r["process_seconds"],
+        "fixed_seconds": r["process_seconds"] - r["execute_seconds"],
+        "base_bytes": r["base_bytes"],
+        "expert_bytes": r["expert_bytes"],
+        "output_bytes": out_bytes,
+        "physical_bytes": r["physical_bytes"],  # what the execution really fetched from storage
+        "parallel_rate_gbps": n4 / t4 / 1e9,
+        "share": must_read / r["execute_seconds"] / rate,
+        "share_of_parallel": must_read / r["execute_seconds"] / (n4 / t4),
+        "ideal_seconds": ideal,
+        "over_ideal": r["execute_seconds"] / ideal,
+        "over_ideal_parallel": r["execute_seconds"] / ((must_read + out_bytes) / (n4 / t4)),
+        "peak_rss_mib": r["peak_rss_mib"],
+        "content_hash": r["content_hash"],
+        "load_average_1min": os.getloadavg()[0],
+    }
+
+
+def run(ks: list[int], methods: list[str], repeats: int) -> dict:
+    suite = Suite(False, 1)
+    cat = suite.catalog()
+    fam = suite.family()
+    rows = []
+    for k in ks:
+        budgets = ("all", "10%") if k == min(ks) else ("all",)
+        for method in methods:
+            for budget in budgets:
+                experts = list(suite.experts(k))
+                plan = cat.plan(PlanRequest("base", tuple(experts), method, budget, params=METHOD_PARAMS[method]))
+                files = _files(fam, ["base", *experts])
+                pairs = [pair(suite, cat, plan, files) for _ in range(repeats)]
+                if len({p["content_hash"] for p in pairs}) != 1:
+                    raise SystemExit(f"{method} K={k} {budget}: outputs differ between repeats")
+                med = {key: statistics.median(p[key] for p in pairs) for key in pairs[0] if key != "content_hash"}
+                rows.append({"method": method, "k": k, "budget": budget, "pairs": pairs, "median": med})
+                print(
+                    f"{method} K={k} {budget}: share {med['share']:.0%} "
+                    f"(of 4 threads' read {med['share_of_parallel']:.0%}) "
+                    f"over_ideal {med['over_ideal']:.2f} "
+                    f"fixed {med['fixed_seconds']:.2f}s rate {med['rate_gbps']:.2f} GB/s",
+                    flush=True,
+                )
+    return {
+        "rows": rows,
+        "targets": {"share": TARGET_SHARE, "over_ideal": 1.2, "fixed_seconds": 0.5},
+        "uptime_end": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+    }
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--k", type=int, nargs="*", default=[8, 20])
+    ap.add_argument("--methods", nargs="*", default=list(TARGET_SHARE), choices=sorted(METHOD_PARAMS))
+    ap.add_argument("--save", default="share")
+    a = ap.parse_args()
+    print(save(a.save, run(a.k, a.methods, a.repeats)))

@@ -341,7 +341,7 @@ def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks,
 def finish(base, kind, acc, normalize, lam, res, bf16, scale=1.0):  # pragma: no cover - compiled
     """scale·base + merged update (Accumulator.merged_delta) from the sums of `fold_group`: into
     `res` (n,) float32, or, when `bf16` (n,) uint16 is not empty, as bfloat16 bits rounded to nearest
-    even (tensorfile.float32_to_bf16; NaN stays NaN). scale (SLERP's s0 + s1) is 1.0 for every other
+    even (encoding.float32_to_bf16; NaN stays NaN). scale (SLERP's s0 + s1) is 1.0 for every other
     method, and x·1.0 == x exactly, so their outputs do not change."""
     n = base.shape[0]
     consensus = acc.shape[0] == 5
@@ -455,14 +455,3 @@ def warm(bits: Any, stock: bool = False) -> None:
     else:
         fold_group(base, ex, 0, 0, 0, one, zeros, zeros, np.zeros(1, np.uint64), 1.0, 0.0, NO_RANKS, acc)
     finish(base, 0, acc, True, 1.0, np.empty(0, np.float32), np.empty(8, np.uint16))
-
-
-@numba.njit(nogil=True, cache=True)
-def bf16_round(bits, out):  # pragma: no cover - compiled
-    """tensorfile.float32_to_bf16: float32 bits -> bfloat16 bits, nearest even; NaN stays NaN."""
-    for i in range(bits.shape[0]):
-        b = bits[i]
-        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            out[i] = np.uint16(0x7FC0)  # NaN stays NaN
-        else:
-            out[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))

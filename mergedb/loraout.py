@@ -49,6 +49,7 @@ import xxhash
 
 from . import lora, loraread, outdir
 from .checkpoint import open_checkpoint
+from .encoding import encode
 from .errors import ChangedFileError, MergeDBError, PlanError
 from .executor import ExecuteResult, peak_rss, physical_read_bytes
 from .executor import replay as replay_model
@@ -64,7 +65,7 @@ from .manifest import (
     write_json,
 )
 from .merger import normalize_dtype
-from .tensorfile import SafetensorsWriter, encode
+from .tensorfile import SafetensorsWriter
 
 METHODS = ("linear", "task_arithmetic")
 PREFIX = "base_model.model."

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import kernels
+from .encoding import encode
 from .layout import output_dtype, row_elems
 from .stock import StockDots
-from .tensorfile import DTYPES, as_float32, encode
+from .tensorfile import DTYPES, as_float32
 
 if TYPE_CHECKING:
     from .merger import Merger, Unit

@@ -19,9 +19,10 @@ import numpy as np
 import pyarrow as pa
 
 from .checkpoint import INDEX
+from .encoding import encode
 from .errors import MergeDBError
 from .layout import shard_groups, shard_names
-from .tensorfile import DTYPES, SafetensorsWriter, encode
+from .tensorfile import DTYPES, SafetensorsWriter
 
 if TYPE_CHECKING:
     from .catalog import Catalog

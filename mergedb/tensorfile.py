@@ -317,23 +317,6 @@ def as_float32(raw: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def float32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """Round float32 to bfloat16 bits (uint16), round-to-nearest-even; NaN stays NaN."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.uint32)
-    out = np.empty(bits.size, np.uint16)
-    from .kernels import bf16_round  # numba: loaded by what writes bf16, never by `mergedb plan`
-
-    bf16_round(bits, out)
-    return out.reshape(np.shape(x))
-
-
-def encode(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float32/float64 array -> array whose bytes are `dtype`'s on-disk representation."""
-    if dtype == "BF16":
-        return float32_to_bf16(np.asarray(x, dtype=np.float32))
-    return np.ascontiguousarray(x, dtype=DTYPES[dtype][1])
-
-
 @dataclass(frozen=True)
 class FileRange:
     """`nbytes` at `offset` of the open file `fd` (`path`): a tensor to copy file to file unread."""

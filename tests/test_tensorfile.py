@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
+from mergedb.encoding import float32_to_bf16
 from mergedb.errors import FormatError, MergeDBError
-from mergedb.tensorfile import DTYPES, FileRange, SafetensorsWriter, float32_to_bf16, read_header
+from mergedb.tensorfile import DTYPES, FileRange, SafetensorsWriter, read_header
 
 
 def test_writer_golden_bytes(tmp_path):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .summary import (  # re-exported: stats.X names what registration computes
     DEFAULT_SKETCH_DIM,
@@ -151,46 +152,50 @@ def _decode(raw, i, shift):  # pragma: no cover - compiled
     return np.uint32(np.uint32(raw[i]) << np.uint32(shift)).view(np.float32)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _delta_elem(e, b, shift, i, abs_bits, codes, counts, sk, bd, emask):  # pragma: no cover - compiled
+    # Element i of _delta_pass. Returns emask with bit i % 64 set if |Δ| is an exception, and 1 if
+    # Δ is NaN/Inf (it then counts nowhere else).
+    bv = _decode(b, i, shift)
+    dv = _decode(e, i, shift) - bv
+    av = abs(dv)
+    bits = np.float32(av).view(np.uint32)
+    abs_bits[i] = bits
+    if not av <= np.float32(3.4028234663852886e38):
+        return emask, 1
+    counts[bits >> 17] += 1
+    emask |= np.uint64((bits & np.uint32(0x1FFFF)) != 0) << np.uint64(i & 63)
+    d64 = np.float64(dv)
+    bd[i & 3] += np.float64(bv) * d64
+    c = np.int64(codes[i])
+    sk[c >> 1] += (1.0 - 2.0 * np.float64(c & 1)) * d64
+    return emask, 0
+
+
 @numba.njit(nogil=True, cache=True)
-def _delta_pass(e, b, shift, abs_bits, key, codes, counts, sk, bd, exc, n_exc, rare):  # pragma: no cover
+def _delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc):  # pragma: no cover - compiled
     # e, b: (n,) bit patterns, decoded here (_decode); abs_bits: (n,) uint32 receives |Δ|'s float32
     # pattern. counts: (SUMMARY_BINS,) this block's magnitude summary (finite |Δ| by their top 15
-    # bits). exc: (cap + 1,) patterns of finite |Δ| whose low 17 bits are not all zero, appended
-    # from index n_exc while there is room (rare: exceptions have been rare so far, so branch on
-    # them). codes: (n,) uint16 sketch_codes of the block, or empty: hash each
-    # element here. bd: (4,) float64 partial sums of θ₀·Δ, element i in bd[i % 4] (independent add
-    # chains). Returns (NaN/Inf count, exceptions in all: n_exc plus this block's).
-    # The other statistics follow from counts and exceptions (block_stats), or _abs_pass.
-    dim = sk.shape[0]
-    hashed = codes.shape[0] == 0
-    cap = exc.shape[0] - 1  # the last slot takes the writes once the buffer is full
+    # bits). exc: (cap + 1,) receives the patterns of finite |Δ| whose low 17 bits are not all
+    # zero, in element order from index n_exc (the last slot takes the writes once full). codes:
+    # (n,) uint16 sketch_codes of the block. bd: (4,) float64 partial sums of θ₀·Δ, element i in
+    # bd[i % 4]. Returns (NaN/Inf count, exceptions in all: n_exc plus this block's).
+    # The exceptions are marked in a 64-bit mask, one bit an element, and copied out of abs_bits
+    # every 64 elements: a store per exception only, and no branch on whether an element is one
+    # (a branch mispredicted when they were common, a store per element cost more than the rest).
+    cap = exc.shape[0] - 1
     nonfinite = 0
-    for i in range(e.shape[0]):
-        bv = _decode(b, i, shift)
-        dv = _decode(e, i, shift) - bv
-        av = abs(dv)
-        bits = np.float32(av).view(np.uint32)
-        abs_bits[i] = bits
-        if not av <= np.float32(3.4028234663852886e38):
-            nonfinite += 1
-            continue
-        counts[bits >> 17] += 1
-        if rare:  # a branch that is almost never taken costs less than a store per element
-            if bits & np.uint32(0x1FFFF):
-                exc[min(n_exc, cap)] = bits
+    emask = np.uint64(0)
+    n = e.shape[0]
+    for i in range(n):
+        emask, bad = _delta_elem(e, b, shift, i, abs_bits, codes, counts, sk, bd, emask)
+        nonfinite += bad
+        if (i & 63) == 63 or i == n - 1:
+            first = i & ~63
+            while emask:
+                exc[min(n_exc, cap)] = abs_bits[first + trailing_zeros(emask)]
                 n_exc += 1
-        else:  # kept only if an exception: no branch to mispredict
-            exc[min(n_exc, cap)] = bits
-            n_exc += (bits & np.uint32(0x1FFFF)) != 0
-        d64 = np.float64(dv)
-        bd[i & 3] += np.float64(bv) * d64
-        if hashed:
-            j, sign = _hash_bucket(key, i, dim)
-        else:
-            c = np.int64(codes[i])
-            j = c >> 1
-            sign = 1.0 - 2.0 * np.float64(c & 1)
-        sk[j] += sign * d64
+                emask &= emask - np.uint64(1)
     return nonfinite, n_exc
 
 
@@ -228,9 +233,6 @@ def sketch(x: np.ndarray, key: np.uint64, dim: int = DEFAULT_SKETCH_DIM) -> np.n
     return out
 
 
-_NO_CODES = np.zeros(0, np.uint16)
-
-
 class Exceptions:
     """A tensor's |Δ| values that its magnitude summary does not pin exactly: the float32 patterns
     of finite |Δ| whose low 17 bits are not all zero (a bf16 or fp16 delta is a few units in the
@@ -238,18 +240,12 @@ class Exceptions:
     of one tensor; `complete` while they fit in the buffer."""
 
     def __init__(self, capacity: int, buf: np.ndarray | None = None) -> None:
-        # (capacity + 1,) uint32: the statistics pass writes every element's pattern into the next
-        # free slot (the last slot once full) and advances only for an exception: no branch
+        # (capacity + 1,) uint32: the statistics pass appends each exception's pattern (into the
+        # last slot once full, still counting them)
         self.buf = np.empty(capacity + 1, np.uint32) if buf is None else buf[: capacity + 1]
         if len(self.buf) != capacity + 1:
             raise ValueError(f"an exceptions buffer for {capacity} needs {capacity + 1} slots, not {len(self.buf)}")
         self.n = 0
-        self.seen = 0  # elements scanned so far
-
-    @property
-    def rare(self) -> bool:
-        """At most one exception in 64 elements so far (true before the first block)."""
-        return self.n * 64 <= self.seen
 
     @property
     def complete(self) -> bool:
@@ -295,22 +291,10 @@ def block_stats(
     exc = exceptions if exceptions is not None else Exceptions(0)
     first = exc.n
     abs_bits = abs_out.view(np.uint32)
-    nonfinite, n_exc = _delta_pass(
-        e,
-        b,
-        shift,
-        abs_bits,
-        np.uint64(key),
-        _NO_CODES if codes is None else codes,
-        counts,
-        sk,
-        bd,
-        exc.buf,
-        exc.n,
-        exc.rare,
-    )
+    if codes is None:  # the same hash as shared codes: one table, used once
+        codes = sketch_codes(key, n, dim)
+    nonfinite, n_exc = _delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc.buf, exc.n)
     exc.n = n_exc
-    exc.seen += n
     summary += counts
     # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins
     hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)

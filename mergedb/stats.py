@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from numba.cpython.unsafe.numbers import trailing_zeros
 
+from .deltapass import decode as _decode
+from .deltapass import delta_pass
 from .summary import (  # re-exported: stats.X names what registration computes
     DEFAULT_SKETCH_DIM,
     DENSITY_GRID,
@@ -146,59 +147,6 @@ def sketch_codes(key: np.uint64, n: int, dim: int) -> np.ndarray:
     return out
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _decode(raw, i, shift):  # pragma: no cover - compiled
-    # element i of a float32 bit pattern array (shift 0) or of bf16 patterns (uint16, shift 16)
-    return np.uint32(np.uint32(raw[i]) << np.uint32(shift)).view(np.float32)
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _delta_elem(e, b, shift, i, abs_bits, codes, counts, sk, bd, emask):  # pragma: no cover - compiled
-    # Element i of _delta_pass. Returns emask with bit i % 64 set if |Δ| is an exception, and 1 if
-    # Δ is NaN/Inf (it then counts nowhere else).
-    bv = _decode(b, i, shift)
-    dv = _decode(e, i, shift) - bv
-    av = abs(dv)
-    bits = np.float32(av).view(np.uint32)
-    abs_bits[i] = bits
-    if not av <= np.float32(3.4028234663852886e38):
-        return emask, 1
-    counts[bits >> 17] += 1
-    emask |= np.uint64((bits & np.uint32(0x1FFFF)) != 0) << np.uint64(i & 63)
-    d64 = np.float64(dv)
-    bd[i & 3] += np.float64(bv) * d64
-    c = np.int64(codes[i])
-    sk[c >> 1] += (1.0 - 2.0 * np.float64(c & 1)) * d64
-    return emask, 0
-
-
-@numba.njit(nogil=True, cache=True)
-def _delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc):  # pragma: no cover - compiled
-    # e, b: (n,) bit patterns, decoded here (_decode); abs_bits: (n,) uint32 receives |Δ|'s float32
-    # pattern. counts: (SUMMARY_BINS,) this block's magnitude summary (finite |Δ| by their top 15
-    # bits). exc: (cap + 1,) receives the patterns of finite |Δ| whose low 17 bits are not all
-    # zero, in element order from index n_exc (the last slot takes the writes once full). codes:
-    # (n,) uint16 sketch_codes of the block. bd: (4,) float64 partial sums of θ₀·Δ, element i in
-    # bd[i % 4]. Returns (NaN/Inf count, exceptions in all: n_exc plus this block's).
-    # The exceptions are marked in a 64-bit mask, one bit an element, and copied out of abs_bits
-    # every 64 elements: a store per exception only, and no branch on whether an element is one
-    # (a branch mispredicted when they were common, a store per element cost more than the rest).
-    cap = exc.shape[0] - 1
-    nonfinite = 0
-    emask = np.uint64(0)
-    n = e.shape[0]
-    for i in range(n):
-        emask, bad = _delta_elem(e, b, shift, i, abs_bits, codes, counts, sk, bd, emask)
-        nonfinite += bad
-        if (i & 63) == 63 or i == n - 1:
-            first = i & ~63
-            while emask:
-                exc[min(n_exc, cap)] = abs_bits[first + trailing_zeros(emask)]
-                n_exc += 1
-                emask &= emask - np.uint64(1)
-    return nonfinite, n_exc
-
-
 @numba.njit(nogil=True, cache=True)
 def _abs_pass(abs_bits, abs_val, hsum, hsq):  # pragma: no cover - compiled
     # The statistics of |Δ| that do not follow from the summary when a block's exceptions did not
@@ -293,7 +241,7 @@ def block_stats(
     abs_bits = abs_out.view(np.uint32)
     if codes is None:  # the same hash as shared codes: one table, used once
         codes = sketch_codes(key, n, dim)
-    nonfinite, n_exc = _delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc.buf, exc.n)
+    nonfinite, n_exc = delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc.buf, exc.n)
     exc.n = n_exc
     summary += counts
     # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins

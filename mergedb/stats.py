@@ -381,7 +381,9 @@ def _from_exceptions(exc: np.ndarray, codes: np.ndarray, rank: np.ndarray) -> np
     """The rank-th largest pattern of each code's bin, from that bin's exceptions (all above its
     lower edge) and otherwise the edge. exc: (m,) uint32; codes, rank: (G,) int64 -> (G,) uint32."""
     edge = codes.astype(np.uint32) << np.uint32(SUMMARY_SHIFT)
-    wanted = exc[np.isin(exc >> np.uint32(SUMMARY_SHIFT), codes)]
+    is_wanted = np.zeros(SUMMARY_BINS, bool)  # a lookup per exception (np.isin sorted them all)
+    is_wanted[codes] = True
+    wanted = exc[is_wanted[exc >> np.uint32(SUMMARY_SHIFT)]]
     asc = np.sort(wanted)  # (m',) uint32 ascending: a code's exceptions are one run
     hi = np.searchsorted(asc, edge + np.uint32(1 << SUMMARY_SHIFT), side="left")  # end of the code's run
     lo = np.searchsorted(asc, edge, side="left")

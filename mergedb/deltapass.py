@@ -131,7 +131,8 @@ def delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc):  # typ
     size, em, el, top = _LANES[shift]
     words = CHUNK * size // 8
     n_words = e.shape[0] * size // 8
-    if n_words >= words * SAMPLE_STEP:  # blocks of a few chunks: not worth a look
+    # blocks of a few chunks are not worth a look; the word view needs contiguous patterns
+    if n_words >= words * SAMPLE_STEP and e.flags.c_contiguous and b.flags.c_contiguous:
         ew = e.view(np.uint8)[: n_words * 8].view(np.uint64)
         bw = b.view(np.uint8)[: n_words * 8].view(np.uint64)
         if _equal_chunks(ew, bw, words, SAMPLE_STEP, em, el, top).any():

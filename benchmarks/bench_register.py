@@ -4,7 +4,9 @@ Run: python -m benchmarks.bench_register [--quick] [--size small] [--experts 4] 
      [--baseline SRC]
 (--threads: one register run per count, side by side in each repeat; default: the machine's cores.
 --baseline: another mergedb source tree, e.g. `git archive REV | tar -x -C SRC`, registered side by
-side with this one in every repeat, so before/after ratios share the disk's mood.)
+side with this one in every repeat, so before/after ratios share the disk's mood; the two catalogs
+are then compared table by table, every row except paths and times, and the run fails if any
+differs: a faster registration must store the same catalog.)
 Every registration is a fresh process (imports and numba's cache load included in its wall time,
 process start not), on a cold page cache, into a new catalog in a temporary folder; its CPU
 seconds (all threads) are recorded too, a measure a busy machine disturbs less than wall time."""
@@ -51,6 +53,34 @@ def _register(src: Path, fam: Path, db: Path, threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# columns that name where or when, not what: left out of the catalog comparison
+_UNCOMPARED = {"path", "root", "mtime_ns", "applied_at", "registered_at", "created", "created_at"}
+
+
+def catalog_rows(db: Path) -> dict[str, list[tuple]]:
+    """Every table's rows (sorted; columns in _UNCOMPARED left out), read from a closed catalog."""
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        out = {}
+        tables = "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE' ORDER BY 1"
+        for (t,) in con.execute(tables).fetchall():
+            cols = con.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = ? ORDER BY ordinal_position", [t]
+            ).fetchall()
+            keep = ", ".join(f'"{c}"' for (c,) in cols if c not in _UNCOMPARED)
+            out[t] = con.execute(f'SELECT {keep} FROM "{t}" ORDER BY ALL').fetchall()
+        return out
+    finally:
+        con.close()
+
+
+def _differing(a: dict[str, list[tuple]], b: dict[str, list[tuple]]) -> list[str]:
+    """Tables whose rows differ (NaN equal to NaN, floats compared bit for bit via repr)."""
+    return sorted(t for t in a.keys() | b.keys() if repr(a.get(t)) != repr(b.get(t)))
+
+
 def run(
     size: str = "bench",
     experts: int = 4,
@@ -67,6 +97,7 @@ def run(
     here = Path(__file__).resolve().parents[1]
     variants = [("current", here)] + ([("baseline", Path(baseline).resolve())] if baseline else [])
     rows = []
+    compared: list[str] = []
     with tempfile.TemporaryDirectory(prefix="mergedb-bench-register-") as tmp:
         for _ in range(repeats):
             n_seq, t_seq = sequential_read(files)
@@ -93,6 +124,12 @@ def run(
                             "catalog_fraction": db.stat().st_size / n_seq,
                         }
                     )
+                if baseline:
+                    dbs = [Path(tmp) / f"{variant}-{n_threads}.duckdb" for variant, _ in variants]
+                    differ = _differing(catalog_rows(dbs[0]), catalog_rows(dbs[1]))
+                    if differ:
+                        raise SystemExit(f"the catalogs differ from the baseline's in {', '.join(differ)}")
+                    compared.append(f"{n_threads} threads")
     cur = [r for r in rows if r["variant"] == "current"]
     mine = [r for r in cur if r["threads"] == threads[-1]]  # the headline: the last (default: all cores)
 
@@ -114,6 +151,7 @@ def run(
     }
     if baseline:
         doc["baseline"] = str(baseline)
+        doc["catalogs_identical"] = compared  # every repeat's pair, all tables (see catalog_rows)
         doc["baseline_median_ratio_by_threads"] = by_threads("baseline")
         doc["median_cpu_seconds"] = {
             v: statistics.median(r["cpu_seconds"] for r in rows if r["variant"] == v) for v in ("current", "baseline")

@@ -5,7 +5,7 @@ the headers, one (expert, tensor) unit per worker thread, units of all experts i
 largest first and a tensor's units together; the numeric work runs in numba/numpy with the GIL
 released. Peak memory is a few blocks per worker plus, per worker, a float32 |Δ| buffer and a
 half-size exceptions buffer of the largest tensor (exact top-k thresholds), plus the sketch codes
-(2 bytes per element) of the tensors in flight.
+(2 bytes per element) and the base bytes of the tensors in flight.
 Produces plain Python/numpy rows; register.py stores them.
 """
 
@@ -128,31 +128,50 @@ class _Scratch(threading.local):
         return buf[:nbytes]
 
 
-class _SharedCodes:
-    """Sketch codes (stats.sketch_codes) of the blocks of the tensors in flight, computed by the
-    first unit that needs a block and dropped after the tensor's last unit: an element's bucket and
-    sign depend on (tensor, block, position) only, so K experts hash each element once, not K times."""
+class _Shared:
+    """What the K experts' units of a tensor have in common, per block of the tensors in flight:
+    the base's bytes (read by the first unit that needs a block: one read of the base per tensor,
+    not one per expert) and the sketch codes (stats.sketch_codes: an element's bucket and sign
+    depend on (tensor, block, position) only, so K experts hash each element once, not K times).
+    Dropped after the tensor's last unit."""
 
     def __init__(self, units_per_tensor: dict[int, int], dim: int) -> None:
         self.left = dict(units_per_tensor)
         self.dim = dim
         self.lock = threading.Lock()
-        self.tensors: dict[int, tuple[threading.Lock, dict[int, np.ndarray]]] = {}
+        self.tensors: dict[int, tuple[threading.Lock, dict[tuple[str, int], np.ndarray]]] = {}
 
-    def get(self, ft: FamilyTensor, block_idx: int, numel: int) -> np.ndarray:
+    def _get(self, tensor_idx: int, key: tuple[str, int], make: Callable[[], np.ndarray]) -> np.ndarray:
         with self.lock:
-            lock, tables = self.tensors.setdefault(ft.tensor_idx, (threading.Lock(), {}))
-        with lock:  # one unit hashes a block while the others of the tensor wait for it
-            codes = tables.get(block_idx)
-            if codes is None:
-                codes = tables[block_idx] = stats.sketch_codes(stats.sketch_key(ft.name, block_idx), numel, self.dim)
-        return codes  # (numel,) uint16
+            lock, tables = self.tensors.setdefault(tensor_idx, (threading.Lock(), {}))
+        with lock:  # one unit makes an entry while the others of the tensor wait for it
+            value = tables.get(key)
+            if value is None:
+                value = tables[key] = make()
+        return value
+
+    def codes(self, ft: FamilyTensor, block_idx: int, numel: int) -> np.ndarray:
+        make = lambda: stats.sketch_codes(stats.sketch_key(ft.name, block_idx), numel, self.dim)  # noqa: E731
+        return self._get(ft.tensor_idx, ("codes", block_idx), make)  # (numel,) uint16
+
+    def base(self, ft: FamilyTensor, block_idx: int, read: Callable[[np.ndarray], None], nbytes: int) -> np.ndarray:
+        def make() -> np.ndarray:
+            buf = np.empty(nbytes, np.uint8)
+            read(buf)
+            return buf
+
+        return self._get(ft.tensor_idx, ("base", block_idx), make)  # (nbytes,) uint8, read-only by convention
+
+    get = codes  # lorascan's name for it
 
     def release(self, tensor_idx: int) -> None:
         with self.lock:
             self.left[tensor_idx] -= 1
             if self.left[tensor_idx] == 0:
                 self.tensors.pop(tensor_idx, None)
+
+
+_SharedCodes = _Shared  # lorascan shares the codes only (its base blocks are read per adapter)
 
 
 class BaseBlocks(list):
@@ -216,11 +235,12 @@ def scan_experts(
 
     One pool of (expert, tensor) units over all experts, largest tensor first, so the tail where
     one thread finishes a large tensor alone is one small unit long; a tensor's units run next to
-    each other and share its sketch codes (_SharedCodes). At most `threads` units are in flight,
-    each holding a few blocks and the |Δ| and exceptions buffers of its tensor (per-thread
-    scratch), so peak memory is `threads` × (largest tensor × 6 bytes + a few blocks) plus 2 bytes
-    per element of the tensors in flight, flat in the number of experts. The base is decoded again
-    for each expert, inside the statistics pass (a shift per bf16 element). Rows come back in
+    each other and share its sketch codes and base blocks (_Shared: the base is read once per
+    tensor, not once per expert). At most `threads` units are in flight, each holding a few blocks
+    and the |Δ| and exceptions buffers of its tensor (per-thread scratch), so peak memory is
+    `threads` × (largest tensor × 6 bytes + a few blocks) plus, per element of the tensors in
+    flight, its sketch code (2 bytes) and its base bytes: flat in the number of experts. The base
+    is decoded again for each expert, inside the statistics pass (a shift per bf16 element). Rows come back in
     (tensor, block) order per expert, whatever the thread count or the order units finish in.
     """
     check_threads(threads)
@@ -253,10 +273,14 @@ def scan_experts(
         all_identical = True
         for blk in ft.blocks:
             eraw = scratch.get("e", blk.nbytes)
-            braw = scratch.get("b", blk.nbytes)
             efiles.src[efi].read_into(memoryview(eraw), et.start + blk.byte_start)
-            bfiles.src[bfi].read_into(memoryview(braw), bt.start + blk.byte_start)
-            identical = bool(np.array_equal(eraw, braw))
+            read_base = lambda buf, at=bt.start + blk.byte_start: bfiles.src[bfi].read_into(memoryview(buf), at)  # noqa: E731
+            if shared is not None:
+                braw = shared.base(ft, blk.block_idx, read_base, blk.nbytes)
+            else:
+                braw = scratch.get("b", blk.nbytes)
+                read_base(braw)
+            identical = stats.same_bytes(eraw, braw)
             key = (ft.tensor_idx, blk.block_idx)
             chash = base_hashes[key] if identical else xxhash.xxh3_128_hexdigest(eraw)
             hashes.append(chash)
@@ -278,7 +302,7 @@ def scan_experts(
                 ef = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", blk.numel * 4).view(np.float32))
                 bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
             skey = stats.sketch_key(ft.name, blk.block_idx)
-            codes = shared.get(ft, blk.block_idx, blk.numel) if shared is not None else None
+            codes = shared.codes(ft, blk.block_idx, blk.numel) if shared is not None else None
             s = stats.block_stats(ef, bf, seg, skey, summary, sketch_dim, exceptions, codes)
             rows.append(changed_row(ft.tensor_idx, blk.block_idx, chash, s))
         if not ft.mergeable:
@@ -295,7 +319,7 @@ def scan_experts(
         ((k, ft) for k in range(len(experts)) for ft in family),
         key=lambda u: (-u[1].nbytes, u[1].tensor_idx, u[0]),
     )
-    shared = _SharedCodes({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if len(experts) > 1 else None
+    shared = _Shared({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if len(experts) > 1 else None
     done: dict[tuple[int, int], tuple[list[BlockRow], TensorRow | None, list[str]]] = {}
     with _opened([base, *experts]) as (bfiles, *expert_files):
         if any(s.remote for f in (bfiles, *expert_files) for s in f.src):
@@ -320,8 +344,8 @@ def scan_experts(
 
 def _scan_reads(units, bfiles, bwhere, expert_files, ewhere):  # type: ignore[no-untyped-def]
     """(source, offset, length, times) of every block `scan_experts` reads, in the order its units
-    run: each expert's blocks once, the base's blocks once per expert (a remote base's blocks are
-    fetched once and kept until every expert's unit has read them)."""
+    run: each expert's blocks once, the base's blocks once (the first unit of a tensor reads them;
+    _Shared keeps them for the others)."""
     seen = set()
     for k, ft in units:
         efi, et = ewhere[k][ft.name]
@@ -329,7 +353,7 @@ def _scan_reads(units, bfiles, bwhere, expert_files, ewhere):  # type: ignore[no
         if ft.tensor_idx not in seen:
             seen.add(ft.tensor_idx)
             bfi, bt = bwhere[ft.name]
-            yield from ((bfiles.src[bfi], bt.start + b.byte_start, b.nbytes, len(ewhere)) for b in ft.blocks)
+            yield from ((bfiles.src[bfi], bt.start + b.byte_start, b.nbytes, 1) for b in ft.blocks)
 
 
 def content_hash(block_hashes: list[str]) -> str:

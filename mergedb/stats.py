@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from .deltapass import decode as _decode
+from .deltapass import delta_pass
 from .summary import (  # re-exported: stats.X names what registration computes
     DEFAULT_SKETCH_DIM,
     DENSITY_GRID,
@@ -92,6 +94,31 @@ def base_block_stats(x: np.ndarray) -> tuple[float, int]:
 
 
 @numba.njit(nogil=True, cache=True)
+def _equal_words(a, b):  # pragma: no cover - compiled
+    # a, b: (n,) uint64; compared 512 words (4 KiB) at a time, so a block that differs early
+    # (most changed blocks do) costs almost nothing, and an equal one one vectorised pass
+    n = a.shape[0]
+    for i in range(0, n, 512):
+        diff = np.uint64(0)
+        for t in range(i, min(i + 512, n)):
+            diff |= a[t] ^ b[t]
+        if diff:
+            return False
+    return True
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two equal-length uint8 buffers hold the same bytes (np.array_equal without its
+    full-size temporary: ~10× faster on 4 MiB blocks)."""
+    if a.shape != b.shape:
+        return False
+    n8 = a.size // 8 * 8
+    if not _equal_words(a[:n8].view(np.uint64), b[:n8].view(np.uint64)):
+        return False
+    return bool(np.array_equal(a[n8:], b[n8:]))
+
+
+@numba.njit(nogil=True, cache=True)
 def _hash_bucket(key, i, dim):  # pragma: no cover - compiled
     z = (key + np.uint64(i)) * np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(32))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -118,55 +145,6 @@ def sketch_codes(key: np.uint64, n: int, dim: int) -> np.ndarray:
     out = np.empty(n, np.uint16)
     _bucket_codes(np.uint64(key), dim, out)
     return out
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _decode(raw, i, shift):  # pragma: no cover - compiled
-    # element i of a float32 bit pattern array (shift 0) or of bf16 patterns (uint16, shift 16)
-    return np.uint32(np.uint32(raw[i]) << np.uint32(shift)).view(np.float32)
-
-
-@numba.njit(nogil=True, cache=True)
-def _delta_pass(e, b, shift, abs_bits, key, codes, counts, sk, bd, exc, n_exc, rare):  # pragma: no cover
-    # e, b: (n,) bit patterns, decoded here (_decode); abs_bits: (n,) uint32 receives |Δ|'s float32
-    # pattern. counts: (SUMMARY_BINS,) this block's magnitude summary (finite |Δ| by their top 15
-    # bits). exc: (cap + 1,) patterns of finite |Δ| whose low 17 bits are not all zero, appended
-    # from index n_exc while there is room (rare: exceptions have been rare so far, so branch on
-    # them). codes: (n,) uint16 sketch_codes of the block, or empty: hash each
-    # element here. bd: (4,) float64 partial sums of θ₀·Δ, element i in bd[i % 4] (independent add
-    # chains). Returns (NaN/Inf count, exceptions in all: n_exc plus this block's).
-    # The other statistics follow from counts and exceptions (block_stats), or _abs_pass.
-    dim = sk.shape[0]
-    hashed = codes.shape[0] == 0
-    cap = exc.shape[0] - 1  # the last slot takes the writes once the buffer is full
-    nonfinite = 0
-    for i in range(e.shape[0]):
-        bv = _decode(b, i, shift)
-        dv = _decode(e, i, shift) - bv
-        av = abs(dv)
-        bits = np.float32(av).view(np.uint32)
-        abs_bits[i] = bits
-        if not av <= np.float32(3.4028234663852886e38):
-            nonfinite += 1
-            continue
-        counts[bits >> 17] += 1
-        if rare:  # a branch that is almost never taken costs less than a store per element
-            if bits & np.uint32(0x1FFFF):
-                exc[min(n_exc, cap)] = bits
-                n_exc += 1
-        else:  # kept only if an exception: no branch to mispredict
-            exc[min(n_exc, cap)] = bits
-            n_exc += (bits & np.uint32(0x1FFFF)) != 0
-        d64 = np.float64(dv)
-        bd[i & 3] += np.float64(bv) * d64
-        if hashed:
-            j, sign = _hash_bucket(key, i, dim)
-        else:
-            c = np.int64(codes[i])
-            j = c >> 1
-            sign = 1.0 - 2.0 * np.float64(c & 1)
-        sk[j] += sign * d64
-    return nonfinite, n_exc
 
 
 @numba.njit(nogil=True, cache=True)
@@ -203,9 +181,6 @@ def sketch(x: np.ndarray, key: np.uint64, dim: int = DEFAULT_SKETCH_DIM) -> np.n
     return out
 
 
-_NO_CODES = np.zeros(0, np.uint16)
-
-
 class Exceptions:
     """A tensor's |Δ| values that its magnitude summary does not pin exactly: the float32 patterns
     of finite |Δ| whose low 17 bits are not all zero (a bf16 or fp16 delta is a few units in the
@@ -213,18 +188,12 @@ class Exceptions:
     of one tensor; `complete` while they fit in the buffer."""
 
     def __init__(self, capacity: int, buf: np.ndarray | None = None) -> None:
-        # (capacity + 1,) uint32: the statistics pass writes every element's pattern into the next
-        # free slot (the last slot once full) and advances only for an exception: no branch
+        # (capacity + 1,) uint32: the statistics pass appends each exception's pattern (into the
+        # last slot once full, still counting them)
         self.buf = np.empty(capacity + 1, np.uint32) if buf is None else buf[: capacity + 1]
         if len(self.buf) != capacity + 1:
             raise ValueError(f"an exceptions buffer for {capacity} needs {capacity + 1} slots, not {len(self.buf)}")
         self.n = 0
-        self.seen = 0  # elements scanned so far
-
-    @property
-    def rare(self) -> bool:
-        """At most one exception in 64 elements so far (true before the first block)."""
-        return self.n * 64 <= self.seen
 
     @property
     def complete(self) -> bool:
@@ -270,32 +239,27 @@ def block_stats(
     exc = exceptions if exceptions is not None else Exceptions(0)
     first = exc.n
     abs_bits = abs_out.view(np.uint32)
-    nonfinite, n_exc = _delta_pass(
-        e,
-        b,
-        shift,
-        abs_bits,
-        np.uint64(key),
-        _NO_CODES if codes is None else codes,
-        counts,
-        sk,
-        bd,
-        exc.buf,
-        exc.n,
-        exc.rare,
-    )
+    if codes is None:  # the same hash as shared codes: one table, used once
+        codes = sketch_codes(key, n, dim)
+    nonfinite, n_exc = delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc.buf, exc.n)
     exc.n = n_exc
-    exc.seen += n
     summary += counts
     # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins
     hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)
+    nz = np.flatnonzero(hcount)
     if exc.complete:
         mine = exc.buf[first : exc.n]  # (m,) uint32 this block's exceptions
         v = mine.view(np.float32).astype(np.float64)
         plain = counts - np.bincount(mine >> np.uint32(SUMMARY_SHIFT), minlength=SUMMARY_BINS)  # = their edge
         hbin = mine >> np.uint32(HIST_SHIFT)
-        hsum = (plain * _EDGE).reshape(HIST_BINS, -1).sum(axis=1) + np.bincount(hbin, v, HIST_BINS)
-        hsq = (plain * _EDGE_SQ).reshape(HIST_BINS, -1).sum(axis=1) + np.bincount(hbin, v * v, HIST_BINS)
+        # per histogram bin, Σ of its 32 summary bins' count × edge: only the non-empty bins (the
+        # same row sums, in the same order, as over all 512; the others are 0)
+        rows = plain.reshape(HIST_BINS, -1)[nz]  # (len(nz), 32)
+        hsum, hsq = np.zeros(HIST_BINS), np.zeros(HIST_BINS)
+        hsum[nz] = (rows * _EDGE.reshape(HIST_BINS, -1)[nz]).sum(axis=1)
+        hsq[nz] = (rows * _EDGE_SQ.reshape(HIST_BINS, -1)[nz]).sum(axis=1)
+        hsum += np.bincount(hbin, v, HIST_BINS)
+        hsq += np.bincount(hbin, v * v, HIST_BINS)
         top = np.flatnonzero(plain)
         mx = max(float(v.max()) if len(v) else 0.0, float(_EDGE[top[-1]]) if len(top) else 0.0)
         zeros = int(plain[0])  # code 0 outside the exceptions is exactly zero
@@ -303,7 +267,6 @@ def block_stats(
         hsum = np.zeros(HIST_BINS)
         hsq = np.zeros(HIST_BINS)
         mx, zeros = _abs_pass(abs_bits, abs_out, hsum, hsq)
-    nz = np.flatnonzero(hcount)
     lo = (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32)
     norm = float(np.sqrt(hsq.sum())) if nonfinite == 0 else float("nan")
     base_dot = float((bd[0] + bd[1]) + (bd[2] + bd[3])) if nonfinite == 0 else float("nan")
@@ -418,7 +381,9 @@ def _from_exceptions(exc: np.ndarray, codes: np.ndarray, rank: np.ndarray) -> np
     """The rank-th largest pattern of each code's bin, from that bin's exceptions (all above its
     lower edge) and otherwise the edge. exc: (m,) uint32; codes, rank: (G,) int64 -> (G,) uint32."""
     edge = codes.astype(np.uint32) << np.uint32(SUMMARY_SHIFT)
-    wanted = exc[np.isin(exc >> np.uint32(SUMMARY_SHIFT), codes)]
+    is_wanted = np.zeros(SUMMARY_BINS, bool)  # a lookup per exception (np.isin sorted them all)
+    is_wanted[codes] = True
+    wanted = exc[is_wanted[exc >> np.uint32(SUMMARY_SHIFT)]]
     asc = np.sort(wanted)  # (m',) uint32 ascending: a code's exceptions are one run
     hi = np.searchsorted(asc, edge + np.uint32(1 << SUMMARY_SHIFT), side="left")  # end of the code's run
     lo = np.searchsorted(asc, edge, side="left")

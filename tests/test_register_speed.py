@@ -243,3 +243,85 @@ def test_block_statistics_from_summary_and_from_a_second_pass(n, fp32, frozen, t
             inside = a64[(a[fin] >= lo) & (a[fin] < hi)]
             assert cnt == inside.size
             np.testing.assert_allclose([sm, sq], [inside.sum(), (inside**2).sum()], rtol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    row=st.sampled_from([64, 100, 512, 1000]),
+    fp32=st.booleans(),
+    touched=st.floats(0.0, 1.0),
+    nonfinite_base=st.booleans(),  # a NaN/Inf base value equal in the expert: Δ is NaN, not 0
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_zero_chunks_skipped_change_nothing(rows, row, fp32, touched, nonfinite_base, seed):
+    """deltapass.delta_pass skips the chunks whose bytes equal the base's (an embedding a fine-tune
+    barely touched): every output equals the plain pass over all elements, bit for bit."""
+    from mergedb import deltapass
+
+    rng = np.random.default_rng(seed)
+    n = rows * row
+    base = _bf16(rng.normal(0, 0.02, n))
+    expert = base.copy()
+    for r in np.flatnonzero(rng.random(rows) < touched):  # the rows the fine-tune changed
+        expert[r * row : (r + 1) * row] = base[r * row : (r + 1) * row] + rng.normal(0, 1e-3, row).astype(np.float32)
+    if nonfinite_base:
+        base[rng.integers(0, n, 2)] = [np.nan, np.inf]
+        expert[np.isnan(base) | np.isinf(base)] = base[np.isnan(base) | np.isinf(base)]
+    if fp32:
+        e, b, shift = expert.view(np.uint32), base.view(np.uint32), 0
+    else:
+        e, b, shift = _bf16(expert).view(np.uint32) >> 16, base.view(np.uint32) >> 16, 16
+        e, b = e.astype(np.uint16), b.astype(np.uint16)
+    codes = stats.sketch_codes(3, n, 16)
+    zero = _zero_chunks(expert, base)
+    outs = []
+    for run in ("chooser", "runs", "plain"):
+        abs_bits = np.full(n, 7, np.uint32)
+        counts, sk, bd = np.zeros(stats.SUMMARY_BINS, np.int64), np.zeros(16), np.zeros(4)
+        exc = np.zeros(n + 1, np.uint32)
+        args = (e, b, shift, abs_bits, codes, counts, sk, bd, exc, 0)
+        if run == "runs":  # the skipping path, with the chunks an independent numpy check finds
+            nonfinite, n_exc = deltapass._delta_runs(*args, zero)
+        else:
+            nonfinite, n_exc = (deltapass.delta_pass if run == "chooser" else deltapass._delta_pass)(*args)
+        outs.append((nonfinite, n_exc, abs_bits, counts, sk.view(np.uint64), bd.view(np.uint64), exc[:n_exc]))
+    for other in outs[:2]:
+        for got, want in zip(other, outs[2]):
+            np.testing.assert_array_equal(got, want)
+    assert outs[2][0] == (2 if nonfinite_base else 0)
+
+
+def _zero_chunks(expert: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """Which whole chunks of deltapass.CHUNK elements have Δ = 0 exactly: equal values, finite base."""
+    from mergedb import deltapass
+
+    m = expert.size // deltapass.CHUNK * deltapass.CHUNK
+    same = (expert[:m].view(np.uint32) == base[:m].view(np.uint32)) & np.isfinite(base[:m])
+    return same.reshape(-1, deltapass.CHUNK).all(axis=1)
+
+
+def test_delta_pass_finds_the_zero_chunks():
+    """The chooser's word check marks exactly the chunks with Δ = 0 (not those where an equal
+    base value is NaN or Inf), on bf16 and float32 patterns."""
+    from mergedb import deltapass
+
+    rng = np.random.default_rng(5)
+    n = deltapass.CHUNK * deltapass.SAMPLE_STEP * 3 + 77
+    base = _bf16(rng.normal(0, 0.02, n))
+    expert = base.copy()
+    expert[: deltapass.CHUNK * 5] += np.float32(1e-2)  # five changed chunks, then equal ones
+    expert[deltapass.CHUNK * 20 + 3] += np.float32(1e-2)
+    base[deltapass.CHUNK * 30 + 9] = expert[deltapass.CHUNK * 30 + 9] = np.inf
+    expert = _bf16(expert)
+    want = _zero_chunks(expert, base)
+    assert want.sum() == len(want) - 7
+    for shift, e, b in (
+        (0, expert.view(np.uint32), base.view(np.uint32)),
+        (16, *(x.view(np.uint32) >> 16 for x in (expert, base))),
+    ):
+        e, b = (e, b) if shift == 0 else (e.astype(np.uint16), b.astype(np.uint16))
+        size, em, el, top = deltapass._LANES[shift]
+        words = deltapass.CHUNK * size // 8
+        ew, bw = (x.view(np.uint8)[: x.size * size // 8 * 8].view(np.uint64) for x in (e, b))
+        np.testing.assert_array_equal(deltapass._equal_chunks(ew, bw, words, 1, em, el, top), want)

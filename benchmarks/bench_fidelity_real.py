@@ -39,7 +39,11 @@ RANDOM_SEEDS = (0, 1, 2)
 # every tensor of the bench size is ≤ 1 MiB, so 4 MiB makes each tensor one block; 8 KiB is 16 rows of
 # 256 bf16 values: one alphabet of the embedding and the LM head per block (realfamily aligns the
 # alphabets to 16 rows), and 32–128 blocks per attention / MLP matrix
-BLOCKS = {"4MiB": 4 * 2**20, "8KiB": 8 * 2**10}
+BLOCKS = {"4MiB": 4 * 2**20, "32KiB": 32 * 2**10, "8KiB": 8 * 2**10}
+# the small block of each size: size "wide" (layout "spread", hidden 256) has 64-token alphabets, 32 KiB each
+# in the embedding and the LM head, and 64 rows of an attention / MLP matrix per 32 KiB
+SMALL = "8KiB"
+LAYOUT = rf.DISJOINT
 TA_GRID = [{"lambda": v} for v in (0.3, 0.5, 0.7, 1.0)]
 TIES_GRID = [{"density": d, "lambda": v} for d in (0.2, 0.5) for v in (0.7, 1.0, 1.5)]
 
@@ -93,7 +97,7 @@ def run_arm(cat, arm: dict, n_eval: int) -> dict:
     out = CACHE / "out" / arm["block"] / plan.plan_hash[:16]
     if not (out / "model.safetensors").exists():
         cat.execute(plan.plan_id, out, force=True)
-    acc = rf.all_accuracies(rf.load(out), n_eval)
+    acc = rf.all_accuracies(rf.load(out), n_eval, layout=LAYOUT)
     xp = cat.execution_plan(plan.plan_id)
     kinds: dict[str, list[int]] = {}
     names = [t.name for t in xp.tensors]
@@ -153,7 +157,7 @@ def _key(arm: dict) -> str:
 
 def arms(best: dict[str, dict], quick: bool) -> list[dict]:
     out = []
-    blocks = ("4MiB",) if quick else ("4MiB", "8KiB")
+    blocks = ("4MiB",) if quick else ("4MiB", SMALL)
     for method, params in best.items():
         for block in blocks:
             for budget in BUDGETS:
@@ -253,10 +257,13 @@ def plot(rows: list[dict], path: Path, family: dict | None = None) -> None:
 
 
 def main(argv: list[str]) -> None:
-    global CACHE, FAMILY, RESULTS, PLOT
+    global CACHE, FAMILY, RESULTS, PLOT, SMALL, LAYOUT
     size = argv[argv.index("--size") + 1] if "--size" in argv else "bench"
     CACHE = ROOT / "cache" / "realfamily2" / size
     FAMILY = CACHE / "family"
+    recipe = rf.RECIPES.get(size, rf.Recipe(size=size))
+    LAYOUT = recipe.tokens()
+    SMALL = "32KiB" if LAYOUT is rf.SPREAD else "8KiB"
     if size != "bench":
         RESULTS = RESULTS.with_name(f"fidelity_real_{size}.json")
         PLOT = PLOT.with_name(f"fidelity_real_{size}.png")
@@ -272,7 +279,7 @@ def main(argv: list[str]) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     t0, c0 = time.time(), time.process_time()
-    build = rf.build(FAMILY, rf.Recipe(size=size), log=lambda s: print(s, flush=True))
+    build = rf.build(FAMILY, recipe, log=lambda s: print(s, flush=True))
     prev = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     same = prev.get("family_digest") == build["digest"] and prev.get("n_eval_per_task") == n_eval
     done = {_key(r): r for r in prev.get("records", []) if same}
@@ -375,25 +382,25 @@ def targets(data: dict) -> str:
 
 
 def explain(data: dict) -> str:
-    """For each ranked 4 MiB plan below 100%: each task's accuracy drop from full budget next to its own
-    expert's byte coverage, and the share of selected (expert, tensor) blocks per tensor kind."""
-    recs = [r for r in data["records"] if r["tag"] == "main" and r["strategy"] == "ranked" and r["block"] == "4MiB"]
-    recs = [r for r in recs if not r["extra"]]
-    full = {r["method"]: r for r in recs if r["budget"] == "100%"}
+    """For each ranked plan without options below 100%: each task's accuracy drop from full budget next to
+    its own expert's byte coverage, and the selected (expert, tensor-block) count per tensor kind."""
+    recs = [r for r in data["records"] if r["tag"] == "main" and r["strategy"] == "ranked" and not r["extra"]]
+    full = {(r["method"], r["block"]): r for r in recs if r["budget"] == "100%"}
+    full_4m = {m: r for (m, b), r in full.items() if b == "4MiB"}
     lines = [
-        "| method | budget | task: drop in points (own expert's coverage) | selected blocks by kind |",
-        "|---|---|---|---|",
+        "| method | block | budget | task: drop in points (own expert's coverage) | selected blocks by kind |",
+        "|---|---|---|---|---|",
     ]
-    for r in sorted(recs, key=lambda r: (r["method"], -float(r["budget"].rstrip("%")))):
-        if r["budget"] == "100%" or r["method"] not in full:
+    for r in sorted(recs, key=lambda r: (r["method"], r["block"], -float(r["budget"].rstrip("%")))):
+        f = full.get((r["method"], r["block"])) or full_4m.get(r["method"])
+        if r["budget"] == "100%" or f is None:
             continue
-        f = full[r["method"]]
         cells = ", ".join(
             f"{t} {100 * (f['accuracy'][t] - r['accuracy'][t]):+.0f} ({100 * r['coverage'].get('expert_' + t, 0):.0f}%)"
             for t in rf.TASKS
         )
         kinds = ", ".join(f"{k} {sum(v)}" for k, v in sorted(r["selected_blocks_by_kind"].items()))
-        lines.append(f"| {r['method']} | {r['budget']} | {cells} | {kinds} |")
+        lines.append(f"| {r['method']} | {r['block']} | {r['budget']} | {cells} | {kinds} |")
     return "\n".join(lines)
 
 
@@ -412,7 +419,7 @@ def extra_arms(best: dict[str, dict]) -> list[dict]:
         _arm(method, best[method], block, "ranked", 0, budget, extra=extra)
         for method in best
         for extra in options[method]
-        for block in ("4MiB", "8KiB")
+        for block in ("4MiB", SMALL)
         for budget in BUDGETS[1:]
     ]
 

@@ -121,7 +121,7 @@ class Layout:
 
 
 DISJOINT = Layout("disjoint", ALPHA, VOCAB)
-SPREAD = Layout("spread", 64, 24_576)
+SPREAD = Layout("spread", ALPHA, 24_576)
 LAYOUTS = {"disjoint": DISJOINT, "spread": SPREAD}
 
 
@@ -152,7 +152,7 @@ class Recipe:
         return LAYOUTS[self.layout]
 
 
-WIDE = Recipe(size="wide", layout="spread", pretrain_steps=800, expert_steps=150, expert_lr=3e-3, body_lr_scale=0.3)
+WIDE = Recipe(size="wide", layout="spread", pretrain_steps=800, expert_steps=200, expert_lr=3e-3, body_lr_scale=0.03)
 
 
 def config(size: str, vocab: int = VOCAB):
@@ -222,8 +222,8 @@ def eval_set(task: str, n: int, seed: int = 0, layout: Layout = DISJOINT) -> tup
 def pretrain_batch(n: int, rng: np.random.Generator, layout: Layout = DISJOINT) -> torch.Tensor:
     """(n, MAX_LEN) int64: in-context copies "BOS x SEP x EOS" of 2–6 tokens drawn from one alphabet (the
     generic one half the time, else any of the task alphabets): the base learns to copy every token
-    and never sees a mapping, so it scores 0 on the tasks. Layout "spread": a third generic, a third one
-    task alphabet, a third the background lexicon (uniform)."""
+    and never sees a mapping, so it scores 0 on the tasks. Layout "spread": 40% generic, 40% one
+    task alphabet, a fifth the background lexicon (uniform)."""
     ids = np.full((n, MAX_LEN), PAD, np.int64)
     for i in range(n):
         length = None
@@ -232,9 +232,9 @@ def pretrain_batch(n: int, rng: np.random.Generator, layout: Layout = DISJOINT) 
             first, width = (GEN0 if a < 0 else TASK_ROW0 + ALPHA * int(a)), ALPHA
         else:
             u = rng.random()
-            if u < 1 / 3:
+            if u < 0.4:
                 first, width = GEN0, ALPHA
-            elif u < 2 / 3:
+            elif u < 0.8:
                 first, width = TASK_ROW0 + layout.alpha * int(rng.integers(0, layout.n_alphabets())), layout.alpha
             else:
                 first, width = layout.lexicon0(), layout.vocab - layout.lexicon0()

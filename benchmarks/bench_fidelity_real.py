@@ -39,7 +39,8 @@ RANDOM_SEEDS = (0, 1, 2)
 # every tensor of the bench size is ≤ 1 MiB, so 4 MiB makes each tensor one block; 8 KiB is 16 rows of
 # 256 bf16 values: one alphabet of the embedding and the LM head per block (realfamily aligns the
 # alphabets to 16 rows), and 32–128 blocks per attention / MLP matrix
-BLOCKS = {"4MiB": 4 * 2**20, "32KiB": 32 * 2**10, "8KiB": 8 * 2**10}
+BLOCKS = {"4MiB": 4 * 2**20, "64KiB": 64 * 2**10, "32KiB": 32 * 2**10, "8KiB": 8 * 2**10}
+MORE_BLOCKS: tuple[str, ...] = ()  # --block NAME (repeatable): ranked and random arms at another block size
 # the small block of each size: size "wide" (layout "spread", hidden 256) has 64-token alphabets, 32 KiB each
 # in the embedding and the LM head, and 64 rows of an attention / MLP matrix per 32 KiB
 SMALL = "8KiB"
@@ -157,7 +158,7 @@ def _key(arm: dict) -> str:
 
 def arms(best: dict[str, dict], quick: bool) -> list[dict]:
     out = []
-    blocks = ("4MiB",) if quick else ("4MiB", SMALL)
+    blocks = ("4MiB",) if quick else ("4MiB", SMALL, *MORE_BLOCKS)
     for method, params in best.items():
         for block in blocks:
             for budget in BUDGETS:
@@ -257,10 +258,11 @@ def plot(rows: list[dict], path: Path, family: dict | None = None) -> None:
 
 
 def main(argv: list[str]) -> None:
-    global CACHE, FAMILY, RESULTS, PLOT, SMALL, LAYOUT
+    global CACHE, FAMILY, RESULTS, PLOT, SMALL, LAYOUT, MORE_BLOCKS
     size = argv[argv.index("--size") + 1] if "--size" in argv else "bench"
     CACHE = ROOT / "cache" / "realfamily2" / size
     FAMILY = CACHE / "family"
+    MORE_BLOCKS = tuple(argv[i + 1] for i, a in enumerate(argv) if a == "--block")
     recipe = rf.RECIPES.get(size, rf.Recipe(size=size))
     LAYOUT = recipe.tokens()
     SMALL = "32KiB" if LAYOUT is rf.SPREAD else "8KiB"

@@ -8,7 +8,12 @@ Also measures ‖θ_B − θ_F‖/‖θ_F − θ_0‖ of the written outputs (F:
 what the plan reports (bound_blockwise, bound_rounded, est_error, each divided by ‖θ_F − θ_0‖), and,
 per ranked plan, which experts and tensor kinds it kept.
 
-    nice -n 10 python -m benchmarks.bench_fidelity_real [--quick] [--size quick]
+    nice -n 10 python -m benchmarks.bench_fidelity_real [--quick] [--size quick|wide] [--block 64KiB]
+    python -m benchmarks.bench_fidelity_real --size wide --report      # tables of a results file
+    python -m benchmarks.bench_fidelity_real --check FAMILY_FOLDER     # in-memory full-budget merges
+
+Size "wide" (layout "spread") uses 4 MiB and 32 KiB blocks (32 KiB: one 64-row group of its vocabulary
+tensors); `--block` adds ranked and random arms at another registered block size.
 
 Results: benchmarks/results/fidelity_real.json (cached per arm: a rerun adds only new arms) and
 fidelity_real.png. Extra arms (e.g. planner options from the rules branch) are added in `arms()`;

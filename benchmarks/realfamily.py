@@ -41,7 +41,21 @@ Recipe (every number below is in `Recipe`, and the recipe's hash names the cache
   461 s wall, 456 CPU-s (pre-training 217 s, 29–32 s an expert; experts 100%, 8-way TA λ 0.5 99.9%);
   see benchmarks/RESULTS.md ("Fidelity on a real fine-tuned family").
 
-`python -m benchmarks.realfamily OUT [--size bench]` builds OUT/base and OUT/expert_<task> and
+Recipe "wide" (`WIDE`, layout "spread"; the harder family, benchmarks/RESULTS.md "… a harder, larger
+real family"): hidden 256, 3 layers, 4 heads, MLP 1024, vocabulary 24,576 (15.73M parameters, 80% of the
+bytes in the embedding and the LM head). 16-token input alphabets per task, output alphabets shared by
+pairs of tasks, then a background lexicon. Pre-training 800 steps, lr 1e-3, 40% generic / 40% task
+alphabets / 20% lexicon copies (base copy exact match 31%). Experts 200 steps, lr 3e-3 on the task's own
+32 embedding and 32 head rows and lr × 0.03 on everything else, no row frozen (`_train`'s `fast_rows`):
+experts 50–64%, 44–68% of ‖Δ_k‖² outside their own rows; 8-way TIES at full budget 23%, task arithmetic
+at chance (the summed shared-layer deltas; `bench_fidelity_real --check`). Measured on the way: with the
+same pre-training and everything else at × 0.1: experts 59–76%, 92–97% outside own rows, TIES 21%, TA
+0%; before that, 64-token alphabets, × 0.3 and a third of pre-training on the lexicon (its own 800-step
+pre-training, copy exact match 14%): the first three experts at 0–12% after 150 steps (an exploration
+script, not kept).
+Build: 961 s wall (pre-training 240 s, experts 67–100 s each), niced on the shared 2-core machine.
+
+`python -m benchmarks.realfamily OUT [--size bench|quick|wide]` builds OUT/base and OUT/expert_<task> and
 OUT/recipe.json (build wall and CPU seconds, accuracies); a rebuild is skipped when the recipe's hash
 matches the cache's.
 """

@@ -512,7 +512,12 @@ def load(folder: str | Path):
     return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-RECIPES = {"bench": Recipe(), "quick": Recipe(size="quick", pretrain_steps=1200, pretrain_lr=3e-3), "wide": WIDE}
+RECIPES = {
+    "bench": Recipe(),
+    "quick": Recipe(size="quick", pretrain_steps=1200, pretrain_lr=3e-3),
+    "wide": WIDE,
+    "wide01": dataclasses.replace(WIDE, body_lr_scale=0.1),  # the first try: more spread, TA at chance
+}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,12 @@ Also measures ‖θ_B − θ_F‖/‖θ_F − θ_0‖ of the written outputs (F:
 what the plan reports (bound_blockwise, bound_rounded, est_error, each divided by ‖θ_F − θ_0‖), and,
 per ranked plan, which experts and tensor kinds it kept.
 
-    nice -n 10 python -m benchmarks.bench_fidelity_real [--quick] [--size quick]
+    nice -n 10 python -m benchmarks.bench_fidelity_real [--quick] [--size quick|wide] [--block 64KiB]
+    python -m benchmarks.bench_fidelity_real --size wide --report      # tables of a results file
+    python -m benchmarks.bench_fidelity_real --check FAMILY_FOLDER     # in-memory full-budget merges
+
+Size "wide" (layout "spread") uses 4 MiB and 32 KiB blocks (32 KiB: one 64-row group of its vocabulary
+tensors); `--block` adds ranked and random arms at another registered block size.
 
 Results: benchmarks/results/fidelity_real.json (cached per arm: a rerun adds only new arms) and
 fidelity_real.png. Extra arms (e.g. planner options from the rules branch) are added in `arms()`;
@@ -39,7 +44,12 @@ RANDOM_SEEDS = (0, 1, 2)
 # every tensor of the bench size is ≤ 1 MiB, so 4 MiB makes each tensor one block; 8 KiB is 16 rows of
 # 256 bf16 values: one alphabet of the embedding and the LM head per block (realfamily aligns the
 # alphabets to 16 rows), and 32–128 blocks per attention / MLP matrix
-BLOCKS = {"4MiB": 4 * 2**20, "8KiB": 8 * 2**10}
+BLOCKS = {"4MiB": 4 * 2**20, "64KiB": 64 * 2**10, "32KiB": 32 * 2**10, "8KiB": 8 * 2**10}
+MORE_BLOCKS: tuple[str, ...] = ()  # --block NAME (repeatable): ranked and random arms at another block size
+# the small block of each size: size "wide" (layout "spread", hidden 256) has 64-token alphabets, 32 KiB each
+# in the embedding and the LM head, and 64 rows of an attention / MLP matrix per 32 KiB
+SMALL = "8KiB"
+LAYOUT = rf.DISJOINT
 TA_GRID = [{"lambda": v} for v in (0.3, 0.5, 0.7, 1.0)]
 TIES_GRID = [{"density": d, "lambda": v} for d in (0.2, 0.5) for v in (0.7, 1.0, 1.5)]
 
@@ -93,7 +103,7 @@ def run_arm(cat, arm: dict, n_eval: int) -> dict:
     out = CACHE / "out" / arm["block"] / plan.plan_hash[:16]
     if not (out / "model.safetensors").exists():
         cat.execute(plan.plan_id, out, force=True)
-    acc = rf.all_accuracies(rf.load(out), n_eval)
+    acc = rf.all_accuracies(rf.load(out), n_eval, layout=LAYOUT)
     xp = cat.execution_plan(plan.plan_id)
     kinds: dict[str, list[int]] = {}
     names = [t.name for t in xp.tensors]
@@ -153,7 +163,7 @@ def _key(arm: dict) -> str:
 
 def arms(best: dict[str, dict], quick: bool) -> list[dict]:
     out = []
-    blocks = ("4MiB",) if quick else ("4MiB", "8KiB")
+    blocks = ("4MiB",) if quick else ("4MiB", SMALL, *MORE_BLOCKS)
     for method, params in best.items():
         for block in blocks:
             for budget in BUDGETS:
@@ -253,17 +263,24 @@ def plot(rows: list[dict], path: Path, family: dict | None = None) -> None:
 
 
 def main(argv: list[str]) -> None:
-    global CACHE, FAMILY, RESULTS, PLOT
+    global CACHE, FAMILY, RESULTS, PLOT, SMALL, LAYOUT, MORE_BLOCKS
     size = argv[argv.index("--size") + 1] if "--size" in argv else "bench"
     CACHE = ROOT / "cache" / "realfamily2" / size
     FAMILY = CACHE / "family"
+    MORE_BLOCKS = tuple(argv[i + 1] for i, a in enumerate(argv) if a == "--block")
+    recipe = rf.RECIPES.get(size, rf.Recipe(size=size))
+    LAYOUT = recipe.tokens()
+    SMALL = "32KiB" if LAYOUT is rf.SPREAD else "8KiB"
     if size != "bench":
         RESULTS = RESULTS.with_name(f"fidelity_real_{size}.json")
         PLOT = PLOT.with_name(f"fidelity_real_{size}.png")
+    if "--check" in argv:
+        check_family(Path(argv[argv.index("--check") + 1]))
+        return
     if "--report" in argv:
         data = json.loads(RESULTS.read_text())
         plot(data["summary"], PLOT, data["family"])
-        print(targets(data) + "\n\n" + report(data) + "\n\n" + explain(data))
+        print(family_table(data) + "\n\n" + targets(data) + "\n\n" + report(data) + "\n\n" + explain(data))
         return
     quick = "--quick" in argv
     n_eval = 64 if quick else 256
@@ -272,7 +289,7 @@ def main(argv: list[str]) -> None:
 
     transformers.utils.logging.disable_progress_bar()
     t0, c0 = time.time(), time.process_time()
-    build = rf.build(FAMILY, rf.Recipe(size=size), log=lambda s: print(s, flush=True))
+    build = rf.build(FAMILY, recipe, log=lambda s: print(s, flush=True))
     prev = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     same = prev.get("family_digest") == build["digest"] and prev.get("n_eval_per_task") == n_eval
     done = {_key(r): r for r in prev.get("records", []) if same}
@@ -296,9 +313,14 @@ def main(argv: list[str]) -> None:
             r = done[_key(arm)]
             print(
                 f"{arm['method']} {arm['block']} {arm['strategy']}{arm['seed']} {arm['extra']} {arm['budget']}:",
-                f"{r['mean']:.3f}",
+                f"{r['mean']:.3f} ({r['seconds']:.0f} s)",
                 flush=True,
             )
+            # the arms so far, so that an interrupted run resumes from them (summary and plot come at the end)
+            partial = {"family_digest": build["digest"], "n_eval_per_task": n_eval, "records": list(done.values())}
+            RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            RESULTS.with_suffix(".tmp").write_text(json.dumps(partial))
+            RESULTS.with_suffix(".tmp").rename(RESULTS)
     records = list(done.values())
     deviations(records)
     rows = summarize(records)
@@ -375,25 +397,104 @@ def targets(data: dict) -> str:
 
 
 def explain(data: dict) -> str:
-    """For each ranked 4 MiB plan below 100%: each task's accuracy drop from full budget next to its own
-    expert's byte coverage, and the share of selected (expert, tensor) blocks per tensor kind."""
-    recs = [r for r in data["records"] if r["tag"] == "main" and r["strategy"] == "ranked" and r["block"] == "4MiB"]
-    recs = [r for r in recs if not r["extra"]]
-    full = {r["method"]: r for r in recs if r["budget"] == "100%"}
+    """For each ranked plan without options below 100%: each task's accuracy drop from full budget next to
+    its own expert's byte coverage, and the selected (expert, tensor-block) count per tensor kind."""
+    recs = [r for r in data["records"] if r["tag"] == "main" and r["strategy"] == "ranked" and not r["extra"]]
+    full = {(r["method"], r["block"]): r for r in recs if r["budget"] == "100%"}
+    full_4m = {m: r for (m, b), r in full.items() if b == "4MiB"}
     lines = [
-        "| method | budget | task: drop in points (own expert's coverage) | selected blocks by kind |",
-        "|---|---|---|---|",
+        "| method | block | budget | task: drop in points (own expert's coverage) | selected blocks by kind |",
+        "|---|---|---|---|---|",
     ]
-    for r in sorted(recs, key=lambda r: (r["method"], -float(r["budget"].rstrip("%")))):
-        if r["budget"] == "100%" or r["method"] not in full:
+    for r in sorted(recs, key=lambda r: (r["method"], r["block"], -float(r["budget"].rstrip("%")))):
+        f = full.get((r["method"], r["block"])) or full_4m.get(r["method"])
+        if r["budget"] == "100%" or f is None:
             continue
-        f = full[r["method"]]
         cells = ", ".join(
             f"{t} {100 * (f['accuracy'][t] - r['accuracy'][t]):+.0f} ({100 * r['coverage'].get('expert_' + t, 0):.0f}%)"
             for t in rf.TASKS
         )
         kinds = ", ".join(f"{k} {sum(v)}" for k, v in sorted(r["selected_blocks_by_kind"].items()))
-        lines.append(f"| {r['method']} | {r['budget']} | {cells} | {kinds} |")
+        lines.append(f"| {r['method']} | {r['block']} | {r['budget']} | {cells} | {kinds} |")
+    return "\n".join(lines)
+
+
+def check_family(folder: Path, n_eval: int = 128) -> None:
+    """Prints full-budget 8-way merges computed in memory (torch, no catalog), to judge a recipe before the
+    benchmark: task arithmetic on the TA grid, TIES (per-tensor magnitude trim, sign election, disjoint
+    mean) on the TIES grid, and task arithmetic of parts of the deltas (own rows, special-token rows,
+    other embedding/head rows, shared layers) at λ = 1, to see which part breaks a merge."""
+    import copy
+
+    layout = rf.SPREAD
+    base = rf.load(folder / "base")
+    theta0 = {k: v.clone() for k, v in base.state_dict().items()}
+    deltas = []
+    for t in rf.TASKS:
+        st = rf.load(folder / f"expert_{t}").state_dict()
+        deltas.append({k: st[k] - theta0[k] for k in theta0})
+
+    def score(state) -> str:
+        m = copy.deepcopy(base)
+        m.load_state_dict(state)
+        acc = rf.all_accuracies(m, n_eval, layout=layout)
+        return f"{100 * np.mean(list(acc.values())):.1f} (" + " ".join(f"{100 * v:.0f}" for v in acc.values()) + ")"
+
+    for p in TA_GRID:
+        print("task_arithmetic", p, score({k: theta0[k] + p["lambda"] * sum(d[k] for d in deltas) for k in theta0}))
+    for p in TIES_GRID:
+        state = {}
+        for k in theta0:
+            flat = torch.stack([d[k] for d in deltas]).reshape(len(deltas), -1)  # (experts, n)
+            keep = max(1, int(p["density"] * flat.shape[1]))
+            thr = flat.abs().kthvalue(flat.shape[1] - keep + 1, dim=1).values[:, None]
+            trimmed = torch.where(flat.abs() >= thr, flat, torch.zeros_like(flat))
+            agree = (torch.sign(trimmed) == torch.sign(trimmed.sum(0))) & (trimmed != 0)
+            mean = (trimmed * agree).sum(0) / agree.sum(0).clamp(min=1)
+            state[k] = theta0[k] + p["lambda"] * mean.reshape(theta0[k].shape)
+        print("ties", p, score(state))
+    special = torch.zeros(layout.vocab, dtype=torch.bool)
+    special[: rf.TASK_ROW0] = True
+    for parts in (
+        ("own",),
+        ("own", "special"),
+        ("own", "other"),
+        ("own", "layers"),
+        ("own", "special", "other", "layers"),
+    ):
+        state = {k: v.clone() for k, v in theta0.items()}
+        for t, d in zip(rf.TASKS, deltas):
+            own = torch.zeros(layout.vocab, dtype=torch.bool)
+            own[layout.own_rows(t)] = True
+            rows = torch.zeros(layout.vocab, dtype=torch.bool)  # the embedding/head rows of the chosen parts
+            if "own" in parts:
+                rows |= own
+            if "special" in parts:
+                rows |= special & ~own
+            if "other" in parts:
+                rows |= ~own & ~special
+            for k in theta0:
+                vocab = "embed_tokens" in k or "lm_head" in k
+                state[k] += d[k] * rows[:, None] if vocab else d[k] * ("layers" in parts)
+        print("task_arithmetic λ=1 of", "+".join(parts), score(state))
+
+
+def family_table(data: dict) -> str:
+    """Per expert: its accuracy on its own task (stored dtype), with only its own embedding/head rows
+    applied to the base, and where its ‖Δ‖² sits (layout "spread" records these)."""
+    experts = data["family"]["experts"]
+    if not all("delta_share" in e for e in experts.values()):
+        return ""
+    lines = [
+        "| expert | own task acc | own rows only | ‖Δ‖² in own rows | other embedding/head rows | shared layers |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t, e in experts.items():
+        sh = e["delta_share"]
+        lines.append(
+            f"| {t} | {100 * e['accuracy']:.1f} | {100 * e['own_rows_only_accuracy']:.1f} | "
+            f"{100 * sh['own_rows']:.1f}% | {100 * sh['other_rows']:.1f}% | {100 * sh['shared_layers']:.1f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -408,11 +509,13 @@ def extra_arms(best: dict[str, dict]) -> list[dict]:
             {"value_model": "consensus", "min_coverage": 0.05},
         ],
     }
+    if LAYOUT is rf.SPREAD:  # the larger family: the two options one at a time (their sum changed nothing before)
+        options["ties"] = options["ties"][:2]
     return [
         _arm(method, best[method], block, "ranked", 0, budget, extra=extra)
         for method in best
         for extra in options[method]
-        for block in ("4MiB", "8KiB")
+        for block in ("4MiB", SMALL)
         for budget in BUDGETS[1:]
     ]
 

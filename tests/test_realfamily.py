@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -96,3 +97,49 @@ def test_tiny_family_builds_scores_and_is_cached(tmp_path):
     mtime = (tmp_path / "fam" / "base" / "model.safetensors").stat().st_mtime_ns
     assert rf.build(tmp_path / "fam", recipe) == stored  # same recipe: nothing rebuilt
     assert (tmp_path / "fam" / "base" / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_answer_positions_only_equals_the_full_logits(tmp_path):
+    # the fast path (LM head at the answer positions only) against the full logits of the same model
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(rf.config("tiny", rf.SPREAD.vocab)).eval()
+    with torch.no_grad():  # a peaked head, so that some answers are right by chance and some wrong
+        model.lm_head.weight.mul_(50)
+    ids, mask = rf.eval_set("map5", 64, layout=rf.SPREAD)
+    with torch.no_grad():  # even examples: answers the model's own greedy ones, so that they score right
+        for t in range(1, ids.shape[1]):
+            pred = model(input_ids=ids[::2]).logits[:, t - 1].argmax(-1)
+            ids[::2, t] = torch.where(mask[::2, t], pred, ids[::2, t])
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=(ids != rf.PAD).long()).logits
+    fast = rf.accuracy_per_example(model, ids, mask)
+    assert fast.tolist() == _reference(full.numpy(), ids.numpy(), mask.numpy())
+    assert 0 < int(fast.sum()) < 64
+
+
+def test_spread_layout_moves_shared_rows_and_layers_and_reuses_its_pretraining(tmp_path):
+    recipe = rf.Recipe(
+        size="tiny", layout="spread", pretrain_steps=3, expert_steps=3, eval_examples=8, body_lr_scale=0.3
+    )
+    rec = rf.build(tmp_path / "fam", recipe)
+    lay = rf.SPREAD
+    # independent of Layout: inputs of task k at 32 + 16k, outputs shared by tasks 2j and 2j+1 at 160 + 16j
+    assert lay.alphabets("map3") == (32 + 16 * 3, 160 + 16) and lay.alphabets("map2")[1] == 160 + 16
+    base = rf.load(tmp_path / "fam" / "base")
+    model = rf.load(tmp_path / "fam" / "expert_map3")
+    emb, head = "model.embed_tokens.weight", "lm_head.weight"
+    d_emb = (model.state_dict()[emb] - base.state_dict()[emb]).abs().amax(dim=1)
+    d_head = (model.state_dict()[head] - base.state_dict()[head]).abs().amax(dim=1)
+    other_inputs = [r for r in range(32, 160) if not 80 <= r < 96]
+    assert (d_emb[other_inputs] == 0).all() and (d_emb[224:] == 0).all()  # tokens it never reads: no gradient
+    assert (d_head[224:] > 0).float().mean() > 0.9  # no row is frozen: the softmax moves every head row
+    # own rows move at 1/0.3 the rate of the rest
+    assert d_head[176:192].mean() > 2 * d_head[224:].mean()
+    share = rec["experts"]["map3"]["delta_share"]
+    assert share["own_rows"] < 1 and abs(sum(share.values()) - 1) < 1e-9
+    # same pre-training, another expert phase: the pre-trained weights are reused, the experts rebuilt
+    again = rf.build(tmp_path / "fam", dataclasses.replace(recipe, expert_steps=2))
+    assert again["pretrain_reused"] and again["digest"] != rec["digest"]
+    assert torch.equal(rf.load(tmp_path / "fam" / "base").state_dict()[head], base.state_dict()[head])

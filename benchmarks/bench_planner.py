@@ -11,7 +11,9 @@ Side by side: `--baseline DIR` (a checkout of older code, e.g. `git archive 7efc
 runs each plan with that code too, alternating old and new in one run, and checks that both give
 the same plan hash. `--small CATALOG` times small plans instead (the bench family, K = 8, full read:
 issue 11's "planning ≤ 1% of execution"): task arithmetic and TIES, several per process, on a copy
-of CATALOG (the cached catalog is never written).
+of CATALOG (the cached catalog is never written), then the first plan of fresh processes; with
+`--baseline`, one plan per COVERAGE request follows in each process and every stored plan table of
+old and new code must be equal (the run stops if not).
 Run: python -m benchmarks.bench_planner [--quick] [--catalog-dir DIR] [--rows 1000000 ...] [--baseline DIR]
      [--budgets 10% 25% 50%] [--save NAME]
      python -m benchmarks.bench_planner --small benchmarks/cache/catalog-bench-20-4MiB.duckdb [--baseline DIR]

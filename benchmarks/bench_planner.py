@@ -11,7 +11,9 @@ Side by side: `--baseline DIR` (a checkout of older code, e.g. `git archive 7efc
 runs each plan with that code too, alternating old and new in one run, and checks that both give
 the same plan hash. `--small CATALOG` times small plans instead (the bench family, K = 8, full read:
 issue 11's "planning ≤ 1% of execution"): task arithmetic and TIES, several per process, on a copy
-of CATALOG (the cached catalog is never written).
+of CATALOG (the cached catalog is never written), then the first plan of fresh processes; with
+`--baseline`, one plan per COVERAGE request follows in each process and every stored plan table of
+old and new code must be equal (the run stops if not).
 Run: python -m benchmarks.bench_planner [--quick] [--catalog-dir DIR] [--rows 1000000 ...] [--baseline DIR]
      [--budgets 10% 25% 50%] [--save NAME]
      python -m benchmarks.bench_planner --small benchmarks/cache/catalog-bench-20-4MiB.duckdb [--baseline DIR]
@@ -104,6 +106,44 @@ def one(db: Path, budget: str) -> dict:
 
 
 SMALL = {"task_arithmetic": {"lambda": 0.5}, "ties": {"density": 0.2}}
+# after the timed plans: one plan per request below, so that the stored tables of old and new code can
+# be compared for every method and option (method, params, budget, experts, request options)
+COVERAGE = [
+    ("linear", {}, "all", 8, {}),
+    ("task_arithmetic", {"lambda": 0.5}, "10%", 8, {"name": "ta-10pct", "seed": 7}),
+    ("ties", {"density": 0.2}, "25%", 8, {}),
+    ("ties", {"density": 0.137}, "all", 8, {}),  # off the density grid: thresholds from the summaries
+    ("ties", {"density": 0.2}, "40%", 8, {"value_model": "consensus", "min_coverage": 0.1}),
+    ("dare_linear", {}, "all", 8, {}),
+    ("dare_ties", {}, "10%", 8, {"strategy": "random", "seed": 3}),
+    ("breadcrumbs", {}, "all", 8, {}),
+    ("breadcrumbs_ties", {}, "30%", 8, {}),
+    ("della", {}, "all", 8, {}),
+    ("della_linear", {}, "20%", 8, {"weights": (1.0, 0.5, 2.0, 1.0, 1.0, 0.25, 1.0, 3.0)}),
+    ("model_stock", {}, "all", 8, {}),
+    ("slerp", {"t": 0.3}, "50%", 1, {}),
+    ("task_arithmetic", {"lambda": 1.0}, "15%", 20, {"estimate": True}),
+]
+# every stored plan table, in a fixed order (planning_seconds and created left out: times)
+STORED = {
+    "plans": "SELECT * EXCLUDE (planning_seconds, created) FROM plans ORDER BY plan_id",
+    "plan_experts": "SELECT * FROM plan_experts ORDER BY plan_id, position",
+    "plan_thresholds": "SELECT * FROM plan_thresholds ORDER BY plan_id, checkpoint_id, tensor_idx",
+    "plan_mask_bits": "SELECT * REPLACE (CAST(selected AS VARCHAR) AS selected) FROM plan_mask_bits "
+    "ORDER BY plan_id, checkpoint_id, tensor_idx",
+    "plan_tensor_params": "SELECT * FROM plan_tensor_params ORDER BY plan_id, position, tensor_idx",
+}
+
+
+def stored_tables(cat) -> dict:
+    """sha256 and row count of each stored plan table (exact: floats as repr, NaN as NaN)."""
+    import hashlib
+
+    out = {}
+    for table, sql in STORED.items():
+        rows = cat.sql(sql).to_pylist()
+        out[table] = [len(rows), hashlib.sha256(json.dumps(rows, default=str).encode()).hexdigest()]
+    return out
 
 
 def small(db: Path, repeats: int) -> dict:
@@ -142,7 +182,24 @@ def small(db: Path, repeats: int) -> dict:
             "cpu_seconds": [r[2] for r in runs],
             "planning_cpu_seconds": [r[3] for r in runs],
         }
-    return out
+    hashes = []
+    for method, params, budget, k, options in COVERAGE:
+        names = tuple(f"expert_{i:02d}" for i in range(k))
+        hashes.append(cat.plan(PlanRequest("base", names, method, budget, params=params, **options)).plan_hash)
+    return {"timed": out, "coverage_hashes": hashes, "stored": stored_tables(cat)}
+
+
+def first_plan(db: Path, method: str) -> dict:
+    """The first plan of a fresh process (imports done, nothing else): its planning_seconds and the
+    whole Catalog.plan call (connection, migration check, store, read back)."""
+    from mergedb.catalog import Catalog
+    from mergedb.planner import PlanRequest
+
+    t0 = time.perf_counter()
+    p = Catalog(db).plan(
+        PlanRequest("base", tuple(f"expert_{i:02d}" for i in range(8)), method, "all", params=SMALL[method])
+    )
+    return {"planning_seconds": p.planning_seconds, "call_seconds": time.perf_counter() - t0, "plan_hash": p.plan_hash}
 
 
 def _child(args: list[str], code: Path | None) -> dict:
@@ -153,29 +210,62 @@ def _child(args: list[str], code: Path | None) -> dict:
 
 
 def run_small(catalog_path: Path, baseline: Path | None, rounds: int = 3, repeats: int = 10) -> dict:
-    """Small plans, new (and baseline) code alternating, `rounds` processes each, on copies of the catalog."""
-    out: dict[str, list] = {"new": [], "baseline": []}
+    """Small plans, new (and baseline) code alternating, `rounds` processes each, on copies of the
+    catalog; then the first plan of a fresh process, `rounds` × 2 per method and side. With a
+    baseline, every stored plan table (and plan hash) of the two sides must be equal."""
+    sides = [("baseline", baseline), ("new", None)] if baseline is not None else [("new", None)]
+    out: dict[str, list] = {label: [] for label, _ in sides}
+    first: dict[str, dict[str, list]] = {label: {m: [] for m in SMALL} for label, _ in sides}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(rounds):
-            for label, code in (("baseline", baseline), ("new", None)):
-                if label == "baseline" and baseline is None:
-                    continue
+            for label, code in sides if i % 2 == 0 else sides[::-1]:
                 db = Path(tmp) / f"{label}-{i}.duckdb"
                 shutil.copy(catalog_path, db)
                 out[label].append(_child(["--small-one", str(db), str(repeats)], code))
-                print(label, {m: round(min(r["planning_seconds"]) * 1e3, 1) for m, r in out[label][-1].items()})
+                timed = out[label][-1]["timed"]
+                print(label, {m: round(min(r["planning_seconds"]) * 1e3, 1) for m, r in timed.items()}, flush=True)
+        for i in range(2 * rounds):
+            for method in SMALL:
+                for label, code in sides if i % 2 == 0 else sides[::-1]:
+                    db = Path(tmp) / f"first-{label}-{method}-{i}.duckdb"
+                    shutil.copy(catalog_path, db)
+                    first[label][method].append(_child(["--first-one", str(db), method], code))
+        print(
+            "first plan",
+            {
+                f"{lb}/{m}": [round(r["planning_seconds"] * 1e3, 1) for r in v]
+                for lb in first
+                for m, v in first[lb].items()
+            },
+        )
+    if baseline is not None:
+        for a, b in zip(out["baseline"], out["new"]):
+            if a["stored"] != b["stored"] or a["coverage_hashes"] != b["coverage_hashes"]:
+                raise SystemExit(f"stored plans differ between baseline and new code: {a['stored']} vs {b['stored']}")
     summary = {}
     for label, runs in out.items():
         for method in SMALL:
-            if runs:
-                keys = ("planning_seconds", "call_seconds", "cpu_seconds", "planning_cpu_seconds")
-                pooled = {k: [x for r in runs for x in r[method][k]] for k in keys}
-                summary[f"{label}/{method}"] = {
-                    **{f"{k}_min": min(v) for k, v in pooled.items()},
-                    **{f"{k}_median": statistics.median(v) for k, v in pooled.items()},
-                    "plan_hashes": sorted({r[method]["plan_hash"] for r in runs}),
-                }
-    return {"small": out, "small_summary": summary, "load_average_1min": os.getloadavg()[0]}
+            keys = ("planning_seconds", "call_seconds", "cpu_seconds", "planning_cpu_seconds")
+            pooled = {k: [x for r in runs for x in r["timed"][method][k]] for k in keys}
+            f = first[label][method]
+            summary[f"{label}/{method}"] = {
+                **{f"{k}_min": min(v) for k, v in pooled.items()},
+                **{f"{k}_median": statistics.median(v) for k, v in pooled.items()},
+                "first_planning_seconds_median": statistics.median(r["planning_seconds"] for r in f),
+                "first_call_seconds_median": statistics.median(r["call_seconds"] for r in f),
+                "plan_hashes": sorted({r["timed"][method]["plan_hash"] for r in runs} | {r["plan_hash"] for r in f}),
+            }
+    stored = {label: runs[0]["stored"] for label, runs in out.items()}
+    hashes = {label: runs[0]["coverage_hashes"] for label, runs in out.items()}
+    return {
+        "small": out,
+        "first_plan": first,
+        "small_summary": summary,
+        "stored_tables": stored,
+        "coverage_hashes": hashes,
+        "stored_equal": None if baseline is None else True,
+        "load_average_1min": os.getloadavg()[0],
+    }
 
 
 def run(
@@ -211,6 +301,7 @@ if __name__ == "__main__":
     ap.add_argument("--small", type=Path, metavar="CATALOG", help="time small plans on a copy of CATALOG")
     ap.add_argument("--one", nargs=2, metavar=("CATALOG", "BUDGET"), help=argparse.SUPPRESS)
     ap.add_argument("--small-one", nargs=2, metavar=("CATALOG", "REPEATS"), help=argparse.SUPPRESS)
+    ap.add_argument("--first-one", nargs=2, metavar=("CATALOG", "METHOD"), help=argparse.SUPPRESS)
     ap.add_argument("--code", type=Path, help=argparse.SUPPRESS)  # a child: import mergedb from there
     a = ap.parse_args()
     if a.code:
@@ -219,6 +310,8 @@ if __name__ == "__main__":
         print("RESULT " + json.dumps(one(Path(a.one[0]), a.one[1])))
     elif a.small_one:
         print("RESULT " + json.dumps(small(Path(a.small_one[0]), int(a.small_one[1]))))
+    elif a.first_one:
+        print("RESULT " + json.dumps(first_plan(Path(a.first_one[0]), a.first_one[1])))
     elif a.small:
         print(save("planner-small", run_small(a.small, a.baseline)))
     else:

@@ -107,11 +107,12 @@ def fetch(
     """Read the candidates once, in batches, into numpy arrays, and score them: value = |c_k|·norm,
     score = value / cost (or the random ablation's score)."""
     name = "plan_candidates_trimmed" if sc.trimmed else "plan_candidates"
-    con.register("_plan_trim", sc.trims)
+    if sc.trimmed:  # only the trimmed query reads the trims
+        con.register("_plan_trim", sc.trims)
     con.register(
         "_plan_positions",
         pa.table(
-            {"checkpoint_id": pa.array(sc.ids, pa.int32()), "position": pa.array(np.arange(len(sc.ids)), pa.int32())}
+            {"checkpoint_id": pa.array(sc.ids, pa.int32()), "position": pa.array(list(range(len(sc.ids))), pa.int32())}
         ),
     )
     try:
@@ -143,7 +144,8 @@ def fetch(
         adapters = cols["read_bytes"][:at].max(initial=-1) >= 0
         fixed = _fixed_bytes(con, len(ids), fam.first_block.size - 1) if adapters else np.zeros(n_pairs, np.int64)
     finally:
-        unregister(con, "_plan_trim")
+        if sc.trimmed:
+            unregister(con, "_plan_trim")
         unregister(con, "_plan_positions")
     cols = {c: v[:at] for c, v in cols.items()}
     random = random[:at]
@@ -193,20 +195,27 @@ def _fixed_bytes(con: duckdb.DuckDBPyConnection, n_positions: int, n_tensors: in
     return fixed
 
 
-def family_blocks(con: duckdb.DuckDBPyConnection, base_id: int, n_tensors: int) -> bounds.FamilyBlocks:
-    """The base family's blocks in (tensor_idx, block_idx) order (queries/plan_block_bytes.sql)."""
+def family_blocks(con: duckdb.DuckDBPyConnection, base_id: int, dtypes: list[str]) -> bounds.FamilyBlocks:
+    """The base family's blocks in (tensor_idx, block_idx) order (queries/plan_block_bytes.sql);
+    `dtypes`: each tensor's dtype name, by tensor_idx (family_tensors.dtype)."""
     t = con.sql(_statement("plan_block_bytes"), params=[base_id]).to_arrow_table()
-    tix = t.column("tensor_idx").to_numpy()
-    counts = np.bincount(tix, minlength=n_tensors)
+    tix, bix = t.column("tensor_idx").to_numpy(), t.column("block_idx").to_numpy()
+    order = np.lexsort((bix, tix))  # the query's rows come in no order; (tensor_idx, block_idx) is unique
+    tix = tix[order]
+    counts = np.bincount(tix, minlength=len(dtypes))
     first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-    if not np.array_equal(t.column("block_idx").to_numpy(), np.arange(tix.size) - first[tix]):
+    if not np.array_equal(bix[order], np.arange(tix.size) - first[tix]):
         raise PlanError(f"internal error: base {base_id}'s blocks are not numbered 0, 1, … per tensor")
+
+    def col(name: str) -> np.ndarray:  # NULL becomes NaN (float64) where a column has NULLs
+        return t.column(name).to_numpy(zero_copy_only=False)[order]
+
     return bounds.FamilyBlocks(
         first_block=first,
         tensor_idx=tix,
-        nbytes=t.column("nbytes").to_numpy().astype(np.int64),
-        dtype=np.asarray(t.column("dtype").to_pylist(), dtype=object),
-        base_norm=t.column("base_norm").to_numpy(zero_copy_only=False).astype(np.float64),  # NaN: NULL (before 005)
-        numel=t.column("numel").to_numpy().astype(np.float64),
-        base_nonfinite=t.column("base_nonfinite").to_numpy(zero_copy_only=False).astype(np.float64),  # NaN: NULL
+        nbytes=col("nbytes").astype(np.int64),
+        dtype=np.asarray(dtypes, dtype=object)[tix],
+        base_norm=col("base_norm").astype(np.float64),  # NaN: NULL (before 005)
+        numel=col("numel").astype(np.float64),
+        base_nonfinite=col("base_nonfinite").astype(np.float64),  # NaN: NULL
     )

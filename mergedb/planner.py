@@ -103,11 +103,11 @@ class _Inputs:
     coefs: tuple[float, ...]  # per expert (plan_experts.coef): per element, averaged over tensors
     values: tensorparams.TensorValues  # per (expert, tensor): what the SQL, thresholds and executor use
     mergeable: tuple[bool, ...]  # per tensor_idx
+    numel: np.ndarray  # (T,) int64 elements per tensor_idx
     base_bytes: int  # the base's tensor bytes (streamed in full by a merge, unbudgeted)
     method: methods.Method
     nonfinite: tuple[tuple[str, str, int], ...]  # (expert, tensor, count) with NaN/Inf deltas
     fam: bounds.FamilyBlocks  # the base family's blocks
-    next_plan_id: int
 
 
 @dataclass(frozen=True)
@@ -140,14 +140,17 @@ def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, li
         raise PlanError(f"unknown strategy {req.strategy!r}; use ranked or random")
     if req.name is not None:
         validate_plan_name(req.name)
-    if req.name is not None and _rows(con, "SELECT 1 FROM plans WHERE name = ?", [req.name]):
+    # the next plan id, and whether the name is taken: one statement (bool_or of no rows, or of
+    # `name = NULL` for an unnamed plan, is NULL)
+    plan_id, taken = _rows(con, "SELECT coalesce(max(plan_id), 0) + 1, bool_or(name = ?) FROM plans", [req.name])[0]
+    if taken:
         raise PlanError(f"a plan named {req.name!r} exists already; choose another --name")
     inputs = _resolve(con, req)
     accessrules.check(req.value_model, req.min_coverage, inputs.method, req.strategy)
     steps: list[tuple[str, str, int]] = []
     sel = _select(con, req, inputs, steps)
-    plan_id = _store(con, req, inputs, sel, t0)
-    return plan_id, steps
+    _store(con, req, inputs, sel, int(plan_id), t0)
+    return int(plan_id), steps
 
 
 def candidate_table(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> pa.Table:
@@ -155,24 +158,24 @@ def candidate_table(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> pa.Tabl
     position, tensor_idx, block_idx, nbytes, free, value, score (the caller rolls back)."""
     inputs = _resolve(con, req)
     accessrules.check(req.value_model, req.min_coverage, inputs.method, req.strategy)
-    c = _candidates(con, req, inputs, planstats.thresholds(con, inputs.method, inputs.values, list(inputs.ids)))[1]
+    trims = planstats.thresholds(con, inputs.method, inputs.values, list(inputs.ids), inputs.numel)
+    c = _candidates(con, req, inputs, trims)[1]
     return pa.table(
         {k: getattr(c, k) for k in ("position", "tensor_idx", "block_idx", "nbytes", "free", "value", "score")}
     )
 
 
 def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
-    """Check the base, experts, weights and parameters of a request; refuse non-finite experts."""
-    rows = _rows(  # every checkpoint (a few rows) and the next plan id: one statement
-        con,
-        "SELECT name, checkpoint_id, fingerprint, content_hash, base_id, role, "
-        "(SELECT coalesce(max(plan_id), 0) + 1 FROM plans) FROM checkpoints ORDER BY name",
-    )
+    """Check the base, experts, weights and parameters of a request; refuse non-finite experts.
+    Its statements have no join and no ORDER BY (the rows are matched and ordered here): each such
+    operator costs DuckDB ~0.3 ms, a small plan's largest cost after the statements themselves."""
+    rows = _rows(con, "SELECT name, checkpoint_id, fingerprint, content_hash, base_id, role FROM checkpoints")
+    rows.sort(key=lambda r: r[0].encode())  # ORDER BY name: DuckDB compares VARCHARs by their UTF-8 bytes
     base = [r for r in rows if r[0] == req.base and r[5] == "base"]
     if not base:
         known = [r[0] for r in rows if r[5] == "base"]
         raise PlanError(f"no base named {req.base!r} in the catalog (bases: {', '.join(known) or 'none'})")
-    _, base_id, base_fp, base_content, _, _, next_id = base[0]
+    _, base_id, base_fp, base_content, _, _ = base[0]
     experts = [r for r in rows if r[5] == "expert"]
     by_name = {r[0]: r for r in experts}
     names = list(req.experts) if req.experts is not None else [r[0] for r in experts if r[4] == base_id]
@@ -186,32 +189,27 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
     weights = list(req.weights) if req.weights is not None else [1.0] * len(names)
     params = methods.validate(req.method, req.params, weights, len(names))
     ids = [by_name[n][1] for n in names]
-    tensors = _rows(
-        con,
-        "SELECT name, mergeable, numel, nbytes FROM family_tensors WHERE base_id = ? ORDER BY tensor_idx",
-        [base_id],
+    tensors = sorted(  # by tensor_idx
+        _rows(
+            con,
+            "SELECT tensor_idx, name, mergeable, numel, nbytes, dtype FROM family_tensors WHERE base_id = ?",
+            [base_id],
+        )
     )
-    mergeable = [bool(r[1]) for r in tensors]
-    values = tensorparams.resolve(
-        req.method, params, weights, req.tensor_params, tuple(names), [r[0] for r in tensors], mergeable
-    )
+    tensor_names = [r[1] for r in tensors]
+    mergeable = [bool(r[2]) for r in tensors]
+    numel = np.array([r[3] for r in tensors], np.int64)
+    values = tensorparams.resolve(req.method, params, weights, req.tensor_params, tuple(names), tensor_names, mergeable)
     if req.method == "slerp":
         values = planstats.slerp_values(con, values, base_id, ids[0], names[0])
     coefs = (
-        values.expert_coefs(np.array([r[2] for r in tensors]), mergeable)
+        values.expert_coefs(numel, mergeable)
         if values.per_tensor
         else methods.coefficients(req.method, params, weights)
     )
-    bad = _rows(
-        con,
-        "SELECT c.name, ft.name, CAST(sum(eb.nonfinite) AS BIGINT) FROM expert_blocks eb "
-        "JOIN checkpoints c USING (checkpoint_id) JOIN family_tensors ft ON ft.base_id = c.base_id "
-        "AND ft.tensor_idx = eb.tensor_idx WHERE eb.nonfinite > 0 AND list_contains(?, eb.checkpoint_id) "
-        "GROUP BY ALL ORDER BY 1, 2",
-        [ids],
-    )
-    fam = candidates.family_blocks(con, base_id, len(tensors))
-    _refuse_nonfinite_base(con, req.base, base_id, ids, fam, [r[0] for r in tensors])
+    bad = planstats.nonfinite(con, ids, {by_name[n][1]: n for n in names}, tensor_names)
+    fam = candidates.family_blocks(con, base_id, [r[5] for r in tensors])
+    planstats.refuse_nonfinite_base(con, req.base, base_id, ids, fam, tensor_names)
     if bad and not req.allow_nonfinite:
         e, t, n = bad[0]
         raise PlanError(
@@ -231,48 +229,12 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
         coefs=tuple(coefs),
         values=values,
         mergeable=tuple(mergeable),
-        base_bytes=int(sum(r[3] for r in tensors)),
+        numel=numel,
+        base_bytes=int(sum(r[4] for r in tensors)),
         method=methods.get_method(req.method),
         nonfinite=tuple(bad),
         fam=fam,
-        next_plan_id=int(next_id),
     )
-
-
-def _refuse_nonfinite_base(
-    con: duckdb.DuckDBPyConnection,
-    base: str,
-    base_id: int,
-    ids: list[int],
-    fam: bounds.FamilyBlocks,
-    tensor_names: list[str],
-) -> None:
-    """Blame NaN/Inf in the base on the base (every expert's delta inherits them), with or without
-    --allow-nonfinite: leaving those blocks out would still copy the base's NaN/Inf into the merge."""
-    counts = np.bincount(fam.tensor_idx, weights=np.nan_to_num(fam.base_nonfinite), minlength=len(tensor_names))
-    bad = np.flatnonzero(counts > 0)
-    fix = "fix the base and register it again under a new --name (its experts with it)"
-    if bad.size:
-        t, n = tensor_names[bad[0]], int(counts[bad[0]])
-        more = f" (and {bad.size - 1} more tensors)" if bad.size > 1 else ""
-        raise PlanError(f"base {base!r} has {n} NaN/Inf values in tensor {t!r}{more}; {fix}")
-    known = int(np.count_nonzero(~np.isnan(fam.base_nonfinite)))
-    if known or len(ids) < 2:
-        return
-    # a catalog registered before base checks: NaN/Inf in one block of every expert points at the base
-    shared = _rows(
-        con,
-        "SELECT ft.name FROM expert_blocks eb JOIN family_tensors ft ON ft.base_id = ? "
-        "AND ft.tensor_idx = eb.tensor_idx WHERE eb.nonfinite > 0 AND list_contains(?, eb.checkpoint_id) "
-        "GROUP BY ft.name, eb.tensor_idx, eb.block_idx HAVING count(*) = ? "
-        "ORDER BY eb.tensor_idx, eb.block_idx LIMIT 1",
-        [base_id, ids, len(ids)],
-    )
-    if shared:
-        raise PlanError(
-            f"every expert has NaN/Inf values in the same block of tensor {shared[0][0]!r}: most likely base "
-            f"{base!r} holds them (it was registered before mergedb checked bases); {fix}"
-        )
 
 
 def _select(
@@ -280,7 +242,7 @@ def _select(
 ) -> _Selection:
     """Score every (expert, block) candidate in SQL (queries/plan_candidates*.sql), fetch them once,
     and cut at the budget in memory (greedy.py): the greedy, the bounds and the estimate."""
-    trims = planstats.thresholds(con, inp.method, inp.values, list(inp.ids))
+    trims = planstats.thresholds(con, inp.method, inp.values, list(inp.ids), inp.numel)
     fam, cands = _candidates(con, req, inp, trims, steps)
     budget = parse_budget(req.budget, int(cands.nbytes.sum()))
     if req.min_coverage:  # accessrules.py: forced blocks first, refused if they do not fit
@@ -344,38 +306,44 @@ def _candidates(
     return fam, cands
 
 
-def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: _Selection, t0: float) -> int:
-    """Write the plan, its experts, thresholds and mask; returns the new plan_id."""
+def _store(
+    con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: _Selection, plan_id: int, t0: float
+) -> None:
+    """Write the plan `plan_id`, its experts, thresholds and mask."""
     per_tensor = inp.values.table(list(inp.mergeable)) if inp.values.per_tensor else None
-    plan_id = inp.next_plan_id
     linear = inp.method.linear
     b = sel.bounds
     k = len(inp.ids)
     per = np.array(b.per_position, np.float64).reshape(k, 4)  # (K, 4): bound_sum, blockwise, selected, full
+    # Python lists and _column, not pa.array(ndarray): its masked-array check imports numpy.ma (~10 ms
+    # of the first plan of a process)
     experts = pa.table(
         {
-            "position": pa.array(np.arange(k), pa.int32()),
+            "position": pa.array(list(range(k)), pa.int32()),
             "checkpoint_id": pa.array(inp.ids, pa.int32()),
             "weight": pa.array(inp.weights, pa.float64()),
             "coef": pa.array(inp.coefs, pa.float64()),
             "fingerprint": pa.array(inp.fingerprints, pa.string()),
             "content_hash": pa.array(inp.contents, pa.string()),
-            "full_bytes": pa.array(per[:, 3].astype(np.int64)),
-            "selected_bytes": pa.array(per[:, 2].astype(np.int64)),
-            "bound_sum": pa.array(per[:, 0] if linear else [None] * k, pa.float64()),
-            "bound_blockwise": pa.array(per[:, 1] if linear else [None] * k, pa.float64()),
+            "full_bytes": pa.array(per[:, 3].astype(np.int64).tolist(), pa.int64()),
+            "selected_bytes": pa.array(per[:, 2].astype(np.int64).tolist(), pa.int64()),
+            "bound_sum": pa.array(per[:, 0].tolist() if linear else [None] * k, pa.float64()),
+            "bound_blockwise": pa.array(per[:, 1].tolist() if linear else [None] * k, pa.float64()),
         }
     )
     present, offsets, chars = sel.bits
     n_tensors = len(inp.mergeable)
-    bit_table = pa.table(
+    bit_table = pa.table(  # every (position, tensor); the INSERT keeps those with candidates (`present`)
         {
-            "checkpoint_id": pa.array(np.repeat(np.asarray(inp.ids, np.int32), n_tensors)),
-            "tensor_idx": pa.array(np.tile(np.arange(n_tensors, dtype=np.int32), k)),
+            "checkpoint_id": _column(np.repeat(np.asarray(inp.ids, np.int32), n_tensors)),
+            "tensor_idx": _column(np.tile(np.arange(n_tensors, dtype=np.int32), k)),
             "bits": pa.LargeStringArray.from_buffers(present.size, pa.py_buffer(offsets), pa.py_buffer(chars)),
+            "present": _column(present),
         }
-    ).filter(pa.array(present))
-    tables = {"_plan_experts_row": experts, "_plan_trim": sel.trims, "_plan_bits": bit_table}
+    )  # filtered in SQL: Table.filter would import pyarrow.compute, ~35 ms of the first plan of a process
+    tables = {"_plan_experts_row": experts, "_plan_bits": bit_table}
+    if sel.trims.num_rows:
+        tables["_plan_trim"] = sel.trims
     if per_tensor is not None:
         tables["_plan_tensor_params"] = per_tensor
     for name, table in tables.items():
@@ -398,7 +366,7 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
             )
         con.execute(
             "INSERT INTO plan_mask_bits (plan_id, checkpoint_id, tensor_idx, selected) "
-            "SELECT $1, checkpoint_id, tensor_idx, CAST(bits AS BIT) FROM _plan_bits",
+            "SELECT $1, checkpoint_id, tensor_idx, CAST(bits AS BIT) FROM _plan_bits WHERE present",
             [plan_id],
         )
     finally:
@@ -455,7 +423,15 @@ def _store(con: duckdb.DuckDBPyConnection, req: PlanRequest, inp: _Inputs, sel: 
             "est_kind": deviation.kind(inp.method) if sel.est_error is not None else None,
         },
     )
-    return plan_id
+
+
+def _column(a: np.ndarray) -> pa.Array:
+    """A 1-D numpy array as an Arrow array, without `pa.array` (see _store): fixed-width values
+    zero-copy, booleans bit-packed."""
+    if a.dtype == np.bool_:
+        return pa.Array.from_buffers(pa.bool_(), a.size, [None, pa.py_buffer(np.packbits(a, bitorder="little"))])
+    a = np.ascontiguousarray(a)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [None, pa.py_buffer(a)])
 
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
 """What the planner reads from the catalog per (expert, tensor): trim thresholds at each pair's
-density, and SLERP's coefficients from ‖θ₀‖², ‖Δ‖² and ⟨θ₀, Δ⟩ (queries/slerp_stats.sql).
+density, NaN/Inf counts, and SLERP's coefficients from ‖θ₀‖², ‖Δ‖² and ⟨θ₀, Δ⟩ (queries/slerp_stats.sql).
 
 Runs inside the planner's transaction, on the connection it hands over.
 """
@@ -13,7 +13,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import methods, summary
+from . import bounds, methods, summary
 from .errors import PlanError
 from .resources import query
 from .tensorparams import TensorValues
@@ -39,26 +39,29 @@ def slerp_values(
     return replace(values, coef=s1[None, :], scale=scale)
 
 
-def thresholds(con: duckdb.DuckDBPyConnection, m: methods.Method, values: TensorValues, ids: list[int]) -> pa.Table:
+def thresholds(
+    con: duckdb.DuckDBPyConnection, m: methods.Method, values: TensorValues, ids: list[int], numel: np.ndarray
+) -> pa.Table:
     """Per (expert, tensor) trim thresholds at that pair's density (and γ): exact from the density
     grid when the density is on it, from the magnitude summary (within 0.8%) otherwise. The rows
     come as Arrow columns (no Python object per grid entry); only pairs off the grid read their
-    summary."""
+    summary. `numel`: (T,) elements of each family tensor. Rows in (checkpoint_id, tensor_idx) order."""
     cols: dict[str, list[Any]] = {"checkpoint_id": [], "tensor_idx": [], "t_lo": [], "t_hi": [], "exact": []}
     if m.sparsify in ("magnitude", "band"):
+        # no join, no ORDER BY (each costs a small plan ~0.3–1 ms): numel comes from the caller and
+        # the rows are ordered here, by (checkpoint_id, tensor_idx), unique per row
         t = con.sql(
-            "SELECT et.checkpoint_id, et.tensor_idx, et.grid_threshold, ft.numel "
-            "FROM expert_tensors et JOIN checkpoints c USING (checkpoint_id) JOIN family_tensors ft "
-            "ON ft.base_id = c.base_id AND ft.tensor_idx = et.tensor_idx WHERE list_contains($1, et.checkpoint_id) "
-            "ORDER BY 1, 2",
+            "SELECT checkpoint_id, tensor_idx, grid_threshold FROM expert_tensors "
+            "WHERE list_contains($1, checkpoint_id)",
             params=[ids],
         ).to_arrow_table()
-        cid = t.column("checkpoint_id").to_numpy()
-        tidx = t.column("tensor_idx").to_numpy()
-        numel = t.column("numel").to_numpy()
+        cid, tidx = t.column("checkpoint_id").to_numpy(), t.column("tensor_idx").to_numpy()
+        order = np.lexsort((tidx, cid))
+        cid, tidx = cid[order], tidx[order]
         grid = t.column("grid_threshold").combine_chunks()  # FLOAT[] per pair, NOT NULL
-        grid_at = grid.offsets.to_numpy()[:-1]  # (n,) where each pair's grid starts in grid.values
+        grid_at = grid.offsets.to_numpy()[:-1][order]  # (n,) where each pair's grid starts in grid.values
         grid_values = grid.values.to_numpy()
+        numel = numel[tidx]
         pos_of = {c: i for i, c in enumerate(ids)}
         pos = np.array([pos_of[int(c)] for c in cid], np.int64)
         density = values.density[pos, tidx].astype(np.float64)
@@ -96,6 +99,57 @@ def thresholds(con: duckdb.DuckDBPyConnection, m: methods.Method, values: Tensor
             "exact": pa.array(cols["exact"], pa.bool_()),
         }
     )
+
+
+def nonfinite(
+    con: duckdb.DuckDBPyConnection, ids: list[int], names: dict[int, str], tensor_names: list[str]
+) -> list[tuple[str, str, int]]:
+    """(expert, tensor, count) of every (expert, tensor) of the plan with NaN/Inf deltas, ordered by
+    expert then tensor name (UTF-8 bytes, as DuckDB orders VARCHARs); usually none."""
+    counts: dict[tuple[int, int], int] = {}
+    for cid, tidx, n in con.execute(
+        "SELECT checkpoint_id, tensor_idx, nonfinite FROM expert_blocks "
+        "WHERE nonfinite > 0 AND list_contains(?, checkpoint_id)",
+        [ids],
+    ).fetchall():
+        counts[(cid, tidx)] = counts.get((cid, tidx), 0) + n
+    bad = [(names[cid], tensor_names[tidx], n) for (cid, tidx), n in counts.items()]
+    return sorted(bad, key=lambda r: (r[0].encode(), r[1].encode()))
+
+
+def refuse_nonfinite_base(
+    con: duckdb.DuckDBPyConnection,
+    base: str,
+    base_id: int,
+    ids: list[int],
+    fam: bounds.FamilyBlocks,
+    tensor_names: list[str],
+) -> None:
+    """Blame NaN/Inf in the base on the base (every expert's delta inherits them), with or without
+    --allow-nonfinite: leaving those blocks out would still copy the base's NaN/Inf into the merge."""
+    counts = np.bincount(fam.tensor_idx, weights=np.nan_to_num(fam.base_nonfinite), minlength=len(tensor_names))
+    bad = np.flatnonzero(counts > 0)
+    fix = "fix the base and register it again under a new --name (its experts with it)"
+    if bad.size:
+        t, n = tensor_names[bad[0]], int(counts[bad[0]])
+        more = f" (and {bad.size - 1} more tensors)" if bad.size > 1 else ""
+        raise PlanError(f"base {base!r} has {n} NaN/Inf values in tensor {t!r}{more}; {fix}")
+    known = int(np.count_nonzero(~np.isnan(fam.base_nonfinite)))
+    if known or len(ids) < 2:
+        return
+    # a catalog registered before base checks: NaN/Inf in one block of every expert points at the base
+    shared = con.execute(
+        "SELECT ft.name FROM expert_blocks eb JOIN family_tensors ft ON ft.base_id = ? "
+        "AND ft.tensor_idx = eb.tensor_idx WHERE eb.nonfinite > 0 AND list_contains(?, eb.checkpoint_id) "
+        "GROUP BY ft.name, eb.tensor_idx, eb.block_idx HAVING count(*) = ? "
+        "ORDER BY eb.tensor_idx, eb.block_idx LIMIT 1",
+        [base_id, ids, len(ids)],
+    ).fetchall()
+    if shared:
+        raise PlanError(
+            f"every expert has NaN/Inf values in the same block of tensor {shared[0][0]!r}: most likely base "
+            f"{base!r} holds them (it was registered before mergedb checked bases); {fix}"
+        )
 
 
 def _summaries(con: duckdb.DuckDBPyConnection, ids: list[int]) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:

@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -90,9 +91,9 @@ def test_prefetch_reads_the_first_bytes_of_the_merge_in_order(plan, monkeypatch,
 def test_prefetch_stops_when_closed_and_ignores_inputs_it_cannot_open(plan, monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(fetchplan.os, "sendfile", lambda *a: calls.append(a) or 0)
-    p = fetchplan.Prefetch.__new__(fetchplan.Prefetch)
-    p._stop = __import__("threading").Event()
-    p._stop.set()  # closed before it read: nothing is read
+    p = fetchplan.Prefetch.__new__(fetchplan.Prefetch)  # its reading, run here, after a close
+    p._stop = threading.Event()
+    p._stop.set()
     p._run(plan, 10**9, 2)
     assert calls == []
     gone = Path(plan.experts[0].path) / "model.safetensors"

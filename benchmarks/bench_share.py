@@ -15,6 +15,10 @@ Each execution is a fresh `mergedb execute` process on a cold page cache (benchm
 Suite.execute); the median over the repeats is reported beside every pair.
 
 Run: python -m benchmarks.bench_share [--repeats 3] [--k 8 20] [--methods task_arithmetic ties dare_ties]
+       [--budgets all 10%] [--trees BEFORE AFTER]
+With --trees (folders holding a mergedb package each, e.g. `git archive REV mergedb queries schema`
+unpacked), every repeat pairs each tree's execution with its own cold read, the trees alternating
+which goes first; the outputs must be identical.
 """
 
 from __future__ import annotations
@@ -55,13 +59,13 @@ def parallel_read(paths: list[Path], threads: int = 4, chunk: int = 8 * 2**20) -
             os.close(fd)
 
 
-def pair(suite: Suite, cat, plan, files: list[Path]) -> dict:
+def pair(suite: Suite, cat, plan, files: list[Path], tree: Path | None = None) -> dict:
     """One cold sequential read of `files`, one cold read of them from 4 threads, then one cold
-    execution of `plan`."""
+    execution of `plan` (by the mergedb in `tree`, if given)."""
     n, t = sequential_read(files)
     rate = n / t
     n4, t4 = parallel_read(files)
-    r = suite.execute(cat, plan.plan_id)
+    r = suite.execute(cat, plan.plan_id, tree=tree)
     out_bytes = sum(p.stat().st_size for p in (CACHE / "out").glob("*.safetensors"))
     must_read = r["base_bytes"] + r["expert_bytes"]
     ideal = (must_read + out_bytes) / rate
@@ -79,6 +83,7 @@ def pair(suite: Suite, cat, plan, files: list[Path]) -> dict:
         "share_of_parallel": must_read / r["execute_seconds"] / (n4 / t4),
         "ideal_seconds": ideal,
         "over_ideal": r["execute_seconds"] / ideal,
+        "process_over_ideal": r["process_seconds"] / ideal,  # the whole process, start and exit included
         "over_ideal_parallel": r["execute_seconds"] / ((must_read + out_bytes) / (n4 / t4)),
         "peak_rss_mib": r["peak_rss_mib"],
         "content_hash": r["content_hash"],
@@ -86,22 +91,48 @@ def pair(suite: Suite, cat, plan, files: list[Path]) -> dict:
     }
 
 
-def run(ks: list[int], methods: list[str], repeats: int) -> dict:
+def _summary(pairs: list[dict]) -> dict:
+    return {key: statistics.median(p[key] for p in pairs) for key in pairs[0] if key != "content_hash"}
+
+
+def run(ks: list[int], methods: list[str], repeats: int, budgets=None, trees: list[Path] | None = None) -> dict:
     suite = Suite(False, 1)
     cat = suite.catalog()
     fam = suite.family()
     rows = []
     for k in ks:
-        budgets = ("all", "10%") if k == min(ks) else ("all",)
         for method in methods:
-            for budget in budgets:
+            for budget in budgets or (("all", "10%") if k == min(ks) else ("all",)):
                 experts = list(suite.experts(k))
                 plan = cat.plan(PlanRequest("base", tuple(experts), method, budget, params=METHOD_PARAMS[method]))
                 files = _files(fam, ["base", *experts])
+                if trees:
+                    for tree in trees:  # numba's caches of each tree filled, nothing timed
+                        suite.execute(cat, plan.plan_id, tree=tree)
+                    by = {str(t): [] for t in trees}
+                    for rep in range(repeats):
+                        for tree in trees if rep % 2 == 0 else trees[::-1]:
+                            by[str(tree)].append(pair(suite, cat, plan, files, tree))
+                    if len({p["content_hash"] for ps in by.values() for p in ps}) != 1:
+                        raise SystemExit(f"{method} K={k} {budget}: outputs differ between trees or repeats")
+                    row = {"method": method, "k": k, "budget": budget}
+                    row["trees"] = {t: {"pairs": ps, "median": _summary(ps)} for t, ps in by.items()}
+                    rows.append(row)
+                    for t, v in row["trees"].items():
+                        m = v["median"]
+                        print(
+                            f"{method} K={k} {budget} {t}: process {m['process_seconds']:.2f}s execute "
+                            f"{m['execute_seconds']:.2f}s fixed {m['fixed_seconds']:.2f}s "
+                            f"ideal {m['ideal_seconds']:.2f}s "
+                            f"over_ideal {m['over_ideal']:.2f} process/ideal {m['process_over_ideal']:.2f} "
+                            f"share {m['share']:.0%} rate {m['rate_gbps']:.2f} GB/s",
+                            flush=True,
+                        )
+                    continue
                 pairs = [pair(suite, cat, plan, files) for _ in range(repeats)]
                 if len({p["content_hash"] for p in pairs}) != 1:
                     raise SystemExit(f"{method} K={k} {budget}: outputs differ between repeats")
-                med = {key: statistics.median(p[key] for p in pairs) for key in pairs[0] if key != "content_hash"}
+                med = _summary(pairs)
                 rows.append({"method": method, "k": k, "budget": budget, "pairs": pairs, "median": med})
                 print(
                     f"{method} K={k} {budget}: share {med['share']:.0%} "
@@ -122,6 +153,9 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, nargs="*", default=[8, 20])
     ap.add_argument("--methods", nargs="*", default=list(TARGET_SHARE), choices=sorted(METHOD_PARAMS))
+    ap.add_argument("--budgets", nargs="*", default=None, help="default: all and 10%% at the smallest K, all above")
+    ap.add_argument("--trees", nargs=2, type=Path, default=None, metavar=("BEFORE", "AFTER"))
     ap.add_argument("--save", default="share")
     a = ap.parse_args()
-    print(save(a.save, run(a.k, a.methods, a.repeats)))
+    trees = [t.resolve() for t in a.trees] if a.trees else None
+    print(save(a.save, run(a.k, a.methods, a.repeats, a.budgets, trees)))

@@ -71,8 +71,16 @@ class Suite:
     # -- one cold execution in its own process -------------------------------------------------
 
     def execute(
-        self, cat: Catalog, plan_id: int, size: str | None = None, dtype: str | None = None, threads: int | None = None
+        self,
+        cat: Catalog,
+        plan_id: int,
+        size: str | None = None,
+        dtype: str | None = None,
+        threads: int | None = None,
+        tree: Path | None = None,
     ) -> dict:
+        """One cold `mergedb execute` process; `tree`: a folder holding another mergedb package to run
+        (PYTHONPATH; the process then runs outside the checkout, which `-m` would put first)."""
         fam = self.family(size)
         out = CACHE / "out"
         shutil.rmtree(out, ignore_errors=True)
@@ -84,7 +92,8 @@ class Suite:
         threads = threads or self.exec_threads
         if threads:
             cmd += ["--threads", str(threads)]
-        subprocess.run(cmd, check=True)
+        env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
+        subprocess.run(cmd, check=True, env=env, cwd=CACHE if tree else None)
         wall = time.perf_counter() - t0
         run = json.loads((out / "mergedb_manifest.json").read_text())["run"]
         return {

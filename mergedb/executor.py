@@ -6,7 +6,9 @@ is one consumer of that stream, `merge_to_dict` another. The output folder is bu
 temporary name and put in place only when complete, by outdir.py (one writer per output, the
 --force swap, recovery after a crash).
 
-The merge itself (units of work, threads, fused kernels) is merger.py.
+The merge itself (units of work, threads, fused kernels) is merger.py, imported when a merge
+starts: its numba kernels take ~0.2 s to import and load, during which fetchplan.Prefetch reads
+the merge's first bytes (the executor's seconds count both).
 """
 
 from __future__ import annotations
@@ -21,16 +23,16 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow.parquet as pq
 import xxhash
 
-from . import kernels, methods, outdir, remote
+from . import fetchplan, methods, outdir, remote
 from .checkpoint import INDEX, copy_side_files, open_checkpoint
 from .errors import MergeDBError
-from .layout import shard_groups, shard_names
+from .layout import output_dtype, shard_groups, shard_names
 from .manifest import (
     MANIFEST,
     MASK,
@@ -41,9 +43,11 @@ from .manifest import (
     plan_from_manifest,
     write_json,
 )
-from .merger import FoldBlock, Merger, ReadBlock, normalize_dtype, output_dtype
-from .tensorfile import DTYPES, FileRange, SafetensorsWriter, tensor_nbytes
+from .tensorfile import DTYPES, FileRange, SafetensorsWriter, normalize_dtype, tensor_nbytes
 from .units import check_threads
+
+if TYPE_CHECKING:
+    from .merger import FoldBlock, Merger, ReadBlock
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ def merge_to_dict(
     dtypes such as F4 as their raw uint8 bytes). For embedding. `read_block`: see merger.ReadBlock;
     `on_tensor` is called after each tensor (a sweep paces its plans with it); `fold_block`: see
     merger.FoldBlock."""
+    from .merger import Merger
+
     m = Merger(xp, dtype, threads=threads, read_block=read_block, fold_block=fold_block)
     try:
         state = {}
@@ -165,10 +171,14 @@ def execute(
         outdir.check_out(out, force)
         t0, phys0 = time.perf_counter(), physical_read_bytes()
         tmp = out.parent / f".{out.name}{outdir.TMP}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        merger = None
+        merger = prefetch = None
         try:
             tmp.mkdir()
             if write_shards is None:
+                if read_block is None and fold_block is None:  # (a sweep's reads are shared, not ours)
+                    prefetch = fetchplan.Prefetch(xp)  # reads while the merge engine imports and loads
+                from .merger import Merger
+
                 merger = Merger(xp, out_dt, verify, threads, unit_order_seed, read_block, fold_block)
                 write_shards = functools.partial(_write_shards_here, merger)
             if on_total:
@@ -189,6 +199,8 @@ def execute(
         finally:
             if merger is not None:
                 merger.close()
+            if prefetch is not None:
+                prefetch.close()
     return ExecuteResult(
         shown,
         manifest,
@@ -339,6 +351,8 @@ def _write(
 def _with_rng(xp: ExecutionPlan, doc: dict[str, Any]) -> dict[str, Any]:
     """The manifest of a DARE/DELLA output names its random stream (`rng`, deterministic part), so a
     replay by a mergedb that draws differently refuses instead of writing other bytes."""
+    from . import kernels
+
     if methods.get_method(xp.method).sparsify not in kernels.RANDOM:
         return doc
     doc = {**doc, "rng": kernels.RNG}
@@ -347,6 +361,8 @@ def _with_rng(xp: ExecutionPlan, doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_rng(path: str | os.PathLike[str], xp: ExecutionPlan, doc: dict[str, Any]) -> None:
+    from . import kernels
+
     if methods.get_method(xp.method).sparsify in kernels.RANDOM and doc.get("rng") != kernels.RNG:
         wrote = doc.get("rng") or "splitmix64 (mergedb before manifests named their stream)"
         raise MergeDBError(

@@ -31,22 +31,22 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import fetchplan, kernels, methods, multifold, stepwise
+from . import fetchplan, jitload, kernels, methods, multifold, stepwise
 from .checkpoint import PlanInputs
-from .errors import ChangedFileError, MergeDBError
+from .errors import ChangedFileError
 from .layout import TensorLayout, block_bytes, output_dtype, row_elems
 from .lora import is_adapter
 from .manifest import ExecutionPlan, Source
 from .stock import StockTensor
-from .tensorfile import DTYPES, FileRange, tensor_nbytes
+from .tensorfile import DTYPES, OUT_DTYPES, FileRange, normalize_dtype, tensor_nbytes  # noqa: F401 (re-exported)
 from .tensorparams import TensorParams
 from .units import check_threads
 
-OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 READ_AHEAD = 3  # expert blocks folded in per kernel call; the next group is read meanwhile
 IO_THREADS = 4  # threads that only read (pread releases the GIL)
 AHEAD_BYTES = 64 * 2**20  # later tensors in flight while one is written (the reorder buffer)
 _NO_F32, _NO_BF16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `kernels.finish`'s unused output
+jitload.light_cache_loads(vars(kernels))  # first calls load the cached code without numba's full refresh
 
 
 # read_block(tensor_idx, block_idx, position, raw, pread): fill `raw` (uint8, the block's exact size)
@@ -75,16 +75,6 @@ def _loramerge() -> Any:
 class Counters:
     expert: int = 0
     base: int = 0
-
-
-def normalize_dtype(dtype: str | None) -> str | None:
-    """An output dtype option (bf16 | fp16 | fp32, or BF16 | F16 | F32) as a safetensors dtype."""
-    if not dtype:
-        return None
-    out = OUT_DTYPES.get(dtype, dtype)
-    if out not in OUT_DTYPES.values():
-        raise MergeDBError(f"unknown --dtype {dtype!r}; use bf16, fp16 or fp32")
-    return out
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,19 @@ DTYPES: dict[str, tuple[int, str, bool]] = {
 FLOAT_DTYPES = ("BF16", "F16", "F32")  # the dtypes mergedb merges; every other dtype passes through
 
 
+OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}  # --dtype options
+
+
+def normalize_dtype(dtype: str | None) -> str | None:
+    """An output dtype option (bf16 | fp16 | fp32, or BF16 | F16 | F32) as a safetensors dtype."""
+    if not dtype:
+        return None
+    out = OUT_DTYPES.get(dtype, dtype)
+    if out not in OUT_DTYPES.values():
+        raise MergeDBError(f"unknown --dtype {dtype!r}; use bf16, fp16 or fp32")
+    return out
+
+
 def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     """Bytes of a tensor of `dtype` and `shape`: numel * bits / 8, as upstream computes it.
 

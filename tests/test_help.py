@@ -23,6 +23,13 @@ def test_cli_import_loads_no_heavy_module():
     assert out.stdout.strip() == ""
 
 
+def test_executor_imports_the_merge_engine_only_when_a_merge_starts():
+    # numba's import (~0.12 s) runs inside execute, while fetchplan.Prefetch reads the first inputs
+    code = "import sys, mergedb.executor; print(' '.join(m for m in ('numba', 'mergedb.merger') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
 def test_library_names_still_import_lazily():
     code = (
         "import mergedb, sys; assert 'duckdb' not in sys.modules; "

@@ -1,0 +1,143 @@
+"""What `mergedb execute` does to start sooner: the first bytes read while the merge engine loads
+(fetchplan.Prefetch), cached kernels loaded without numba's full refresh (jitload.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from mergedb import fetchplan
+from mergedb.catalog import Catalog
+from mergedb.planner import PlanRequest
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def _expected_reads(xp) -> list[tuple[str, int, int]]:
+    """(file, offset, length) of every read of a merge, in its order, from the safetensors headers
+    and the plan's mask alone: per tensor, the base's whole tensor, then each selected block (block
+    order) of each expert (plan order)."""
+    files = [Path(s.path) / "model.safetensors" for s in (xp.base, *xp.experts)]
+    heads = [_header(f) for f in files]
+    sel: dict[int, dict[int, list[int]]] = {}
+    for pos, ti, b in zip(*(xp.mask.column(c).to_pylist() for c in ("position", "tensor_idx", "block_idx"))):
+        sel.setdefault(ti, {}).setdefault(b, []).append(pos)
+    out = []
+    for ti, t in enumerate(xp.tensors):
+        data, head = heads[0]
+        lo, hi = head[t.name]["data_offsets"]
+        out.append((str(files[0]), data + lo, hi - lo))
+        row_bytes = (hi - lo) // (t.shape[0] if len(t.shape) >= 2 else 1)  # a 1-D tensor is one row
+        for b in sorted(sel.get(ti, {})):
+            r0, r1 = t.rows[b]
+            for pos in sorted(sel[ti][b]):
+                data, head = heads[pos + 1]
+                start = data + head[t.name]["data_offsets"][0]
+                out.append((str(files[pos + 1]), start + r0 * row_bytes, (r1 - r0) * row_bytes))
+    return out
+
+
+@pytest.fixture
+def plan(tmp_path, tiny_family):
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([tiny_family], base_model="base", block_size=8 * 1024)
+    p = cat.plan(PlanRequest("base", None, "ties", "50%", params={"density": 0.5}))
+    return cat.execution_plan(p.plan_id)
+
+
+@pytest.mark.parametrize("share", [0.3, 2.0])
+def test_prefetch_reads_the_first_bytes_of_the_merge_in_order(plan, monkeypatch, share):
+    reads = _expected_reads(plan)
+    assert all(os.path.exists(f) for f, _, _ in reads) and len({f for f, _, _ in reads}) == 3
+    total = sum(n for _, _, n in reads)
+    limit = math.ceil(total * share)
+    want: list[tuple[str, int, int]] = []  # the first `limit` bytes, cut where the limit falls
+    left = limit
+    for f, off, n in reads:
+        if left > 0:
+            want.append((f, off, min(n, left)))
+            left -= min(n, left)
+    seen = []
+    sendfile = os.sendfile
+
+    def record(out, fd, offset, count):
+        seen.append((os.readlink(f"/proc/self/fd/{fd}"), offset, count))
+        return sendfile(out, fd, offset, count)
+
+    monkeypatch.setattr(fetchplan.os, "sendfile", record)
+    monkeypatch.setattr(fetchplan, "PREFETCH_CHUNK", 4096)  # several pieces per range
+    p = fetchplan.Prefetch(plan, limit)
+    p._thread.join()
+    p.close()
+    # pieces of at most a chunk, together exactly the wanted ranges (threads finish them in any order)
+    assert all(n <= 4096 for _, _, n in seen)
+    pieces = [(f, o, min(4096, off + n - o)) for f, off, n in want for o in range(off, off + n, 4096)]
+    assert sorted(seen) == sorted(pieces)
+    assert sum(n for _, _, n in seen) == min(limit, total)
+
+
+def test_prefetch_stops_when_closed_and_ignores_inputs_it_cannot_open(plan, monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(fetchplan.os, "sendfile", lambda *a: calls.append(a) or 0)
+    p = fetchplan.Prefetch.__new__(fetchplan.Prefetch)  # its reading, run here, after a close
+    p._stop = threading.Event()
+    p._stop.set()
+    p._run(plan, 10**9, 2)
+    assert calls == []
+    gone = Path(plan.experts[0].path) / "model.safetensors"
+    gone.rename(tmp_path / "moved.safetensors")  # the merger reports it; the prefetch reads nothing
+    p = fetchplan.Prefetch(plan, 10**9)
+    p.close()
+    assert calls == []
+
+
+KERNEL_RUN = r"""
+import hashlib, sys
+import numpy as np
+from mergedb import merger  # noqa: F401  (installs the light loads)
+from mergedb import kernels
+rng = np.random.default_rng(7)
+n = 3000
+base = (rng.integers(0, 2**14, n) + 0x3000).astype(np.uint16)
+ex = (base[None, :] + rng.integers(-40, 40, (3, n))).astype(np.uint16)
+h = hashlib.sha256()
+for mode in (0, 1, 2):
+    acc = np.zeros((5, n), np.float32)
+    coefs, lo, hi = np.array([1.0, 0.5, 0.25], np.float32), np.zeros(3), np.full(3, np.inf)
+    keys = np.array([11, 12, 13], np.uint64)
+    kernels.fold_group(base, ex, 0, mode, 5, coefs, lo, hi, keys, 0.6, 0.0, kernels.NO_RANKS, acc)
+    out = np.empty(n, np.uint16)
+    kernels.finish(base, 0, acc, True, 0.8, np.empty(0, np.float32), out)
+    h.update(acc.tobytes() + out.tobytes())
+hits = kernels.fold_group.stats.cache_hits and kernels.finish.stats.cache_hits
+print(h.hexdigest(), bool(hits), "numba.np.arraymath" in sys.modules)
+"""
+
+
+def test_kernels_loaded_from_cache_without_numba_refresh_compute_the_same(tmp_path):
+    """A fresh process loads the kernels from numba's cache without the lowering registries and
+    gets the bytes that a process that compiled them (or loaded them after a full refresh) gets."""
+    full = KERNEL_RUN.replace(
+        "from mergedb import kernels\n",
+        "from mergedb import kernels\n"
+        "from numba.core.registry import cpu_target; cpu_target.target_context.refresh()\n",
+    )
+    ref = subprocess.run([sys.executable, "-c", full], capture_output=True, text=True, cwd=tmp_path, check=True)
+    light = subprocess.run([sys.executable, "-c", KERNEL_RUN], capture_output=True, text=True, cwd=tmp_path, check=True)
+    ref_hash, _, ref_registries = ref.stdout.split()
+    got_hash, hits, registries = light.stdout.split()
+    assert got_hash == ref_hash and ref_registries == "True"
+    if hits == "True":  # numba's cache is writable here, so the second process loaded from it
+        assert registries == "False", "a cached load imported numba's lowering registries"

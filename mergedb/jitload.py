@@ -7,6 +7,15 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+TESTED_NUMBA = ((0, 68),)  # numba (major, minor) whose private cache API this was checked against
+
+
+def tested_numba() -> bool:
+    """Whether the installed numba is one whose Cache internals light_cache_loads was checked on."""
+    import numba
+
+    return tuple(int(x) for x in numba.__version__.split(".")[:2]) in TESTED_NUMBA
+
 
 def _load_without_refresh(cache: Any, sig: Any, target_context: Any) -> Any:
     """numba's Cache.load_overload without its `target_context.refresh()`: load a cached kernel with
@@ -25,7 +34,10 @@ def light_cache_loads(namespace: dict[str, Any]) -> None:
     the ~0.15 CPU-s of a process's first kernel call, measured). Those are needed to compile, not
     to link code compiled before, which needs numba's runtime (NRT) only. A cache miss still
     compiles through numba's pipeline, which refreshes the target itself (numba.core.compiler).
-    Left as numba has it where its cache does not have the shape this relies on (checked: numba 0.68)."""
+    Left as numba has it on any numba this was not checked against (TESTED_NUMBA) or whose cache
+    does not have the shape this relies on."""
+    if not tested_numba():
+        return
     for f in namespace.values():
         cache = getattr(f, "_cache", None)
         if all(hasattr(cache, a) for a in ("load_overload", "_load_overload", "_guard_against_spurious_io_errors")):

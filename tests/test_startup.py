@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mergedb import fetchplan
+from mergedb import fetchplan, jitload
 from mergedb.catalog import Catalog
 from mergedb.planner import PlanRequest
 
@@ -126,6 +126,7 @@ print(h.hexdigest(), bool(hits), "numba.np.arraymath" in sys.modules)
 """
 
 
+@pytest.mark.skipif(not jitload.tested_numba(), reason="light cache loads are off on an unchecked numba")
 def test_kernels_loaded_from_cache_without_numba_refresh_compute_the_same(tmp_path):
     """A fresh process loads the kernels from numba's cache without the lowering registries and
     gets the bytes that a process that compiled them (or loaded them after a full refresh) gets."""

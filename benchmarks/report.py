@@ -208,17 +208,25 @@ def _targets(docs: dict) -> list[str]:
                 )
     out += _share_targets(docs.get("share"))
     small = (docs.get("planner-small") or {}).get("small_summary", {})
-    if ex:
-        a = ex["all"]
-        share = a["planning_seconds"] / a["execute_seconds"]
-        got, ok = f"first plan of a process {share:.1%}", share <= 0.01
-        execs = {"task_arithmetic": a["execute_seconds"], "ties": ex.get("rss_k8", {}).get("execute_seconds")}
-        for method, seconds in execs.items():
-            med = small.get(f"new/{method}", {}).get("planning_seconds_median")
-            if med and seconds:
-                got += f"; {method}: median {med * 1e3:.1f} ms = {med / seconds:.2%} of its {seconds:.2f} s execution"
-                ok = med / seconds <= 0.01
-        out.append(f"| planning ≤ 1% of execution (K={ex.get('k', 8)}, full) | {got} | {'yes' if ok else 'no'} |")
+    if ex:  # every method must be within 1%: plans repeated in one process, and a process's first plan
+        execs = {"task_arithmetic": ex["all"]["execute_seconds"], "ties": ex.get("rss_k8", {}).get("execute_seconds")}
+        kinds = (
+            ("repeated plans", "planning_seconds_median"),
+            ("first plan of a process", "first_planning_seconds_median"),
+        )
+        for label, key in kinds:
+            parts, ok = [], bool(small)
+            for method, seconds in execs.items():
+                med = small.get(f"new/{method}", {}).get(key)
+                if med and seconds:
+                    share = med / seconds
+                    parts.append(f"{method}: median {med * 1e3:.1f} ms = {share:.2%} of its {seconds:.2f} s execution")
+                    ok = ok and share <= 0.01
+                else:
+                    ok = False
+            got = "; ".join(parts) or "not measured"
+            target = f"planning ≤ 1% of execution (K={ex.get('k', 8)}, full; {label})"
+            out.append(f"| {target} | {got} | {'yes' if ok else 'no'} |")
     notes = Path(__file__).parent / "ANALYSIS.md"
     out.append("")
     if notes.exists():

@@ -8,12 +8,14 @@ Also measures ‖θ_B − θ_F‖/‖θ_F − θ_0‖ of the written outputs (F:
 what the plan reports (bound_blockwise, bound_rounded, est_error, each divided by ‖θ_F − θ_0‖), and,
 per ranked plan, which experts and tensor kinds it kept.
 
-    nice -n 10 python -m benchmarks.bench_fidelity_real [--quick] [--size quick|wide] [--block 64KiB]
+    nice -n 10 python -m benchmarks.bench_fidelity_real [--quick] [--size quick|wide] [--block 64KiB|auto] [--tag T]
     python -m benchmarks.bench_fidelity_real --size wide --report      # tables of a results file
     python -m benchmarks.bench_fidelity_real --check FAMILY_FOLDER     # in-memory full-budget merges
 
 Size "wide" (layout "spread") uses 4 MiB and 32 KiB blocks (32 KiB: one 64-row group of its vocabulary
-tensors); `--block` adds ranked and random arms at another registered block size.
+tensors); `--block` adds ranked and random arms at another registered block size. `--tag T` writes
+fidelity_real[_SIZE]_T.json (started from the untagged file's arms, which it reuses, unless `--fresh`:
+then every arm runs again, e.g. on a family rebuilt on another machine, whose weights may differ).
 
 Results: benchmarks/results/fidelity_real.json (cached per arm: a rerun adds only new arms) and
 fidelity_real.png. Extra arms (e.g. planner options from the rules branch) are added in `arms()`;
@@ -44,7 +46,8 @@ RANDOM_SEEDS = (0, 1, 2)
 # every tensor of the bench size is ≤ 1 MiB, so 4 MiB makes each tensor one block; 8 KiB is 16 rows of
 # 256 bf16 values: one alphabet of the embedding and the LM head per block (realfamily aligns the
 # alphabets to 16 rows), and 32–128 blocks per attention / MLP matrix
-BLOCKS = {"4MiB": 4 * 2**20, "64KiB": 64 * 2**10, "32KiB": 32 * 2**10, "8KiB": 8 * 2**10}
+# "auto": registration's per-tensor rule (vocabulary tensors in 64 KiB blocks of at most 64 rows, others 4 MiB)
+BLOCKS = {"4MiB": 4 * 2**20, "64KiB": 64 * 2**10, "32KiB": 32 * 2**10, "8KiB": 8 * 2**10, "auto": "auto"}
 MORE_BLOCKS: tuple[str, ...] = ()  # --block NAME (repeatable): ranked and random arms at another block size
 # the small block of each size: size "wide" (layout "spread", hidden 256) has 64-token alphabets, 32 KiB each
 # in the embedding and the LM head, and 64 rows of an attention / MLP matrix per 32 KiB
@@ -274,6 +277,12 @@ def main(argv: list[str]) -> None:
     if size != "bench":
         RESULTS = RESULTS.with_name(f"fidelity_real_{size}.json")
         PLOT = PLOT.with_name(f"fidelity_real_{size}.png")
+    if "--tag" in argv:
+        tag = argv[argv.index("--tag") + 1]
+        untagged, RESULTS = RESULTS, RESULTS.with_name(f"{RESULTS.stem}_{tag}.json")
+        PLOT = PLOT.with_name(f"{PLOT.stem}_{tag}.png")
+        if not RESULTS.exists() and untagged.exists() and "--report" not in argv and "--fresh" not in argv:
+            RESULTS.write_text(untagged.read_text())
     if "--check" in argv:
         check_family(Path(argv[argv.index("--check") + 1]))
         return
@@ -292,7 +301,7 @@ def main(argv: list[str]) -> None:
     build = rf.build(FAMILY, recipe, log=lambda s: print(s, flush=True))
     prev = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     same = prev.get("family_digest") == build["digest"] and prev.get("n_eval_per_task") == n_eval
-    done = {_key(r): r for r in prev.get("records", []) if same}
+    done = {_key(r): r for r in prev.get("records", []) if same and "--fresh" not in argv}
     cats = {}
 
     def cat_for(block):

@@ -29,7 +29,7 @@ import pyarrow as pa
 from . import faults, plans, schemaversion, scores, usersql
 from .errors import CatalogError, MergeDBError, PlanError, RunNotRecordedError
 from .resources import migrations
-from .units import DEFAULT_BLOCK_SIZE
+from .units import DEFAULT_BLOCK_SIZE, BlockSizes
 
 if TYPE_CHECKING:
     from . import planner, register
@@ -271,7 +271,8 @@ class Catalog:
         base: bool = False,
         base_model: str | None = None,
         name: str | None = None,
-        block_size: int | str = DEFAULT_BLOCK_SIZE,
+        block_size: int | str | BlockSizes = DEFAULT_BLOCK_SIZE,
+        vocab_block_size: int | str | None = None,
         refresh: bool = False,
         threads: int | None = None,
         progress: Callable[[int], None] | None = None,
@@ -283,6 +284,8 @@ class Catalog:
         `paths` are model folders, .safetensors files, or folders of those. With `base=True` they
         are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
         the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
+        `block_size`: a new base's blocks, a size or "auto" (vocabulary tensors in 64 KiB blocks of
+        at most 64 rows, others 4 MiB); `vocab_block_size` sets the vocabulary tensors' block exactly.
         `scanner`: see register.register (rayexec.expert_scanner fans the scans out on Ray).
         """
         from . import register
@@ -294,6 +297,7 @@ class Catalog:
             base_model=base_model,
             name=name,
             block_size=block_size,
+            vocab_block_size=vocab_block_size,
             refresh=refresh,
             threads=threads,
             progress=progress,

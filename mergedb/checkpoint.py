@@ -84,6 +84,7 @@ class Checkpoint:
     files: tuple[FileInfo, ...]
     tensors: tuple[tuple[int, TensorInfo], ...]  # (file index, tensor) in file order
     architecture: str | None
+    vocab_size: int | None = None  # config.json's vocab_size (or text_config's), when it has one
 
     @property
     def bytes(self) -> int:
@@ -187,7 +188,7 @@ def _assemble(
         )
     if weight_map is not None:
         _check_index_covers(index, weight_map, files)
-    return Checkpoint(name, path, root, files, tuple(tensors), _architecture(root))
+    return Checkpoint(name, path, root, files, tuple(tensors), *_config(root))
 
 
 def _shards_from_index(folder: Path) -> list[str]:
@@ -232,17 +233,26 @@ def _check_index_covers(index: str, weight_map: dict[str, str], files: tuple[Fil
         raise FormatError(f"{index}: tensors {missing[:5]} are in weight_map but in no shard")
 
 
-def _architecture(root: Path | RemotePath) -> str | None:
+def _config(root: Path | RemotePath) -> tuple[str | None, int | None]:
+    """The architecture and vocabulary size that config.json beside the weights names (None, None
+    without one; either None when it does not say)."""
     try:
         if isinstance(root, RemotePath):
             raw = remote.read_small((root / "config.json").url)
             text = "" if raw is None else raw.decode()
         else:
             text = (root / "config.json").read_text()
-        archs = json.loads(text).get("architectures")
-        return str(archs[0]) if archs else None
-    except (OSError, ValueError, AttributeError, IndexError, TypeError):
-        return None
+        cfg = json.loads(text)
+        if not isinstance(cfg, dict):
+            return None, None
+    except (OSError, ValueError):
+        return None, None
+    archs = cfg.get("architectures")
+    arch = str(archs[0]) if isinstance(archs, list) and archs else None
+    vocab = cfg.get("vocab_size")
+    if vocab is None and isinstance(cfg.get("text_config"), dict):  # multimodal configs nest the LM's
+        vocab = cfg["text_config"].get("vocab_size")
+    return arch, vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
 
 
 def discover(paths: list[str | os.PathLike[str]]) -> list[Path | RemotePath]:

@@ -18,7 +18,7 @@ from typer.core import TyperArgument, TyperGroup
 
 from . import render
 from .errors import MergeDBError
-from .units import check_threads, format_size, parse_block_size
+from .units import block_sizes, check_threads, format_size
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -131,7 +131,15 @@ def register(
     base: bool = typer.Option(False, "--base", help="Register PATHS as base models."),
     base_model: str | None = typer.Option(None, "--base-model", help="Name of the base the experts share."),
     name: str | None = typer.Option(None, "--name", help="Name for a single checkpoint [default: folder name]."),
-    block_size: str = typer.Option("4MiB", "--block-size", help="Target block size of a new base's layout (1B-1TiB)."),
+    block_size: str = typer.Option(
+        "4MiB",
+        "--block-size",
+        help="Block size of a new base's layout: a size (1B-1TiB) for every tensor, or auto: the "
+        "vocabulary tensors (embeddings, LM heads) in 64KiB blocks of at most 64 rows, others 4MiB.",
+    ),
+    vocab_block_size: str | None = typer.Option(
+        None, "--vocab-block-size", help="Block size of a new base's vocabulary tensors only (1B-1TiB)."
+    ),
     refresh: bool = typer.Option(False, "--refresh", help="Re-scan experts whose files changed."),
     threads: int = typer.Option(
         os.cpu_count() or 1,
@@ -149,7 +157,7 @@ def register(
     Example: mergedb register ./experts --base-model base
     Remote: mergedb register s3://bucket/family --base-model base (pip install 'mergedb[remote]')
     """
-    block_bytes = parse_block_size(block_size)
+    rule = block_sizes(block_size, vocab_block_size)
     check_threads(threads)
     scanner = None
     if ray is not None:
@@ -162,7 +170,7 @@ def register(
             base=base,
             base_model=base_model,
             name=name,
-            block_size=block_bytes,
+            block_size=rule,
             refresh=refresh,
             threads=threads,
             progress=advance,

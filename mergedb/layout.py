@@ -3,8 +3,9 @@
 A block is rows [row_start, row_end) of one tensor, so it is one contiguous byte range in every
 checkpoint of the family (safetensors data is row-major). 1-D tensors, scalars and tensors whose
 rows are not whole bytes are one block. The base fixes the layout; registration stores it and the
-executor reads it back as `TensorLayout`s. Output shard naming lives here too, shared by the
-executor and the synthetic families.
+executor reads it back as `TensorLayout`s. Block sizes may differ per tensor (units.BlockSizes:
+`--block-size auto` gives the vocabulary-indexed tensors small row blocks; vocab_size below).
+Output shard naming lives here too, shared by the executor and the synthetic families.
 """
 
 from __future__ import annotations
@@ -14,6 +15,26 @@ from dataclasses import dataclass
 
 from .checkpoint import SINGLE
 from .tensorfile import TensorInfo
+from .units import BlockSizes
+
+# last name part (before `.weight`) of the tensors that are indexed by token: embeddings and LM heads
+# of Llama/Mistral/Qwen/Gemma (embed_tokens, lm_head), GPT-2 (wte), GPT-NeoX (embed_in, embed_out),
+# BLOOM/BERT (word_embeddings), Meta's original Llama files (tok_embeddings, output), T5 (shared),
+# Mamba (embeddings)
+VOCAB_NAMES = frozenset(
+    {
+        "embed_tokens",
+        "lm_head",
+        "wte",
+        "embed_in",
+        "embed_out",
+        "word_embeddings",
+        "tok_embeddings",
+        "output",
+        "shared",
+        "embeddings",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -86,8 +107,34 @@ def element_offset(ft: FamilyTensor, blk: Block) -> int:
     return blk.row_start * row_elems(ft.shape) if len(ft.shape) >= 2 else 0
 
 
-def blocks_of(idx: int, t: TensorInfo, block_size: int) -> FamilyTensor:
-    """Split tensor `t` (index `idx` in the family) into blocks of about `block_size` bytes of whole rows."""
+def _part(name: str) -> str:
+    parts = name.split(".")
+    return parts[-2] if len(parts) > 1 and parts[-1] == "weight" else parts[-1]
+
+
+def vocab_size(tensors: list[TensorInfo], config_vocab: int | None = None) -> int | None:
+    """The vocabulary size of a model's tensors, or None when it has none.
+
+    `config_vocab` (config.json's vocab_size, read without network beside the weights) when some
+    2-D tensor has that many rows; else the largest dim 0 of the 2-D tensors named like an
+    embedding or LM head (VOCAB_NAMES: `model.embed_tokens.weight`, `lm_head.weight`,
+    `transformer.wte.weight`, …); else None. A tied head is one tensor; an untied one is another
+    tensor with the same dim 0."""
+    two_d = [t for t in tensors if len(t.shape) == 2]
+    if config_vocab and any(t.shape[0] == config_vocab for t in two_d):
+        return config_vocab
+    named = [t.shape[0] for t in two_d if _part(t.name) in VOCAB_NAMES]
+    return max(named) if named else None
+
+
+def is_vocab_tensor(t: TensorInfo, vocab: int | None) -> bool:
+    """Whether `t` is indexed by token: 2-D with dim 0 equal to the vocabulary size."""
+    return vocab is not None and len(t.shape) == 2 and t.shape[0] == vocab
+
+
+def blocks_of(idx: int, t: TensorInfo, block_size: int, max_rows: int | None = None) -> FamilyTensor:
+    """Split tensor `t` (index `idx` in the family) into blocks of about `block_size` bytes of whole
+    rows, and at most `max_rows` rows when given."""
     rows = n_rows(t.shape)
     rb = row_bytes(t.nbytes, t.shape)
     splittable = len(t.shape) >= 2 and rb > 0 and rb * rows == t.nbytes
@@ -96,6 +143,8 @@ def blocks_of(idx: int, t: TensorInfo, block_size: int) -> FamilyTensor:
         return FamilyTensor(idx, t.name, t.dtype, t.shape, t.numel, t.nbytes, t.nbytes, t.is_float, (blk,))
     per_row = row_elems(t.shape)
     rows_per_block = max(1, block_size // rb)
+    if max_rows is not None:
+        rows_per_block = min(rows_per_block, max(1, max_rows))
     blocks = []
     for b, r0 in enumerate(range(0, rows, rows_per_block)):
         r1 = min(rows, r0 + rows_per_block)
@@ -103,9 +152,20 @@ def blocks_of(idx: int, t: TensorInfo, block_size: int) -> FamilyTensor:
     return FamilyTensor(idx, t.name, t.dtype, t.shape, t.numel, t.nbytes, rb, t.is_float, tuple(blocks))
 
 
-def family_layout(tensors: list[TensorInfo], block_size: int) -> list[FamilyTensor]:
-    """The layout of a base's tensors, in the base's order."""
-    return [blocks_of(i, t, block_size) for i, t in enumerate(tensors)]
+def family_layout(
+    tensors: list[TensorInfo], block_size: int | BlockSizes, vocab: int | None = None
+) -> list[FamilyTensor]:
+    """The layout of a base's tensors, in the base's order: blocks of `block_size` bytes, or with a
+    BlockSizes rule, its vocabulary block for the tensors with `vocab` rows (is_vocab_tensor;
+    `vocab`: vocab_size(), None for no vocabulary) and its size for the others."""
+    rule = block_size if isinstance(block_size, BlockSizes) else BlockSizes(block_size)
+    out = []
+    for i, t in enumerate(tensors):
+        if rule.vocab is not None and is_vocab_tensor(t, vocab):
+            out.append(blocks_of(i, t, rule.vocab, rule.vocab_rows))
+        else:
+            out.append(blocks_of(i, t, rule.size))
+    return out
 
 
 def shard_names(n: int) -> list[str]:

@@ -22,8 +22,8 @@ from . import lora, lorascan, scan
 from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback, unregister
-from .layout import Block, FamilyTensor
-from .units import DEFAULT_BLOCK_SIZE, check_threads, parse_block_size
+from .layout import Block, FamilyTensor, vocab_size
+from .units import DEFAULT_BLOCK_SIZE, BlockSizes, block_sizes, check_threads
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -46,7 +46,8 @@ def register(
     base: bool = False,
     base_model: str | None = None,
     name: str | None = None,
-    block_size: int | str = DEFAULT_BLOCK_SIZE,
+    block_size: int | str | BlockSizes = DEFAULT_BLOCK_SIZE,
+    vocab_block_size: int | str | None = None,
     refresh: bool = False,
     threads: int | None = None,
     progress: scan.Progress | None = None,
@@ -58,13 +59,14 @@ def register(
     `paths` are model folders, .safetensors files, or folders of those. With `base=True` they
     are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
     the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
-    `threads` (default: the machine's cores) only changes speed, never a stored row.
+    `block_size`, `vocab_block_size`: a new base's layout (units.block_sizes: a size, or "auto");
+    experts use their base's. `threads` (default: the machine's cores) never changes a stored row.
     `scanner` reads the experts instead of scan.scan_experts, with its arguments and result (e.g.
     rayexec.expert_scanner: one Ray task per expert); the rows are written here all the same.
     """
     t0 = time.perf_counter()
     threads = check_threads(os.cpu_count() or 1 if threads is None else threads)
-    block_bytes = parse_block_size(block_size)
+    rule = block_sizes(block_size, vocab_block_size)
     if name is not None:
         _check_name(name, "--name")
     ckpt_paths, adapter_paths = lora.split_paths(paths, base)  # PEFT adapters: experts read by lorascan
@@ -170,7 +172,7 @@ def register(
     # Phase 1: read the files (catalog closed).
     families: dict[str, tuple[Checkpoint, list[FamilyTensor], list[str]]] = {}
     for b in todo_bases:
-        fam = scan.layout(b, block_bytes)
+        fam = scan.layout(b, rule)
         families[b.name] = (b, fam, scan.hash_base(b, fam, threads, tick))
     results: list = []
     if todo_experts or todo_adapters:  # one pool over every (expert, tensor): all cores busy to the end
@@ -196,14 +198,15 @@ def register(
             now = {
                 r[0]: r
                 for r in con.execute(
-                    "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size FROM checkpoints"
+                    "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, vocab_block_size, "
+                    "vocab_block_rows FROM checkpoints"
                 ).fetchall()
             }
             ids = {}
             for b in todo_bases:
                 _, fam, hashes = families[b.name]
                 if b.name in now:
-                    if now[b.name][4] != b.fingerprint or now[b.name][5] != block_bytes:
+                    if now[b.name][4] != b.fingerprint or now[b.name][5:8] != (rule.size, rule.vocab, rule.vocab_rows):
                         raise CatalogError(
                             f"base {b.name!r} was registered by another process meanwhile with other "
                             "contents or block size; nothing was written: run the command again"
@@ -211,7 +214,7 @@ def register(
                     ids[b.name] = now[b.name][1]
                     unchanged.append(b.name)
                     continue
-                ids[b.name] = _insert_checkpoint(con, b, "base", None, scan.content_hash(hashes), block_bytes)
+                ids[b.name] = _insert_checkpoint(con, b, "base", None, scan.content_hash(hashes), rule)
                 _insert_family(con, ids[b.name], fam, hashes)
                 done.append(b.name)
             for e, st in results:
@@ -275,14 +278,16 @@ def _insert_checkpoint(
     role: str,
     base_id: int | None,
     chash: str,
-    block_size: int | None,
+    block_size: BlockSizes | None,
     cid: int | None = None,
 ) -> int:
+    vocab = vocab_size([t for _, t in c.tensors], c.vocab_size) if block_size is not None else None
     if cid is None:
         cid = int(_one(con, "SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints")[0])
     con.execute(
         "INSERT INTO checkpoints (checkpoint_id, name, path, root, role, base_id, architecture, dtype, "
-        "n_tensors, bytes, fingerprint, content_hash, block_size, adapter) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        "n_tensors, bytes, fingerprint, content_hash, block_size, vocab_block_size, vocab_block_rows, vocab_size, "
+        "adapter) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         [
             cid,
             c.name,
@@ -296,7 +301,7 @@ def _insert_checkpoint(
             c.bytes,
             c.fingerprint,
             chash,
-            block_size,
+            *((block_size.size, block_size.vocab, block_size.vocab_rows, vocab) if block_size else (None,) * 4),
             isinstance(c, lora.Adapter) or None,
         ],
     )

@@ -24,10 +24,10 @@ import xxhash
 from . import stats
 from .checkpoint import Checkpoint
 from .errors import AlignmentError
-from .layout import FamilyTensor, element_offset, family_layout
+from .layout import FamilyTensor, element_offset, family_layout, vocab_size
 from .sources import RemoteOptions, Sources, declare
 from .tensorfile import DTYPES, TensorInfo, as_float32
-from .units import check_threads
+from .units import BlockSizes, check_threads
 
 Progress = Callable[[int], None]
 
@@ -62,9 +62,11 @@ class TensorRow(NamedTuple):
     summary_count: np.ndarray  # int64 counts of those bins
 
 
-def layout(base: Checkpoint, block_size: int) -> list[FamilyTensor]:
-    """Split every tensor of `base` into blocks of about `block_size` bytes of whole dim-0 rows."""
-    return family_layout([t for _, t in base.tensors], block_size)
+def layout(base: Checkpoint, block_size: int | BlockSizes) -> list[FamilyTensor]:
+    """Split every tensor of `base` into blocks of about `block_size` bytes of whole dim-0 rows (with
+    a BlockSizes rule: its vocabulary block for the tensors with the base's vocabulary size of rows)."""
+    tensors = [t for _, t in base.tensors]
+    return family_layout(tensors, block_size, vocab_size(tensors, base.vocab_size))
 
 
 def check_aligned(base: Checkpoint, expert: Checkpoint) -> None:

@@ -10,6 +10,7 @@ and is refused. Every size is at most MAX_BYTES.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 
 from .errors import MergeDBError
@@ -18,6 +19,9 @@ MAX_BYTES = 2**62  # 4 EiB: far above any checkpoint, and sums of such sizes sta
 MAX_BLOCK_SIZE = 2**40  # 1 TiB: a block larger than this is one whole tensor anyway
 MAX_THREADS = 1024
 DEFAULT_BLOCK_SIZE = 4 * 2**20  # registration's block: the unit of statistics, planning and reads
+AUTO = "auto"  # --block-size auto: vocabulary tensors in small row blocks, every other tensor at 4 MiB
+AUTO_VOCAB_BLOCK = 64 * 2**10  # a vocabulary tensor's block under `auto`: 64 KiB of whole rows …
+AUTO_VOCAB_ROWS = 64  # … and at most 64 rows (a 128-wide bf16 embedding: 16 KiB), see BlockSizes
 
 _UNITS = {
     "b": 1,
@@ -71,12 +75,53 @@ def shown(value: object) -> str:
     return text if len(text) <= 48 else f"{text[:40]}…' ({len(str(value))} characters)"
 
 
-def parse_block_size(text: str | int) -> int:
+def parse_block_size(text: str | int, *, what: str = "block size") -> int:
     """A registration block size: 1 byte (blocks are whole rows, so: one row per block) to 1 TiB."""
-    n = parse_size(text, what="block size")
+    if isinstance(text, str) and not _SIZE.match(text):  # a word (`autox`): say what is accepted
+        raise MergeDBError(
+            f"cannot read {what} {shown(text)}: write auto or a number of bytes with a unit, e.g. 4MiB or 64KiB"
+        )
+    n = parse_size(text, what=what)
     if not 1 <= n <= MAX_BLOCK_SIZE:
-        raise MergeDBError(f"block size {shown(text)} must be between 1B and 1TiB; e.g. --block-size 4MiB (default)")
+        example = "--block-size 4MiB or auto" if what == "block size" else "--vocab-block-size 64KiB"
+        raise MergeDBError(f"{what} {shown(text)} must be between 1B and 1TiB; e.g. {example}")
     return n
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    """How a new base's tensors split into blocks (layout.family_layout): `size` bytes of whole rows
+    per block, except the vocabulary-indexed tensors (2-D, dim 0 = the vocabulary size:
+    layout.vocab_size), whose blocks are `vocab` bytes and at most `vocab_rows` rows. `vocab` None:
+    one size for every tensor. Stored per base in checkpoints (block_size, vocab_block_size,
+    vocab_block_rows; schema/012)."""
+
+    size: int = DEFAULT_BLOCK_SIZE
+    vocab: int | None = None
+    vocab_rows: int | None = None
+
+    def __str__(self) -> str:
+        if self.vocab is None:
+            return format_size(self.size)
+        rows = f", at most {self.vocab_rows} rows" if self.vocab_rows else ""
+        return f"{format_size(self.size)}, vocabulary tensors {format_size(self.vocab)}{rows}"
+
+
+def block_sizes(block_size: str | int | BlockSizes, vocab_block_size: str | int | None = None) -> BlockSizes:
+    """The layout rule of `--block-size` and `--vocab-block-size`.
+
+    `auto`: vocabulary tensors in blocks of 64 KiB and at most 64 rows, every other tensor in 4 MiB
+    blocks; a size: that size for every tensor. `vocab_block_size` sets the vocabulary tensors' block
+    exactly (no row cap), next to `auto` (then 4 MiB elsewhere) or a size."""
+    if isinstance(block_size, BlockSizes):
+        rule = block_size
+    elif isinstance(block_size, str) and block_size.strip().lower() == AUTO:
+        rule = BlockSizes(DEFAULT_BLOCK_SIZE, AUTO_VOCAB_BLOCK, AUTO_VOCAB_ROWS)
+    else:
+        rule = BlockSizes(parse_block_size(block_size))
+    if vocab_block_size is not None:
+        rule = BlockSizes(rule.size, parse_block_size(vocab_block_size, what="vocabulary block size"))
+    return rule
 
 
 def check_threads(n: int) -> int:

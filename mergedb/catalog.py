@@ -29,7 +29,7 @@ import pyarrow as pa
 from . import faults, plans, schemaversion, scores, usersql
 from .errors import CatalogError, MergeDBError, PlanError, RunNotRecordedError
 from .resources import migrations
-from .units import DEFAULT_BLOCK_SIZE, BlockSizes
+from .units import BlockSizes
 
 if TYPE_CHECKING:
     from . import planner, register
@@ -271,7 +271,7 @@ class Catalog:
         base: bool = False,
         base_model: str | None = None,
         name: str | None = None,
-        block_size: int | str | BlockSizes = DEFAULT_BLOCK_SIZE,
+        block_size: int | str | BlockSizes | None = None,
         vocab_block_size: int | str | None = None,
         refresh: bool = False,
         threads: int | None = None,
@@ -285,7 +285,8 @@ class Catalog:
         are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
         the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
         `block_size`: a new base's blocks, a size or "auto" (vocabulary tensors in 64 KiB blocks of
-        at most 64 rows, others 4 MiB); `vocab_block_size` sets the vocabulary tensors' block exactly.
+        at most 64 rows, others 4 MiB; default 4 MiB); `vocab_block_size` sets the vocabulary
+        tensors' block exactly. A layout given for a base registered with another is refused.
         `scanner`: see register.register (rayexec.expert_scanner fans the scans out on Ray).
         """
         from . import register

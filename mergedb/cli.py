@@ -131,11 +131,13 @@ def register(
     base: bool = typer.Option(False, "--base", help="Register PATHS as base models."),
     base_model: str | None = typer.Option(None, "--base-model", help="Name of the base the experts share."),
     name: str | None = typer.Option(None, "--name", help="Name for a single checkpoint [default: folder name]."),
-    block_size: str = typer.Option(
-        "4MiB",
+    block_size: str | None = typer.Option(
+        None,
         "--block-size",
+        show_default=False,
         help="Block size of a new base's layout: a size (1B-1TiB) for every tensor, or auto: the "
-        "vocabulary tensors (embeddings, LM heads) in 64KiB blocks of at most 64 rows, others 4MiB.",
+        "vocabulary tensors (embeddings, LM heads) in 64KiB blocks of at most 64 rows, others 4MiB "
+        "[default: 4MiB].",
     ),
     vocab_block_size: str | None = typer.Option(
         None, "--vocab-block-size", help="Block size of a new base's vocabulary tensors only (1B-1TiB)."
@@ -157,7 +159,9 @@ def register(
     Example: mergedb register ./experts --base-model base
     Remote: mergedb register s3://bucket/family --base-model base (pip install 'mergedb[remote]')
     """
-    rule = block_sizes(block_size, vocab_block_size)
+    rule = None  # the default for a new base, and an existing base's own layout
+    if block_size is not None or vocab_block_size is not None:  # checked here, before any read
+        rule = block_sizes("4MiB" if block_size is None else block_size, vocab_block_size)
     check_threads(threads)
     scanner = None
     if ray is not None:

@@ -46,7 +46,7 @@ def register(
     base: bool = False,
     base_model: str | None = None,
     name: str | None = None,
-    block_size: int | str | BlockSizes = DEFAULT_BLOCK_SIZE,
+    block_size: int | str | BlockSizes | None = None,
     vocab_block_size: int | str | None = None,
     refresh: bool = False,
     threads: int | None = None,
@@ -59,14 +59,17 @@ def register(
     `paths` are model folders, .safetensors files, or folders of those. With `base=True` they
     are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
     the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
-    `block_size`, `vocab_block_size`: a new base's layout (units.block_sizes: a size, or "auto");
-    experts use their base's. `threads` (default: the machine's cores) never changes a stored row.
+    `block_size`, `vocab_block_size`: a new base's layout (units.block_sizes: a size, or "auto";
+    default 4 MiB); experts use their base's, and a layout given for a base already registered with
+    another one is refused (its experts' rows are per block: it cannot change in place).
+    `threads` (default: the machine's cores) never changes a stored row.
     `scanner` reads the experts instead of scan.scan_experts, with its arguments and result (e.g.
     rayexec.expert_scanner: one Ray task per expert); the rows are written here all the same.
     """
     t0 = time.perf_counter()
     threads = check_threads(os.cpu_count() or 1 if threads is None else threads)
-    rule = block_sizes(block_size, vocab_block_size)
+    asked = block_size is not None or vocab_block_size is not None  # else: a new base gets the default
+    rule = block_sizes(DEFAULT_BLOCK_SIZE if block_size is None else block_size, vocab_block_size)
     if name is not None:
         _check_name(name, "--name")
     ckpt_paths, adapter_paths = lora.split_paths(paths, base)  # PEFT adapters: experts read by lorascan
@@ -77,10 +80,11 @@ def register(
         found = [replace(c, name=name) for c in found]
 
     with cat.duckdb_connection(write=True, create=True) as con:
-        existing = {  # name -> (name, checkpoint_id, role, base_id, fingerprint, block_size, path)
-            r[0]: r
+        existing = {  # name -> (name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size,
+            r[0]: r  #          vocab_block_rows)
             for r in con.execute(
-                "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, path FROM checkpoints"
+                "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size, "
+                "vocab_block_rows FROM checkpoints"
             ).fetchall()
         }
         base_names = {r[1]: r[0] for r in existing.values() if r[2] == "base"}
@@ -154,6 +158,21 @@ def register(
                     "depend on it. Register the new base under a new --name"
                 )
         (todo_bases if role == "base" else todo_experts).append(c)
+
+    if asked:  # a layout asked for must be the one the bases involved get or already have
+        laid_out = {c.name for c in todo_bases}
+        involved = [c.name for c in bases] + ([base_ckpt_name] if experts and base_ckpt_name else [])
+        for n in dict.fromkeys(involved):
+            row = existing.get(n)
+            if n in laid_out or row is None or row[2] != "base":
+                continue
+            have = BlockSizes(row[5], row[7], row[8])
+            if have != rule:
+                raise CatalogError(
+                    f"base {n!r} is registered with blocks of {have}, not {rule}; a base's layout cannot change "
+                    "in place (its experts' statistics are stored per block): leave out --block-size/"
+                    "--vocab-block-size to use its layout, or register the family into a new catalog"
+                )
 
     todo_experts, todo_adapters = lora.partition(todo_experts)
     total = sum(_tensor_bytes(c) for c in todo_bases) + sum(2 * _tensor_bytes(c) for c in todo_experts)

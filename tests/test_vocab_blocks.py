@@ -232,3 +232,37 @@ def test_cli_auto_and_explicit_vocab_block(tmp_path):
     assert got["lm_head.weight"] == [(r, r + 32) for r in range(0, 2048, 32)]  # 8 KiB of 256-byte rows, no cap
     row = Catalog(db2).sql("SELECT block_size, vocab_block_size, vocab_block_rows FROM checkpoints").to_pylist()
     assert row == [{"block_size": MiB, "vocab_block_size": 8192, "vocab_block_rows": None}]
+
+
+def _catalog_rows(cat: Catalog) -> tuple:
+    return tuple(
+        cat.sql(f"SELECT * FROM {t} ORDER BY ALL").to_pylist() for t in ("checkpoints", "blocks", "expert_blocks")
+    )
+
+
+def test_a_layout_asked_for_a_registered_base_with_another_is_refused(tmp_path):
+    """The layout is fixed when the base is registered; asking for another one later (for the base
+    again, or while adding experts) is an error that changes nothing, never silently ignored."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=5)
+    db = tmp_path / "c.duckdb"
+    cat = Catalog(db)
+    cat.register([fam / "base"], base=True, block_size="8KiB")
+    cat.register([fam / "expert_00"], base_model="base")
+    before = _catalog_rows(cat)
+    for kwargs in ({"block_size": "auto"}, {"block_size": "16KiB"}, {"block_size": "8KiB", "vocab_block_size": "1KiB"}):
+        with pytest.raises(MergeDBError, match=r"base 'base' is registered with blocks of 8\.0 KiB, not .*new catalog"):
+            cat.register([fam / "expert_01"], base_model="base", **kwargs)
+        with pytest.raises(MergeDBError, match="cannot change in place"):
+            cat.register([fam / "base"], base=True, **kwargs)
+        assert _catalog_rows(cat) == before
+    res = CliRunner().invoke(
+        app, ["register", str(fam / "expert_01"), "--base-model", "base", "-q", "-c", str(db), "--block-size", "auto"]
+    )
+    assert res.exit_code != 0 and "registered with blocks of 8.0 KiB" in res.output, res.output
+    assert _catalog_rows(cat) == before
+    # the same layout asked again, or none, is accepted: the base unchanged, the expert added
+    assert cat.register([fam / "base"], base=True, block_size=8192).unchanged == ("base",)
+    res = CliRunner().invoke(app, ["register", str(fam / "expert_01"), "--base-model", "base", "-q", "-c", str(db)])
+    assert res.exit_code == 0, res.output
+    names = {r["name"] for r in cat.sql("SELECT name FROM checkpoints").to_pylist()}
+    assert names == {"base", "expert_00", "expert_01"}

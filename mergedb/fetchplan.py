@@ -10,15 +10,18 @@ PREFETCH_BYTES of those ranges go into the page cache while numba's kernels impo
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from . import remote
 from .checkpoint import PlanInputs
-from .errors import MergeDBError
 from .layout import block_bytes
 from .lora import is_adapter
 from .sources import LocalFile, RemoteFile, declare
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 PREFETCH_BYTES = 512 * 2**20
 PREFETCH_THREADS = 4  # reads in flight (this virtual disk serves 4 streams 1.7-3x faster than one)
 PREFETCH_CHUNK = 8 * 2**20
+FD_MARGIN = 64  # file descriptors left free besides the inputs' (DuckDB, the output, the pool)
 
 
 def declare_merge(xp: ExecutionPlan, inputs: PlanInputs) -> None:
@@ -39,10 +43,13 @@ def declare_merge(xp: ExecutionPlan, inputs: PlanInputs) -> None:
         declare(merge_reads(xp, inputs))
 
 
-def merge_reads(xp: ExecutionPlan, inputs: PlanInputs) -> Iterator[tuple[LocalFile | RemoteFile, int, int, int]]:
+def merge_reads(
+    xp: ExecutionPlan, inputs: PlanInputs, sel: dict[int, dict[int, list[tuple[int, str]]]] | None = None
+) -> Iterator[tuple[LocalFile | RemoteFile, int, int, int]]:
     """(source, offset, length, 1) of each read of the merge, in order: per tensor, the base's
-    whole tensor, then each selected block's experts in plan order."""
-    sel = xp.selected()
+    whole tensor, then each selected block's experts in plan order. `sel`: xp.selected(), or the
+    part of it for the first tensors when only the first reads are wanted (Prefetch)."""
+    sel = xp.selected() if sel is None else sel
     for ti, t in enumerate(xp.tensors):
         src, info, _ = inputs.where[0][t.name]
         yield src, info.start, info.nbytes, 1
@@ -75,20 +82,23 @@ class Prefetch:
         self._thread.join()
 
     def _run(self, xp: ExecutionPlan, limit: int, threads: int) -> None:
-        if any(remote.is_url(s.path) or is_adapter(s.path) for s in (xp.base, *xp.experts)):
+        sources = (xp.base, *xp.experts)
+        if any(remote.is_url(s.path) or is_adapter(s.path) for s in sources) or not _fds_for(sources):
             return
         try:
             inputs = PlanInputs(xp)
-        except (MergeDBError, OSError):
+        except Exception:  # a hint: the merger opens the same inputs and reports what is wrong
             return
         try:
-            chunks = list(_chunks(merge_reads(xp, inputs), limit))
+            sizes = [inputs.where[0][t.name][1].nbytes for t in xp.tensors]
+            last = next((i for i, n in enumerate(itertools.accumulate(sizes)) if n >= limit), len(sizes) - 1)
+            chunks = list(_chunks(merge_reads(xp, inputs, _selected_upto(xp, last)), limit))
             pool = ThreadPoolExecutor(threads, thread_name_prefix="mergedb-prefetch")
             with pool, open(os.devnull, "wb") as null:
                 for f in [pool.submit(self._read, null.fileno(), *c) for c in chunks]:
                     f.result()
-        except OSError:
-            pass  # the merger's own read of these bytes reports it
+        except Exception:
+            pass  # the merger's own reads of these bytes report what is wrong
         finally:
             inputs.close()
 
@@ -98,6 +108,37 @@ class Prefetch:
             if k == 0:
                 return
             offset, n = offset + k, n - k
+
+
+def _selected_upto(xp: ExecutionPlan, last: int) -> dict[int, dict[int, list[tuple[int, str]]]]:
+    """xp.selected() for tensors 0..last only, positions without hashes (the reads need none): the
+    first PREFETCH_BYTES never reach further, and a plan may select millions of blocks."""
+    pos, ti, bi = (np.asarray(xp.mask.column(c).to_numpy()) for c in ("position", "tensor_idx", "block_idx"))
+    keep = ti <= last
+    pos, ti, bi = pos[keep], ti[keep], bi[keep]
+    order = np.lexsort((pos, bi, ti))
+    out: dict[int, dict[int, list[tuple[int, str]]]] = {}
+    for p, t, b in zip(pos[order].tolist(), ti[order].tolist(), bi[order].tolist()):
+        out.setdefault(t, {}).setdefault(b, []).append((p, ""))
+    return out
+
+
+def _fds_for(sources: tuple) -> bool:
+    """Whether this process may open every input file twice (the prefetch's set, then the merger's)
+    and keep a margin under its open-file limit (RLIMIT_NOFILE; often 1024)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return True
+        files = 0
+        for s in sources:
+            p = Path(s.path)
+            files += sum(e.name.endswith(".safetensors") for e in os.scandir(p)) if p.is_dir() else 1
+        return len(os.listdir("/proc/self/fd")) + 2 * files + FD_MARGIN <= soft
+    except (ImportError, OSError):
+        return False
 
 
 def _chunks(reads: Iterator[tuple[LocalFile | RemoteFile, int, int, int]], limit: int) -> Iterator[tuple[int, ...]]:

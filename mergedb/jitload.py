@@ -14,7 +14,10 @@ def tested_numba() -> bool:
     """Whether the installed numba is one whose Cache internals light_cache_loads was checked on."""
     import numba
 
-    return tuple(int(x) for x in numba.__version__.split(".")[:2]) in TESTED_NUMBA
+    try:
+        return tuple(int(x) for x in numba.__version__.split(".")[:2]) in TESTED_NUMBA
+    except ValueError:  # a version string of another shape (a source build's "0+unknown")
+        return False
 
 
 def _load_without_refresh(cache: Any, sig: Any, target_context: Any) -> Any:

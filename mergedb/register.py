@@ -23,7 +23,7 @@ from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback, unregister
 from .layout import Block, FamilyTensor, vocab_size
-from .units import DEFAULT_BLOCK_SIZE, BlockSizes, block_sizes, check_threads
+from .units import DEFAULT_BLOCK_SIZE, BlockSizes, block_sizes, check_name, check_same_layout, check_threads
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -71,7 +71,7 @@ def register(
     asked = block_size is not None or vocab_block_size is not None  # else: a new base gets the default
     rule = block_sizes(DEFAULT_BLOCK_SIZE if block_size is None else block_size, vocab_block_size)
     if name is not None:
-        _check_name(name, "--name")
+        check_name(name, "--name")
     ckpt_paths, adapter_paths = lora.split_paths(paths, base)  # PEFT adapters: experts read by lorascan
     found = [open_checkpoint(p) for p in discover(ckpt_paths)] if ckpt_paths or not adapter_paths else []
     if name is not None:
@@ -120,7 +120,7 @@ def register(
             base_ckpt = in_paths[0] if in_paths else open_checkpoint(existing[base_ckpt_name][6], name=base_ckpt_name)
             experts += [lora.open_adapter(p, base_ckpt, name) for p in adapter_paths]
     for c in bases + experts:
-        _check_name(c.name, f"the name of {c.path}")
+        check_name(c.name, f"the name of {c.path}")
     names = [c.name for c in bases + experts]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -160,19 +160,10 @@ def register(
         (todo_bases if role == "base" else todo_experts).append(c)
 
     if asked:  # a layout asked for must be the one the bases involved get or already have
-        laid_out = {c.name for c in todo_bases}
         involved = [c.name for c in bases] + ([base_ckpt_name] if experts and base_ckpt_name else [])
-        for n in dict.fromkeys(involved):
-            row = existing.get(n)
-            if n in laid_out or row is None or row[2] != "base":
-                continue
-            have = BlockSizes(row[5], row[7], row[8])
-            if have != rule:
-                raise CatalogError(
-                    f"base {n!r} is registered with blocks of {have}, not {rule}; a base's layout cannot change "
-                    "in place (its experts' statistics are stored per block): leave out --block-size/"
-                    "--vocab-block-size to use its layout, or register the family into a new catalog"
-                )
+        owned = {c.name for c in todo_bases}
+        for n in sorted(n for n in set(involved) - owned if n in existing and existing[n][2] == "base"):
+            check_same_layout(n, BlockSizes(*existing[n][5:6], *existing[n][7:9]), rule)
 
     todo_experts, todo_adapters = lora.partition(todo_experts)
     total = sum(_tensor_bytes(c) for c in todo_bases) + sum(2 * _tensor_bytes(c) for c in todo_experts)
@@ -364,22 +355,6 @@ def _one(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any] | None 
 
 def _tensor_bytes(c: Checkpoint) -> int:
     return sum(t.nbytes for _, t in c.tensors)
-
-
-def _check_name(name: str, what: str) -> None:
-    """Refuse checkpoint names that commands could not address (`--experts a,b` splits on commas
-    and strips spaces)."""
-    why = None
-    if not name.strip():
-        why = "is empty"
-    elif name != name.strip():
-        why = "has leading or trailing spaces"
-    elif "," in name:
-        why = "contains a comma"
-    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
-        why = "contains a control character"
-    if why:
-        raise MergeDBError(f"{what}, {name!r}, {why}, so commands could not refer to it; pass --name NAME")
 
 
 def _all_blocks(fam: list[FamilyTensor]) -> Iterator[Block]:

@@ -4,7 +4,8 @@ Sizes are exact (parsed as fractions, never through float). A plain number or a 
 a whole number of bytes (`1.5B` is refused); with a larger unit a fractional byte count is rounded
 down (`0.1KiB` = 102 bytes), so a budget never exceeds what was written. Units are bytes in any
 case (`kb` = `KB`), except that a capital prefix with a lowercase `b` (`Mb`, `Gib`) means bits
-and is refused. Every size is at most MAX_BYTES.
+and is refused. Every size is at most MAX_BYTES. Also the checks of other values users give that the
+CLI and the library share: thread counts, block layouts, checkpoint names.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .errors import MergeDBError
+from .errors import CatalogError, MergeDBError
 
 MAX_BYTES = 2**62  # 4 EiB: far above any checkpoint, and sums of such sizes stay inside int64
 MAX_BLOCK_SIZE = 2**40  # 1 TiB: a block larger than this is one whole tensor anyway
@@ -122,6 +123,32 @@ def block_sizes(block_size: str | int | BlockSizes, vocab_block_size: str | int 
     if vocab_block_size is not None:
         rule = BlockSizes(rule.size, parse_block_size(vocab_block_size, what="vocabulary block size"))
     return rule
+
+
+def check_name(name: str, what: str) -> None:
+    """Refuse checkpoint names that commands could not address (`--experts a,b` splits on commas
+    and strips spaces)."""
+    why = None
+    if not name.strip():
+        why = "is empty"
+    elif name != name.strip():
+        why = "has leading or trailing spaces"
+    elif "," in name:
+        why = "contains a comma"
+    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        why = "contains a control character"
+    if why:
+        raise MergeDBError(f"{what}, {name!r}, {why}, so commands could not refer to it; pass --name NAME")
+
+
+def check_same_layout(base: str, have: BlockSizes, asked: BlockSizes) -> None:
+    """Refuse a layout asked for a base registered with another (its experts' rows are per block)."""
+    if have != asked:
+        raise CatalogError(
+            f"base {base!r} is registered with blocks of {have}, not {asked}; a base's layout cannot change "
+            "in place (its experts' statistics are stored per block): leave out --block-size/"
+            "--vocab-block-size to use its layout, or register the family into a new catalog"
+        )
 
 
 def check_threads(n: int) -> int:

@@ -142,3 +142,51 @@ def test_kernels_loaded_from_cache_without_numba_refresh_compute_the_same(tmp_pa
     assert got_hash == ref_hash and ref_registries == "True"
     if hits == "True":  # numba's cache is writable here, so the second process loaded from it
         assert registries == "False", "a cached load imported numba's lowering registries"
+
+
+def test_prefetch_reads_nothing_when_the_inputs_twice_would_not_fit_the_open_file_limit(plan, monkeypatch):
+    """The prefetch opens every input file and the merger opens them again: near RLIMIT_NOFILE it
+    stays out of the way rather than make the merger's opens fail."""
+    import resource
+
+    calls = []
+    monkeypatch.setattr(fetchplan.os, "sendfile", lambda *a: calls.append(a) or 0)
+    open_now = len(os.listdir("/proc/self/fd"))
+    files = 1 + len(plan.experts)  # one model.safetensors per checkpoint in this family
+    monkeypatch.setattr(resource, "getrlimit", lambda r: (open_now + 2 * files + fetchplan.FD_MARGIN - 1,) * 2)
+    p = fetchplan.Prefetch(plan, 10**9)
+    p._thread.join()
+    p.close()
+    assert calls == []
+    monkeypatch.setattr(resource, "getrlimit", lambda r: (open_now + 2 * files + fetchplan.FD_MARGIN + 8,) * 2)
+    p = fetchplan.Prefetch(plan, 10**9)
+    p._thread.join()
+    p.close()
+    assert calls  # with room, it reads
+
+
+def test_prefetch_selection_of_the_first_tensors_is_the_plans(plan):
+    full = plan.selected()
+    for last in range(len(plan.tensors)):
+        want = {t: {b: [(p, "") for p, _ in w] for b, w in blocks.items()} for t, blocks in full.items() if t <= last}
+        assert fetchplan._selected_upto(plan, last) == want
+
+
+def test_unreadable_numba_version_turns_light_loads_off(monkeypatch):
+    import numba
+
+    monkeypatch.setattr(numba, "__version__", "0+unknown")
+    assert jitload.tested_numba() is False
+    monkeypatch.setattr(numba, "__version__", "0.68.1")
+    assert jitload.tested_numba() is True
+
+
+def test_main_inside_another_program_leaves_its_collector_working(monkeypatch):
+    import gc
+
+    from mergedb import cli
+
+    monkeypatch.setattr(sys, "argv", ["mergedb", "--version"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert gc.isenabled() and cli._PROCESS is False and gc.get_freeze_count() == 0

@@ -49,6 +49,7 @@ RANDOM_SEEDS = (0, 1, 2)
 # "auto": registration's per-tensor rule (vocabulary tensors in 64 KiB blocks of at most 64 rows, others 4 MiB)
 BLOCKS = {"4MiB": 4 * 2**20, "64KiB": 64 * 2**10, "32KiB": 32 * 2**10, "8KiB": 8 * 2**10, "auto": "auto"}
 MORE_BLOCKS: tuple[str, ...] = ()  # --block NAME (repeatable): ranked and random arms at another block size
+VALUE_ARMS: tuple[str, ...] = ()  # --value V (repeatable): ranked arms with PlanRequest.value_model V
 # the small block of each size: size "wide" (layout "spread", hidden 256) has 64-token alphabets, 32 KiB each
 # in the embedding and the LM head, and 64 rows of an attention / MLP matrix per 32 KiB
 SMALL = "8KiB"
@@ -266,11 +267,12 @@ def plot(rows: list[dict], path: Path, family: dict | None = None) -> None:
 
 
 def main(argv: list[str]) -> None:
-    global CACHE, FAMILY, RESULTS, PLOT, SMALL, LAYOUT, MORE_BLOCKS
+    global CACHE, FAMILY, RESULTS, PLOT, SMALL, LAYOUT, MORE_BLOCKS, VALUE_ARMS
     size = argv[argv.index("--size") + 1] if "--size" in argv else "bench"
     CACHE = ROOT / "cache" / "realfamily2" / size
     FAMILY = CACHE / "family"
     MORE_BLOCKS = tuple(argv[i + 1] for i, a in enumerate(argv) if a == "--block")
+    VALUE_ARMS = tuple(argv[i + 1] for i, a in enumerate(argv) if a == "--value")
     recipe = rf.RECIPES.get(size, rf.Recipe(size=size))
     LAYOUT = recipe.tokens()
     SMALL = "32KiB" if LAYOUT is rf.SPREAD else "8KiB"
@@ -520,11 +522,19 @@ def extra_arms(best: dict[str, dict]) -> list[dict]:
     }
     if LAYOUT is rf.SPREAD:  # the larger family: the two options one at a time (their sum changed nothing before)
         options["ties"] = options["ties"][:2]
-    return [
+    out = [
         _arm(method, best[method], block, "ranked", 0, budget, extra=extra)
         for method in best
         for extra in options[method]
         for block in ("4MiB", SMALL)
+        for budget in BUDGETS[1:]
+    ]
+    # `--value V` (e.g. norm-sqrt, issue 16's size-neutral score): ranked arms at every block size run
+    return out + [
+        _arm(method, best[method], block, "ranked", 0, budget, extra={"value_model": value})
+        for value in VALUE_ARMS
+        for method in best
+        for block in ("4MiB", SMALL, *MORE_BLOCKS)
         for budget in BUDGETS[1:]
     ]
 

@@ -8,6 +8,10 @@ greedy.select; the greedy itself is unchanged, so every plan still reads at most
 - `consensus`, for methods with TIES sign election (ties, dare_ties, breadcrumbs_ties, della): the
   value of (k, b) is the model's leave-one-out change of the full merge's block b when expert k's
   block alone is left out (consensus.leave_one_out); score = value / bytes as before.
+- `norm-sqrt` (a trial for issue 16, not a default): the `norm` value, scored value / √bytes
+  instead of value / bytes. ‖Δ‖ of a block of n bytes at equal change per byte grows as √n, so
+  value / bytes ranks a small block above a large one of the same density by √(ratio) (a 64 KiB
+  vocabulary block 8× a 4 MiB one); value / √bytes ranks them equal. Dense experts only.
 
 **Coverage** (`PlanRequest.min_coverage` F, `mergedb plan --min-coverage F`). Expert k's useful bytes
 U_k are the bytes of its candidates that are not free and have a value > 0. The rule, exactly:
@@ -33,7 +37,7 @@ from .units import format_size
 if TYPE_CHECKING:
     from . import methods
 
-VALUE_MODELS = ("norm", "consensus")
+VALUE_MODELS = ("norm", "consensus", "norm-sqrt")
 
 
 def check(value_model: str, min_coverage: float | None, method: methods.Method, strategy: str) -> None:
@@ -60,6 +64,13 @@ def with_consensus_value(c: greedy.Candidates, values: np.ndarray) -> greedy.Can
     if c.dependent.size:
         raise PlanError("--value consensus is not available for LoRA adapter experts yet; use --value norm")
     return replace(c, value=value, score=value / np.maximum(c.nbytes, 1))
+
+
+def with_sqrt_score(c: greedy.Candidates) -> greedy.Candidates:
+    """Candidates of the `norm` value scored value / √bytes (the `norm-sqrt` model)."""
+    if c.dependent.size:
+        raise PlanError("--value norm-sqrt is not available for LoRA adapter experts yet; use --value norm")
+    return replace(c, score=c.value / np.sqrt(np.maximum(c.nbytes, 1)))
 
 
 def forced(c: greedy.Candidates, n_positions: int, fraction: float) -> np.ndarray:

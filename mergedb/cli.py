@@ -295,7 +295,9 @@ def plan(
     explain: bool = typer.Option(False, "--explain", help="Print the SQL steps that ran, with row counts."),
     # access-set rules (accessrules.py; README "Access-set rules")
     value_model: str = typer.Option(
-        "norm", "--value", help="Value of a block: norm (|c|·‖Δ‖) or consensus (TIES-style methods)."
+        "norm",
+        "--value",
+        help="Value of a block: norm (|c|·‖Δ‖), consensus (TIES-style methods) or norm-sqrt (norm per √byte, a trial).",
     ),
     min_coverage: float | None = typer.Option(
         None, "--min-coverage", metavar="F", help="Read at least fraction F of each expert's useful bytes first."

@@ -303,6 +303,8 @@ def _candidates(
     if req.value_model == "consensus":  # accessrules.py: the TIES model's leave-one-out value
         model = consensus.fetch(con, inp.method, inp.values, inp.params, inp.ids, trims, fam, sc.drop_nonfinite)
         cands = accessrules.with_consensus_value(cands, consensus.leave_one_out(model))
+    elif req.value_model == "norm-sqrt":  # accessrules.py: a size-neutral score (issue 16's trial)
+        cands = accessrules.with_sqrt_score(cands)
     return fam, cands
 
 

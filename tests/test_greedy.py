@@ -182,16 +182,19 @@ def test_compiled_scoring_plans_the_same(tmp_path, monkeypatch):
     got = {}
     for rows in (10**12, 0):
         monkeypatch.setattr(greedy, "COMPILED_MIN_ROWS", rows)
-        for budget in ("all", "37%", "5%"):
-            p = cat.plan(PlanRequest(base, None, "task_arithmetic", budget, weights=(0.5, -1.25, 2.0)))
+        for budget, value in [(b, v) for b in ("all", "37%", "5%") for v in ("norm", "norm-sqrt")]:
+            req = PlanRequest(base, None, "task_arithmetic", budget, weights=(0.5, -1.25, 2.0), value_model=value)
+            p = cat.plan(req)
             bits = cat.sql(
                 "SELECT checkpoint_id, tensor_idx, CAST(selected AS VARCHAR) AS s FROM plan_mask_bits "
                 "WHERE plan_id = ? ORDER BY 1, 2",
                 [p.plan_id],
             ).to_pylist()
-            got.setdefault(budget, []).append((p.plan_hash, p.bound_sum, p.bound_blockwise, p.bound_rounded, bits))
+            row = (p.plan_hash, p.bound_sum, p.bound_blockwise, p.bound_rounded, bits)
+            got.setdefault((budget, value), []).append(row)
     for budget, (numpy_plan, compiled_plan) in got.items():
         assert numpy_plan == compiled_plan, budget
+    assert got[("37%", "norm")][0][0] != got[("37%", "norm-sqrt")][0][0]  # blocks of 1–5,000 bytes: orders differ
 
 
 @pytest.mark.parametrize("compiled", [False, True])

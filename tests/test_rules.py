@@ -279,3 +279,30 @@ def test_min_coverage_of_experts_equal_to_the_base_is_an_empty_plan(tmp_path):
     cat.register([tmp_path / "family"], base_model="base", block_size=BLOCK)
     p = cat.plan(PlanRequest("base", None, "ties", "25%", params={"density": DENSITY}, min_coverage=0.5))
     assert p.selected_bytes == 0 and p.min_coverage == 0.5
+
+
+def test_norm_sqrt_scores_the_norm_value_per_root_byte(fam):
+    """--value norm-sqrt (issue 16's trial): the norm model's value, scored value / √bytes, where a
+    block's bytes are its rows of the layout (reference.block_rows) times the row's bytes."""
+    from mergedb import frontier
+
+    _, cat, ref = fam
+    req = PlanRequest("base", None, "task_arithmetic", "25%")
+    norm = frontier.candidates(cat, req).to_pydict()
+    sq = frontier.candidates(cat, replace(req, value_model="norm-sqrt")).to_pydict()
+    names = {r["tensor_idx"]: r["name"] for r in cat.sql("SELECT tensor_idx, name FROM family_tensors").to_pylist()}
+    assert sq["value"] == norm["value"] and sq["nbytes"] == norm["nbytes"]
+    sizes = set()
+    for t, b, n, v, s, free in zip(
+        sq["tensor_idx"], sq["block_idx"], sq["nbytes"], sq["value"], sq["score"], sq["free"], strict=True
+    ):
+        shape = ref["base"][names[t]].shape
+        r0, r1 = block_rows(shape, 4, BLOCK)[b]
+        want = (r1 - r0) * (int(np.prod(shape[1:])) if len(shape) > 1 else int(np.prod(shape))) * 4
+        assert n == want
+        sizes.add(n)
+        if not free:
+            assert s == pytest.approx(v / math.sqrt(n), rel=1e-12)
+    assert len(sizes) > 1  # blocks of different sizes: the two scores rank them differently
+    p = cat.plan(replace(req, value_model="norm-sqrt"))
+    assert p.selected_bytes <= p.budget_bytes

@@ -44,7 +44,8 @@ import numpy as np
 
 from . import kernels, methods
 from .manifest import ExecutionPlan, mask_digest
-from .merger import Bands, Fold, FoldBlock, normalize_dtype
+from .merger import Bands, Fold, FoldBlock
+from .tensorfile import normalize_dtype
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,7 @@ from .manifest import (
     plan_from_manifest,
     write_json,
 )
-from .merger import normalize_dtype
-from .tensorfile import SafetensorsWriter
+from .tensorfile import SafetensorsWriter, normalize_dtype
 
 METHODS = ("linear", "task_arithmetic")
 PREFIX = "base_model.model."

@@ -38,7 +38,7 @@ from .layout import TensorLayout, block_bytes, output_dtype, row_elems
 from .lora import is_adapter
 from .manifest import ExecutionPlan, Source
 from .stock import StockTensor
-from .tensorfile import DTYPES, OUT_DTYPES, FileRange, normalize_dtype, tensor_nbytes  # noqa: F401 (re-exported)
+from .tensorfile import DTYPES, FileRange, normalize_dtype, tensor_nbytes
 from .tensorparams import TensorParams
 from .units import check_threads
 

@@ -199,8 +199,7 @@ def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None],
     """Refuse, before anything runs, a sweep whose outputs' tensors alone exceed the free space where
     they go (N outputs of a model's size each: a disk that fills half-way fails the plans late)."""
     from .layout import output_dtype
-    from .merger import normalize_dtype
-    from .tensorfile import tensor_nbytes
+    from .tensorfile import normalize_dtype, tensor_nbytes
 
     need = sum(
         tensor_nbytes(output_dtype(t, normalize_dtype(dt)), t.shape) for xp, dt in zip(xps, dtypes) for t in xp.tensors

@@ -3,15 +3,22 @@
 Both rules transform the scored candidates (greedy.Candidates) between candidates.fetch and
 greedy.select; the greedy itself is unchanged, so every plan still reads at most its budget.
 
-**Value model** (`PlanRequest.value_model`, `mergedb plan --value`):
-- `norm` (default): |c_k|·‖Δ_kb‖, or the trimmed norm for trimming methods (candidates.py).
+**Value model** (`PlanRequest.value_model`, `mergedb plan --value`; None: `norm-sqrt` for ranked
+plans, `norm` for the random ablation, which ignores values):
+- `norm-sqrt` (the default since issue 16's measurements, README "Default planner settings"): the
+  value |c_k|·‖Δ_kb‖ (the trimmed norm for trimming methods, candidates.py), scored value / √bytes.
+  ‖Δ‖ of a block of n bytes at equal change per byte grows as √n, so value / bytes ranks a small
+  block above a large one of the same density by √(ratio) (a 64 KiB vocabulary block 8× a 4 MiB
+  one); value / √bytes ranks them equal, and for one expert it is the greedy order that minimises
+  the squared norm left out (disjoint blocks: ‖θ_B − θ_F‖² = Σ_omitted ‖c·Δ_b‖²). Scored where the
+  candidates are (candidates.Scoring.sqrt_size, both the numpy and the compiled path); adapters: the
+  carrier's bytes include the tensor's fixed cost (candidates.charge_fixed) and the other blocks of
+  the tensor stay below it, as with `norm`.
+- `norm`: the same value scored value / bytes (the default before; the greedy order of the
+  triangle-inequality sum Σ‖c·Δ_b‖ that the additive bound adds up).
 - `consensus`, for methods with TIES sign election (ties, dare_ties, breadcrumbs_ties, della): the
   value of (k, b) is the model's leave-one-out change of the full merge's block b when expert k's
-  block alone is left out (consensus.leave_one_out); score = value / bytes as before.
-- `norm-sqrt` (a trial for issue 16, not a default): the `norm` value, scored value / √bytes
-  instead of value / bytes. ‖Δ‖ of a block of n bytes at equal change per byte grows as √n, so
-  value / bytes ranks a small block above a large one of the same density by √(ratio) (a 64 KiB
-  vocabulary block 8× a 4 MiB one); value / √bytes ranks them equal. Dense experts only.
+  block alone is left out (consensus.leave_one_out); score = value / bytes.
 
 **Coverage** (`PlanRequest.min_coverage` F, `mergedb plan --min-coverage F`). Expert k's useful bytes
 U_k are the bytes of its candidates that are not free and have a value > 0. The rule, exactly:
@@ -37,7 +44,15 @@ from .units import format_size
 if TYPE_CHECKING:
     from . import methods
 
-VALUE_MODELS = ("norm", "consensus", "norm-sqrt")
+VALUE_MODELS = ("norm-sqrt", "norm", "consensus")
+DEFAULT_VALUE = "norm-sqrt"  # ranked plans; the random ablation records "norm" (it ignores values)
+
+
+def value_model(asked: str | None, strategy: str) -> str:
+    """The value model a request plans with: the one asked for, else the default for its strategy."""
+    if asked is not None:
+        return asked
+    return DEFAULT_VALUE if strategy == "ranked" else "norm"
 
 
 def check(value_model: str, min_coverage: float | None, method: methods.Method, strategy: str) -> None:
@@ -64,13 +79,6 @@ def with_consensus_value(c: greedy.Candidates, values: np.ndarray) -> greedy.Can
     if c.dependent.size:
         raise PlanError("--value consensus is not available for LoRA adapter experts yet; use --value norm")
     return replace(c, value=value, score=value / np.maximum(c.nbytes, 1))
-
-
-def with_sqrt_score(c: greedy.Candidates) -> greedy.Candidates:
-    """Candidates of the `norm` value scored value / √bytes (the `norm-sqrt` model)."""
-    if c.dependent.size:
-        raise PlanError("--value norm-sqrt is not available for LoRA adapter experts yet; use --value norm")
-    return replace(c, score=c.value / np.sqrt(np.maximum(c.nbytes, 1)))
 
 
 def forced(c: greedy.Candidates, n_positions: int, fraction: float) -> np.ndarray:

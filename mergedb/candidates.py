@@ -60,6 +60,13 @@ class Scoring:
     trimmed: bool  # value of the survivors of the trim (queries/plan_candidates_trimmed.sql)
     random_seed: int | None = None  # --strategy random: uniform scores from the seed
     drop_nonfinite: bool = False  # --allow-nonfinite: leave blocks with NaN/Inf deltas out
+    sqrt_size: bool = False  # ranked score value / √cost instead of value / cost (accessrules: norm-sqrt)
+
+
+def per_cost(value: np.ndarray, cost: np.ndarray, sqrt_size: bool) -> np.ndarray:
+    """A ranked score: value / max(cost, 1), or value / √max(cost, 1) (planpass.score_rows' operations)."""
+    c = np.maximum(cost, 1).astype(np.float64)
+    return value / (np.sqrt(c) if sqrt_size else c)
 
 
 def cost(fam: bounds.FamilyBlocks, gblock: np.ndarray, read_bytes: np.ndarray) -> np.ndarray:
@@ -75,11 +82,16 @@ def cost(fam: bounds.FamilyBlocks, gblock: np.ndarray, read_bytes: np.ndarray) -
 
 
 def charge_fixed(
-    pair: np.ndarray, fixed: np.ndarray, block_idx: np.ndarray, free: np.ndarray, **arrays: np.ndarray
+    pair: np.ndarray,
+    fixed: np.ndarray,
+    block_idx: np.ndarray,
+    free: np.ndarray,
+    sqrt_size: bool = False,
+    **arrays: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Charge each (expert, tensor)'s fixed bytes to its carrier (see the module note), in place on
     arrays["nbytes"] and arrays["score"]; arrays["value"] set: ranked scores, the carrier's becomes
-    value / cost; absent: random scores, kept. `pair` (N,) int64 position·T + tensor_idx, `fixed`
+    value / cost (per_cost); absent: random scores, kept. `pair` (N,) int64 position·T + tensor_idx, `fixed`
     (K·T,) int64 fixed bytes of each pair (0: none). Returns (dependent, carrier): the rows of the
     other non-free candidates of those pairs and, for each, its carrier's row (empty: dense plans)."""
     nbytes, score, value = arrays["nbytes"], arrays["score"], arrays.get("value")
@@ -92,13 +104,19 @@ def charge_fixed(
     group = np.cumsum(first) - 1  # (M,) index of each row's carrier in `carriers`
     nbytes[carriers] += fixed[pair[carriers]]
     if value is not None:
-        score[carriers] = value[carriers] / np.maximum(nbytes[carriers], 1)
-    # strictly below the carrier: nextafter guards scores so small that the product rounds back up;
-    # a carrier scoring 0 has only 0-score others, which the order puts after it (lower block_idx)
-    cap = np.minimum(score[carriers] * _CAP, np.nextafter(score[carriers], 0))
+        score[carriers] = per_cost(value[carriers], nbytes[carriers], sqrt_size)
     dependent = rows[~first]
-    score[dependent] = np.minimum(score[dependent], cap[group[~first]])
-    return dependent, carriers[group[~first]]
+    carrier = carriers[group[~first]]
+    cap_dependents(score, dependent, carrier)
+    return dependent, carrier
+
+
+def cap_dependents(score: np.ndarray, dependent: np.ndarray, carrier: np.ndarray) -> None:
+    """Each dependent's score strictly below its carrier's, in place. nextafter guards scores so
+    small that the product rounds back up; a carrier scoring 0 has only 0-score others, which the
+    order puts after it (lower block_idx)."""
+    cap = np.minimum(score[carrier] * _CAP, np.nextafter(score[carrier], 0))
+    score[dependent] = np.minimum(score[dependent], cap)
 
 
 def fetch(
@@ -157,21 +175,21 @@ def fetch(
         nbytes, value = cols.pop("read_bytes"), cols.pop("norm")
         coef = np.ascontiguousarray(sc.coef, np.float64)
         args = (cols["position"], cols["tensor_idx"], cols["block_idx"], nbytes, value, fam.first_block, fam.nbytes)
-        planpass.score_rows(*args, coef, not random.size, gblock, score)
+        planpass.score_rows(*args, coef, not random.size, sc.sqrt_size, gblock, score)
     else:
         gblock = fam.first_block[cols["tensor_idx"]]  # (N,) int64: the index type bincount needs
         gblock += cols["block_idx"]
         nbytes = cost(fam, gblock, cols.pop("read_bytes"))
         value = np.abs(sc.coef[cols["position"], cols["tensor_idx"]])
         value *= cols.pop("norm")
-        score = random if random.size else value / np.maximum(nbytes, 1)
+        score = random if random.size else per_cost(value, nbytes, sc.sqrt_size)
     dependent = carrier = np.zeros(0, np.int64)
     if fixed.any():  # some adapter of the plan has fixed costs
         n_tensors = fam.first_block.size - 1
         pair = cols["position"].astype(np.int64) * n_tensors + cols["tensor_idx"]  # (N,) int64
         ranked = {} if random.size else {"value": value}
         dependent, carrier = charge_fixed(
-            pair, fixed, cols["block_idx"], cols["free"], nbytes=nbytes, score=score, **ranked
+            pair, fixed, cols["block_idx"], cols["free"], sc.sqrt_size, nbytes=nbytes, score=score, **ranked
         )
         steps.append(("fixed_cost", "-- candidates.charge_fixed: a carrier per (expert, tensor)", int(dependent.size)))
     return greedy.Candidates.build(

@@ -285,7 +285,7 @@ class Catalog:
         are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
         the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
         `block_size`: a new base's blocks, a size or "auto" (vocabulary tensors in 64 KiB blocks of
-        at most 64 rows, others 4 MiB; default 4 MiB); `vocab_block_size` sets the vocabulary
+        at most 64 rows, others 4 MiB; the default); `vocab_block_size` sets the vocabulary
         tensors' block exactly. A layout given for a base registered with another is refused.
         `scanner`: see register.register (rayexec.expert_scanner fans the scans out on Ray).
         """

@@ -138,7 +138,7 @@ def register(
         show_default=False,
         help="Block size of a new base's layout: a size (1B-1TiB) for every tensor, or auto: the "
         "vocabulary tensors (embeddings, LM heads) in 64KiB blocks of at most 64 rows, others 4MiB "
-        "[default: 4MiB].",
+        "[default: auto].",
     ),
     vocab_block_size: str | None = typer.Option(
         None, "--vocab-block-size", help="Block size of a new base's vocabulary tensors only (1B-1TiB)."
@@ -162,7 +162,7 @@ def register(
     """
     rule = None  # the default for a new base, and an existing base's own layout
     if block_size is not None or vocab_block_size is not None:  # checked here, before any read
-        rule = block_sizes("4MiB" if block_size is None else block_size, vocab_block_size)
+        rule = block_sizes("auto" if block_size is None else block_size, vocab_block_size)
     check_threads(threads)
     scanner = None
     if ray is not None:
@@ -294,10 +294,12 @@ def plan(
     ),
     explain: bool = typer.Option(False, "--explain", help="Print the SQL steps that ran, with row counts."),
     # access-set rules (accessrules.py; README "Access-set rules")
-    value_model: str = typer.Option(
-        "norm",
+    value_model: str | None = typer.Option(
+        None,
         "--value",
-        help="Value of a block: norm (|c|·‖Δ‖), consensus (TIES-style methods) or norm-sqrt (norm per √byte, a trial).",
+        show_default=False,
+        help="Value of a block per byte: norm-sqrt (|c|·‖Δ‖ per √byte), norm (per byte) or consensus (TIES-style "
+        "methods) [default: norm-sqrt].",
     ),
     min_coverage: float | None = typer.Option(
         None, "--min-coverage", metavar="F", help="Read at least fraction F of each expert's useful bytes first."

@@ -12,7 +12,7 @@ import json
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import duckdb
@@ -48,10 +48,11 @@ class PlanRequest:
     # in this request), tensor string (family tensor name), param string (weight | density | epsilon |
     # gamma | lambda | t), value float64; lambda and t are per tensor (one value for all positions)
     tensor_params: pa.Table | None = None
-    # access-set rules (accessrules.py): the value model of a candidate ("norm": |c_k|·‖Δ_kb‖ or its
-    # trimmed norm; "consensus": the TIES model's leave-one-out effect, consensus.py) and the fraction
+    # access-set rules (accessrules.py): the value model of a candidate ("norm-sqrt": |c_k|·‖Δ_kb‖ or
+    # its trimmed norm per √byte; "norm": the same per byte; "consensus": the TIES model's leave-one-out
+    # effect, consensus.py; None: norm-sqrt for ranked plans, norm for random ones) and the fraction
     # of each expert's useful bytes read before the greedy fills by value (None: no coverage rule)
-    value_model: str = "norm"
+    value_model: str | None = None
     min_coverage: float | None = None
 
 
@@ -145,6 +146,7 @@ def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, li
     plan_id, taken = _rows(con, "SELECT coalesce(max(plan_id), 0) + 1, bool_or(name = ?) FROM plans", [req.name])[0]
     if taken:
         raise PlanError(f"a plan named {req.name!r} exists already; choose another --name")
+    req = replace(req, value_model=accessrules.value_model(req.value_model, req.strategy))
     inputs = _resolve(con, req)
     accessrules.check(req.value_model, req.min_coverage, inputs.method, req.strategy)
     steps: list[tuple[str, str, int]] = []
@@ -156,6 +158,7 @@ def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, li
 def candidate_table(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> pa.Table:
     """Every candidate of `req` as the planner scores it, without cutting or storing anything:
     position, tensor_idx, block_idx, nbytes, free, value, score (the caller rolls back)."""
+    req = replace(req, value_model=accessrules.value_model(req.value_model, req.strategy))
     inputs = _resolve(con, req)
     accessrules.check(req.value_model, req.min_coverage, inputs.method, req.strategy)
     trims = planstats.thresholds(con, inputs.method, inputs.values, list(inputs.ids), inputs.numel)
@@ -298,13 +301,12 @@ def _candidates(
         trimmed=inp.method.score == "trimmed",
         random_seed=req.seed if req.strategy == "random" else None,
         drop_nonfinite=bool(req.allow_nonfinite and inp.nonfinite),
+        sqrt_size=req.value_model == "norm-sqrt",  # accessrules.py: the default, value / √bytes
     )
     cands = candidates.fetch(con, sc, fam, [] if steps is None else steps)
     if req.value_model == "consensus":  # accessrules.py: the TIES model's leave-one-out value
         model = consensus.fetch(con, inp.method, inp.values, inp.params, inp.ids, trims, fam, sc.drop_nonfinite)
         cands = accessrules.with_consensus_value(cands, consensus.leave_one_out(model))
-    elif req.value_model == "norm-sqrt":  # accessrules.py: a size-neutral score (issue 16's trial)
-        cands = accessrules.with_sqrt_score(cands)
     return fam, cands
 
 

@@ -19,11 +19,12 @@ BUCKET_SHIFT = 40  # greedy._BUCKET_SHIFT: sign, exponent and 12 mantissa bits o
 
 @numba.njit(nogil=True, cache=True)
 def score_rows(  # pragma: no cover - compiled
-    position, tensor_idx, block_idx, cost, norm, first_block, fam_nbytes, coef, ranked, gblock, score
+    position, tensor_idx, block_idx, cost, norm, first_block, fam_nbytes, coef, ranked, sqrt_size, gblock, score
 ):
     """gblock = first_block[tensor_idx] + block_idx; cost: a dense block's (−1) becomes its family
     block's bytes (candidates.cost), in place; norm becomes value = |c_k|·norm in place; with
-    `ranked`, score = value / max(cost, 1)."""
+    `ranked`, score = value / max(cost, 1), or value / √max(cost, 1) with `sqrt_size` (the same
+    IEEE operations as candidates.fetch's numpy path)."""
     for i in range(position.size):
         t = tensor_idx[i]
         g = first_block[t] + block_idx[i]
@@ -33,7 +34,8 @@ def score_rows(  # pragma: no cover - compiled
         v = abs(coef[position[i], t]) * norm[i]
         norm[i] = v
         if ranked:
-            score[i] = v / max(cost[i], 1)
+            c = float(max(cost[i], 1))
+            score[i] = v / (np.sqrt(c) if sqrt_size else c)
 
 
 @numba.njit(nogil=True, cache=True)

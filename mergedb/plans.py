@@ -65,6 +65,7 @@ class PlanSummary:
     value_model: str = "norm"
     min_coverage: float | None = None
     est_kind: str | None = None
+    strategy: str = "ranked"  # or "random": the ablation baseline (schema/004)
 
 
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -108,7 +109,7 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
         "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
         "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
         "p.bound_blockwise, p.est_error, p.planning_seconds, b.name, p.bound_rounded, p.bound_note, "
-        "p.value_model, p.min_coverage, p.est_kind FROM plans p "
+        "p.value_model, p.min_coverage, p.est_kind, p.strategy FROM plans p "
         "JOIN checkpoints b ON b.checkpoint_id = p.base_id WHERE p.plan_id = ?",
         [plan_id],
     ).fetchall()[0]
@@ -146,6 +147,7 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
         value_model=p[21],
         min_coverage=p[22],
         est_kind=p[23],
+        strategy=p[24],
     )
 
 

@@ -23,7 +23,7 @@ from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback, unregister
 from .layout import Block, FamilyTensor, vocab_size
-from .units import DEFAULT_BLOCK_SIZE, BlockSizes, block_sizes, check_name, check_same_layout, check_threads
+from .units import DEFAULT_LAYOUT, BlockSizes, block_sizes, check_name, check_same_layout, check_threads
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -59,9 +59,10 @@ def register(
     `paths` are model folders, .safetensors files, or folders of those. With `base=True` they
     are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
     the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
-    `block_size`, `vocab_block_size`: a new base's layout (units.block_sizes: a size, or "auto";
-    default 4 MiB); experts use their base's, and a layout given for a base already registered with
-    another one is refused (its experts' rows are per block: it cannot change in place).
+    `block_size`, `vocab_block_size`: a new base's layout (units.block_sizes: a size, or "auto",
+    the default: vocabulary tensors in 64 KiB blocks of at most 64 rows, others 4 MiB); experts
+    use their base's, and a layout given for a base already registered with another one is
+    refused (its experts' rows are per block: it cannot change in place).
     `threads` (default: the machine's cores) never changes a stored row.
     `scanner` reads the experts instead of scan.scan_experts, with its arguments and result (e.g.
     rayexec.expert_scanner: one Ray task per expert); the rows are written here all the same.
@@ -69,7 +70,7 @@ def register(
     t0 = time.perf_counter()
     threads = check_threads(os.cpu_count() or 1 if threads is None else threads)
     asked = block_size is not None or vocab_block_size is not None  # else: a new base gets the default
-    rule = block_sizes(DEFAULT_BLOCK_SIZE if block_size is None else block_size, vocab_block_size)
+    rule = block_sizes(DEFAULT_LAYOUT if block_size is None else block_size, vocab_block_size)
     if name is not None:
         check_name(name, "--name")
     ckpt_paths, adapter_paths = lora.split_paths(paths, base)  # PEFT adapters: experts read by lorascan

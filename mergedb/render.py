@@ -319,7 +319,9 @@ def print_plan(p: PlanSummary, fmt: str = "table") -> None:
         line("error bound: not applicable (the method is not a fixed-coefficient sum of deltas)")
         if p.est_error is not None:  # deviation.py: an estimate for every method
             line(f"estimate of ‖θ_B − θ_F‖ ≈ {num(p.est_error)} ({p.est_kind})")
-    if p.value_model != "norm" or p.min_coverage is not None:  # access-set rules (accessrules.py)
+    if p.strategy != "ranked":
+        line(f"strategy: {p.strategy} (an ablation baseline: blocks in a seeded random order, not by value)")
+    elif p.value_model != "norm-sqrt" or p.min_coverage is not None:  # not accessrules.DEFAULT_VALUE alone
         cover = f", min coverage {p.min_coverage:g} of each expert's useful bytes" if p.min_coverage else ""
         line(f"access rules: value {p.value_model}{cover}")
     print_records(EXPERT_COLS, experts)

@@ -23,6 +23,7 @@ DEFAULT_BLOCK_SIZE = 4 * 2**20  # registration's block: the unit of statistics, 
 AUTO = "auto"  # --block-size auto: vocabulary tensors in small row blocks, every other tensor at 4 MiB
 AUTO_VOCAB_BLOCK = 64 * 2**10  # a vocabulary tensor's block under `auto`: 64 KiB of whole rows …
 AUTO_VOCAB_ROWS = 64  # … and at most 64 rows (a 128-wide bf16 embedding: 16 KiB), see BlockSizes
+DEFAULT_LAYOUT = AUTO  # a new base's layout when none is asked (README "Blocks"; issue 16's measurements)
 
 _UNITS = {
     "b": 1,

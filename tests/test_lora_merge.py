@@ -9,6 +9,7 @@ formula in numpy. Costs are checked against the factors' sizes computed here fro
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -304,9 +305,10 @@ def test_every_budget_counts_fixed_factors_once(fam):
     assert plan.selected_bytes == _selected_cost(lora, plan.plan_id)
 
 
-def _walk(cat: Catalog, experts: tuple[str, ...], budget: int) -> tuple[set, int]:
-    """The textbook greedy with carriers, from the catalog's raw rows: score = |c_k|·‖Δ_kb‖ / cost
-    (task arithmetic, weights 1: c_k = 1), cost = read_bytes (dense: the block's bytes); per adapter
+def _walk(cat: Catalog, experts: tuple[str, ...], budget: int, sqrt_size: bool = True) -> tuple[set, int]:
+    """The textbook greedy with carriers, from the catalog's raw rows: score = |c_k|·‖Δ_kb‖ / √cost
+    (the default value model, norm-sqrt; / cost without `sqrt_size`: --value norm) (task
+    arithmetic, weights 1: c_k = 1), cost = read_bytes (dense: the block's bytes); per adapter
     (expert, tensor) with fixed bytes, its carrier is the non-free block of best score (lowest block
     on ties), costs read + fixed and scores value / that, the others score at most its score ×
     (1 − 2⁻⁴⁰); walk (score desc, position, tensor, block), take a block if it fits and its carrier
@@ -318,11 +320,12 @@ def _walk(cat: Catalog, experts: tuple[str, ...], budget: int) -> tuple[set, int
         "AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx "
         "JOIN expert_tensors et ON et.checkpoint_id = eb.checkpoint_id AND et.tensor_idx = eb.tensor_idx"
     ).to_pylist()
+    per = math.sqrt if sqrt_size else float
     cands = {}
     for r in rows:
         if r["name"] in experts:
             k = (experts.index(r["name"]), r["t"], r["b"])
-            cands[k] = dict(r, score=r["v"] / max(r["cost"], 1), carrier=None)
+            cands[k] = dict(r, score=r["v"] / per(max(r["cost"], 1)), carrier=None)
     groups: dict = {}
     for k, c in cands.items():
         if c["fixed"] > 0 and not c["free"]:
@@ -330,7 +333,7 @@ def _walk(cat: Catalog, experts: tuple[str, ...], budget: int) -> tuple[set, int
     for keys in groups.values():
         top = min(keys, key=lambda k: (-cands[k]["score"], k[2]))
         cands[top]["cost"] += cands[top]["fixed"]
-        cands[top]["score"] = cands[top]["v"] / cands[top]["cost"]
+        cands[top]["score"] = cands[top]["v"] / per(cands[top]["cost"])
         for k in keys:
             if k != top:
                 cands[k]["score"] = min(cands[k]["score"], cands[top]["score"] * (1 - 2**-40))
@@ -344,19 +347,21 @@ def _walk(cat: Catalog, experts: tuple[str, ...], budget: int) -> tuple[set, int
     return taken, budget - left
 
 
-def test_plan_is_the_textbook_greedy_with_carriers(fam):
+@pytest.mark.parametrize("value", [None, "norm"])
+def test_plan_is_the_textbook_greedy_with_carriers(fam, value):
     """At many budgets the plan selects exactly what the walk above selects, and the plan_mask view's
-    nbytes of the selected rows sum to the plan's bytes (the fixed factor on one row each)."""
+    nbytes of the selected rows sum to the plan's bytes (the fixed factor on one row each); for the
+    default value model (norm-sqrt) and for --value norm."""
     _, lora, _ = fam
     experts = ("ad1", "other", "ad2", "ad3")
     for pct in (0.5, 2, 5, 12, 25, 40, 60, 80, 95, 100):
-        plan = lora.plan(PlanRequest("base", experts, "task_arithmetic", f"{pct}%"))
+        plan = lora.plan(PlanRequest("base", experts, "task_arithmetic", f"{pct}%", value_model=value))
         got = lora.sql(
             "SELECT pe.position, m.tensor_idx, m.block_idx, m.nbytes FROM plan_mask m JOIN plan_experts pe "
             f"ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id WHERE m.plan_id = {plan.plan_id} "
             "AND m.selected"
         ).to_pylist()
-        want, want_bytes = _walk(lora, experts, plan.budget_bytes)
+        want, want_bytes = _walk(lora, experts, plan.budget_bytes, sqrt_size=value is None)
         assert {(r["position"], r["tensor_idx"], r["block_idx"]) for r in got} == want, pct
         assert plan.selected_bytes == want_bytes == sum(r["nbytes"] for r in got), pct
 

@@ -15,11 +15,13 @@ from mergedb.synth import simulate
 from tests.reference import kth_largest, load_model, ref_coefficients
 
 
-def mask(cat, plan_id):
-    """The plan's candidates (the plan_mask view) with the textbook score |c_k|·‖Δ_kb‖ / bytes."""
+def mask(cat, plan_id, value="norm-sqrt"):
+    """The plan's candidates (the plan_mask view) with the textbook score |c_k|·‖Δ_kb‖ / √bytes (the
+    default value model, norm-sqrt) or |c_k|·‖Δ_kb‖ / bytes (value "norm")."""
+    per = "sqrt(greatest(m.nbytes, 1))" if value == "norm-sqrt" else "greatest(m.nbytes, 1)"
     return cat.sql(
         "SELECT pe.position, m.tensor_idx, m.block_idx, m.selected, m.free, "
-        "abs(pe.coef) * eb.delta_norm / greatest(m.nbytes, 1) AS score, m.nbytes FROM plan_mask m "
+        f"abs(pe.coef) * eb.delta_norm / {per} AS score, m.nbytes FROM plan_mask m "
         "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
         "JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id AND eb.tensor_idx = m.tensor_idx "
         "AND eb.block_idx = m.block_idx WHERE m.plan_id = ? ORDER BY 1, 2, 3",
@@ -51,9 +53,10 @@ def selected(rows):
     equal=st.booleans(),
     seed=st.integers(0, 10**6),
     frac=st.floats(0, 1.2),
+    value=st.sampled_from([None, "norm"]),
 )
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_budget_properties_on_random_catalogs(tmp_path_factory, experts, tensors, blocks, equal, seed, frac):
+def test_budget_properties_on_random_catalogs(tmp_path_factory, experts, tensors, blocks, equal, seed, frac, value):
     cat = Catalog(tmp_path_factory.mktemp("p") / "c.duckdb")
     rng = np.random.default_rng(seed)
     sizes = 1000 if equal else list(rng.integers(1, 5000, tensors * blocks))
@@ -61,8 +64,9 @@ def test_budget_properties_on_random_catalogs(tmp_path_factory, experts, tensors
     base = cat.checkpoints()[0].name
     full = sum(r["nbytes"] for r in cat.sql("SELECT nbytes FROM blocks").to_pylist()) * experts
     budget = int(full * frac)
-    p = cat.plan(PlanRequest(base, None, "task_arithmetic", f"{budget}B"))
-    rows = mask(cat, p.plan_id)
+    p = cat.plan(PlanRequest(base, None, "task_arithmetic", f"{budget}B", value_model=value))
+    assert p.value_model == (value or "norm-sqrt")  # None: the default
+    rows = mask(cat, p.plan_id, p.value_model)
     sel = selected(rows)
     # stored as one bit string per (expert, tensor), one bit per block; the view and the executor's
     # mask are both expansions of it
@@ -91,7 +95,7 @@ def test_budget_properties_on_random_catalogs(tmp_path_factory, experts, tensors
         m = budget // 1000
         assert sel == {(r["position"], r["tensor_idx"], r["block_idx"]) for r in cands[:m]}
     # determinism: same inputs, same mask and hash
-    p2 = cat.plan(PlanRequest(base, None, "task_arithmetic", f"{budget}B"))
+    p2 = cat.plan(PlanRequest(base, None, "task_arithmetic", f"{budget}B", value_model=value))
     assert p2.plan_hash == p.plan_hash and selected(mask(cat, p2.plan_id)) == sel
     zero = cat.plan(PlanRequest(base, None, "task_arithmetic", "0"))
     assert zero.selected_bytes == 0 and not selected(mask(cat, zero.plan_id))
@@ -305,7 +309,7 @@ def test_trimmed_values_interpolate_the_histogram(registered, method, params):
         c = abs(coefs[r["position"]])
         want = c * np.sqrt(np.sum(q * overlap))
         assert r["value"] == pytest.approx(want, rel=1e-6, abs=1e-12), (r["name"], r["position"])
-        assert r["score"] == pytest.approx(r["value"] / r["nbytes"], rel=1e-12)
+        assert r["score"] == pytest.approx(r["value"] / np.sqrt(r["nbytes"]), rel=1e-12)  # norm-sqrt, the default
         # the documented approximation errs only inside the straddling bins: the estimate and the
         # exact survivors both lie between "bins wholly inside" and "bins touching" the kept range
         exact_sq = c * c * np.sum(q[(a >= t_lo) & (a < hi)])

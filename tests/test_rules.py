@@ -172,7 +172,13 @@ def _walk(cands, fraction: float, budget: int) -> set[tuple[int, int, int]]:
     return taken
 
 
-RULES = [("ties", "norm"), ("ties", "consensus"), ("task_arithmetic", "norm")]
+RULES = [
+    ("ties", "norm"),
+    ("ties", "consensus"),
+    ("task_arithmetic", "norm"),
+    ("ties", None),
+    ("task_arithmetic", None),
+]
 
 
 @pytest.mark.parametrize(("method", "value_model"), RULES)
@@ -282,14 +288,18 @@ def test_min_coverage_of_experts_equal_to_the_base_is_an_empty_plan(tmp_path):
 
 
 def test_norm_sqrt_scores_the_norm_value_per_root_byte(fam):
-    """--value norm-sqrt (issue 16's trial): the norm model's value, scored value / √bytes, where a
-    block's bytes are its rows of the layout (reference.block_rows) times the row's bytes."""
+    """--value norm-sqrt (the default): the norm model's value, scored value / √bytes, where a
+    block's bytes are its rows of the layout (reference.block_rows) times the row's bytes; --value
+    norm scores the same value / bytes."""
     from mergedb import frontier
 
     _, cat, ref = fam
     req = PlanRequest("base", None, "task_arithmetic", "25%")
-    norm = frontier.candidates(cat, req).to_pydict()
+    norm = frontier.candidates(cat, replace(req, value_model="norm")).to_pydict()
     sq = frontier.candidates(cat, replace(req, value_model="norm-sqrt")).to_pydict()
+    assert frontier.candidates(cat, req).to_pydict() == sq  # the default
+    for v, n, s, free in zip(norm["value"], norm["nbytes"], norm["score"], norm["free"], strict=True):
+        assert free or s == pytest.approx(v / n, rel=1e-12)
     names = {r["tensor_idx"]: r["name"] for r in cat.sql("SELECT tensor_idx, name FROM family_tensors").to_pylist()}
     assert sq["value"] == norm["value"] and sq["nbytes"] == norm["nbytes"]
     sizes = set()
@@ -305,4 +315,6 @@ def test_norm_sqrt_scores_the_norm_value_per_root_byte(fam):
             assert s == pytest.approx(v / math.sqrt(n), rel=1e-12)
     assert len(sizes) > 1  # blocks of different sizes: the two scores rank them differently
     p = cat.plan(replace(req, value_model="norm-sqrt"))
-    assert p.selected_bytes <= p.budget_bytes
+    assert p.selected_bytes <= p.budget_bytes and p.value_model == "norm-sqrt"
+    assert cat.plan(req).value_model == "norm-sqrt"  # stored as asked when left to the default
+    assert cat.plan(replace(req, strategy="random")).value_model == "norm"  # the ablation ignores values

@@ -20,7 +20,7 @@ from mergedb import executor, grid, setmerge, synth
 from mergedb import sweep as sw
 from mergedb.catalog import Catalog
 from mergedb.errors import MergeDBError
-from mergedb.manifest import MANIFEST
+from mergedb.manifest import MANIFEST, mask_digest
 from mergedb.planner import PlanRequest
 
 
@@ -58,11 +58,15 @@ def _base_tensor_bytes(base: Path, bf16_as_fp32: bool = False) -> int:
 @pytest.mark.parametrize("dtype", [None, "fp32", "fp16"])
 def test_a_set_reads_the_base_once_and_writes_each_plan_alone(fam, tmp_path, dtype):
     """TIES at 40%: untouched blocks and tensors keep the base's bytes (or its conversion); 2
-    densities × 2 λ × normalize on/off = 8 plans in one set of 2 groups."""
+    densities × 2 λ × normalize on/off = 8 plans in one set of 2 groups. Under --value norm both
+    densities select the same blocks here (under the default norm-sqrt the 1-D tensors sit at the
+    cut and differ), so the two groups fold each block in one pass: the path under test."""
     root, cat = fam
     points = {"density": [0.3, 0.7], "lambda": [0.5, 1.5], "normalize": [True, False]}
-    reqs = grid.grid_requests(PlanRequest("base", None, "ties", "40%"), points, f"set-{dtype}")
+    reqs = grid.grid_requests(PlanRequest("base", None, "ties", "40%", value_model="norm"), points, f"set-{dtype}")
     res = sw.sweep(cat, reqs, tmp_path / "s", dtype=dtype, threads=2)
+    masks = {mask_digest(cat.execution_plan(plan.plan_id).mask) for plan, _ in res.runs}
+    assert len(masks) == 1  # the premise: one mask for both fold groups
     assert len(res.runs) == 8 and res.fold_groups == 2 and res.fold_passes == 1
     assert res.base_bytes_read == _base_tensor_bytes(root / "fam" / "base")  # once for 8 plans
     for plan, run in res.runs:

@@ -266,3 +266,29 @@ def test_a_layout_asked_for_a_registered_base_with_another_is_refused(tmp_path):
     assert res.exit_code == 0, res.output
     names = {r["name"] for r in cat.sql("SELECT name FROM checkpoints").to_pylist()}
     assert names == {"base", "expert_00", "expert_01"}
+
+
+def test_a_new_base_gets_the_auto_layout_by_default(tmp_path):
+    """No --block-size: a new base is registered with `auto` (issue 16's measured default), in the
+    library and the CLI; --block-size 4MiB still gives every tensor 4 MiB blocks (the old default),
+    and an existing base registered so keeps its layout when experts are added without options."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=3)
+    cat = Catalog(tmp_path / "lib.duckdb")
+    cat.register([fam / "base", fam / "expert_00"], base_model="base")
+    assert _blocks(cat) == _expected(fam)
+    res = CliRunner().invoke(
+        app, ["register", str(fam), "--base-model", "base", "-q", "-c", str(tmp_path / "c.duckdb")]
+    )
+    assert res.exit_code == 0, res.output
+    assert _blocks(Catalog(tmp_path / "c.duckdb")) == _expected(fam)
+    uniform = Catalog(tmp_path / "u.duckdb")
+    uniform.register([fam / "base"], base=True, block_size="4MiB")
+    want = {
+        n: block_rows(a.shape, 2 if a.dtype.kind == "f" else a.itemsize, 4 * MiB)
+        for n, a in load_model(fam / "base").items()
+    }
+    assert _blocks(uniform) == want and len(want["lm_head.weight"]) == 1
+    uniform.register([fam / "expert_00"], base_model="base")  # no option: the base's own layout
+    assert _blocks(uniform) == want
+    row = uniform.sql("SELECT block_size, vocab_block_size FROM checkpoints WHERE name = 'base'").to_pylist()
+    assert row == [{"block_size": 4 * MiB, "vocab_block_size": None}]

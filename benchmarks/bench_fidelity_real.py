@@ -9,6 +9,7 @@ what the plan reports (bound_blockwise, bound_rounded, est_error, each divided b
 per ranked plan, which experts and tensor kinds it kept.
 
     nice -n 10 python -m benchmarks.bench_fidelity_real [--quick] [--size quick|wide] [--block 64KiB|auto] [--tag T]
+        [--value V] [--rules-block B]
     python -m benchmarks.bench_fidelity_real --size wide --report      # tables of a results file
     python -m benchmarks.bench_fidelity_real --check FAMILY_FOLDER     # in-memory full-budget merges
 
@@ -50,6 +51,7 @@ RANDOM_SEEDS = (0, 1, 2)
 BLOCKS = {"4MiB": 4 * 2**20, "64KiB": 64 * 2**10, "32KiB": 32 * 2**10, "8KiB": 8 * 2**10, "auto": "auto"}
 MORE_BLOCKS: tuple[str, ...] = ()  # --block NAME (repeatable): ranked and random arms at another block size
 VALUE_ARMS: tuple[str, ...] = ()  # --value V (repeatable): ranked arms with PlanRequest.value_model V
+RULES_BLOCKS: tuple[str, ...] = ()  # --rules-block B (repeatable): the rules' arms at B, under today's default value
 # the small block of each size: size "wide" (layout "spread", hidden 256) has 64-token alphabets, 32 KiB each
 # in the embedding and the LM head, and 64 rows of an attention / MLP matrix per 32 KiB
 SMALL = "8KiB"
@@ -90,7 +92,9 @@ def run_arm(cat, arm: dict, n_eval: int) -> dict:
     from mergedb.planner import PlanRequest
 
     fields = {f.name for f in dataclasses.fields(PlanRequest)}
-    extra = {k: v for k, v in arm.get("extra", {}).items() if k in fields}
+    # an arm without a value model plans with --value norm, the planner's default when its records
+    # were first measured (the default is norm-sqrt since; its arms name it), so cached arms keep their meaning
+    extra = {"value_model": "norm"} | {k: v for k, v in arm.get("extra", {}).items() if k in fields}
     missing = sorted(set(arm.get("extra", {})) - fields)
     req = PlanRequest(
         "base",
@@ -237,7 +241,7 @@ def plot(rows: list[dict], path: Path, family: dict | None = None) -> None:
     import matplotlib.pyplot as plt
 
     methods = sorted({r["method"] for r in rows})
-    fig, axes = plt.subplots(1, len(methods), figsize=(6 * len(methods), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(methods), figsize=(6 * len(methods), 7.5), squeeze=False)
     for ax, method in zip(axes[0], methods):
         lines: dict[str, list[dict]] = {}
         for r in rows:
@@ -261,18 +265,19 @@ def plot(rows: list[dict], path: Path, family: dict | None = None) -> None:
         ax.set_ylabel("mean task accuracy (%)")
         ax.set_title(method)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)  # below: curves stay visible
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def main(argv: list[str]) -> None:
-    global CACHE, FAMILY, RESULTS, PLOT, SMALL, LAYOUT, MORE_BLOCKS, VALUE_ARMS
+    global CACHE, FAMILY, RESULTS, PLOT, SMALL, LAYOUT, MORE_BLOCKS, VALUE_ARMS, RULES_BLOCKS
     size = argv[argv.index("--size") + 1] if "--size" in argv else "bench"
     CACHE = ROOT / "cache" / "realfamily2" / size
     FAMILY = CACHE / "family"
     MORE_BLOCKS = tuple(argv[i + 1] for i, a in enumerate(argv) if a == "--block")
     VALUE_ARMS = tuple(argv[i + 1] for i, a in enumerate(argv) if a == "--value")
+    RULES_BLOCKS = tuple(argv[i + 1] for i, a in enumerate(argv) if a == "--rules-block")
     recipe = rf.RECIPES.get(size, rf.Recipe(size=size))
     LAYOUT = recipe.tokens()
     SMALL = "32KiB" if LAYOUT is rf.SPREAD else "8KiB"
@@ -527,6 +532,14 @@ def extra_arms(best: dict[str, dict]) -> list[dict]:
         for method in best
         for extra in options[method]
         for block in ("4MiB", SMALL)
+        for budget in BUDGETS[1:]
+    ]
+    # `--rules-block B`: the same options at block size B, coverage under the default value (norm-sqrt)
+    out += [
+        _arm(method, best[method], block, "ranked", 0, budget, extra={"value_model": "norm-sqrt"} | extra)
+        for method in best
+        for extra in options[method]
+        for block in RULES_BLOCKS
         for budget in BUDGETS[1:]
     ]
     # `--value V` (e.g. norm-sqrt, issue 16's size-neutral score): ranked arms at every block size run

@@ -153,6 +153,8 @@ def fetch(
                     raise PlanError(f"internal error: more candidates than {total} expert blocks; nothing was stored")
                 for i, c in enumerate(cols):
                     cols[c][at:end] = batch.column(i).to_numpy(zero_copy_only=False)
+                if sc.trimmed:  # the trimmed query's histograms and trims follow random_score
+                    trimmed_norms(batch, len(cols) + 1, out=cols["norm"][at:end])
                 if random.size:
                     random[at:end] = batch.column(len(cols)).to_numpy(zero_copy_only=False)
                 at = end
@@ -202,6 +204,29 @@ def fetch(
         dependent=dependent,
         carrier=carrier,
     )
+
+
+def trimmed_norms(batch: pa.RecordBatch, first: int, out: np.ndarray) -> None:
+    """‖Δ_kb surviving the trim‖ of each row of a plan_candidates_trimmed batch into `out`: from the
+    block's histogram (columns first.. first+2: hist_lo, hist_hi, hist_sumsq) and its tensor's trim
+    (first+3, first+4: t_lo, t_hi), Σ_bins sumsq · overlap([lo, hi), [t_lo, t_hi)) / (hi − lo), the
+    edge arithmetic in float32 as the stored edges and trims are; a free block's norm is 0."""
+    lo_col = batch.column(first)
+    offsets = lo_col.offsets.to_numpy()  # (n+1,): this batch's rows into the (unsliced) value buffers
+    a, b = int(offsets[0]), int(offsets[-1])
+    lo = lo_col.values.to_numpy()[a:b]
+    hi = batch.column(first + 1).values.to_numpy()[a:b]
+    sumsq = batch.column(first + 2).values.to_numpy()[a:b]
+    n = batch.num_rows
+    t_lo = batch.column(first + 3).to_numpy(zero_copy_only=False).astype(np.float32)  # NULL -> NaN
+    t_hi = batch.column(first + 4).to_numpy(zero_copy_only=False).astype(np.float32)
+    t_lo[np.isnan(t_lo)] = -np.inf  # no lower trim
+    t_hi[np.isnan(t_hi)] = np.inf  # no upper trim
+    row = np.repeat(np.arange(n), np.diff(offsets))
+    kept = np.minimum(hi, t_hi[row]) - np.maximum(lo, t_lo[row])  # float32
+    share = np.maximum(kept, 0).astype(np.float64) / (hi - lo)
+    out[:] = np.sqrt(np.bincount(row, weights=sumsq * share, minlength=n))
+    out[batch.column(3).to_numpy(zero_copy_only=False)] = 0.0  # free: identical to the base
 
 
 def _fixed_bytes(con: duckdb.DuckDBPyConnection, n_positions: int, n_tensors: int) -> np.ndarray:

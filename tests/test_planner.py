@@ -460,3 +460,49 @@ def test_greedy_with_fixed_costs_is_the_walk(seed, k, t, b, budget_frac, random_
             left -= int(cost[i])
     assert set(np.flatnonzero(sel).tolist()) == taken
     assert int(cost[sel].sum()) <= budget
+
+
+def test_trimmed_norms_of_a_sliced_batch_against_a_loop():
+    """candidates.trimmed_norms on a batch that starts inside its list buffers (a reader's second
+    batch does), NULL trims and free rows, against the textbook loop over bins."""
+    import pyarrow as pa
+
+    from mergedb.candidates import trimmed_norms
+
+    rng = np.random.default_rng(4)
+    n = 50
+    lengths = rng.integers(0, 6, n)
+    lo = [sorted(rng.uniform(0.01, 1, k).astype(np.float32).tolist()) for k in lengths]
+    hi = [[x * 1.5 for x in row] for row in lo]
+    sq = [rng.uniform(0, 3, k).tolist() for k in lengths]
+    t_lo = [None if i % 7 == 0 else float(rng.uniform(0, 0.8)) for i in range(n)]
+    t_hi = [None if i % 3 else float(rng.uniform(0.5, 2)) for i in range(n)]
+    free = [i % 11 == 0 for i in range(n)]
+    table = pa.table(
+        {
+            "position": pa.array([0] * n, pa.int32()),
+            "tensor_idx": pa.array([0] * n, pa.int32()),
+            "block_idx": pa.array(range(n), pa.int32()),
+            "free": pa.array(free),
+            "norm": pa.array([0.0] * n),
+            "read_bytes": pa.array([-1] * n, pa.int64()),
+            "random_score": pa.array([None] * n, pa.float64()),
+            "hist_lo": pa.array(lo, pa.list_(pa.float32())),
+            "hist_hi": pa.array(hi, pa.list_(pa.float32())),
+            "hist_sumsq": pa.array(sq, pa.list_(pa.float64())),
+            "t_lo": pa.array(t_lo, pa.float32()),
+            "t_hi": pa.array(t_hi, pa.float32()),
+        }
+    )
+    batch = table.to_batches()[0].slice(13, 30)
+    out = np.full(30, -1.0)
+    trimmed_norms(batch, 7, out)
+    for j in range(30):
+        i = 13 + j
+        lo_t = -np.inf if t_lo[i] is None else np.float32(t_lo[i])
+        hi_t = np.inf if t_hi[i] is None else np.float32(t_hi[i])
+        total = 0.0
+        for a, b, s in zip(np.float32(lo[i]), np.float32(hi[i]), sq[i]):
+            total += s * max(0.0, min(b, hi_t) - max(a, lo_t)) / (b - a)
+        want = 0.0 if free[i] else np.sqrt(total)
+        assert out[j] == pytest.approx(want, rel=1e-6, abs=1e-12), i

@@ -11,6 +11,7 @@ Output shard naming lives here too, shared by the executor and the synthetic fam
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .checkpoint import SINGLE
@@ -100,6 +101,32 @@ def block_bytes(t: TensorLayout, nbytes: int, b: int) -> tuple[int, int]:
     rb = row_bytes(nbytes, t.shape)
     r0, r1 = t.rows[b]
     return r0 * rb, r1 * rb
+
+
+def span_bytes(t: TensorLayout, nbytes: int, b: int | tuple[int, ...]) -> tuple[int, int]:
+    """Byte range of block `b`, or of a span of consecutive blocks (a tuple: first to last)."""
+    if isinstance(b, int):
+        return block_bytes(t, nbytes, b)
+    return block_bytes(t, nbytes, b[0])[0], block_bytes(t, nbytes, b[-1])[1]
+
+
+def spans(
+    t: TensorLayout, nbytes: int, blocks: list[int], key: Callable[[int], object], cap: int
+) -> list[tuple[int, ...]]:
+    """`blocks` (ascending) cut into runs of consecutive blocks with equal `key(b)` and at most
+    `cap` bytes each (a block larger than `cap` is a run of its own): what the executor merges with
+    one read per expert and one kernel call (merger.Merger.units)."""
+    out: list[list[int]] = []
+    size = 0
+    for b in blocks:
+        lo, hi = block_bytes(t, nbytes, b)
+        if out and out[-1][-1] == b - 1 and key(out[-1][-1]) == key(b) and size + hi - lo <= cap:
+            out[-1].append(b)
+            size += hi - lo
+        else:
+            out.append([b])
+            size = hi - lo
+    return [tuple(r) for r in out]
 
 
 def element_offset(ft: FamilyTensor, blk: Block) -> int:

@@ -1,8 +1,11 @@
 """The merge engine: produces a plan's merged tensors, in header order, on all cores.
 
-Threads. The work is a plain list of `Unit`s, one per (tensor, block) that an expert touches
+Threads. The work is a plain list of `Unit`s, one per (tensor, block) that an expert touches, or
+per span of consecutive blocks with one expert set (at most SPAN_BYTES: one read per expert and one
+kernel call for an `auto` layout's small vocabulary blocks; layout.spans)
 (model_stock's scale t needs the whole tensor: its block units fold their sums and dots, and the
-tensor's last unit applies t; see stock.py). Units write disjoint rows of their
+tensor's last unit applies t; see stock.py). It is long because the scheduler and every method's fused
+block path share the per-block state kept here. Units write disjoint rows of their
 tensor's output and each element's float32 operations run in the same order on any thread, so
 the output bytes do not depend on the thread count or on the order units run in. `threads`
 compute threads run units (the numba kernels release the GIL); IO_THREADS threads read the base
@@ -34,7 +37,7 @@ import xxhash
 from . import fetchplan, jitload, kernels, methods, multifold, stepwise
 from .checkpoint import PlanInputs
 from .errors import ChangedFileError
-from .layout import TensorLayout, block_bytes, output_dtype, row_elems
+from .layout import TensorLayout, block_bytes, output_dtype, row_elems, span_bytes, spans
 from .lora import is_adapter
 from .manifest import ExecutionPlan, Source
 from .stock import StockTensor
@@ -45,6 +48,7 @@ from .units import check_threads
 READ_AHEAD = 3  # expert blocks folded in per kernel call; the next group is read meanwhile
 IO_THREADS = 4  # threads that only read (pread releases the GIL)
 AHEAD_BYTES = 64 * 2**20  # later tensors in flight while one is written (the reorder buffer)
+SPAN_BYTES = 4 * 2**20  # consecutive blocks with one expert set merged as one unit up to this size
 _NO_F32, _NO_BF16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `kernels.finish`'s unused output
 jitload.light_cache_loads(vars(kernels))  # first calls load the cached code without numba's full refresh
 
@@ -136,6 +140,10 @@ class Merger:
         self.defaults = [xp.default_values(p) for p in range(len(xp.experts))]
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
         self.lora = _loramerge().LoraInputs(xp) if any(is_adapter(s.path) for s in xp.experts) else None
+        # spans (units()): one read per expert and one kernel call for consecutive blocks with one expert
+        # set, exact (kernels are elementwise, keyed by element offset); not where a block is its own unit
+        plain = xp.method != "model_stock" and self.lora is None and not verify
+        self.spans = self.fused and plain and read_block is None and fold_block is None
         try:  # remote files fetch ahead on the I/O threads; adapters are read by self.lora
             self.inputs = PlanInputs(xp, self.lora.positions if self.lora else frozenset(), pool=self.io)
         except BaseException:
@@ -178,19 +186,21 @@ class Merger:
                     )
         return base
 
-    def pread_block(self, ti: int, b: int, pos: int, raw: np.ndarray) -> None:
-        """Fill `raw` with expert `pos`'s bytes of block `b` of tensor `ti`, from its file."""
+    def pread_block(self, ti: int, b: int | tuple[int, ...], pos: int, raw: np.ndarray) -> None:
+        """Fill `raw` with expert `pos`'s bytes of block `b` (or span) of tensor `ti`, from its file."""
         t = self.xp.tensors[ti]
         src, info, _ = self.inputs.where[pos + 1][t.name]
-        lo, _ = block_bytes(t, info.nbytes, b)
+        lo, _ = span_bytes(t, info.nbytes, b)
         src.read_into(memoryview(raw), info.start + lo)
 
-    def _read_one(self, ti: int, b: int, pos: int, h: str, raw: np.ndarray | None = None) -> np.ndarray:
-        """Expert `pos`'s bytes of block `b` of tensor `ti` (into `raw` if given; checked against
-        `h` with --verify)."""
+    def _read_one(
+        self, ti: int, b: int | tuple[int, ...], pos: int, h: str, raw: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Expert `pos`'s bytes of block `b` (or span: no --verify, no read_block) of tensor `ti`
+        (into `raw` if given; checked against `h` with --verify)."""
         t = self.xp.tensors[ti]
         fd, info, path = self.inputs.where[pos + 1][t.name]
-        lo, hi = block_bytes(t, info.nbytes, b)
+        lo, hi = span_bytes(t, info.nbytes, b)
         if raw is None:
             raw = np.empty(hi - lo, np.uint8)
         if self.read_block is None:
@@ -219,6 +229,10 @@ class Merger:
         blocks = list(range(len(t.rows))) if output_dtype(t, self.dtype) != t.dtype or rescale else sorted(selected)
         if self.xp.method == "model_stock" and not self.fused:  # per-step path: the tensor in one unit
             return [Unit(ti, tuple(blocks))]
+        if self.spans:  # runs of consecutive blocks with one expert set (see __init__)
+            nbytes = tensor_nbytes(t.dtype, t.shape)
+            key = lambda b: [pos for pos, _ in selected.get(b, [])]  # noqa: E731
+            return [Unit(ti, span) for span in spans(t, nbytes, blocks, key, SPAN_BYTES)]
         return [Unit(ti, (b,)) for b in blocks]
 
     def tensors(
@@ -289,6 +303,8 @@ class Merger:
             out = base_raw
         if self.fused and self.xp.method == "model_stock":
             self._stock_block(u.tensor_idx, u.blocks[0], base_raw, out)
+        elif self.fused and len(u.blocks) > 1:  # a span (units())
+            self._fused_block(u.tensor_idx, u.blocks, base_raw, out)
         elif self.fused:
             for b in u.blocks:
                 if self._has_adapter(u.tensor_idx, b):  # formed from its factors, folded as float32
@@ -301,12 +317,12 @@ class Merger:
     def _has_adapter(self, ti: int, b: int) -> bool:
         return self.lora is not None and any(pos in self.lora.adapters for pos, _ in self.sel.get(ti, {}).get(b, []))
 
-    def _block(self, ti: int, b: int, base_raw: np.ndarray) -> tuple[int, int, np.dtype, np.ndarray]:
-        """Block `b` of tensor `ti`: first element, element count, raw-bits dtype, the base's (n,) raw bits."""
+    def _block(self, ti: int, b: int | tuple[int, ...], base_raw: np.ndarray) -> tuple[int, int, np.dtype, np.ndarray]:
+        """Block `b` (or span) of tensor `ti`: first element, count, raw-bits dtype, the base's (n,) raw bits."""
         t = self.xp.tensors[ti]
         raw_dt = np.dtype(DTYPES[t.dtype][1])
         bits_dt = np.dtype(np.uint32 if raw_dt.itemsize == 4 else np.uint16)
-        r0, r1 = t.rows[b]
+        r0, r1 = (t.rows[b][0], t.rows[b][1]) if isinstance(b, int) else (t.rows[b[0]][0], t.rows[b[-1]][1])
         lo, n = r0 * row_elems(t.shape), (r1 - r0) * row_elems(t.shape)
         return lo, n, bits_dt, base_raw[lo * raw_dt.itemsize : (lo + n) * raw_dt.itemsize].view(bits_dt)
 
@@ -338,7 +354,7 @@ class Merger:
         lo, n, bits_dt, base = self._block(ti, b, base_raw)
         nb = base.nbytes
         acc.fill(0)
-        work = self.sel.get(ti, {}).get(b, [])
+        work = self.sel.get(ti, {}).get(b if isinstance(b, int) else b[0], [])  # a span: one expert set
         groups = [work[i : i + READ_AHEAD] for i in range(0, len(work), READ_AHEAD)]
         bufs = [self.local.get(f"ex{j}", READ_AHEAD * nb, np.uint8) for j in range(2)]
 

@@ -80,16 +80,30 @@ def test_f16_decode_is_exact():
     assert np.array_equal(got, h.view(np.float16).astype(np.float32).view(np.uint32))
 
 
-def test_units_are_plain_independent_values(fam):
+def test_units_are_plain_independent_values(fam, monkeypatch):
+    """Units are disjoint: one per block, or (by default) spans of consecutive blocks with one
+    expert set of at most SPAN_BYTES, which cover the same blocks."""
     plan = fam.plan(PlanRequest("base", EXPERTS, "ties", "all", WEIGHTS, {"density": 0.3}))
-    m = merger.Merger(fam.execution_plan(plan.plan_id), threads=1)
-    try:
-        units = [u for ti in range(len(m.xp.tensors)) for u in m.units(ti)]
-        assert units and all(len(u.blocks) == 1 for u in units)
-        assert len({(u.tensor_idx, u.blocks) for u in units}) == len(units)
-        assert max(sum(1 for u in units if u.tensor_idx == ti) for ti in range(len(m.xp.tensors))) > 1
-    finally:
-        m.close()
+    xp = fam.execution_plan(plan.plan_id)
+
+    def units():
+        m = merger.Merger(xp, threads=1)
+        try:
+            return [u for ti in range(len(m.xp.tensors)) for u in m.units(ti)]
+        finally:
+            m.close()
+
+    spans = units()
+    monkeypatch.setattr(merger, "SPAN_BYTES", 0)
+    single = units()
+    assert single and all(len(u.blocks) == 1 for u in single)
+    assert len({(u.tensor_idx, u.blocks) for u in single}) == len(single)
+    assert max(sum(1 for u in single if u.tensor_idx == ti) for ti in range(len(xp.tensors))) > 1
+    assert any(len(u.blocks) > 1 for u in spans) and len(spans) < len(single)
+    assert all(list(u.blocks) == list(range(u.blocks[0], u.blocks[-1] + 1)) for u in spans)  # consecutive
+    assert sorted((u.tensor_idx, b) for u in spans for b in u.blocks) == sorted(
+        (u.tensor_idx, u.blocks[0]) for u in single
+    )
 
 
 def test_cli_threads_option(fam, tmp_path):

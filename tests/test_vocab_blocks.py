@@ -292,3 +292,42 @@ def test_a_new_base_gets_the_auto_layout_by_default(tmp_path):
     assert _blocks(uniform) == want
     row = uniform.sql("SELECT block_size, vocab_block_size FROM checkpoints WHERE name = 'base'").to_pylist()
     assert row == [{"block_size": 4 * MiB, "vocab_block_size": None}]
+
+
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("task_arithmetic", {"lambda": 0.7}),
+        ("ties", {"density": 0.2}),
+        ("dare_ties", {"density": 0.5}),
+        ("della", {"density": 0.5, "epsilon": 0.1}),
+        ("breadcrumbs_ties", {}),
+    ],
+)
+@pytest.mark.parametrize("budget", ["all", "30%"])
+def test_spans_of_small_blocks_merge_exactly_as_blocks_one_by_one(
+    auto_family, tmp_path, monkeypatch, method, params, budget
+):
+    """The executor merges runs of consecutive blocks with one expert set as one unit (one read per
+    expert, one kernel call: merger.SPAN_BYTES); the output bytes equal those of block-by-block
+    units (SPAN_BYTES = 0), DARE's and DELLA's draws included, and the spans do form."""
+    from mergedb import merger
+
+    _, cat = auto_family
+    plan = cat.plan(PlanRequest("base", None, method, budget, params=params, seed=3))
+    xp = cat.execution_plan(plan.plan_id)
+    m = merger.Merger(xp)
+    try:
+        units = [u for ti in range(len(xp.tensors)) for u in m.units(ti)]
+    finally:
+        m.close()
+    assert any(len(u.blocks) > 1 for u in units)  # spans formed on the vocabulary tensors
+    assert sorted((u.tensor_idx, b) for u in units for b in u.blocks) == sorted(
+        (ti, b) for ti, blocks in xp.selected().items() for b in blocks
+    )
+    spans = executor.execute(xp, tmp_path / "spans")
+    monkeypatch.setattr(merger, "SPAN_BYTES", 0)
+    one = executor.execute(xp, tmp_path / "one")
+    assert spans.expert_bytes == one.expert_bytes == plan.selected_bytes
+    for f in sorted((tmp_path / "one").glob("*.safetensors")):
+        assert (tmp_path / "spans" / f.name).read_bytes() == f.read_bytes(), f.name

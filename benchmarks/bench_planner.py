@@ -313,7 +313,7 @@ if __name__ == "__main__":
     elif a.first_one:
         print("RESULT " + json.dumps(first_plan(Path(a.first_one[0]), a.first_one[1])))
     elif a.small:
-        print(save("planner-small", run_small(a.small, a.baseline)))
+        print(save(a.save or "planner-small", run_small(a.small, a.baseline)))
     else:
         rows = tuple(a.rows) if a.rows else ((20_000,) if a.quick else (1_000_000, 10_000_000, 35_000_000))
         doc = run(rows, a.catalog_dir, a.baseline, tuple(a.budgets) if a.budgets else None)

@@ -6,7 +6,7 @@ trees in turn run the CLI's own entry point (`mergedb.cli.main`, so its start an
 command's) on a 10% task-arithmetic plan of the bench family (K=8, 2 threads), in a fresh process on
 a cold page cache, with clocks at the phase boundaries: interpreter up, CLI imported, arguments
 parsed (the command's body starts), catalog opened, `Catalog.execute` returned (plan load, merge,
-run record), `main` returned; the parent measures spawn to exit. `fixed` = process wall − the
+run record), `main` done (its atexit handlers run); the parent measures spawn to exit. `fixed` = process wall − the
 executor's own seconds (issue 11); `exit` = the interpreter's teardown. The first round fills
 numba's caches and is dropped. Prints a table, saves results/start-phases.json.
 """
@@ -45,12 +45,13 @@ def _catalog(*a, **k):
     return cat
 cli._catalog = _catalog
 sys.argv = ["mergedb", *sys.argv[2:]]
+import atexit
+# at exit, not after main(): an execute process may end inside main (os._exit after the atexit handlers)
+atexit.register(lambda: (mark("main_done"), print("PHASES", json.dumps(T), flush=True)))
 try:
     cli.main()
 except SystemExit as e:
     assert not e.code, e.code
-mark("main_done")
-print("PHASES", json.dumps(T), flush=True)
 """
 
 

@@ -78,7 +78,8 @@ def fetch(
     con.register("_plan_trim", trims)
     con.register(
         "_plan_positions",
-        pa.table({"checkpoint_id": pa.array(ids, pa.int32()), "position": pa.array(np.arange(len(ids)), pa.int32())}),
+        # a list, not pa.array(ndarray): its masked-array check imports numpy.ma (~9 ms of a first plan)
+        pa.table({"checkpoint_id": pa.array(ids, pa.int32()), "position": pa.array(list(range(len(ids))), pa.int32())}),
     )
     try:
         t = con.sql(query("plan_consensus_stats"), params=[drop_nonfinite]).to_arrow_table()

@@ -319,22 +319,20 @@ def _store(
     b = sel.bounds
     k = len(inp.ids)
     per = np.array(b.per_position, np.float64).reshape(k, 4)  # (K, 4): bound_sum, blockwise, selected, full
-    # Python lists and _column, not pa.array(ndarray): its masked-array check imports numpy.ma (~10 ms
-    # of the first plan of a process)
-    experts = pa.table(
-        {
-            "position": pa.array(list(range(k)), pa.int32()),
-            "checkpoint_id": pa.array(inp.ids, pa.int32()),
-            "weight": pa.array(inp.weights, pa.float64()),
-            "coef": pa.array(inp.coefs, pa.float64()),
-            "fingerprint": pa.array(inp.fingerprints, pa.string()),
-            "content_hash": pa.array(inp.contents, pa.string()),
-            "full_bytes": pa.array(per[:, 3].astype(np.int64).tolist(), pa.int64()),
-            "selected_bytes": pa.array(per[:, 2].astype(np.int64).tolist(), pa.int64()),
-            "bound_sum": pa.array(per[:, 0].tolist() if linear else [None] * k, pa.float64()),
-            "bound_blockwise": pa.array(per[:, 1].tolist() if linear else [None] * k, pa.float64()),
-        }
-    )
+    # the experts' rows as list parameters of the INSERT (unnest zips them), not a registered Arrow
+    # table: registering and unregistering one cost ~1 ms per plan
+    experts = {
+        "position": ("INTEGER", list(range(k))),
+        "checkpoint_id": ("INTEGER", [int(i) for i in inp.ids]),
+        "weight": ("DOUBLE", [float(w) for w in inp.weights]),
+        "coef": ("DOUBLE", [float(c) for c in inp.coefs]),
+        "fingerprint": ("VARCHAR", list(inp.fingerprints)),
+        "content_hash": ("VARCHAR", list(inp.contents)),
+        "full_bytes": ("BIGINT", per[:, 3].astype(np.int64).tolist()),
+        "selected_bytes": ("BIGINT", per[:, 2].astype(np.int64).tolist()),
+        "bound_sum": ("DOUBLE", per[:, 0].tolist() if linear else [None] * k),
+        "bound_blockwise": ("DOUBLE", per[:, 1].tolist() if linear else [None] * k),
+    }
     present, offsets, chars = sel.bits
     n_tensors = len(inp.mergeable)
     bit_table = pa.table(  # every (position, tensor); the INSERT keeps those with candidates (`present`)
@@ -345,7 +343,7 @@ def _store(
             "present": _column(present),
         }
     )  # filtered in SQL: Table.filter would import pyarrow.compute, ~35 ms of the first plan of a process
-    tables = {"_plan_experts_row": experts, "_plan_bits": bit_table}
+    tables = {"_plan_bits": bit_table}
     if sel.trims.num_rows:
         tables["_plan_trim"] = sel.trims
     if per_tensor is not None:
@@ -353,8 +351,11 @@ def _store(
     for name, table in tables.items():
         con.register(name, table)
     try:
-        cols = ", ".join(experts.column_names)
-        con.execute(f"INSERT INTO plan_experts (plan_id, {cols}) SELECT $1, {cols} FROM _plan_experts_row", [plan_id])
+        unnest = ", ".join(f"unnest(${i}::{t}[])" for i, (t, _) in enumerate(experts.values(), 2))
+        con.execute(
+            f"INSERT INTO plan_experts (plan_id, {', '.join(experts)}) SELECT $1, {unnest}",
+            [plan_id, *(v for _, v in experts.values())],
+        )
         if sel.trims.num_rows:
             con.execute(
                 "INSERT INTO plan_thresholds (plan_id, checkpoint_id, tensor_idx, t_lo, t_hi, exact) "

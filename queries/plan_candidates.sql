@@ -3,7 +3,8 @@
 -- base), c_k the expert's coefficient on that tensor, applied in memory (candidates.py), where the
 -- byte cost is added from queries/plan_block_bytes.sql (and plan_fixed_bytes.sql for adapters). One
 -- scan joined to the K plan experts only: 35M rows cost one pass.
--- Reads temp table _plan_positions(checkpoint_id, position): the plan's experts in plan order.
+-- Reads _plan_positions(checkpoint_id, position): the plan's experts in plan order (a WITH clause
+--   candidates.py puts before the statement, from list parameters $3 and $4).
 -- Parameters: $1 leave blocks with NaN/Inf deltas out (BOOLEAN, --allow-nonfinite); $2 seed of the
 --   random ablation scores (BIGINT; NULL: ranked plans).
 -- Result: position, tensor_idx, block_idx, free, norm (‖Δ_kb‖), read_bytes (what a merge reads for

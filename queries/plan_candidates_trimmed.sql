@@ -4,7 +4,7 @@
 -- overlapping fraction of its width); this query returns each block's histogram and its tensor's
 -- trim. In DuckDB the same sum as a list lambda cost 50–70 ms for 16.7k blocks (an `auto` layout,
 -- 8 experts), numpy ~3 ms.
--- Reads temp tables _plan_positions (as plan_candidates.sql) and _plan_trim(checkpoint_id,
+-- Reads _plan_positions (as plan_candidates.sql: a WITH clause from $3, $4) and temp table _plan_trim(checkpoint_id,
 --   tensor_idx, t_lo, t_hi).
 -- Parameters: as plan_candidates.sql.
 -- Result: as plan_candidates.sql with norm 0 (filled in memory), then hist_lo, hist_hi, hist_sumsq

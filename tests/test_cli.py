@@ -77,3 +77,28 @@ def test_readme_library_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     assert (tmp_path / "merged" / "mergedb_manifest.json").is_file()
+
+
+def test_execute_process_ends_with_its_output_status_and_atexit_handlers(tmp_path, tiny_family):
+    """An execute process ends without the interpreter's teardown (cli._exit_now): what it prints,
+    its exit status and other atexit handlers are as an ordinary exit's, for a merge and an error."""
+    from mergedb.catalog import Catalog
+
+    db = str(tmp_path / "c.duckdb")
+    Catalog(db).register([tiny_family], base_model="base")
+    plan = ["plan", "--base", "base", "--all", "--method", "ties", "-c", db]
+    subprocess.run([sys.executable, "-m", "mergedb.cli", *plan], check=True, capture_output=True)
+    code = (
+        "import atexit, runpy, sys\n"
+        "atexit.register(lambda: print('ATEXIT RAN', flush=True))\n"
+        "sys.argv = ['mergedb', *sys.argv[1:]]\n"
+        "runpy.run_module('mergedb.cli', run_name='__main__')\n"
+    )
+    run = [sys.executable, "-c", code, "execute"]
+    ok = subprocess.run(run + ["1", "--out", str(tmp_path / "o"), "-c", db], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("wrote ") and ok.stdout.rstrip().endswith("ATEXIT RAN")
+    assert (tmp_path / "o" / "model.safetensors").exists()
+    bad = subprocess.run(run + ["7", "--out", str(tmp_path / "p"), "-c", db], capture_output=True, text=True)
+    assert bad.returncode == 1 and "no plan matching '7'" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.stdout.strip() == "ATEXIT RAN"

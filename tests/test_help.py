@@ -43,12 +43,38 @@ def test_library_names_still_import_lazily():
 # What `mergedb execute` and `mergedb plan` must not load: each is a cost paid by every such process
 # (planning, registration and the statistics kernels for execute; the merge engine, and numba (~0.17 s
 # to import) below planpass's 4M candidates, for plan).
-NOT_FOR_EXECUTE = ("planner", "register", "stats", "scan", "lorascan", "loramerge", "frontier", "mkplan", "sweep")
-NOT_FOR_PLAN = ("executor", "merger", "kernels", "register", "scan", "lorascan", "loramerge", "sweep", "numba")
+# Neither loads pydantic (typer's coercion: cliparse.py) nor pyarrow.compute (~0.03-0.06 s each); plan
+# not numpy.ma either (np.unique and pa.array(ndarray) import it: ~9 ms of a first plan).
+LIGHT = ("pydantic", "pyarrow.compute")
+NOT_FOR_EXECUTE = (
+    "planner",
+    "register",
+    "stats",
+    "scan",
+    "lorascan",
+    "loramerge",
+    "frontier",
+    "mkplan",
+    "sweep",
+    *LIGHT,
+)
+NOT_FOR_PLAN = (
+    "executor",
+    "merger",
+    "kernels",
+    "register",
+    "scan",
+    "lorascan",
+    "loramerge",
+    "sweep",
+    "numba",
+    *LIGHT,
+    "numpy.ma",
+)
 # runs the CLI as `mergedb` does and prints the mergedb modules loaded when the process ends
 RUN_CLI = (
     "import atexit, runpy, sys\n"
-    "mine = lambda m: m.startswith('mergedb.') or m == 'numba'\n"
+    "mine = lambda m: m.startswith('mergedb.') or m in ('numba', 'pydantic', 'pyarrow.compute', 'numpy.ma')\n"
     "atexit.register(lambda: print('LOADED', *sorted(filter(mine, sys.modules))))\n"
     "sys.argv = ['mergedb', *sys.argv[1:]]\n"
     "runpy.run_module('mergedb.cli', run_name='__main__')\n"

@@ -139,3 +139,82 @@ def delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc):  # typ
             zero = _equal_chunks(ew, bw, words, 1, em, el, top)
             return _delta_runs(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, zero)
     return _delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _pairwise(a, lo, n):  # pragma: no cover - compiled
+    # numpy's pairwise sum of a[lo : lo + n] for 8 <= n <= 128 (eight interleaved partial sums, then
+    # the rest in order), so the results equal ndarray.sum's bit for bit (numpy's pairwise_sum). For
+    # block_hist's count × edge terms any order is exact (an edge has 8 significant bits, a count
+    # under 2^30 elements 30), but the same order costs nothing and needs no such argument.
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@numba.njit(nogil=True, cache=True)
+def block_hist(counts, summary, exc, edge, edge_sq, hist_shift, summary_shift):  # pragma: no cover
+    # After delta_pass over a block whose exceptions all fit: its histogram from its magnitude summary
+    # `counts` (SUMMARY_BINS,) and exceptions `exc` (m,) uint32, as stats.block_stats' numpy did it
+    # before (same sums in the same order: bit-identical). Adds `counts` into the tensor's `summary`
+    # edge, edge_sq: (SUMMARY_BINS,) float64 lower
+    # edge of every summary bin and its square. Returns (hcount, hsum, hsq) (HIST_BINS,) int64 /
+    # float64 / float64, max |Δ| (float64) and the number of exact zeros. `counts` is consumed: it is
+    # left holding the bins' counts without the exceptions.
+    per = 1 << (hist_shift - summary_shift)  # summary bins per histogram bin (32)
+    n_hist = counts.shape[0] // per
+    hcount = np.zeros(n_hist, np.int64)
+    for h in range(n_hist):  # 32 bins at a time: a loop the compiler vectorises
+        t = 0
+        for j in range(h * per, (h + 1) * per):
+            summary[j] += counts[j]
+            t += counts[j]
+        hcount[h] = t
+    for x in exc:  # what is left in counts: finite |Δ| equal to their bin's edge
+        counts[x >> summary_shift] -= 1
+    hsum = np.zeros(n_hist)
+    hsq = np.zeros(n_hist)
+    prod = np.empty(per)
+    prod_sq = np.empty(per)
+    top = -1
+    for h in range(n_hist):
+        if hcount[h] == 0:
+            continue
+        for j in range(per):  # numpy: (rows * edges).sum(axis=1), starting from 0.0
+            c = np.float64(counts[h * per + j])
+            prod[j] = c * edge[h * per + j]
+            prod_sq[j] = c * edge_sq[h * per + j]
+            if counts[h * per + j] != 0:
+                top = h * per + j
+        hsum[h] = 0.0 + _pairwise(prod, 0, per)
+        hsq[h] = 0.0 + _pairwise(prod_sq, 0, per)
+    esum = np.zeros(n_hist)  # numpy: np.bincount(hbin, weights, n_hist), added afterwards
+    esq = np.zeros(n_hist)
+    vmax = 0.0
+    for i in range(exc.shape[0]):
+        v = np.float64(decode(exc, i, 0))
+        esum[exc[i] >> hist_shift] += v
+        esq[exc[i] >> hist_shift] += v * v
+        vmax = v if i == 0 else max(vmax, v)
+    for h in range(n_hist):
+        hsum[h] += esum[h]
+        hsq[h] += esq[h]
+    mx = vmax
+    if top >= 0 and edge[top] > mx:
+        mx = edge[top]
+    return hcount, hsum, hsq, mx, counts[0]

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from .deltapass import block_hist, delta_pass
 from .deltapass import decode as _decode
-from .deltapass import delta_pass
 from .summary import (  # re-exported: stats.X names what registration computes
     DEFAULT_SKETCH_DIM,
     DENSITY_GRID,
@@ -243,30 +243,18 @@ def block_stats(
         codes = sketch_codes(key, n, dim)
     nonfinite, n_exc = delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc.buf, exc.n)
     exc.n = n_exc
-    summary += counts
-    # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins
-    hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)
-    nz = np.flatnonzero(hcount)
-    if exc.complete:
-        mine = exc.buf[first : exc.n]  # (m,) uint32 this block's exceptions
-        v = mine.view(np.float32).astype(np.float64)
-        plain = counts - np.bincount(mine >> np.uint32(SUMMARY_SHIFT), minlength=SUMMARY_BINS)  # = their edge
-        hbin = mine >> np.uint32(HIST_SHIFT)
-        # per histogram bin, Σ of its 32 summary bins' count × edge: only the non-empty bins (the
-        # same row sums, in the same order, as over all 512; the others are 0)
-        rows = plain.reshape(HIST_BINS, -1)[nz]  # (len(nz), 32)
-        hsum, hsq = np.zeros(HIST_BINS), np.zeros(HIST_BINS)
-        hsum[nz] = (rows * _EDGE.reshape(HIST_BINS, -1)[nz]).sum(axis=1)
-        hsq[nz] = (rows * _EDGE_SQ.reshape(HIST_BINS, -1)[nz]).sum(axis=1)
-        hsum += np.bincount(hbin, v, HIST_BINS)
-        hsq += np.bincount(hbin, v * v, HIST_BINS)
-        top = np.flatnonzero(plain)
-        mx = max(float(v.max()) if len(v) else 0.0, float(_EDGE[top[-1]]) if len(top) else 0.0)
-        zeros = int(plain[0])  # code 0 outside the exceptions is exactly zero
+    if exc.complete:  # one compiled pass over the counts and this block's exceptions
+        hcount, hsum, hsq, mx, zeros = block_hist(
+            counts, summary, exc.buf[first : exc.n], _EDGE, _EDGE_SQ, HIST_SHIFT, SUMMARY_SHIFT
+        )
     else:
+        summary += counts
+        # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins
+        hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)
         hsum = np.zeros(HIST_BINS)
         hsq = np.zeros(HIST_BINS)
         mx, zeros = _abs_pass(abs_bits, abs_out, hsum, hsq)
+    nz = np.flatnonzero(hcount)
     lo = (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32)
     norm = float(np.sqrt(hsq.sum())) if nonfinite == 0 else float("nan")
     base_dot = float((bd[0] + bd[1]) + (bd[2] + bd[3])) if nonfinite == 0 else float("nan")

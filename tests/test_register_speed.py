@@ -325,3 +325,49 @@ def test_delta_pass_finds_the_zero_chunks():
         words = deltapass.CHUNK * size // 8
         ew, bw = (x.view(np.uint8)[: x.size * size // 8 * 8].view(np.uint64) for x in (e, b))
         np.testing.assert_array_equal(deltapass._equal_chunks(ew, bw, words, 1, em, el, top), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 40000),
+    fp32=st.booleans(),
+    spread=st.floats(0.0, 30.0),  # magnitudes of |Δ| over e^±spread: many bins or few
+    frozen=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_block_hist_equals_the_numpy_formula_bit_for_bit(n, fp32, spread, frozen, seed):
+    """deltapass.block_hist (the histogram of a block from its summary counts and exceptions, in one
+    compiled pass) stores exactly what the numpy expressions it replaced stored: the same float64
+    sums in the same order (numpy's pairwise row sums, bincount's sequential ones), bit for bit."""
+    from mergedb import deltapass
+
+    rng = np.random.default_rng(seed)
+    d = (rng.normal(0, 1, n) * np.exp(rng.uniform(-spread, spread, n))).astype(np.float32)
+    d[: int(frozen * n)] = 0
+    a = np.abs(d) if fp32 else np.abs(_bf16(d))
+    bits = a.view(np.uint32)
+    counts = np.bincount(bits >> 17, minlength=stats.SUMMARY_BINS).astype(np.int64)
+    exc = bits[(bits & 0x1FFFF) != 0]  # the exceptions, in element order
+    # the reference: block_stats' numpy formula before block_hist
+    edge = np.arange(stats.SUMMARY_BINS, dtype=np.uint32) << np.uint32(17)
+    edge = np.where(edge < np.uint32(0x7F800000), edge, np.uint32(0)).view(np.float32).astype(np.float64)
+    hcount = counts.reshape(stats.HIST_BINS, -1).sum(axis=1)
+    nz = np.flatnonzero(hcount)
+    v = exc.view(np.float32).astype(np.float64)
+    plain = counts - np.bincount(exc >> np.uint32(17), minlength=stats.SUMMARY_BINS)
+    hbin = exc >> np.uint32(22)
+    rows = plain.reshape(stats.HIST_BINS, -1)[nz]
+    hsum, hsq = np.zeros(stats.HIST_BINS), np.zeros(stats.HIST_BINS)
+    hsum[nz] = (rows * edge.reshape(stats.HIST_BINS, -1)[nz]).sum(axis=1)
+    hsq[nz] = (rows * (edge * edge).reshape(stats.HIST_BINS, -1)[nz]).sum(axis=1)
+    hsum += np.bincount(hbin, v, stats.HIST_BINS)
+    hsq += np.bincount(hbin, v * v, stats.HIST_BINS)
+    top = np.flatnonzero(plain)
+    mx = max(float(v.max()) if len(v) else 0.0, float(edge[top[-1]]) if len(top) else 0.0)
+
+    summary = np.arange(stats.SUMMARY_BINS, dtype=np.int64)
+    got = deltapass.block_hist(counts.copy(), summary, exc, edge, edge * edge, 22, 17)
+    np.testing.assert_array_equal(summary, np.arange(stats.SUMMARY_BINS) + counts)
+    np.testing.assert_array_equal(got[0], hcount)
+    assert got[1].tobytes() == hsum.tobytes() and got[2].tobytes() == hsq.tobytes()
+    assert repr(float(got[3])) == repr(mx) and got[4] == plain[0]

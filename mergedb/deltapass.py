@@ -119,7 +119,7 @@ def _delta_runs(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, zero):
 
 
 # per element width: (bytes, exponent mask, its lowest bit, the top bit of each lane), 4 bf16 or 2 float32 a word
-_LANES = {
+LANES = {
     16: (2, np.uint64(0x7F807F807F807F80), np.uint64(0x0080008000800080), np.uint64(0x8000800080008000)),
     0: (4, np.uint64(0x7F8000007F800000), np.uint64(0x0080000000800000), np.uint64(0x8000000080000000)),
 }
@@ -128,7 +128,7 @@ _LANES = {
 def delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc):  # type: ignore[no-untyped-def]
     """The statistics pass over one block (see _delta_pass for the arguments): (NaN/Inf count,
     exceptions in all). e, b: bf16 patterns (uint16, shift 16) or float32 patterns (uint32, shift 0)."""
-    size, em, el, top = _LANES[shift]
+    size, em, el, top = LANES[shift]
     words = CHUNK * size // 8
     n_words = e.shape[0] * size // 8
     # blocks of a few chunks are not worth a look; the word view needs contiguous patterns
@@ -218,3 +218,95 @@ def block_hist(counts, summary, exc, edge, edge_sq, hist_shift, summary_shift): 
     if top >= 0 and edge[top] > mx:
         mx = edge[top]
     return hcount, hsum, hsq, mx, counts[0]
+
+
+@numba.njit(nogil=True, cache=True)
+def abs_pass(abs_bits, abs_val, hsum, hsq):  # pragma: no cover - compiled
+    # The statistics of |Δ| that do not follow from the summary when a block's exceptions did not
+    # fit: per histogram bin Σ|Δ| and ΣΔ² (float64), and max |Δ|, over finite |Δ|; zeros count.
+    mx = np.float32(0.0)
+    zeros = 0
+    for i in range(abs_bits.shape[0]):
+        bits = abs_bits[i]
+        zeros += bits == 0
+        if bits >= np.uint32(0x7F800000):  # NaN or Inf
+            continue
+        av = abs_val[i]
+        mx = max(mx, av)
+        q = np.float64(av) * np.float64(av)
+        hsum[bits >> 22] += av
+        hsq[bits >> 22] += q
+    return mx, zeros
+
+
+@numba.njit(nogil=True, cache=True)
+def _same(a, b):  # pragma: no cover - compiled
+    # a, b: (n,) uint8 -> whether they are equal, compared 4 KiB at a time (stats.same_bytes' rule)
+    n = a.shape[0]
+    for i in range(0, n, 4096):
+        diff = np.uint8(0)
+        for t in range(i, min(i + 4096, n)):
+            diff |= a[t] ^ b[t]
+        if diff:
+            return False
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _block_pass(e, b, ew, bw, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, lanes):  # pragma: no cover
+    # delta_pass compiled: ew, bw are the block's patterns as 64-bit words (empty when they cannot
+    # be viewed so); lanes: LANES[shift] as (bytes, exponent mask, its lowest bit, top bits)
+    size, em, el, top = lanes
+    words = CHUNK * size // 8
+    if ew.shape[0] >= words * SAMPLE_STEP and _equal_chunks(ew, bw, words, SAMPLE_STEP, em, el, top).any():
+        zero = _equal_chunks(ew, bw, words, 1, em, el, top)
+        return _delta_runs(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, zero)
+    return _delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc)
+
+
+@numba.njit(nogil=True, cache=True)
+def group_pass(e_raw, b_raw, e, b, ew, bw, shift, lanes, raw_start, start, abs_bits, codes, summary, exc, n_exc,
+               edge, edge_sq, hist_shift, summary_shift, out):  # pragma: no cover - compiled  # fmt: skip
+    # The statistics of consecutive blocks of one tensor in one call (a call per block cost more
+    # than a 64 KiB block's arithmetic): per block k, bytes raw_start[k]:raw_start[k + 1] of e_raw
+    # and b_raw (the expert's and the base's), elements start[k]:start[k + 1] of the patterns e, b
+    # (delta_pass' arguments), of abs_bits and of codes. ew, bw: the patterns' 64-bit words (the
+    # whole words of the group). A block whose bytes equal the base's only counts as zeros;
+    # another gets what stats.block_stats computes: delta_pass, then block_hist while the
+    # exceptions fit, else abs_pass. out: (ident, nonfinite, zeros, mx, hcount, hsum, hsq, sk,
+    # bd) arrays with a row per block, zero on entry. Returns the exceptions in all (n_exc).
+    ident, nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd = out
+    size = lanes[0]
+    counts = np.zeros(edge.shape[0], np.int64)
+    per = 1 << (hist_shift - summary_shift)
+    for k in range(raw_start.shape[0] - 1):
+        s, t = start[k], start[k + 1]
+        if _same(e_raw[raw_start[k] : raw_start[k + 1]], b_raw[raw_start[k] : raw_start[k + 1]]):
+            ident[k] = True
+            abs_bits[s:t] = 0
+            summary[0] += t - s
+            continue
+        w0, w1 = s * size, t * size  # the block's pattern bytes; words only when they start on one
+        if w0 % 8 == 0 and w1 // 8 <= ew.shape[0]:
+            bew, bbw = ew[w0 // 8 : w1 // 8], bw[w0 // 8 : w1 // 8]
+        else:
+            bew, bbw = ew[:0], bw[:0]
+        first = n_exc
+        bad, n_exc = _block_pass(
+            e[s:t], b[s:t], bew, bbw, shift, abs_bits[s:t], codes[s:t], counts, sk[k], bd[k], exc, n_exc, lanes
+        )
+        nonfinite[k] = bad
+        if n_exc < exc.shape[0]:  # the exceptions so far all fit
+            hc, hs, hq, m, z = block_hist(counts, summary, exc[first:n_exc], edge, edge_sq, hist_shift, summary_shift)
+            hcount[k], hsum[k], hsq[k], mx[k], zeros[k] = hc, hs, hq, m, z
+        else:
+            for h in range(hcount.shape[1]):
+                c = 0
+                for j in range(h * per, (h + 1) * per):
+                    summary[j] += counts[j]
+                    c += counts[j]
+                hcount[k, h] = c
+            m32, z = abs_pass(abs_bits[s:t], abs_bits[s:t].view(np.float32), hsum[k], hsq[k])
+            mx[k], zeros[k] = m32, z
+        counts[:] = 0
+    return n_exc

@@ -21,10 +21,10 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from . import stats
+from . import deltapass, stats
 from .checkpoint import Checkpoint
 from .errors import AlignmentError
-from .layout import FamilyTensor, element_offset, family_layout, vocab_size
+from .layout import Block, FamilyTensor, element_offset, family_layout, vocab_size
 from .sources import RemoteOptions, Sources, declare
 from .tensorfile import DTYPES, TensorInfo, as_float32
 from .units import BlockSizes, check_threads
@@ -166,6 +166,10 @@ class _Shared:
 
     get = codes  # lorascan's name for it
 
+    def group_codes(self, ft: FamilyTensor, group: list[Block]) -> np.ndarray:
+        """The sketch codes of consecutive blocks, one table (each block's part under its own key)."""
+        return self._get(ft.tensor_idx, ("group codes", group[0].block_idx), lambda: group_codes(ft, group, self.dim))
+
     def release(self, tensor_idx: int) -> None:
         with self.lock:
             self.left[tensor_idx] -= 1
@@ -174,6 +178,31 @@ class _Shared:
 
 
 _SharedCodes = _Shared  # lorascan shares the codes only (its base blocks are read per adapter)
+
+GROUP_BYTES = 4 << 20  # consecutive blocks of a tensor scanned in one compiled call, up to this many bytes
+
+
+def groups(blocks: tuple[Block, ...]) -> Iterator[list[Block]]:
+    """Runs of consecutive blocks of at most GROUP_BYTES together (a larger block alone): with
+    64 KiB vocabulary blocks, a call per block cost more than the block's arithmetic."""
+    run: list[Block] = []
+    for blk in blocks:
+        if run and sum(b.nbytes for b in run) + blk.nbytes > GROUP_BYTES:
+            yield run
+            run = []
+        run.append(blk)
+    if run:
+        yield run
+
+
+def group_codes(ft: FamilyTensor, group: list[Block], dim: int) -> np.ndarray:
+    """(elements of the group,) uint16: each block's stats.sketch_codes, one after another."""
+    out = np.empty(sum(b.numel for b in group), np.uint16)
+    at = 0
+    for blk in group:
+        stats.sketch_codes(stats.sketch_key(ft.name, blk.block_idx), blk.numel, dim, out[at : at + blk.numel])
+        at += blk.numel
+    return out
 
 
 class BaseBlocks(list):
@@ -196,19 +225,21 @@ def hash_base(base: Checkpoint, family: list[FamilyTensor], threads: int, progre
         fi, t = where[ft.name]
         raw_dtype = np.dtype(DTYPES[ft.dtype][1]) if ft.mergeable else None
         out = []
-        for blk in ft.blocks:
-            buf = scratch.get("raw", blk.nbytes)
-            files.src[fi].read_into(memoryview(buf), t.start + blk.byte_start)
-            norm: float | None = None
-            bad: int | None = None
+        for group in groups(ft.blocks):  # one compiled call per group, not per block
+            at = np.cumsum([0] + [blk.nbytes for blk in group])
+            buf = scratch.get("raw", int(at[-1]))
+            for i, blk in enumerate(group):
+                files.src[fi].read_into(memoryview(buf[at[i] : at[i + 1]]), t.start + blk.byte_start)
+            base_stats: list[tuple[float | None, int | None]] = [(None, None)] * len(group)
             if ft.mergeable:
-                x = buf.view(raw_dtype)  # BF16 and F32 are decoded inside base_block_stats
+                x = buf.view(raw_dtype)  # BF16 and F32 are decoded inside base_group_stats
                 if ft.dtype not in ("BF16", "F32"):
-                    x = as_float32(x, ft.dtype, scratch.get("x", blk.numel * 4).view(np.float32))
-                norm, bad = stats.base_block_stats(x)
-            out.append((xxhash.xxh3_128_hexdigest(buf), norm, bad))
+                    x = as_float32(x, ft.dtype, scratch.get("x", x.size * 4).view(np.float32))
+                base_stats = stats.base_group_stats(x, np.cumsum([0] + [blk.numel for blk in group]))  # type: ignore[assignment]
+            for i in range(len(group)):
+                out.append((xxhash.xxh3_128_hexdigest(buf[at[i] : at[i + 1]]), *base_stats[i]))
             if progress:
-                progress(blk.nbytes)
+                progress(int(at[-1]))
         return out
 
     order = sorted(family, key=lambda ft: (-ft.nbytes, ft.tensor_idx))  # largest first: a short tail
@@ -259,6 +290,30 @@ def scan_experts(
             if shared is not None:
                 shared.release(unit[1].tensor_idx)
 
+    def _group_stats(ft, group, eraw, braw, abs_delta, summary, exceptions, raw_dtype, shared):  # type: ignore[no-untyped-def]
+        # deltapass.group_pass over one group of blocks: its `out` (stats.group_arrays)
+        n = sum(blk.numel for blk in group)
+        n0 = element_offset(ft, group[0])
+        if ft.dtype in ("BF16", "F32"):  # decoded inside the statistics pass
+            e, b = eraw.view(raw_dtype), braw.view(raw_dtype)
+        else:
+            e = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", n * 4).view(np.float32))
+            b = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", n * 4).view(np.float32))
+        shift = 16 if e.dtype == np.uint16 else 0
+        if shift == 0:
+            e, b = e.view(np.uint32), b.view(np.uint32)  # float32 patterns
+        n8 = e.nbytes // 8 * 8
+        ew, bw = e.view(np.uint8)[:n8].view(np.uint64), b.view(np.uint8)[:n8].view(np.uint64)
+        codes = shared.group_codes(ft, group) if shared is not None else group_codes(ft, group, sketch_dim)
+        out = stats.group_arrays(len(group), sketch_dim)
+        exceptions.n = deltapass.group_pass(
+            eraw, braw, e, b, ew, bw, shift, deltapass.LANES[shift],
+            np.cumsum([0] + [blk.nbytes for blk in group]), np.cumsum([0] + [blk.numel for blk in group]),
+            abs_delta[n0 : n0 + n].view(np.uint32), codes, summary, exceptions.buf, exceptions.n,
+            stats.EDGE, stats.EDGE_SQ, stats.HIST_SHIFT, stats.SUMMARY_SHIFT, out,
+        )  # fmt: skip
+        return out
+
     def scan_unit(k: int, ft: FamilyTensor) -> tuple[list[BlockRow], TensorRow | None, list[str]]:
         efiles = expert_files[k]
         bfi, bt = bwhere[ft.name]
@@ -273,40 +328,40 @@ def scan_experts(
         cap = ft.numel // 2 + 1024 if ft.mergeable else 0
         exceptions = stats.Exceptions(cap, scratch.get("exc", cap * 4 + 4).view(np.uint32))
         all_identical = True
-        for blk in ft.blocks:
-            eraw = scratch.get("e", blk.nbytes)
-            efiles.src[efi].read_into(memoryview(eraw), et.start + blk.byte_start)
-            read_base = lambda buf, at=bt.start + blk.byte_start: bfiles.src[bfi].read_into(memoryview(buf), at)  # noqa: E731
+        for group in groups(ft.blocks):
+            at = np.cumsum([0] + [blk.nbytes for blk in group])  # each block's bytes in the group's
+            eraw = scratch.get("e", int(at[-1]))
+            for i, blk in enumerate(group):
+                efiles.src[efi].read_into(memoryview(eraw[at[i] : at[i + 1]]), et.start + blk.byte_start)
+
+            def read_base(buf: np.ndarray, group: list[Block] = group, at: np.ndarray = at) -> None:
+                for i, blk in enumerate(group):
+                    bfiles.src[bfi].read_into(memoryview(buf[at[i] : at[i + 1]]), bt.start + blk.byte_start)
+
             if shared is not None:
-                braw = shared.base(ft, blk.block_idx, read_base, blk.nbytes)
+                braw = shared.base(ft, group[0].block_idx, read_base, int(at[-1]))
             else:
-                braw = scratch.get("b", blk.nbytes)
+                braw = scratch.get("b", int(at[-1]))
                 read_base(braw)
-            identical = stats.same_bytes(eraw, braw)
-            key = (ft.tensor_idx, blk.block_idx)
-            chash = base_hashes[key] if identical else xxhash.xxh3_128_hexdigest(eraw)
-            hashes.append(chash)
             if progress:
-                progress(2 * blk.nbytes)  # the expert's block and the base's
+                progress(2 * int(at[-1]))  # the expert's blocks and the base's
             if not ft.mergeable:
+                for i, blk in enumerate(group):
+                    e_i, b_i = eraw[at[i] : at[i + 1]], braw[at[i] : at[i + 1]]
+                    same = stats.same_bytes(e_i, b_i)
+                    hashes.append(base_hashes[ft.tensor_idx, blk.block_idx] if same else xxhash.xxh3_128_hexdigest(e_i))
                 continue
-            n0 = element_offset(ft, blk)
-            seg = abs_delta[n0 : n0 + blk.numel]
-            if identical:
-                seg[:] = 0
-                summary[0] += blk.numel
-                rows.append(_zero_row(ft.tensor_idx, blk.block_idx, chash, sketch_dim))
-                continue
-            all_identical = False
-            if ft.dtype in ("BF16", "F32"):  # decoded inside the statistics pass
-                ef, bf = eraw.view(raw_dtype), braw.view(raw_dtype)
-            else:
-                ef = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", blk.numel * 4).view(np.float32))
-                bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
-            skey = stats.sketch_key(ft.name, blk.block_idx)
-            codes = shared.codes(ft, blk.block_idx, blk.numel) if shared is not None else None
-            s = stats.block_stats(ef, bf, seg, skey, summary, sketch_dim, exceptions, codes)
-            rows.append(changed_row(ft.tensor_idx, blk.block_idx, chash, s))
+            out = _group_stats(ft, group, eraw, braw, abs_delta, summary, exceptions, raw_dtype, shared)
+            for i, blk in enumerate(group):
+                if out[0][i]:  # the block's bytes equal the base's
+                    chash = base_hashes[ft.tensor_idx, blk.block_idx]
+                    rows.append(_zero_row(ft.tensor_idx, blk.block_idx, chash, sketch_dim))
+                else:
+                    all_identical = False
+                    chash = xxhash.xxh3_128_hexdigest(eraw[at[i] : at[i + 1]])
+                    s = stats.group_block_stats(out, i, blk.numel)
+                    rows.append(changed_row(ft.tensor_idx, blk.block_idx, chash, s))
+                hashes.append(chash)
         if not ft.mergeable:
             return rows, None, hashes
         if all_identical:

@@ -321,7 +321,7 @@ def test_delta_pass_finds_the_zero_chunks():
         (16, *(x.view(np.uint32) >> 16 for x in (expert, base))),
     ):
         e, b = (e, b) if shift == 0 else (e.astype(np.uint16), b.astype(np.uint16))
-        size, em, el, top = deltapass._LANES[shift]
+        size, em, el, top = deltapass.LANES[shift]
         words = deltapass.CHUNK * size // 8
         ew, bw = (x.view(np.uint8)[: x.size * size // 8 * 8].view(np.uint64) for x in (e, b))
         np.testing.assert_array_equal(deltapass._equal_chunks(ew, bw, words, 1, em, el, top), want)
@@ -371,3 +371,81 @@ def test_block_hist_equals_the_numpy_formula_bit_for_bit(n, fp32, spread, frozen
     np.testing.assert_array_equal(got[0], hcount)
     assert got[1].tobytes() == hsum.tobytes() and got[2].tobytes() == hsq.tobytes()
     assert repr(float(got[3])) == repr(mx) and got[4] == plain[0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 3 * 512 * 16 + 5), min_size=1, max_size=6),  # elements per block
+    fp32=st.booleans(),
+    same=st.lists(st.booleans(), min_size=6, max_size=6),  # which blocks equal the base's
+    frozen=st.floats(0.0, 1.0),  # leading part of a block equal to the base (zero chunks)
+    cap=st.sampled_from([0, 50, 10**6]),  # exceptions that fit: none, a few, all
+    nonfinite=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_group_pass_equals_block_stats_per_block(sizes, fp32, same, frozen, cap, nonfinite, seed):
+    """deltapass.group_pass (consecutive blocks in one call) gives every block exactly what
+    stats.block_stats gives it alone, in order: the same rows bit for bit, |Δ|, tensor summary and
+    exceptions, whatever the block sizes (word-aligned or not), equal blocks and overflow."""
+    from mergedb import deltapass
+
+    rng = np.random.default_rng(seed)
+    n = sum(sizes)
+    base = _bf16(rng.normal(0, 0.02, n))
+    expert = base + rng.normal(0, 1e-3, n).astype(np.float32)
+    expert = expert.astype(np.float32) if fp32 else _bf16(expert)
+    start = np.cumsum([0, *sizes])
+    for k, (s, t) in enumerate(zip(start[:-1], start[1:])):
+        cut = s + int(frozen * (t - s))
+        expert[s:cut] = base[s:cut]
+        if same[k]:
+            expert[s:t] = base[s:t]
+    if nonfinite:
+        expert[rng.integers(0, n)] = np.nan
+    pat = (lambda x: x.view(np.uint32)) if fp32 else (lambda x: (x.view(np.uint32) >> 16).astype(np.uint16))
+    e, b = pat(expert), pat(base)
+    size = e.itemsize
+    codes = [stats.sketch_codes(stats.sketch_key("t", k), m, 16) for k, m in enumerate(sizes)]
+
+    # reference: block_stats block by block
+    want_abs = np.empty(n, np.float32)
+    want_sum = np.zeros(stats.SUMMARY_BINS, np.int64)
+    want_exc = stats.Exceptions(cap)
+    want = []
+    for k, (s, t) in enumerate(zip(start[:-1], start[1:])):
+        if np.array_equal(e[s:t], b[s:t]):
+            want_abs[s:t] = 0
+            want_sum[0] += t - s
+            want.append(None)
+        else:
+            ek, bk = (x[s:t].view(np.float32) if fp32 else x[s:t] for x in (e, b))
+            st_ = stats.block_stats(ek, bk, want_abs[s:t], 0, want_sum, 16, want_exc, codes[k])
+            want.append(st_)
+
+    got_abs = np.empty(n, np.float32)
+    got_sum = np.zeros(stats.SUMMARY_BINS, np.int64)
+    got_exc = stats.Exceptions(cap)
+    out = stats.group_arrays(len(sizes), 16)
+    n8 = e.nbytes // 8 * 8
+    ew, bw = (x.view(np.uint8)[:n8].view(np.uint64) for x in (e, b))
+    shift = 0 if fp32 else 16
+    got_exc.n = deltapass.group_pass(
+        e.view(np.uint8), b.view(np.uint8), e, b, ew, bw, shift, deltapass.LANES[shift], start * size, start,
+        got_abs.view(np.uint32), np.concatenate(codes), got_sum, got_exc.buf, 0,
+        stats.EDGE, stats.EDGE_SQ, stats.HIST_SHIFT, stats.SUMMARY_SHIFT, out,
+    )  # fmt: skip
+    assert got_abs.tobytes() == want_abs.tobytes() and np.array_equal(got_sum, want_sum)
+    assert (
+        got_exc.n == want_exc.n
+        and got_exc.buf[: min(got_exc.n, cap + 1)].tobytes() == want_exc.buf[: min(want_exc.n, cap + 1)].tobytes()
+    )
+    for k, w in enumerate(want):
+        assert bool(out[0][k]) == (w is None)
+        if w is not None:
+            g = stats.group_block_stats(out, k, sizes[k])
+            for name in w.__dataclass_fields__:
+                x, y = getattr(w, name), getattr(g, name)
+                if isinstance(x, np.ndarray):
+                    assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
+                else:
+                    assert repr(x) == repr(y) and type(x) is type(y), name

@@ -3,7 +3,10 @@ sort, and the catalog rows for every thread count (one pool over all (expert, te
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,19 +155,48 @@ def test_register_threads_default_is_the_machines_cores(tmp_path, monkeypatch):
     from mergedb import scan
 
     seen = []
-    real = scan.scan_experts
+    real = scan._scan  # scan_experts' and scan_family's
 
     def spy(*args, **kwargs):
         seen.append(args[5])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(scan, "scan_experts", spy)
+    monkeypatch.setattr(scan, "_scan", spy)
     monkeypatch.setattr("os.cpu_count", lambda: 3)
     fam = synth.make_family(tmp_path / "family", experts=1, size="tiny", seed=2)
     from mergedb.register import register
 
     register(Catalog(tmp_path / "c.duckdb"), [fam], base_model="base")
     assert seen == [3]
+
+
+@pytest.mark.parametrize("experts", [1, 3])
+def test_base_registered_with_its_experts_is_read_once(tmp_path, monkeypatch, experts):
+    """A base registered in the same call as its experts is hashed by their scan (scan_family): its
+    file is read once, and every row equals registering the base first, then the experts."""
+    from mergedb import sources
+    from mergedb.checkpoint import open_checkpoint
+
+    fam = synth.make_family(tmp_path / "family", experts=experts, size="tiny", dtype="fp16", seed=4)
+    names = [fam / f"expert_{k:02d}" for k in range(experts)]
+    ref = Catalog(tmp_path / "ref.duckdb")
+    ref.register([fam / "base"], base=True, block_size=4096)
+    ref.register(names, base_model="base")
+    read: dict[str, int] = {}
+    real = sources.LocalFile.read_into
+
+    def spy(self, buf, offset):  # type: ignore[no-untyped-def]
+        read[Path(self.path).parent.name] = read.get(Path(self.path).parent.name, 0) + len(buf)
+        return real(self, buf, offset)
+
+    monkeypatch.setattr(sources.LocalFile, "read_into", spy)
+    cat = Catalog(tmp_path / "one.duckdb")
+    cat.register([fam], base_model="base", block_size=4096)
+    assert read["base"] == sum(t.nbytes for _, t in open_checkpoint(fam / "base").tensors)
+    got, want = _rows(cat), _rows(ref)
+    assert got["blocks"] and got["blocks"] == want["blocks"]
+    for table in want:
+        assert got[table] == want[table], table
 
 
 def _ref_bucket_sign(key: int, n: int, dim: int) -> tuple[np.ndarray, np.ndarray]:

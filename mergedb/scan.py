@@ -296,6 +296,8 @@ def _scan(
         bfi, bt = bwhere[ft.name]
         efi, et = ewhere[k][ft.name]
         efiles.src[efi].will_need(et.start, et.nbytes)
+        if base_hashes is None:  # this scan reads the base first (scan_family): ask for it ahead too
+            bfiles.src[bfi].will_need(bt.start, bt.nbytes)
         rows: list[BlockRow] = []
         hashes: list[str] = []
         abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32) if ft.mergeable else None

@@ -119,7 +119,7 @@ def _delta_runs(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, zero):
 
 
 # per element width: (bytes, exponent mask, its lowest bit, the top bit of each lane), 4 bf16 or 2 float32 a word
-_LANES = {
+LANES = {
     16: (2, np.uint64(0x7F807F807F807F80), np.uint64(0x0080008000800080), np.uint64(0x8000800080008000)),
     0: (4, np.uint64(0x7F8000007F800000), np.uint64(0x0080000000800000), np.uint64(0x8000000080000000)),
 }
@@ -128,7 +128,7 @@ _LANES = {
 def delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc):  # type: ignore[no-untyped-def]
     """The statistics pass over one block (see _delta_pass for the arguments): (NaN/Inf count,
     exceptions in all). e, b: bf16 patterns (uint16, shift 16) or float32 patterns (uint32, shift 0)."""
-    size, em, el, top = _LANES[shift]
+    size, em, el, top = LANES[shift]
     words = CHUNK * size // 8
     n_words = e.shape[0] * size // 8
     # blocks of a few chunks are not worth a look; the word view needs contiguous patterns
@@ -139,3 +139,174 @@ def delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc):  # typ
             zero = _equal_chunks(ew, bw, words, 1, em, el, top)
             return _delta_runs(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, zero)
     return _delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _pairwise(a, lo, n):  # pragma: no cover - compiled
+    # numpy's pairwise sum of a[lo : lo + n] for 8 <= n <= 128 (eight interleaved partial sums, then
+    # the rest in order), so the results equal ndarray.sum's bit for bit (numpy's pairwise_sum). For
+    # block_hist's count × edge terms any order is exact (an edge has 8 significant bits, a count
+    # under 2^30 elements 30), but the same order costs nothing and needs no such argument.
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@numba.njit(nogil=True, cache=True)
+def block_hist(counts, summary, exc, edge, edge_sq, hist_shift, summary_shift):  # pragma: no cover
+    # After delta_pass over a block whose exceptions all fit: its histogram from its magnitude summary
+    # `counts` (SUMMARY_BINS,) and exceptions `exc` (m,) uint32, as stats.block_stats' numpy did it
+    # before (same sums in the same order: bit-identical). Adds `counts` into the tensor's `summary`
+    # edge, edge_sq: (SUMMARY_BINS,) float64 lower
+    # edge of every summary bin and its square. Returns (hcount, hsum, hsq) (HIST_BINS,) int64 /
+    # float64 / float64, max |Δ| (float64) and the number of exact zeros. `counts` is consumed: it is
+    # left holding the bins' counts without the exceptions.
+    per = 1 << (hist_shift - summary_shift)  # summary bins per histogram bin (32)
+    n_hist = counts.shape[0] // per
+    hcount = np.zeros(n_hist, np.int64)
+    for h in range(n_hist):  # 32 bins at a time: a loop the compiler vectorises
+        t = 0
+        for j in range(h * per, (h + 1) * per):
+            summary[j] += counts[j]
+            t += counts[j]
+        hcount[h] = t
+    for x in exc:  # what is left in counts: finite |Δ| equal to their bin's edge
+        counts[x >> summary_shift] -= 1
+    hsum = np.zeros(n_hist)
+    hsq = np.zeros(n_hist)
+    prod = np.empty(per)
+    prod_sq = np.empty(per)
+    top = -1
+    for h in range(n_hist):
+        if hcount[h] == 0:
+            continue
+        for j in range(per):  # numpy: (rows * edges).sum(axis=1), starting from 0.0
+            c = np.float64(counts[h * per + j])
+            prod[j] = c * edge[h * per + j]
+            prod_sq[j] = c * edge_sq[h * per + j]
+            if counts[h * per + j] != 0:
+                top = h * per + j
+        hsum[h] = 0.0 + _pairwise(prod, 0, per)
+        hsq[h] = 0.0 + _pairwise(prod_sq, 0, per)
+    esum = np.zeros(n_hist)  # numpy: np.bincount(hbin, weights, n_hist), added afterwards
+    esq = np.zeros(n_hist)
+    vmax = 0.0
+    for i in range(exc.shape[0]):
+        v = np.float64(decode(exc, i, 0))
+        esum[exc[i] >> hist_shift] += v
+        esq[exc[i] >> hist_shift] += v * v
+        vmax = v if i == 0 else max(vmax, v)
+    for h in range(n_hist):
+        hsum[h] += esum[h]
+        hsq[h] += esq[h]
+    mx = vmax
+    if top >= 0 and edge[top] > mx:
+        mx = edge[top]
+    return hcount, hsum, hsq, mx, counts[0]
+
+
+@numba.njit(nogil=True, cache=True)
+def abs_pass(abs_bits, abs_val, hsum, hsq):  # pragma: no cover - compiled
+    # The statistics of |Δ| that do not follow from the summary when a block's exceptions did not
+    # fit: per histogram bin Σ|Δ| and ΣΔ² (float64), and max |Δ|, over finite |Δ|; zeros count.
+    mx = np.float32(0.0)
+    zeros = 0
+    for i in range(abs_bits.shape[0]):
+        bits = abs_bits[i]
+        zeros += bits == 0
+        if bits >= np.uint32(0x7F800000):  # NaN or Inf
+            continue
+        av = abs_val[i]
+        mx = max(mx, av)
+        q = np.float64(av) * np.float64(av)
+        hsum[bits >> 22] += av
+        hsq[bits >> 22] += q
+    return mx, zeros
+
+
+@numba.njit(nogil=True, cache=True)
+def _same(a, b):  # pragma: no cover - compiled
+    # a, b: (n,) uint8 -> whether they are equal, compared 4 KiB at a time (stats.same_bytes' rule)
+    n = a.shape[0]
+    for i in range(0, n, 4096):
+        diff = np.uint8(0)
+        for t in range(i, min(i + 4096, n)):
+            diff |= a[t] ^ b[t]
+        if diff:
+            return False
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _block_pass(e, b, ew, bw, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, lanes):  # pragma: no cover
+    # delta_pass compiled: ew, bw are the block's patterns as 64-bit words (empty when they cannot
+    # be viewed so); lanes: LANES[shift] as (bytes, exponent mask, its lowest bit, top bits)
+    size, em, el, top = lanes
+    words = CHUNK * size // 8
+    if ew.shape[0] >= words * SAMPLE_STEP and _equal_chunks(ew, bw, words, SAMPLE_STEP, em, el, top).any():
+        zero = _equal_chunks(ew, bw, words, 1, em, el, top)
+        return _delta_runs(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, zero)
+    return _delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc)
+
+
+@numba.njit(nogil=True, cache=True)
+def group_pass(e_raw, b_raw, e, b, ew, bw, shift, lanes, raw_start, start, abs_bits, codes, summary, exc, n_exc,
+               edge, edge_sq, hist_shift, summary_shift, out):  # pragma: no cover - compiled  # fmt: skip
+    # The statistics of consecutive blocks of one tensor in one call (a call per block cost more
+    # than a 64 KiB block's arithmetic): per block k, bytes raw_start[k]:raw_start[k + 1] of e_raw
+    # and b_raw (the expert's and the base's), elements start[k]:start[k + 1] of the patterns e, b
+    # (delta_pass' arguments), of abs_bits and of codes. ew, bw: the patterns' 64-bit words (the
+    # whole words of the group). A block whose bytes equal the base's only counts as zeros;
+    # another gets what stats.block_stats computes: delta_pass, then block_hist while the
+    # exceptions fit, else abs_pass. out: (ident, nonfinite, zeros, mx, hcount, hsum, hsq, sk,
+    # bd) arrays with a row per block, zero on entry. Returns the exceptions in all (n_exc).
+    ident, nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd = out
+    size = lanes[0]
+    counts = np.zeros(edge.shape[0], np.int64)
+    per = 1 << (hist_shift - summary_shift)
+    for k in range(raw_start.shape[0] - 1):
+        s, t = start[k], start[k + 1]
+        if _same(e_raw[raw_start[k] : raw_start[k + 1]], b_raw[raw_start[k] : raw_start[k + 1]]):
+            ident[k] = True
+            abs_bits[s:t] = 0
+            summary[0] += t - s
+            continue
+        w0, w1 = s * size, t * size  # the block's pattern bytes; words only when they start on one
+        if w0 % 8 == 0 and w1 // 8 <= ew.shape[0]:
+            bew, bbw = ew[w0 // 8 : w1 // 8], bw[w0 // 8 : w1 // 8]
+        else:
+            bew, bbw = ew[:0], bw[:0]
+        first = n_exc
+        bad, n_exc = _block_pass(
+            e[s:t], b[s:t], bew, bbw, shift, abs_bits[s:t], codes[s:t], counts, sk[k], bd[k], exc, n_exc, lanes
+        )
+        nonfinite[k] = bad
+        if n_exc < exc.shape[0]:  # the exceptions so far all fit
+            hc, hs, hq, m, z = block_hist(counts, summary, exc[first:n_exc], edge, edge_sq, hist_shift, summary_shift)
+            hcount[k], hsum[k], hsq[k], mx[k], zeros[k] = hc, hs, hq, m, z
+        else:
+            for h in range(hcount.shape[1]):
+                c = 0
+                for j in range(h * per, (h + 1) * per):
+                    summary[j] += counts[j]
+                    c += counts[j]
+                hcount[k, h] = c
+            m32, z = abs_pass(abs_bits[s:t], abs_bits[s:t].view(np.float32), hsum[k], hsq[k])
+            mx[k], zeros[k] = m32, z
+        counts[:] = 0
+    return n_exc

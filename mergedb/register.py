@@ -59,8 +59,7 @@ def register(
     `paths` are model folders, .safetensors files, or folders of those. With `base=True` they
     are bases; otherwise experts of `base_model` (a registered base, or one of `paths` by name;
     the catalog's only base when omitted). Idempotent: an unchanged checkpoint is skipped.
-    `block_size`, `vocab_block_size`: a new base's layout (units.block_sizes: a size, or "auto",
-    the default: vocabulary tensors in 64 KiB blocks of at most 64 rows, others 4 MiB); experts
+    `block_size`, `vocab_block_size`: a new base's layout (units.block_sizes; default "auto"); experts
     use their base's, and a layout given for a base already registered with another one is
     refused (its experts' rows are per block: it cannot change in place).
     `threads` (default: the machine's cores) never changes a stored row.
@@ -180,19 +179,25 @@ def register(
             if progress:
                 progress(n)
 
-    # Phase 1: read the files (catalog closed).
+    # Phase 1: read the files (catalog closed). A base registered with its experts is hashed by
+    # their scan, which reads its blocks anyway (scan.scan_family): one read of it, not two.
+    fused = base_ckpt_name if todo_experts and not scanner and base_ckpt_name in {b.name for b in todo_bases} else None
     families: dict[str, tuple[Checkpoint, list[FamilyTensor], list[str]]] = {}
     for b in todo_bases:
         fam = scan.layout(b, rule)
-        families[b.name] = (b, fam, scan.hash_base(b, fam, threads, tick))
+        families[b.name] = (b, fam, [] if b.name == fused else scan.hash_base(b, fam, threads, tick))
     results: list = []
     if todo_experts or todo_adapters:  # one pool over every (expert, tensor): all cores busy to the end
         assert base_ckpt_name is not None
         if base_ckpt_name not in families:
             families[base_ckpt_name] = _load_family(cat, base_ckpt_name)
         b, fam, hashes = families[base_ckpt_name]
+        if fused is not None:
+            hashes, expert_stats = scan.scan_family(b, todo_experts, fam, dim, threads, tick)
+            families[base_ckpt_name] = (b, fam, hashes)
+            results += zip(todo_experts, expert_stats)
         keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
-        if todo_experts:
+        if todo_experts and fused is None:
             scan_experts = scanner or scan.scan_experts
             results += zip(todo_experts, scan_experts(b, todo_experts, fam, keyed, dim, threads, tick))
         if todo_adapters:

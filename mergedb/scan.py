@@ -6,6 +6,8 @@ largest first and a tensor's units together; the numeric work runs in numba/nump
 released. Peak memory is a few blocks per worker plus, per worker, a float32 |Δ| buffer and a
 half-size exceptions buffer of the largest tensor (exact top-k thresholds), plus the sketch codes
 (2 bytes per element) and the base bytes of the tensors in flight.
+Consecutive blocks of a tensor go through one compiled call (blockgroups.py), and a base registered
+with its experts is hashed by their scan (scan_family: its file is read once, not twice).
 Produces plain Python/numpy rows; register.py stores them.
 """
 
@@ -21,12 +23,12 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from . import stats
+from . import blockgroups, stats
 from .checkpoint import Checkpoint
 from .errors import AlignmentError
-from .layout import FamilyTensor, element_offset, family_layout, vocab_size
+from .layout import Block, FamilyTensor, family_layout, vocab_size
 from .sources import RemoteOptions, Sources, declare
-from .tensorfile import DTYPES, TensorInfo, as_float32
+from .tensorfile import TensorInfo
 from .units import BlockSizes, check_threads
 
 Progress = Callable[[int], None]
@@ -166,6 +168,11 @@ class _Shared:
 
     get = codes  # lorascan's name for it
 
+    def group_codes(self, ft: FamilyTensor, group: list[Block]) -> np.ndarray:
+        """The sketch codes of consecutive blocks, one table (each block's part under its own key)."""
+        make = lambda: blockgroups.group_codes(ft, group, self.dim)  # noqa: E731
+        return self._get(ft.tensor_idx, ("group codes", group[0].block_idx), make)
+
     def release(self, tensor_idx: int) -> None:
         with self.lock:
             self.left[tensor_idx] -= 1
@@ -194,21 +201,15 @@ def hash_base(base: Checkpoint, family: list[FamilyTensor], threads: int, progre
 
     def one(ft: FamilyTensor) -> list[tuple[str, float | None, int | None]]:
         fi, t = where[ft.name]
-        raw_dtype = np.dtype(DTYPES[ft.dtype][1]) if ft.mergeable else None
         out = []
-        for blk in ft.blocks:
-            buf = scratch.get("raw", blk.nbytes)
-            files.src[fi].read_into(memoryview(buf), t.start + blk.byte_start)
-            norm: float | None = None
-            bad: int | None = None
-            if ft.mergeable:
-                x = buf.view(raw_dtype)  # BF16 and F32 are decoded inside base_block_stats
-                if ft.dtype not in ("BF16", "F32"):
-                    x = as_float32(x, ft.dtype, scratch.get("x", blk.numel * 4).view(np.float32))
-                norm, bad = stats.base_block_stats(x)
-            out.append((xxhash.xxh3_128_hexdigest(buf), norm, bad))
+        for group in blockgroups.groups(ft.blocks):  # one compiled call per group, not per block
+            at = np.cumsum([0] + [blk.nbytes for blk in group])
+            buf = scratch.get("raw", int(at[-1]))
+            for i, blk in enumerate(group):
+                files.src[fi].read_into(memoryview(buf[at[i] : at[i + 1]]), t.start + blk.byte_start)
+            out += blockgroups.base_rows(ft, group, buf, scratch.get)
             if progress:
-                progress(blk.nbytes)
+                progress(int(at[-1]))
         return out
 
     order = sorted(family, key=lambda ft: (-ft.nbytes, ft.tensor_idx))  # largest first: a short tail
@@ -233,6 +234,35 @@ def scan_experts(
     threads: int,
     progress: Progress | None = None,
 ) -> list[ExpertStats]:
+    """Read every expert (and the base blocks it needs) once; exact delta statistics per block and
+    tensor (_scan). `base_hashes`: the registered base's block hashes, by (tensor, block)."""
+    return _scan(base, experts, family, base_hashes, sketch_dim, threads, progress)[0]
+
+
+def scan_family(
+    base: Checkpoint,
+    experts: list[Checkpoint],
+    family: list[FamilyTensor],
+    sketch_dim: int,
+    threads: int,
+    progress: Progress | None = None,
+) -> tuple[BaseBlocks, list[ExpertStats]]:
+    """hash_base and scan_experts in one pass for a base registered with its experts: the base is
+    read once (the scan reads its blocks anyway), and its hashing runs on all cores with the rest."""
+    out, base_blocks = _scan(base, experts, family, None, sketch_dim, threads, progress)
+    rows = [base_blocks[ft.tensor_idx, blk.block_idx] for ft in family for blk in ft.blocks]
+    return BaseBlocks([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]), out
+
+
+def _scan(
+    base: Checkpoint,
+    experts: list[Checkpoint],
+    family: list[FamilyTensor],
+    base_hashes: dict[tuple[int, int], str] | None,
+    sketch_dim: int,
+    threads: int,
+    progress: Progress | None = None,
+) -> tuple[list[ExpertStats], dict[tuple[int, int], tuple[str, float | None, int | None]]]:
     """Read every expert (and the base blocks it needs) once; exact delta statistics per block and tensor.
 
     One pool of (expert, tensor) units over all experts, largest tensor first, so the tail where
@@ -244,6 +274,8 @@ def scan_experts(
     flight, its sketch code (2 bytes) and its base bytes: flat in the number of experts. The base
     is decoded again for each expert, inside the statistics pass (a shift per bf16 element). Rows come back in
     (tensor, block) order per expert, whatever the thread count or the order units finish in.
+    `base_hashes` None: the base is being registered too; its blocks' hashes and statistics
+    (hash_base's) are computed from the base blocks read here, and returned with the rows.
     """
     check_threads(threads)
     for expert in experts:
@@ -264,7 +296,8 @@ def scan_experts(
         bfi, bt = bwhere[ft.name]
         efi, et = ewhere[k][ft.name]
         efiles.src[efi].will_need(et.start, et.nbytes)
-        raw_dtype = np.dtype(DTYPES[ft.dtype][1]) if ft.mergeable else None
+        if base_hashes is None:  # this scan reads the base first (scan_family): ask for it ahead too
+            bfiles.src[bfi].will_need(bt.start, bt.nbytes)
         rows: list[BlockRow] = []
         hashes: list[str] = []
         abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32) if ft.mergeable else None
@@ -273,40 +306,48 @@ def scan_experts(
         cap = ft.numel // 2 + 1024 if ft.mergeable else 0
         exceptions = stats.Exceptions(cap, scratch.get("exc", cap * 4 + 4).view(np.uint32))
         all_identical = True
-        for blk in ft.blocks:
-            eraw = scratch.get("e", blk.nbytes)
-            efiles.src[efi].read_into(memoryview(eraw), et.start + blk.byte_start)
-            read_base = lambda buf, at=bt.start + blk.byte_start: bfiles.src[bfi].read_into(memoryview(buf), at)  # noqa: E731
+        for group in blockgroups.groups(ft.blocks):
+            at = np.cumsum([0] + [blk.nbytes for blk in group])  # each block's bytes in the group's
+            eraw = scratch.get("e", int(at[-1]))
+            for i, blk in enumerate(group):
+                efiles.src[efi].read_into(memoryview(eraw[at[i] : at[i + 1]]), et.start + blk.byte_start)
+
+            def read_base(buf: np.ndarray, group: list[Block] = group, at: np.ndarray = at) -> None:
+                for i, blk in enumerate(group):
+                    bfiles.src[bfi].read_into(memoryview(buf[at[i] : at[i + 1]]), bt.start + blk.byte_start)
+                if base_hashes is None:  # once per group (_Shared): the base's own rows
+                    brows = blockgroups.base_rows(ft, group, buf, scratch.get)
+                    computed.update(zip(((ft.tensor_idx, b.block_idx) for b in group), brows))
+                    if progress:
+                        progress(int(at[-1]))
+
             if shared is not None:
-                braw = shared.base(ft, blk.block_idx, read_base, blk.nbytes)
+                braw = shared.base(ft, group[0].block_idx, read_base, int(at[-1]))
             else:
-                braw = scratch.get("b", blk.nbytes)
+                braw = scratch.get("b", int(at[-1]))
                 read_base(braw)
-            identical = stats.same_bytes(eraw, braw)
-            key = (ft.tensor_idx, blk.block_idx)
-            chash = base_hashes[key] if identical else xxhash.xxh3_128_hexdigest(eraw)
-            hashes.append(chash)
             if progress:
-                progress(2 * blk.nbytes)  # the expert's block and the base's
+                progress(2 * int(at[-1]))  # the expert's blocks and the base's
             if not ft.mergeable:
+                for i, blk in enumerate(group):
+                    e_i, b_i = eraw[at[i] : at[i + 1]], braw[at[i] : at[i + 1]]
+                    same = stats.same_bytes(e_i, b_i)
+                    hashes.append(hash_of(ft.tensor_idx, blk.block_idx) if same else xxhash.xxh3_128_hexdigest(e_i))
                 continue
-            n0 = element_offset(ft, blk)
-            seg = abs_delta[n0 : n0 + blk.numel]
-            if identical:
-                seg[:] = 0
-                summary[0] += blk.numel
-                rows.append(_zero_row(ft.tensor_idx, blk.block_idx, chash, sketch_dim))
-                continue
-            all_identical = False
-            if ft.dtype in ("BF16", "F32"):  # decoded inside the statistics pass
-                ef, bf = eraw.view(raw_dtype), braw.view(raw_dtype)
-            else:
-                ef = as_float32(eraw.view(raw_dtype), ft.dtype, scratch.get("ef", blk.numel * 4).view(np.float32))
-                bf = as_float32(braw.view(raw_dtype), ft.dtype, scratch.get("bf", blk.numel * 4).view(np.float32))
-            skey = stats.sketch_key(ft.name, blk.block_idx)
-            codes = shared.codes(ft, blk.block_idx, blk.numel) if shared is not None else None
-            s = stats.block_stats(ef, bf, seg, skey, summary, sketch_dim, exceptions, codes)
-            rows.append(changed_row(ft.tensor_idx, blk.block_idx, chash, s))
+            gcodes = shared.group_codes(ft, group) if shared is not None else None
+            out = blockgroups.expert_stats(
+                ft, group, eraw, braw, abs_delta, summary, exceptions, gcodes, sketch_dim, scratch.get
+            )
+            for i, blk in enumerate(group):
+                if out[0][i]:  # the block's bytes equal the base's
+                    chash = hash_of(ft.tensor_idx, blk.block_idx)
+                    rows.append(_zero_row(ft.tensor_idx, blk.block_idx, chash, sketch_dim))
+                else:
+                    all_identical = False
+                    chash = xxhash.xxh3_128_hexdigest(eraw[at[i] : at[i + 1]])
+                    s = stats.group_block_stats(out, i, blk.numel)
+                    rows.append(changed_row(ft.tensor_idx, blk.block_idx, chash, s))
+                hashes.append(chash)
         if not ft.mergeable:
             return rows, None, hashes
         if all_identical:
@@ -321,7 +362,14 @@ def scan_experts(
         ((k, ft) for k in range(len(experts)) for ft in family),
         key=lambda u: (-u[1].nbytes, u[1].tensor_idx, u[0]),
     )
-    shared = _Shared({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if len(experts) > 1 else None
+    computed: dict[tuple[int, int], tuple[str, float | None, int | None]] = {}  # base rows (base_hashes None)
+
+    def hash_of(tensor_idx: int, block_idx: int) -> str:
+        return base_hashes[tensor_idx, block_idx] if base_hashes is not None else computed[tensor_idx, block_idx][0]
+
+    # a tensor's units share its base blocks (and, base_hashes None, compute the base's rows once)
+    many = len(experts) > 1 or base_hashes is None
+    shared = _Shared({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if many else None
     done: dict[tuple[int, int], tuple[list[BlockRow], TensorRow | None, list[str]]] = {}
     with _opened([base, *experts]) as (bfiles, *expert_files):
         if any(s.remote for f in (bfiles, *expert_files) for s in f.src):
@@ -341,7 +389,7 @@ def scan_experts(
             all_hashes.extend(hashes)
         st.content_hash = content_hash(all_hashes)
         out.append(st)
-    return out
+    return out, computed
 
 
 def _scan_reads(units, bfiles, bwhere, expert_files, ewhere):  # type: ignore[no-untyped-def]

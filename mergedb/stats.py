@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from .deltapass import abs_pass as _abs_pass
+from .deltapass import block_hist, delta_pass
 from .deltapass import decode as _decode
-from .deltapass import delta_pass
 from .summary import (  # re-exported: stats.X names what registration computes
     DEFAULT_SKETCH_DIM,
     DENSITY_GRID,
@@ -94,6 +95,21 @@ def base_block_stats(x: np.ndarray) -> tuple[float, int]:
 
 
 @numba.njit(nogil=True, cache=True)
+def _base_group(x, start, shift, ss, bad):  # pragma: no cover - compiled
+    for k in range(start.shape[0] - 1):
+        ss[k], bad[k] = _base_pass(x[start[k] : start[k + 1]], shift)
+
+
+def base_group_stats(x: np.ndarray, start: np.ndarray) -> list[tuple[float, int]]:
+    """base_block_stats of consecutive blocks of `x` (block k: elements start[k]:start[k + 1]) in
+    one compiled call, block by block the same numbers."""
+    shift = 16 if x.dtype == np.uint16 else 0
+    ss, bad = np.zeros(len(start) - 1), np.zeros(len(start) - 1, np.int64)
+    _base_group(x if shift else x.view(np.uint32), np.asarray(start, np.int64), shift, ss, bad)
+    return [(float(np.sqrt(v)), int(c)) for v, c in zip(ss, bad)]
+
+
+@numba.njit(nogil=True, cache=True)
 def _equal_words(a, b):  # pragma: no cover - compiled
     # a, b: (n,) uint64; compared 512 words (4 KiB) at a time, so a block that differs early
     # (most changed blocks do) costs almost nothing, and an equal one one vectorised pass
@@ -136,34 +152,19 @@ def _bucket_codes(key, dim, out):  # pragma: no cover - compiled
         out[i] = np.uint16(2 * j + (sign < 0))
 
 
-def sketch_codes(key: np.uint64, n: int, dim: int) -> np.ndarray:
+def sketch_codes(key: np.uint64, n: int, dim: int, out: np.ndarray | None = None) -> np.ndarray:
     """The CountSketch bucket and sign of each of `n` elements under `key`, as (n,) uint16 codes
     2·bucket + (sign < 0). They depend on the tensor, block and position only, never on the
-    checkpoint, so one table serves every expert's block; block_stats takes it instead of hashing."""
+    checkpoint, so one table serves every expert's block; block_stats takes it instead of hashing.
+    `out`: an (n,) uint16 array to fill (e.g. a block's part of a group's table), else a new one."""
     if not 0 < dim <= MAX_SKETCH_DIM:
         raise ValueError(f"sketch dimension {dim} does not fit a uint16 code (1..{MAX_SKETCH_DIM})")
-    out = np.empty(n, np.uint16)
+    if out is None:
+        out = np.empty(n, np.uint16)
+    elif out.shape != (n,) or out.dtype != np.uint16:
+        raise ValueError(f"sketch_codes' out must be ({n},) uint16, not {out.shape} {out.dtype}")
     _bucket_codes(np.uint64(key), dim, out)
     return out
-
-
-@numba.njit(nogil=True, cache=True)
-def _abs_pass(abs_bits, abs_val, hsum, hsq):  # pragma: no cover - compiled
-    # The statistics of |Δ| that do not follow from the summary when a block's exceptions did not
-    # fit: per histogram bin Σ|Δ| and ΣΔ² (float64), and max |Δ|, over finite |Δ|; zeros count.
-    mx = np.float32(0.0)
-    zeros = 0
-    for i in range(abs_bits.shape[0]):
-        bits = abs_bits[i]
-        zeros += bits == 0
-        if bits >= np.uint32(0x7F800000):  # NaN or Inf
-            continue
-        av = abs_val[i]
-        mx = max(mx, av)
-        q = np.float64(av) * np.float64(av)
-        hsum[bits >> 22] += av
-        hsq[bits >> 22] += q
-    return mx, zeros
 
 
 @numba.njit(nogil=True, cache=True)
@@ -205,9 +206,9 @@ class Exceptions:
 
 # lower edge of every summary bin, and its square, as float64 (both exact); 0 for the codes of
 # Inf/NaN patterns, which the summary never counts
-_EDGE = np.arange(SUMMARY_BINS, dtype=np.uint32) << np.uint32(SUMMARY_SHIFT)
-_EDGE = np.where(_EDGE < np.uint32(0x7F800000), _EDGE, np.uint32(0)).view(np.float32).astype(np.float64)
-_EDGE_SQ = _EDGE * _EDGE
+EDGE = np.arange(SUMMARY_BINS, dtype=np.uint32) << np.uint32(SUMMARY_SHIFT)
+EDGE = np.where(EDGE < np.uint32(0x7F800000), EDGE, np.uint32(0)).view(np.float32).astype(np.float64)
+EDGE_SQ = EDGE * EDGE
 
 
 def block_stats(
@@ -243,30 +244,18 @@ def block_stats(
         codes = sketch_codes(key, n, dim)
     nonfinite, n_exc = delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc.buf, exc.n)
     exc.n = n_exc
-    summary += counts
-    # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins
-    hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)
-    nz = np.flatnonzero(hcount)
-    if exc.complete:
-        mine = exc.buf[first : exc.n]  # (m,) uint32 this block's exceptions
-        v = mine.view(np.float32).astype(np.float64)
-        plain = counts - np.bincount(mine >> np.uint32(SUMMARY_SHIFT), minlength=SUMMARY_BINS)  # = their edge
-        hbin = mine >> np.uint32(HIST_SHIFT)
-        # per histogram bin, Σ of its 32 summary bins' count × edge: only the non-empty bins (the
-        # same row sums, in the same order, as over all 512; the others are 0)
-        rows = plain.reshape(HIST_BINS, -1)[nz]  # (len(nz), 32)
-        hsum, hsq = np.zeros(HIST_BINS), np.zeros(HIST_BINS)
-        hsum[nz] = (rows * _EDGE.reshape(HIST_BINS, -1)[nz]).sum(axis=1)
-        hsq[nz] = (rows * _EDGE_SQ.reshape(HIST_BINS, -1)[nz]).sum(axis=1)
-        hsum += np.bincount(hbin, v, HIST_BINS)
-        hsq += np.bincount(hbin, v * v, HIST_BINS)
-        top = np.flatnonzero(plain)
-        mx = max(float(v.max()) if len(v) else 0.0, float(_EDGE[top[-1]]) if len(top) else 0.0)
-        zeros = int(plain[0])  # code 0 outside the exceptions is exactly zero
+    if exc.complete:  # one compiled pass over the counts and this block's exceptions
+        hcount, hsum, hsq, mx, zeros = block_hist(
+            counts, summary, exc.buf[first : exc.n], EDGE, EDGE_SQ, HIST_SHIFT, SUMMARY_SHIFT
+        )
     else:
+        summary += counts
+        # a histogram bin is 2^(SUMMARY_SHIFT - HIST_SHIFT) = 32 consecutive summary bins
+        hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)
         hsum = np.zeros(HIST_BINS)
         hsq = np.zeros(HIST_BINS)
         mx, zeros = _abs_pass(abs_bits, abs_out, hsum, hsq)
+    nz = np.flatnonzero(hcount)
     lo = (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32)
     norm = float(np.sqrt(hsq.sum())) if nonfinite == 0 else float("nan")
     base_dot = float((bd[0] + bd[1]) + (bd[2] + bd[3])) if nonfinite == 0 else float("nan")
@@ -281,6 +270,37 @@ def block_stats(
         hsq[nz],
         sk.astype(np.float32),
         base_dot,
+    )
+
+
+def group_arrays(n_blocks: int, dim: int) -> tuple[np.ndarray, ...]:
+    """deltapass.group_pass' `out`: a zeroed row per block of (identical, NaN/Inf count, zeros,
+    max |Δ|, histogram counts, Σ|Δ|, ΣΔ², sketch, the four partial sums of θ₀·Δ)."""
+    z = np.zeros
+    return (
+        z(n_blocks, np.bool_), z(n_blocks, np.int64), z(n_blocks, np.int64), z(n_blocks),
+        z((n_blocks, HIST_BINS), np.int64), z((n_blocks, HIST_BINS)), z((n_blocks, HIST_BINS)),
+        z((n_blocks, dim)), z((n_blocks, 4)),
+    )  # fmt: skip
+
+
+def group_block_stats(out: tuple[np.ndarray, ...], k: int, n: int) -> BlockStats:
+    """Block k's statistics from deltapass.group_pass' `out` (n: its elements), exactly as
+    block_stats returns them for the same block."""
+    _, nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd = out
+    nz = np.flatnonzero(hcount[k])
+    ok = nonfinite[k] == 0
+    return BlockStats(
+        float(np.sqrt(hsq[k].sum())) if ok else float("nan"),
+        float(mx[k]),
+        n - int(zeros[k]),
+        int(nonfinite[k]),
+        (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32),
+        hcount[k][nz],
+        hsum[k][nz],
+        hsq[k][nz],
+        sk[k].astype(np.float32),
+        float((bd[k, 0] + bd[k, 1]) + (bd[k, 2] + bd[k, 3])) if ok else float("nan"),
     )
 
 

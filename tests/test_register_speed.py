@@ -3,7 +3,10 @@ sort, and the catalog rows for every thread count (one pool over all (expert, te
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,19 +155,48 @@ def test_register_threads_default_is_the_machines_cores(tmp_path, monkeypatch):
     from mergedb import scan
 
     seen = []
-    real = scan.scan_experts
+    real = scan._scan  # scan_experts' and scan_family's
 
     def spy(*args, **kwargs):
         seen.append(args[5])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(scan, "scan_experts", spy)
+    monkeypatch.setattr(scan, "_scan", spy)
     monkeypatch.setattr("os.cpu_count", lambda: 3)
     fam = synth.make_family(tmp_path / "family", experts=1, size="tiny", seed=2)
     from mergedb.register import register
 
     register(Catalog(tmp_path / "c.duckdb"), [fam], base_model="base")
     assert seen == [3]
+
+
+@pytest.mark.parametrize("experts", [1, 3])
+def test_base_registered_with_its_experts_is_read_once(tmp_path, monkeypatch, experts):
+    """A base registered in the same call as its experts is hashed by their scan (scan_family): its
+    file is read once, and every row equals registering the base first, then the experts."""
+    from mergedb import sources
+    from mergedb.checkpoint import open_checkpoint
+
+    fam = synth.make_family(tmp_path / "family", experts=experts, size="tiny", dtype="fp16", seed=4)
+    names = [fam / f"expert_{k:02d}" for k in range(experts)]
+    ref = Catalog(tmp_path / "ref.duckdb")
+    ref.register([fam / "base"], base=True, block_size=4096)
+    ref.register(names, base_model="base")
+    read: dict[str, int] = {}
+    real = sources.LocalFile.read_into
+
+    def spy(self, buf, offset):  # type: ignore[no-untyped-def]
+        read[Path(self.path).parent.name] = read.get(Path(self.path).parent.name, 0) + len(buf)
+        return real(self, buf, offset)
+
+    monkeypatch.setattr(sources.LocalFile, "read_into", spy)
+    cat = Catalog(tmp_path / "one.duckdb")
+    cat.register([fam], base_model="base", block_size=4096)
+    assert read["base"] == sum(t.nbytes for _, t in open_checkpoint(fam / "base").tensors)
+    got, want = _rows(cat), _rows(ref)
+    assert got["blocks"] and got["blocks"] == want["blocks"]
+    for table in want:
+        assert got[table] == want[table], table
 
 
 def _ref_bucket_sign(key: int, n: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -321,7 +353,131 @@ def test_delta_pass_finds_the_zero_chunks():
         (16, *(x.view(np.uint32) >> 16 for x in (expert, base))),
     ):
         e, b = (e, b) if shift == 0 else (e.astype(np.uint16), b.astype(np.uint16))
-        size, em, el, top = deltapass._LANES[shift]
+        size, em, el, top = deltapass.LANES[shift]
         words = deltapass.CHUNK * size // 8
         ew, bw = (x.view(np.uint8)[: x.size * size // 8 * 8].view(np.uint64) for x in (e, b))
         np.testing.assert_array_equal(deltapass._equal_chunks(ew, bw, words, 1, em, el, top), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 40000),
+    fp32=st.booleans(),
+    spread=st.floats(0.0, 30.0),  # magnitudes of |Δ| over e^±spread: many bins or few
+    frozen=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_block_hist_equals_the_numpy_formula_bit_for_bit(n, fp32, spread, frozen, seed):
+    """deltapass.block_hist (the histogram of a block from its summary counts and exceptions, in one
+    compiled pass) stores exactly what the numpy expressions it replaced stored: the same float64
+    sums in the same order (numpy's pairwise row sums, bincount's sequential ones), bit for bit."""
+    from mergedb import deltapass
+
+    rng = np.random.default_rng(seed)
+    d = (rng.normal(0, 1, n) * np.exp(rng.uniform(-spread, spread, n))).astype(np.float32)
+    d[: int(frozen * n)] = 0
+    a = np.abs(d) if fp32 else np.abs(_bf16(d))
+    bits = a.view(np.uint32)
+    counts = np.bincount(bits >> 17, minlength=stats.SUMMARY_BINS).astype(np.int64)
+    exc = bits[(bits & 0x1FFFF) != 0]  # the exceptions, in element order
+    # the reference: block_stats' numpy formula before block_hist
+    edge = np.arange(stats.SUMMARY_BINS, dtype=np.uint32) << np.uint32(17)
+    edge = np.where(edge < np.uint32(0x7F800000), edge, np.uint32(0)).view(np.float32).astype(np.float64)
+    hcount = counts.reshape(stats.HIST_BINS, -1).sum(axis=1)
+    nz = np.flatnonzero(hcount)
+    v = exc.view(np.float32).astype(np.float64)
+    plain = counts - np.bincount(exc >> np.uint32(17), minlength=stats.SUMMARY_BINS)
+    hbin = exc >> np.uint32(22)
+    rows = plain.reshape(stats.HIST_BINS, -1)[nz]
+    hsum, hsq = np.zeros(stats.HIST_BINS), np.zeros(stats.HIST_BINS)
+    hsum[nz] = (rows * edge.reshape(stats.HIST_BINS, -1)[nz]).sum(axis=1)
+    hsq[nz] = (rows * (edge * edge).reshape(stats.HIST_BINS, -1)[nz]).sum(axis=1)
+    hsum += np.bincount(hbin, v, stats.HIST_BINS)
+    hsq += np.bincount(hbin, v * v, stats.HIST_BINS)
+    top = np.flatnonzero(plain)
+    mx = max(float(v.max()) if len(v) else 0.0, float(edge[top[-1]]) if len(top) else 0.0)
+
+    summary = np.arange(stats.SUMMARY_BINS, dtype=np.int64)
+    got = deltapass.block_hist(counts.copy(), summary, exc, edge, edge * edge, 22, 17)
+    np.testing.assert_array_equal(summary, np.arange(stats.SUMMARY_BINS) + counts)
+    np.testing.assert_array_equal(got[0], hcount)
+    assert got[1].tobytes() == hsum.tobytes() and got[2].tobytes() == hsq.tobytes()
+    assert repr(float(got[3])) == repr(mx) and got[4] == plain[0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 3 * 512 * 16 + 5), min_size=1, max_size=6),  # elements per block
+    fp32=st.booleans(),
+    same=st.lists(st.booleans(), min_size=6, max_size=6),  # which blocks equal the base's
+    frozen=st.floats(0.0, 1.0),  # leading part of a block equal to the base (zero chunks)
+    cap=st.sampled_from([0, 50, 10**6]),  # exceptions that fit: none, a few, all
+    nonfinite=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_group_pass_equals_block_stats_per_block(sizes, fp32, same, frozen, cap, nonfinite, seed):
+    """deltapass.group_pass (consecutive blocks in one call) gives every block exactly what
+    stats.block_stats gives it alone, in order: the same rows bit for bit, |Δ|, tensor summary and
+    exceptions, whatever the block sizes (word-aligned or not), equal blocks and overflow."""
+    from mergedb import deltapass
+
+    rng = np.random.default_rng(seed)
+    n = sum(sizes)
+    base = _bf16(rng.normal(0, 0.02, n))
+    expert = base + rng.normal(0, 1e-3, n).astype(np.float32)
+    expert = expert.astype(np.float32) if fp32 else _bf16(expert)
+    start = np.cumsum([0, *sizes])
+    for k, (s, t) in enumerate(zip(start[:-1], start[1:])):
+        cut = s + int(frozen * (t - s))
+        expert[s:cut] = base[s:cut]
+        if same[k]:
+            expert[s:t] = base[s:t]
+    if nonfinite:
+        expert[rng.integers(0, n)] = np.nan
+    pat = (lambda x: x.view(np.uint32)) if fp32 else (lambda x: (x.view(np.uint32) >> 16).astype(np.uint16))
+    e, b = pat(expert), pat(base)
+    size = e.itemsize
+    codes = [stats.sketch_codes(stats.sketch_key("t", k), m, 16) for k, m in enumerate(sizes)]
+
+    # reference: block_stats block by block
+    want_abs = np.empty(n, np.float32)
+    want_sum = np.zeros(stats.SUMMARY_BINS, np.int64)
+    want_exc = stats.Exceptions(cap)
+    want = []
+    for k, (s, t) in enumerate(zip(start[:-1], start[1:])):
+        if np.array_equal(e[s:t], b[s:t]):
+            want_abs[s:t] = 0
+            want_sum[0] += t - s
+            want.append(None)
+        else:
+            ek, bk = (x[s:t].view(np.float32) if fp32 else x[s:t] for x in (e, b))
+            st_ = stats.block_stats(ek, bk, want_abs[s:t], 0, want_sum, 16, want_exc, codes[k])
+            want.append(st_)
+
+    got_abs = np.empty(n, np.float32)
+    got_sum = np.zeros(stats.SUMMARY_BINS, np.int64)
+    got_exc = stats.Exceptions(cap)
+    out = stats.group_arrays(len(sizes), 16)
+    n8 = e.nbytes // 8 * 8
+    ew, bw = (x.view(np.uint8)[:n8].view(np.uint64) for x in (e, b))
+    shift = 0 if fp32 else 16
+    got_exc.n = deltapass.group_pass(
+        e.view(np.uint8), b.view(np.uint8), e, b, ew, bw, shift, deltapass.LANES[shift], start * size, start,
+        got_abs.view(np.uint32), np.concatenate(codes), got_sum, got_exc.buf, 0,
+        stats.EDGE, stats.EDGE_SQ, stats.HIST_SHIFT, stats.SUMMARY_SHIFT, out,
+    )  # fmt: skip
+    assert got_abs.tobytes() == want_abs.tobytes() and np.array_equal(got_sum, want_sum)
+    assert (
+        got_exc.n == want_exc.n
+        and got_exc.buf[: min(got_exc.n, cap + 1)].tobytes() == want_exc.buf[: min(want_exc.n, cap + 1)].tobytes()
+    )
+    for k, w in enumerate(want):
+        assert bool(out[0][k]) == (w is None)
+        if w is not None:
+            g = stats.group_block_stats(out, k, sizes[k])
+            for name in w.__dataclass_fields__:
+                x, y = getattr(w, name), getattr(g, name)
+                if isinstance(x, np.ndarray):
+                    assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
+                else:
+                    assert repr(x) == repr(y) and type(x) is type(y), name

@@ -49,7 +49,7 @@ import atexit
 # at exit, not after main(): an execute process may end inside main (os._exit after the atexit handlers)
 atexit.register(lambda: (mark("main_done"), print("PHASES", json.dumps(T), flush=True)))
 try:
-    cli.main()
+    cli.entry()  # the console script's entry: its own process
 except SystemExit as e:
     assert not e.code, e.code
 """

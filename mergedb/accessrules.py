@@ -62,7 +62,7 @@ def check(value_model: str, min_coverage: float | None, method: methods.Method, 
     if value_model == "consensus" and not method.consensus:
         raise PlanError(
             f"--value consensus models TIES-style sign election; method {method.name} has none (use it with ties, "
-            "dare_ties, breadcrumbs_ties or della, or keep --value norm)"
+            "dare_ties, breadcrumbs_ties or della, or keep the default --value norm-sqrt)"
         )
     if value_model != "norm" and strategy != "ranked":
         raise PlanError(f"--value {value_model} sets the ranked planner's value; --strategy {strategy} ignores it")

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import bounds, freshmem, greedy
-from .errors import PlanError
+from .errors import CatalogError, PlanError
 from .faults import unregister
 from .resources import query
 
@@ -218,6 +218,12 @@ def trimmed_norms(batch: pa.RecordBatch, first: int, out: np.ndarray) -> None:
     edge arithmetic in float32 as the stored edges and trims are; a free block's norm is 0."""
     lo_col = batch.column(first)
     offsets = lo_col.offsets.to_numpy()  # (n+1,): this batch's rows into the (unsliced) value buffers
+    for c in (first + 1, first + 2):
+        if not np.array_equal(batch.column(c).offsets.to_numpy(), offsets):
+            raise CatalogError(
+                "expert_blocks has a block whose hist_lo, hist_hi and hist_sumsq differ in length; the catalog "
+                "is damaged: register the experts again into a new catalog"
+            )
     a, b = int(offsets[0]), int(offsets[-1])
     lo = lo_col.values.to_numpy()[a:b]
     hi = batch.column(first + 1).values.to_numpy()[a:b]
@@ -229,8 +235,8 @@ def trimmed_norms(batch: pa.RecordBatch, first: int, out: np.ndarray) -> None:
     t_hi[np.isnan(t_hi)] = np.inf  # no upper trim
     row = np.repeat(np.arange(n), np.diff(offsets))
     kept = np.minimum(hi, t_hi[row]) - np.maximum(lo, t_lo[row])  # float32
-    share = np.maximum(kept, 0).astype(np.float64) / (hi - lo)
-    out[:] = np.sqrt(np.bincount(row, weights=sumsq * share, minlength=n))
+    part = sumsq * np.maximum(kept, 0).astype(np.float64) / (hi - lo)  # the old SQL's order of operations
+    out[:] = np.sqrt(np.bincount(row, weights=part, minlength=n))
     out[batch.column(3).to_numpy(zero_copy_only=False)] = 0.0  # free: identical to the base
 
 

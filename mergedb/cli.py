@@ -292,7 +292,9 @@ def plan(
     allow_nonfinite: bool = typer.Option(
         False, "--allow-nonfinite", help="Leave NaN/Inf blocks out instead of refusing."
     ),
-    strategy: str = typer.Option("ranked", "--strategy", help="ranked (value per byte) or random (ablation)."),
+    strategy: str = typer.Option(
+        "ranked", "--strategy", help="ranked (by value for the bytes: --value) or random (ablation)."
+    ),
     estimate: bool | None = typer.Option(
         None, "--estimate/--no-estimate", help="Sketch error estimate (default: up to 2M omitted blocks)."
     ),
@@ -303,7 +305,7 @@ def plan(
         "--value",
         show_default=False,
         help="Value of a block per byte: norm-sqrt (|c|·‖Δ‖ per √byte), norm (per byte) or consensus (TIES-style "
-        "methods) [default: norm-sqrt].",
+        "methods) [default: norm-sqrt; --strategy random ignores values].",
     ),
     min_coverage: float | None = typer.Option(
         None, "--min-coverage", metavar="F", help="Read at least fraction F of each expert's useful bytes first."
@@ -708,11 +710,12 @@ def _hold_collector() -> Callable[[], None]:
 
 
 _FAST_END = False  # an `execute` ran in the `mergedb` process: end it without the interpreter's teardown
+_OWN_PROCESS = False  # set by entry(): the console script owns its process (a caller of main() does not)
 
 
 def _end_fast() -> None:
     global _FAST_END
-    _FAST_END = _PROCESS
+    _FAST_END = _PROCESS and _OWN_PROCESS
 
 
 def _exit_now(code: object) -> None:
@@ -739,8 +742,8 @@ def main() -> None:
     last collection then skips them (it costs 0.12-0.15 s once numba is loaded). Frozen at exit
     (atexit), not on return, so that a program calling main() keeps a working collector. An
     `execute` process then ends without the interpreter's teardown (`_exit_now`)."""
-    global _PROCESS
-    _PROCESS = True
+    global _PROCESS, _FAST_END
+    _PROCESS, _FAST_END = True, False
     atexit.register(gc.freeze)
     try:
         app()
@@ -750,8 +753,17 @@ def main() -> None:
             _exit_now(e.code)
         raise
     finally:
-        _PROCESS = False
+        _PROCESS, _FAST_END = False, False
+
+
+def entry() -> None:
+    """The `mergedb` console script (and `python -m mergedb.cli`): main() in a process of its own,
+    which an `execute` may end without the interpreter's teardown. A program calling main() keeps
+    running after it (SystemExit, as typer raises it)."""
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
+    main()
 
 
 if __name__ == "__main__":
-    main()
+    entry()

@@ -15,8 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from typer._coercion import RuntimeParam, build_runtime_param
-from typer._param_types import coerce_cli_path
+try:  # typer's private coercion API (0.29); another typer keeps its own coercion (install does nothing)
+    from typer._coercion import RuntimeParam, build_runtime_param
+    from typer._param_types import coerce_cli_path
+except ImportError:  # pragma: no cover - tested in a subprocess (tests/test_cliparse.py)
+    RuntimeParam = object  # type: ignore[assignment,misc]
+    build_runtime_param = coerce_cli_path = None  # type: ignore[assignment]
 
 _INT = re.compile(r"-?(?:0|[1-9][0-9]{0,17})")
 _FLOAT = re.compile(r"-?(?:0|[1-9][0-9]{0,14})(?:\.[0-9]{1,15})?")
@@ -55,7 +59,7 @@ def _utf8(text: str) -> bool:
 def install(param: Any) -> None:
     """Give `param` (a typer parameter) the plain coercion when its type and options allow it."""
     d = getattr(param, "type_descriptor", None)
-    if d is None or d.annotation not in _PLAIN or d.file_annotation is not None:
+    if build_runtime_param is None or d is None or d.annotation not in _PLAIN or d.file_annotation is not None:
         return
     info = d.parameter_info
     constrained = (info.parser, info.min, info.max, info.path_type) != (None, None, None, None)

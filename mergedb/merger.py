@@ -140,10 +140,6 @@ class Merger:
         self.defaults = [xp.default_values(p) for p in range(len(xp.experts))]
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="mergedb-io")
         self.lora = _loramerge().LoraInputs(xp) if any(is_adapter(s.path) for s in xp.experts) else None
-        # spans (units()): one read per expert and one kernel call for consecutive blocks with one expert
-        # set, exact (kernels are elementwise, keyed by element offset); not where a block is its own unit
-        plain = xp.method != "model_stock" and self.lora is None and not verify
-        self.spans = self.fused and plain and read_block is None and fold_block is None
         try:  # remote files fetch ahead on the I/O threads; adapters are read by self.lora
             self.inputs = PlanInputs(xp, self.lora.positions if self.lora else frozenset(), pool=self.io)
         except BaseException:
@@ -151,6 +147,12 @@ class Merger:
             if self.lora:
                 self.lora.close()
             raise
+        # spans (units()): one read per expert and one kernel call for consecutive blocks with one expert
+        # set, exact (kernels are elementwise, keyed by element offset); not where a block is its own unit
+        # (nor for remote files: their reads are declared block by block, fetchplan.declare_merge)
+        plain = xp.method != "model_stock" and self.lora is None and not verify
+        remote = any(src.remote for where in self.inputs.where for src, _, _ in where.values())
+        self.spans = self.fused and plain and not remote and read_block is None and fold_block is None
         fetchplan.declare_merge(xp, self.inputs)
         self.count = Counters()
         self._lock = threading.Lock()

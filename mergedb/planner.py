@@ -42,7 +42,7 @@ class PlanRequest:
     seed: int = 0
     name: str | None = None
     allow_nonfinite: bool = False  # exclude non-finite blocks instead of refusing the expert
-    strategy: str = "ranked"  # "ranked" (value per byte) or "random" (an ablation baseline)
+    strategy: str = "ranked"  # "ranked" (by value for the bytes: value_model) or "random" (an ablation baseline)
     estimate: bool | None = None  # sketch error estimate: None = only up to ESTIMATE_MAX_ROWS omitted blocks
     # per-(expert, tensor) overrides of `weights` and `params`: columns position int32 (expert position
     # in this request), tensor string (family tensor name), param string (weight | density | epsilon |

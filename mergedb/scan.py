@@ -367,8 +367,9 @@ def _scan(
     def hash_of(tensor_idx: int, block_idx: int) -> str:
         return base_hashes[tensor_idx, block_idx] if base_hashes is not None else computed[tensor_idx, block_idx][0]
 
-    # a tensor's units share its base blocks (and, base_hashes None, compute the base's rows once)
-    many = len(experts) > 1 or base_hashes is None
+    # a tensor's units share its base blocks (and, base_hashes None, compute the base's rows once); one
+    # expert reads each base group once anyway, into per-thread scratch (no whole tensor kept)
+    many = len(experts) > 1
     shared = _Shared({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if many else None
     done: dict[tuple[int, int], tuple[list[BlockRow], TensorRow | None, list[str]]] = {}
     with _opened([base, *experts]) as (bfiles, *expert_files):

@@ -102,3 +102,20 @@ def test_execute_process_ends_with_its_output_status_and_atexit_handlers(tmp_pat
     bad = subprocess.run(run + ["7", "--out", str(tmp_path / "p"), "-c", db], capture_output=True, text=True)
     assert bad.returncode == 1 and "no plan matching '7'" in bad.stderr and "Traceback" not in bad.stderr
     assert bad.stdout.strip() == "ATEXIT RAN"
+    # a program calling cli.main() keeps running after an execute, a failed one, and a later command
+    host = (
+        "import sys\n"
+        "from mergedb import cli\n"
+        "for argv in sys.argv[1:]:\n"
+        "    sys.argv = ['mergedb', *argv.split('|')]\n"
+        "    try:\n"
+        "        cli.main()\n"
+        "    except SystemExit as e:\n"
+        "        print('HOST GOT', e.code, flush=True)\n"
+        "print('HOST CONTINUES', flush=True)\n"
+    )
+    calls = [f"execute|1|--out|{tmp_path / 'h'}|-c|{db}", f"execute|7|--out|{tmp_path / 'q'}|-c|{db}", "--version"]
+    res = subprocess.run([sys.executable, "-c", host, *calls], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("HOST GOT") == 3 and res.stdout.rstrip().endswith("HOST CONTINUES"), res.stdout
+    assert (tmp_path / "h" / "model.safetensors").exists()

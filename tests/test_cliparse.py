@@ -97,3 +97,23 @@ def test_every_plain_parameter_of_the_cli_gets_it():
         for p in cmd.params:
             plain = p.type_descriptor.annotation in (str, int, float, Path, bool) and p.nargs == 1 and not p.multiple
             assert isinstance(p._runtime_param, cliparse.PlainParam) == plain, (cmd.name, p.name)
+
+
+def test_a_typer_without_the_private_coercion_api_keeps_its_own(tmp_path):
+    """cliparse uses typer 0.29's private modules; with a typer that lacks them the CLI still parses
+    every option (typer's own coercion), instead of failing at import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import typer._coercion as c\n"
+        "del c.build_runtime_param\n"  # `from typer._coercion import …` now raises ImportError
+        "from mergedb import cli, cliparse\n"
+        "assert cliparse.build_runtime_param is None\n"
+        "sys.argv = ['mergedb', 'synth', sys.argv[1], '--experts', '1', '--size', 'tiny']\n"
+        "cli.main()\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fam")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "fam" / "expert_00").is_dir()

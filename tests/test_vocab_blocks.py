@@ -304,30 +304,36 @@ def test_a_new_base_gets_the_auto_layout_by_default(tmp_path):
         ("breadcrumbs_ties", {}),
     ],
 )
-@pytest.mark.parametrize("budget", ["all", "30%"])
+@pytest.mark.parametrize("budget,dtype", [("all", None), ("30%", None), ("30%", "fp32")])
 def test_spans_of_small_blocks_merge_exactly_as_blocks_one_by_one(
-    auto_family, tmp_path, monkeypatch, method, params, budget
+    auto_family, tmp_path, monkeypatch, method, params, budget, dtype
 ):
     """The executor merges runs of consecutive blocks with one expert set as one unit (one read per
     expert, one kernel call: merger.SPAN_BYTES); the output bytes equal those of block-by-block
-    units (SPAN_BYTES = 0), DARE's and DELLA's draws included, and the spans do form."""
+    units (SPAN_BYTES = 0), DARE's and DELLA's draws included, and the spans do form; with --dtype
+    fp32 every block is a unit (untouched ones convert the base), so spans also cover blocks no
+    expert is read for."""
     from mergedb import merger
 
     _, cat = auto_family
     plan = cat.plan(PlanRequest("base", None, method, budget, params=params, seed=3))
     xp = cat.execution_plan(plan.plan_id)
-    m = merger.Merger(xp)
+    m = merger.Merger(xp, dtype=dtype)
     try:
         units = [u for ti in range(len(xp.tensors)) for u in m.units(ti)]
     finally:
         m.close()
     assert any(len(u.blocks) > 1 for u in units)  # spans formed on the vocabulary tensors
-    assert sorted((u.tensor_idx, b) for u in units for b in u.blocks) == sorted(
-        (ti, b) for ti, blocks in xp.selected().items() for b in blocks
-    )
-    spans = executor.execute(xp, tmp_path / "spans")
+    if dtype is None:
+        assert sorted((u.tensor_idx, b) for u in units for b in u.blocks) == sorted(
+            (ti, b) for ti, blocks in xp.selected().items() for b in blocks
+        )
+    else:  # every block of every mergeable tensor
+        sel = xp.selected()
+        assert any(b not in sel.get(u.tensor_idx, {}) for u in units for b in u.blocks)
+    spans = executor.execute(xp, tmp_path / "spans", dtype=dtype)
     monkeypatch.setattr(merger, "SPAN_BYTES", 0)
-    one = executor.execute(xp, tmp_path / "one")
+    one = executor.execute(xp, tmp_path / "one", dtype=dtype)
     assert spans.expert_bytes == one.expert_bytes == plan.selected_bytes
     for f in sorted((tmp_path / "one").glob("*.safetensors")):
         assert (tmp_path / "spans" / f.name).read_bytes() == f.read_bytes(), f.name

@@ -125,20 +125,19 @@ LANES = {
 }
 
 
+_NO_WORDS = np.empty(0, np.uint64)
+
+
 def delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc):  # type: ignore[no-untyped-def]
     """The statistics pass over one block (see _delta_pass for the arguments): (NaN/Inf count,
     exceptions in all). e, b: bf16 patterns (uint16, shift 16) or float32 patterns (uint32, shift 0)."""
-    size, em, el, top = LANES[shift]
-    words = CHUNK * size // 8
-    n_words = e.shape[0] * size // 8
-    # blocks of a few chunks are not worth a look; the word view needs contiguous patterns
-    if n_words >= words * SAMPLE_STEP and e.flags.c_contiguous and b.flags.c_contiguous:
+    lanes = LANES[shift]
+    n_words = e.shape[0] * lanes[0] // 8
+    ew = bw = _NO_WORDS  # the word view needs contiguous patterns (_block_pass skips the look without it)
+    if e.flags.c_contiguous and b.flags.c_contiguous:
         ew = e.view(np.uint8)[: n_words * 8].view(np.uint64)
         bw = b.view(np.uint8)[: n_words * 8].view(np.uint64)
-        if _equal_chunks(ew, bw, words, SAMPLE_STEP, em, el, top).any():
-            zero = _equal_chunks(ew, bw, words, 1, em, el, top)
-            return _delta_runs(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, zero)
-    return _delta_pass(e, b, shift, abs_bits, codes, counts, sk, bd, exc, n_exc)
+    return _block_pass(e, b, ew, bw, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, lanes)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -240,12 +239,14 @@ def abs_pass(abs_bits, abs_val, hsum, hsq):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _same(a, b):  # pragma: no cover - compiled
-    # a, b: (n,) uint8 -> whether they are equal, compared 4 KiB at a time (stats.same_bytes' rule)
+def equal_chunked(a, b, chunk):  # pragma: no cover - compiled
+    # a, b: (n,) unsigned integers of one width -> whether they are equal, compared `chunk` elements
+    # at a time, so a block that differs early (most changed blocks do) costs almost nothing and an
+    # equal one one vectorised pass
     n = a.shape[0]
-    for i in range(0, n, 4096):
-        diff = np.uint8(0)
-        for t in range(i, min(i + 4096, n)):
+    for i in range(0, n, chunk):
+        diff = a[i] ^ a[i]  # zero of the elements' type
+        for t in range(i, min(i + chunk, n)):
             diff |= a[t] ^ b[t]
         if diff:
             return False
@@ -254,8 +255,9 @@ def _same(a, b):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True)
 def _block_pass(e, b, ew, bw, shift, abs_bits, codes, counts, sk, bd, exc, n_exc, lanes):  # pragma: no cover
-    # delta_pass compiled: ew, bw are the block's patterns as 64-bit words (empty when they cannot
-    # be viewed so); lanes: LANES[shift] as (bytes, exponent mask, its lowest bit, top bits)
+    # delta_pass: ew, bw are the block's patterns as 64-bit words (empty when they cannot be viewed
+    # so); lanes: LANES[shift] as (bytes, exponent mask, its lowest bit, top bits). Blocks of a few
+    # chunks are not worth a look for equal chunks.
     size, em, el, top = lanes
     words = CHUNK * size // 8
     if ew.shape[0] >= words * SAMPLE_STEP and _equal_chunks(ew, bw, words, SAMPLE_STEP, em, el, top).any():
@@ -281,7 +283,7 @@ def group_pass(e_raw, b_raw, e, b, ew, bw, shift, lanes, raw_start, start, abs_b
     per = 1 << (hist_shift - summary_shift)
     for k in range(raw_start.shape[0] - 1):
         s, t = start[k], start[k + 1]
-        if _same(e_raw[raw_start[k] : raw_start[k + 1]], b_raw[raw_start[k] : raw_start[k + 1]]):
+        if equal_chunked(e_raw[raw_start[k] : raw_start[k + 1]], b_raw[raw_start[k] : raw_start[k + 1]], 4096):
             ident[k] = True
             abs_bits[s:t] = 0
             summary[0] += t - s

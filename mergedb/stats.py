@@ -29,7 +29,7 @@ import numba
 import numpy as np
 
 from .deltapass import abs_pass as _abs_pass
-from .deltapass import block_hist, delta_pass
+from .deltapass import block_hist, delta_pass, equal_chunked
 from .deltapass import decode as _decode
 from .summary import (  # re-exported: stats.X names what registration computes
     DEFAULT_SKETCH_DIM,
@@ -109,27 +109,13 @@ def base_group_stats(x: np.ndarray, start: np.ndarray) -> list[tuple[float, int]
     return [(float(np.sqrt(v)), int(c)) for v, c in zip(ss, bad)]
 
 
-@numba.njit(nogil=True, cache=True)
-def _equal_words(a, b):  # pragma: no cover - compiled
-    # a, b: (n,) uint64; compared 512 words (4 KiB) at a time, so a block that differs early
-    # (most changed blocks do) costs almost nothing, and an equal one one vectorised pass
-    n = a.shape[0]
-    for i in range(0, n, 512):
-        diff = np.uint64(0)
-        for t in range(i, min(i + 512, n)):
-            diff |= a[t] ^ b[t]
-        if diff:
-            return False
-    return True
-
-
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two equal-length uint8 buffers hold the same bytes (np.array_equal without its
     full-size temporary: ~10× faster on 4 MiB blocks)."""
     if a.shape != b.shape:
         return False
     n8 = a.size // 8 * 8
-    if not _equal_words(a[:n8].view(np.uint64), b[:n8].view(np.uint64)):
+    if not equal_chunked(a[:n8].view(np.uint64), b[:n8].view(np.uint64), 512):  # 4 KiB at a time
         return False
     return bool(np.array_equal(a[n8:], b[n8:]))
 

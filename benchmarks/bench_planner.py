@@ -146,6 +146,22 @@ def stored_tables(cat) -> dict:
     return out
 
 
+def _time_make_plan(planner) -> list[float]:
+    """Wrap planner.make_plan so that each call appends its CPU seconds (all threads) to the returned
+    list: less sensitive to a busy machine than its wall time."""
+    make_plan, cpu = planner.make_plan, []
+
+    def timed(*args):
+        t0 = time.process_time()
+        try:
+            return make_plan(*args)
+        finally:
+            cpu.append(time.process_time() - t0)
+
+    planner.make_plan = timed
+    return cpu
+
+
 def small(db: Path, repeats: int) -> dict:
     """Small plans in this process (the bench family, K = 8, full read): per plan, the planner's own
     planning_seconds (wall) and CPU seconds, the whole Catalog.plan call (connection included) and its CPU."""
@@ -153,16 +169,7 @@ def small(db: Path, repeats: int) -> dict:
     from mergedb.catalog import Catalog
     from mergedb.planner import PlanRequest
 
-    make_plan, planning_cpu = planner.make_plan, []
-
-    def timed(*args):  # make_plan's CPU seconds (all threads): on a loaded machine its wall time waits
-        t0 = time.process_time()
-        try:
-            return make_plan(*args)
-        finally:
-            planning_cpu.append(time.process_time() - t0)
-
-    planner.make_plan = timed
+    planning_cpu = _time_make_plan(planner)
     cat = Catalog(db)
     experts = tuple(f"expert_{i:02d}" for i in range(8))
     out = {}
@@ -196,16 +203,7 @@ def first_plan(db: Path, method: str) -> dict:
     from mergedb.catalog import Catalog
     from mergedb.planner import PlanRequest
 
-    make_plan, cpu = planner.make_plan, []
-
-    def timed(*args):  # make_plan's CPU seconds (all threads): less sensitive to a busy machine than its wall
-        c0 = time.process_time()
-        try:
-            return make_plan(*args)
-        finally:
-            cpu.append(time.process_time() - c0)
-
-    planner.make_plan = timed
+    cpu = _time_make_plan(planner)
     t0 = time.perf_counter()
     p = Catalog(db).plan(
         PlanRequest("base", tuple(f"expert_{i:02d}" for i in range(8)), method, "all", params=SMALL[method])

@@ -246,6 +246,14 @@ def test_cli_prints_the_rules_and_the_estimate(fam):
     assert "access rules: value consensus, min coverage 0.05 of each expert's useful bytes" in r.output
     r = runner.invoke(app, [*args, "--min-coverage", "0.9"])
     assert r.exit_code != 0 and "raise --budget to at least" in r.output
+    # the defaults print no rules line; another value model, or the random ablation, says so
+    r = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "access rules" not in r.output and "strategy:" not in r.output, r.output
+    r = runner.invoke(app, [*args, "--value", "norm"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "access rules: value norm\n" in r.output, r.output
+    r = runner.invoke(app, [*args, "--strategy", "random"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "strategy: random (an ablation baseline" in r.output, r.output
+    assert "access rules" not in r.output
 
 
 OTHER_METHODS = {

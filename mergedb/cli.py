@@ -740,8 +740,9 @@ def _exit_now(code: object) -> None:
 def main() -> None:
     """The `mergedb` command. When its process ends every object is frozen first: the interpreter's
     last collection then skips them (it costs 0.12-0.15 s once numba is loaded). Frozen at exit
-    (atexit), not on return, so that a program calling main() keeps a working collector. An
-    `execute` process then ends without the interpreter's teardown (`_exit_now`)."""
+    (atexit), not on return, so that a program calling main() keeps a working collector. Started by
+    entry() (the console script), an `execute` process then ends without the interpreter's teardown
+    (`_exit_now`)."""
     global _PROCESS, _FAST_END
     _PROCESS, _FAST_END = True, False
     atexit.register(gc.freeze)

@@ -82,18 +82,6 @@ def _base_pass(x, shift):  # pragma: no cover - compiled
     return (s[0] + s[1]) + (s[2] + s[3]), bad
 
 
-def base_block_stats(x: np.ndarray) -> tuple[float, int]:
-    """‖θ₀,b‖₂ of one base block (its finite values, float64 accumulation) and its NaN/Inf count.
-
-    x: (n,) float32, or bf16 bit patterns as uint16. The planner's output-rounding bound needs the
-    norm; the count lets it blame a non-finite base instead of every expert whose delta inherits
-    the NaN.
-    """
-    shift = 16 if x.dtype == np.uint16 else 0
-    ss, bad = _base_pass(x if shift else x.view(np.uint32), shift)
-    return float(np.sqrt(ss)), int(bad)
-
-
 @numba.njit(nogil=True, cache=True)
 def _base_group(x, start, shift, ss, bad):  # pragma: no cover - compiled
     for k in range(start.shape[0] - 1):
@@ -101,8 +89,11 @@ def _base_group(x, start, shift, ss, bad):  # pragma: no cover - compiled
 
 
 def base_group_stats(x: np.ndarray, start: np.ndarray) -> list[tuple[float, int]]:
-    """base_block_stats of consecutive blocks of `x` (block k: elements start[k]:start[k + 1]) in
-    one compiled call, block by block the same numbers."""
+    """(‖θ₀,b‖₂, NaN/Inf count) of each of consecutive base blocks of `x` (block k: elements
+    start[k]:start[k + 1]) in one compiled call: the norm of its finite values (float64
+    accumulation) and the count of the others. x: (n,) float32, or bf16 bit patterns as uint16. The
+    planner's output-rounding bound needs the norm; the count lets it blame a non-finite base
+    instead of every expert whose delta inherits the NaN."""
     shift = 16 if x.dtype == np.uint16 else 0
     ss, bad = np.zeros(len(start) - 1), np.zeros(len(start) - 1, np.int64)
     _base_group(x if shift else x.view(np.uint32), np.asarray(start, np.int64), shift, ss, bad)

@@ -28,7 +28,6 @@ import pyarrow as pa
 
 from . import bounds, freshmem, greedy
 from .errors import CatalogError, PlanError
-from .faults import unregister
 from .resources import query
 
 _COLUMNS = {
@@ -135,43 +134,39 @@ def fetch(
     """Read the candidates once, in batches, into numpy arrays, and score them: value = |c_k|·norm,
     score = value / cost (or the random ablation's score)."""
     name = "plan_candidates_trimmed" if sc.trimmed else "plan_candidates"
-    if sc.trimmed:  # only the trimmed query reads the trims
-        con.register("_plan_trim", sc.trims)
     ids = [int(i) for i in sc.ids]
-    try:
-        total = len(ids) * int(fam.first_block[-1])  # at most every block of every expert; untouched
-        # pages of np.empty cost no memory, and the arrays are cut to the rows read
-        cols: dict[str, np.ndarray] = {c: freshmem.empty(total, t) for c, t in _COLUMNS.items()}
-        random = freshmem.empty(total if sc.random_seed is not None else 0, np.float64)
-        large = total >= greedy.COMPILED_MIN_ROWS  # the compiled pass below fills two more arrays
-        gblock = freshmem.empty(total if large else 0, np.int64)
-        score = random if random.size or not large else freshmem.empty(total, np.float64)
-        # batches of 64k rows: their buffers are reused; 1M-row batches came back as fresh pages each time
-        reader = con.sql(
-            _positions(3) + _statement(name), params=[sc.drop_nonfinite, sc.random_seed, ids, list(range(len(ids)))]
-        ).to_arrow_reader(1 << 16)
-        at = 0
-        ahead = [*cols.values(), random, gblock, score] if large else []
-        with freshmem.Prefault(ahead, total) as prefault:  # maps the next rows' pages on another thread
-            for batch in reader:  # one batch at a time: memory is the arrays plus one batch
-                end = at + batch.num_rows
-                if end > total:
-                    raise PlanError(f"internal error: more candidates than {total} expert blocks; nothing was stored")
-                for i, c in enumerate(cols):
-                    cols[c][at:end] = batch.column(i).to_numpy(zero_copy_only=False)
-                if sc.trimmed:  # the trimmed query's histograms and trims follow random_score
-                    trimmed_norms(batch, len(cols) + 1, out=cols["norm"][at:end])
-                if random.size:
-                    random[at:end] = batch.column(len(cols)).to_numpy(zero_copy_only=False)
-                at = end
-                prefault.reached(at)
-        n_pairs = len(ids) * (fam.first_block.size - 1)
-        # only adapters have fixed bytes, and only their blocks have read_bytes ≥ 0: dense plans skip the statement
-        adapters = cols["read_bytes"][:at].max(initial=-1) >= 0
-        fixed = _fixed_bytes(con, ids, fam.first_block.size - 1) if adapters else np.zeros(n_pairs, np.int64)
-    finally:
-        if sc.trimmed:
-            unregister(con, "_plan_trim")
+    n_tensors = fam.first_block.size - 1
+    trim_lo, trim_hi = pair_trims(sc.trims, ids, n_tensors) if sc.trimmed else (None, None)
+    total = len(ids) * int(fam.first_block[-1])  # at most every block of every expert; untouched
+    # pages of np.empty cost no memory, and the arrays are cut to the rows read
+    cols: dict[str, np.ndarray] = {c: freshmem.empty(total, t) for c, t in _COLUMNS.items()}
+    random = freshmem.empty(total if sc.random_seed is not None else 0, np.float64)
+    large = total >= greedy.COMPILED_MIN_ROWS  # the compiled pass below fills two more arrays
+    gblock = freshmem.empty(total if large else 0, np.int64)
+    score = random if random.size or not large else freshmem.empty(total, np.float64)
+    # batches of 64k rows: their buffers are reused; 1M-row batches came back as fresh pages each time
+    reader = con.sql(
+        _positions(3) + _statement(name), params=[sc.drop_nonfinite, sc.random_seed, ids, list(range(len(ids)))]
+    ).to_arrow_reader(1 << 16)
+    at = 0
+    ahead = [*cols.values(), random, gblock, score] if large else []
+    with freshmem.Prefault(ahead, total) as prefault:  # maps the next rows' pages on another thread
+        for batch in reader:  # one batch at a time: memory is the arrays plus one batch
+            end = at + batch.num_rows
+            if end > total:
+                raise PlanError(f"internal error: more candidates than {total} expert blocks; nothing was stored")
+            for i, c in enumerate(cols):
+                cols[c][at:end] = batch.column(i).to_numpy(zero_copy_only=False)
+            if sc.trimmed:  # the trimmed query's histograms follow random_score
+                pair = cols["position"][at:end].astype(np.int64) * n_tensors + cols["tensor_idx"][at:end]
+                trimmed_norms(batch, len(cols) + 1, trim_lo[pair], trim_hi[pair], out=cols["norm"][at:end])
+            if random.size:
+                random[at:end] = batch.column(len(cols)).to_numpy(zero_copy_only=False)
+            at = end
+            prefault.reached(at)
+    # only adapters have fixed bytes, and only their blocks have read_bytes ≥ 0: dense plans skip the statement
+    adapters = cols["read_bytes"][:at].max(initial=-1) >= 0
+    fixed = _fixed_bytes(con, ids, n_tensors) if adapters else np.zeros(len(ids) * n_tensors, np.int64)
     cols = {c: v[:at] for c, v in cols.items()}
     random = random[:at]
     steps.append(("candidates", query(name), at))
@@ -192,7 +187,6 @@ def fetch(
         score = random if random.size else per_cost(value, nbytes, sc.sqrt_size)
     dependent = carrier = np.zeros(0, np.int64)
     if fixed.any():  # some adapter of the plan has fixed costs
-        n_tensors = fam.first_block.size - 1
         pair = cols["position"].astype(np.int64) * n_tensors + cols["tensor_idx"]  # (N,) int64
         ranked = {} if random.size else {"value": value}
         dependent, carrier = charge_fixed(
@@ -211,11 +205,30 @@ def fetch(
     )
 
 
-def trimmed_norms(batch: pa.RecordBatch, first: int, out: np.ndarray) -> None:
+def pair_trims(trims: pa.Table, ids: list[int], n_tensors: int) -> tuple[np.ndarray, np.ndarray]:
+    """(K·T,) float32 lower and upper trims of each (position, tensor) pair, position·T + tensor_idx,
+    from planstats.thresholds' rows: −inf where a pair has no lower trim (or no row), +inf where it
+    has no upper trim (NULL t_lo, t_hi). The candidates' trims are looked up here: a LEFT JOIN to the
+    table registered in DuckDB cost ~2 ms a plan."""
+    lo = np.full(len(ids) * n_tensors, -np.inf, np.float32)
+    hi = np.full(len(ids) * n_tensors, np.inf, np.float32)
+    if trims.num_rows:
+        position = {c: p for p, c in enumerate(ids)}
+        pos = np.array([position[int(c)] for c in trims.column("checkpoint_id").to_pylist()], np.int64)
+        pair = pos * n_tensors + trims.column("tensor_idx").to_numpy()
+        for out, name in ((lo, "t_lo"), (hi, "t_hi")):
+            v = trims.column(name).to_numpy(zero_copy_only=False).astype(np.float32)  # NULL -> NaN
+            known = ~np.isnan(v)
+            out[pair[known]] = v[known]
+    return lo, hi
+
+
+def trimmed_norms(batch: pa.RecordBatch, first: int, t_lo: np.ndarray, t_hi: np.ndarray, out: np.ndarray) -> None:
     """‖Δ_kb surviving the trim‖ of each row of a plan_candidates_trimmed batch into `out`: from the
-    block's histogram (columns first.. first+2: hist_lo, hist_hi, hist_sumsq) and its tensor's trim
-    (first+3, first+4: t_lo, t_hi), Σ_bins sumsq · overlap([lo, hi), [t_lo, t_hi)) / (hi − lo), the
-    edge arithmetic in float32 as the stored edges and trims are; a free block's norm is 0."""
+    block's histogram (columns first.. first+2: hist_lo, hist_hi, hist_sumsq) and the row's trim
+    `t_lo`, `t_hi` ((n,) float32, ±inf: none; pair_trims), Σ_bins sumsq · overlap([lo, hi), [t_lo,
+    t_hi)) / (hi − lo), the edge arithmetic in float32 as the stored edges and trims are; a free
+    block's norm is 0."""
     lo_col = batch.column(first)
     offsets = lo_col.offsets.to_numpy()  # (n+1,): this batch's rows into the (unsliced) value buffers
     for c in (first + 1, first + 2):
@@ -229,13 +242,13 @@ def trimmed_norms(batch: pa.RecordBatch, first: int, out: np.ndarray) -> None:
     hi = batch.column(first + 1).values.to_numpy()[a:b]
     sumsq = batch.column(first + 2).values.to_numpy()[a:b]
     n = batch.num_rows
-    t_lo = batch.column(first + 3).to_numpy(zero_copy_only=False).astype(np.float32)  # NULL -> NaN
-    t_hi = batch.column(first + 4).to_numpy(zero_copy_only=False).astype(np.float32)
-    t_lo[np.isnan(t_lo)] = -np.inf  # no lower trim
-    t_hi[np.isnan(t_hi)] = np.inf  # no upper trim
-    row = np.repeat(np.arange(n), np.diff(offsets))
-    kept = np.minimum(hi, t_hi[row]) - np.maximum(lo, t_lo[row])  # float32
-    part = sumsq * np.maximum(kept, 0).astype(np.float64) / (hi - lo)  # the old SQL's order of operations
+    counts = np.diff(offsets)
+    row = np.repeat(np.arange(n), counts)
+    kept = np.minimum(hi, np.repeat(t_hi, counts))  # float32
+    kept -= np.maximum(lo, np.repeat(t_lo, counts))
+    part = np.maximum(kept, 0).astype(np.float64)
+    part *= sumsq  # the old SQL's order of operations: sumsq · kept / (hi − lo)
+    part /= hi - lo
     out[:] = np.sqrt(np.bincount(row, weights=part, minlength=n))
     out[batch.column(3).to_numpy(zero_copy_only=False)] = 0.0  # free: identical to the base
 

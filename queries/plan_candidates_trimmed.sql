@@ -1,14 +1,14 @@
 -- plan_candidates_trimmed: like plan_candidates, for trimming methods (TIES, breadcrumbs): the norm
 -- of a block is ‖Δ_kb surviving the trim‖, estimated from the block histogram in memory
 -- (candidates.trimmed_norms: bins wholly inside [t_lo, t_hi) count fully, a straddling bin by the
--- overlapping fraction of its width); this query returns each block's histogram and its tensor's
--- trim. In DuckDB the same sum as a list lambda cost 50–70 ms for 16.7k blocks (an `auto` layout,
--- 8 experts), numpy ~3 ms.
--- Reads _plan_positions (as plan_candidates.sql: a WITH clause from $3, $4) and temp table _plan_trim(checkpoint_id,
---   tensor_idx, t_lo, t_hi).
+-- overlapping fraction of its width); this query returns each block's histogram, and the trims
+-- are matched to rows by (position, tensor_idx) in memory. In DuckDB the same sum as a list lambda
+-- cost 50–70 ms for 16.7k blocks (an `auto` layout, 8 experts), numpy ~3 ms; a LEFT JOIN to a
+-- registered trims table cost ~2 ms more than the lookup.
+-- Reads _plan_positions (as plan_candidates.sql: a WITH clause from $3, $4).
 -- Parameters: as plan_candidates.sql.
 -- Result: as plan_candidates.sql with norm 0 (filled in memory), then hist_lo, hist_hi, hist_sumsq
---   (the block's non-empty |Δ| bins) and t_lo, t_hi (NULL t_hi: no upper trim; NULL t_lo: none).
+--   (the block's non-empty |Δ| bins).
 SELECT pp.position,
        eb.tensor_idx,
        eb.block_idx,
@@ -21,10 +21,7 @@ SELECT pp.position,
        END AS random_score,
        eb.hist_lo,
        eb.hist_hi,
-       eb.hist_sumsq,
-       tr.t_lo,
-       tr.t_hi
+       eb.hist_sumsq
 FROM expert_blocks eb
 JOIN _plan_positions pp ON pp.checkpoint_id = eb.checkpoint_id
-LEFT JOIN _plan_trim tr ON tr.checkpoint_id = eb.checkpoint_id AND tr.tensor_idx = eb.tensor_idx
 WHERE NOT $1 OR eb.nonfinite = 0

@@ -462,6 +462,25 @@ def test_greedy_with_fixed_costs_is_the_walk(seed, k, t, b, budget_frac, random_
     assert int(cost[sel].sum()) <= budget
 
 
+def test_trimmed_values_follow_each_expert_not_its_position(registered):
+    """The trims are matched to candidates by (position, tensor) in memory (candidates.pair_trims):
+    listing the experts in reverse gives every expert's blocks the same trimmed values as before,
+    which fails if a position were matched to another expert's thresholds."""
+    cat, _ = registered
+    names = ["expert_00", "expert_01", "expert_02", "expert_03"]
+    values = {}
+    for order in (names, names[::-1]):
+        req = PlanRequest("base", tuple(order), "breadcrumbs", "all", params={"density": 0.8, "gamma": 0.05})
+        t = cat.plan_candidates(req).to_pydict()
+        values[tuple(order)] = {
+            (order[p], ti, bi): v for p, ti, bi, v in zip(t["position"], t["tensor_idx"], t["block_idx"], t["value"])
+        }
+    forward, backward = values[tuple(names)], values[tuple(names[::-1])]
+    assert forward.keys() == backward.keys() and len(forward) > 100
+    assert len({round(v, 12) for v in forward.values()}) > 50  # the experts' values differ from one another
+    assert all(forward[k] == backward[k] for k in forward)
+
+
 def test_trimmed_norms_of_a_sliced_batch_against_a_loop():
     """candidates.trimmed_norms on a batch that starts inside its list buffers (a reader's second
     batch does), NULL trims and free rows, against the textbook loop over bins."""
@@ -490,13 +509,14 @@ def test_trimmed_norms_of_a_sliced_batch_against_a_loop():
             "hist_lo": pa.array(lo, pa.list_(pa.float32())),
             "hist_hi": pa.array(hi, pa.list_(pa.float32())),
             "hist_sumsq": pa.array(sq, pa.list_(pa.float64())),
-            "t_lo": pa.array(t_lo, pa.float32()),
-            "t_hi": pa.array(t_hi, pa.float32()),
         }
     )
     batch = table.to_batches()[0].slice(13, 30)
     out = np.full(30, -1.0)
-    trimmed_norms(batch, 7, out)
+    # the rows' trims as pair_trims gives them: ±inf for none
+    row_lo = np.array([-np.inf if t is None else t for t in t_lo[13:43]], np.float32)
+    row_hi = np.array([np.inf if t is None else t for t in t_hi[13:43]], np.float32)
+    trimmed_norms(batch, 7, row_lo, row_hi, out)
     for j in range(30):
         i = 13 + j
         lo_t = -np.inf if t_lo[i] is None else np.float32(t_lo[i])

@@ -16,7 +16,10 @@ of CATALOG (the cached catalog is never written), then the first plan of fresh p
 old and new code must be equal (the run stops if not).
 Run: python -m benchmarks.bench_planner [--quick] [--catalog-dir DIR] [--rows 1000000 ...] [--baseline DIR]
      [--budgets 10% 25% 50%] [--save NAME]
-     python -m benchmarks.bench_planner --small benchmarks/cache/catalog-bench-20-4MiB.duckdb [--baseline DIR]
+     python -m benchmarks.bench_planner --small benchmarks/cache/catalog-bench-20-auto.duckdb [--baseline DIR]
+     [--execute 3]
+(--execute N: the small plans' full-read executions, N cold processes each, in the same run: the
+report then takes "planning ≤ 1% of execution" against those rather than execute_targets.json.)
 """
 
 from __future__ import annotations
@@ -224,10 +227,37 @@ def _child(args: list[str], code: Path | None) -> dict:
     return json.loads(res.stdout.rsplit("RESULT ", 1)[1].splitlines()[0])
 
 
-def run_small(catalog_path: Path, baseline: Path | None, rounds: int = 3, repeats: int = 10) -> dict:
+def executions(catalog_path: Path, runs: int) -> dict[str, list[dict]]:
+    """The executions the planning share is taken of, in the same run and on the same catalog: each
+    SMALL request's plan (K = 8, full read) executed `runs` times, cold, a `mergedb execute` process
+    each (benchmarks/run.py's Suite.execute; the catalog's family must be the bench family)."""
+    from mergedb.catalog import Catalog
+    from mergedb.planner import PlanRequest
+
+    from .run import Suite
+
+    suite = Suite(False, 1)
+    out: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Path(tmp) / "executions.duckdb"
+        shutil.copy(catalog_path, db)
+        cat = Catalog(db)
+        for method, params in SMALL.items():
+            experts = tuple(f"expert_{i:02d}" for i in range(8))
+            plan = cat.plan(PlanRequest("base", experts, method, "all", params=params))
+            out[method] = [suite.execute(cat, plan.plan_id) for _ in range(runs)]
+            print(method, "execute", [round(r["execute_seconds"], 2) for r in out[method]], flush=True)
+    return out
+
+
+def run_small(
+    catalog_path: Path, baseline: Path | None, rounds: int = 3, repeats: int = 10, execute_runs: int = 0
+) -> dict:
     """Small plans, new (and baseline) code alternating, `rounds` processes each, on copies of the
     catalog; then the first plan of a fresh process, `rounds` × 2 per method and side. With a
-    baseline, every stored plan table (and plan hash) of the two sides must be equal."""
+    baseline, every stored plan table (and plan hash) of the two sides must be equal. With
+    `execute_runs`, the plans' executions follow (`executions`), so the planning share is of
+    executions measured in the same run on the same catalog."""
     sides = [("baseline", baseline), ("new", None)] if baseline is not None else [("new", None)]
     out: dict[str, list] = {label: [] for label, _ in sides}
     first: dict[str, dict[str, list]] = {label: {m: [] for m in SMALL} for label, _ in sides}
@@ -274,6 +304,8 @@ def run_small(catalog_path: Path, baseline: Path | None, rounds: int = 3, repeat
     stored = {label: runs[0]["stored"] for label, runs in out.items()}
     hashes = {label: runs[0]["coverage_hashes"] for label, runs in out.items()}
     return {
+        "catalog": catalog_path.name,
+        "executions": executions(catalog_path, execute_runs) if execute_runs else None,
         "small": out,
         "first_plan": first,
         "small_summary": summary,
@@ -315,6 +347,7 @@ if __name__ == "__main__":
     ap.add_argument("--budgets", nargs="*", help="budgets to plan at (default: BUDGETS of each size)")
     ap.add_argument("--save", default=None, help="results/<SAVE>.json (default planner[-quick])")
     ap.add_argument("--small", type=Path, metavar="CATALOG", help="time small plans on a copy of CATALOG")
+    ap.add_argument("--execute", type=int, default=0, help="--small: then execute each plan N times, cold")
     ap.add_argument("--one", nargs=2, metavar=("CATALOG", "BUDGET"), help=argparse.SUPPRESS)
     ap.add_argument("--small-one", nargs=2, metavar=("CATALOG", "REPEATS"), help=argparse.SUPPRESS)
     ap.add_argument("--first-one", nargs=2, metavar=("CATALOG", "METHOD"), help=argparse.SUPPRESS)
@@ -329,7 +362,7 @@ if __name__ == "__main__":
     elif a.first_one:
         print("RESULT " + json.dumps(first_plan(Path(a.first_one[0]), a.first_one[1])))
     elif a.small:
-        print(save(a.save or "planner-small", run_small(a.small, a.baseline)))
+        print(save(a.save or "planner-small", run_small(a.small, a.baseline, execute_runs=a.execute)))
     else:
         rows = tuple(a.rows) if a.rows else ((20_000,) if a.quick else (1_000_000, 10_000_000, 35_000_000))
         doc = run(rows, a.catalog_dir, a.baseline, tuple(a.budgets) if a.budgets else None)

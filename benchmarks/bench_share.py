@@ -15,7 +15,9 @@ Each execution is a fresh `mergedb execute` process on a cold page cache (benchm
 Suite.execute); the median over the repeats is reported beside every pair.
 
 Run: python -m benchmarks.bench_share [--repeats 3] [--k 8 20] [--methods task_arithmetic ties dare_ties]
-       [--budgets all 10%] [--trees BEFORE AFTER]
+       [--budgets all 10%] [--trees BEFORE AFTER] [--block-size auto]
+--block-size: the layout the bench family is registered with (default `auto`, registration's
+default since issue 16; `4MiB` was the default before, and the earlier share runs used it).
 With --trees (folders holding a mergedb package each, e.g. `git archive REV mergedb queries schema`
 unpacked), every repeat pairs each tree's execution with its own cold read, the trees alternating
 which goes first; the outputs must be identical.
@@ -95,9 +97,16 @@ def _summary(pairs: list[dict]) -> dict:
     return {key: statistics.median(p[key] for p in pairs) for key in pairs[0] if key != "content_hash"}
 
 
-def run(ks: list[int], methods: list[str], repeats: int, budgets=None, trees: list[Path] | None = None) -> dict:
+def run(
+    ks: list[int],
+    methods: list[str],
+    repeats: int,
+    budgets=None,
+    trees: list[Path] | None = None,
+    block_size: str = "auto",
+) -> dict:
     suite = Suite(False, 1)
-    cat = suite.catalog()
+    cat = suite.catalog(block_size=block_size)
     fam = suite.family()
     rows = []
     for k in ks:
@@ -142,6 +151,7 @@ def run(ks: list[int], methods: list[str], repeats: int, budgets=None, trees: li
                     flush=True,
                 )
     return {
+        "block_size": block_size,
         "rows": rows,
         "targets": {"share": TARGET_SHARE, "over_ideal": 1.2, "fixed_seconds": 0.5},
         "uptime_end": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
@@ -155,7 +165,8 @@ if __name__ == "__main__":
     ap.add_argument("--methods", nargs="*", default=list(TARGET_SHARE), choices=sorted(METHOD_PARAMS))
     ap.add_argument("--budgets", nargs="*", default=None, help="default: all and 10%% at the smallest K, all above")
     ap.add_argument("--trees", nargs=2, type=Path, default=None, metavar=("BEFORE", "AFTER"))
+    ap.add_argument("--block-size", default="auto", help="the family's layout (default auto, as register's)")
     ap.add_argument("--save", default="share")
     a = ap.parse_args()
     trees = [t.resolve() for t in a.trees] if a.trees else None
-    print(save(a.save, run(a.k, a.methods, a.repeats, a.budgets, trees)))
+    print(save(a.save, run(a.k, a.methods, a.repeats, a.budgets, trees, a.block_size)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from .common import RESULTS, machine
@@ -207,9 +208,17 @@ def _targets(docs: dict) -> list[str]:
                     f"{'yes' if gain >= 5 else 'no'} |"
                 )
     out += _share_targets(docs.get("share"))
-    small = (docs.get("planner-small") or {}).get("small_summary", {})
-    if ex:  # every method must be within 1%: plans repeated in one process, and a process's first plan
+    small_doc = docs.get("planner-small") or {}
+    small = small_doc.get("small_summary", {})
+    same_run = small_doc.get("executions")  # bench_planner --execute: same run, same catalog
+    if same_run:
+        ex = ex or {}
+        execs = {m: statistics.median(r["execute_seconds"] for r in runs) for m, runs in same_run.items()}
+        where = f"{small_doc.get('catalog', '?')}, executions of the same run"
+    elif ex:
         execs = {"task_arithmetic": ex["all"]["execute_seconds"], "ties": ex.get("rss_k8", {}).get("execute_seconds")}
+        where = "execute_targets.json"
+    if same_run or ex:  # every method must be within 1%: plans repeated in one process, and a process's first plan
         kinds = (
             ("repeated plans", "planning_seconds_median"),
             ("first plan of a process", "first_planning_seconds_median"),
@@ -225,7 +234,7 @@ def _targets(docs: dict) -> list[str]:
                 else:
                     ok = False
             got = "; ".join(parts) or "not measured"
-            target = f"planning ≤ 1% of execution (K={ex.get('k', 8)}, full; {label})"
+            target = f"planning ≤ 1% of execution (K={ex.get('k', 8)}, full; {label}; {where})"
             out.append(f"| {target} | {got} | {'yes' if ok else 'no'} |")
     notes = Path(__file__).parent / "ANALYSIS.md"
     out.append("")
@@ -294,28 +303,44 @@ def _share_targets(doc: dict | None) -> list[str]:
         return []
     out = []
     rows = doc["rows"]
+    layout = f", layout {doc.get('block_size', '4MiB')}"  # runs before issue 16's default were at 4 MiB
     for method, target in doc["targets"]["share"].items():
-        full = [r for r in rows if r["method"] == method and r["budget"] == "all"]
+        # the issue's full-read targets are at K = 8 and K = 20; a smaller K is shown, not judged
+        full = [r for r in rows if r["method"] == method and r["budget"] == "all" and r["k"] >= 8]
+        small_k = [r for r in rows if r["method"] == method and r["budget"] == "all" and r["k"] < 8]
         if full:
             got = ", ".join(
                 f"K={r['k']} {r['median']['share']:.0%} ({r['median']['share_of_parallel']:.0%} of 4 threads)"
                 for r in full
             )
+            if small_k:
+                got += "; not a target: " + ", ".join(f"K={r['k']} {r['median']['share']:.0%}" for r in small_k)
             ok = all(r["median"]["share"] >= target for r in full)
             out.append(
-                f"| full read, {method}: ≥ {target:.0%} of the sequential rate (issue 11) | {got} | "
+                f"| full read, {method}: ≥ {target:.0%} of the sequential rate (issue 11{layout}) | {got} | "
                 f"{'yes' if ok else 'no'} |"
             )
     budgeted = [r for r in rows if r["budget"] != "all"]
     if budgeted:
-        got = ", ".join(f"{r['method']} {r['median']['over_ideal']:.2f}×" for r in budgeted)
+        got = ", ".join(f"{r['method']} K={r['k']} {r['median']['over_ideal']:.2f}×" for r in budgeted)
         ok = all(r["median"]["over_ideal"] <= doc["targets"]["over_ideal"] for r in budgeted)
-        out.append(f"| budgeted (10%, K=8): execute ≤ 1.2 × ideal (issue 11) | {got} | {'yes' if ok else 'no'} |")
+        verdict = "yes" if ok else "no"
+        budgets = "/".join(sorted({r["budget"] for r in budgeted}))
+        out.append(f"| budgeted ({budgets}): execute ≤ 1.2 × ideal (issue 11{layout}) | {got} | {verdict} |")
+    growth = []  # peak RSS of full reads, smallest K to largest, per method (default thread count)
+    for method in doc["targets"]["share"]:
+        full = sorted((r for r in rows if r["method"] == method and r["budget"] == "all"), key=lambda r: r["k"])
+        if len(full) >= 2:
+            lo, hi = full[0], full[-1]
+            growth.append((method, lo["k"], hi["k"], hi["median"]["peak_rss_mib"] / lo["median"]["peak_rss_mib"] - 1))
+    if growth:
+        got = ", ".join(f"{m} K={a}→{b} {g:+.1%}" for m, a, b, g in growth)
+        ok = all(g <= 0.10 for *_, g in growth)
+        out.append(f"| peak RSS flat in K: ≤ +10% (issue 11{layout}) | {got} | {'yes' if ok else 'no'} |")
     fixed = [r["median"]["fixed_seconds"] for r in rows]
     ok = max(fixed) <= doc["targets"]["fixed_seconds"]
-    out.append(
-        f"| fixed start cost ≤ 0.5 s (issue 11) | {min(fixed):.2f}–{max(fixed):.2f} s | {'yes' if ok else 'no'} |"
-    )
+    span = f"{min(fixed):.2f}–{max(fixed):.2f} s"
+    out.append(f"| fixed start cost ≤ 0.5 s (issue 11{layout}) | {span} | {'yes' if ok else 'no'} |")
     return out
 
 

@@ -89,19 +89,25 @@ def test_execute_process_ends_with_its_output_status_and_atexit_handlers(tmp_pat
     plan = ["plan", "--base", "base", "--all", "--method", "ties", "-c", db]
     subprocess.run([sys.executable, "-m", "mergedb.cli", *plan], check=True, capture_output=True)
     code = (
-        "import atexit, runpy, sys\n"
+        "import atexit, os, runpy, sys, threading\n"
         "atexit.register(lambda: print('ATEXIT RAN', flush=True))\n"
+        # the interpreter's shutdown calls these before the atexit handlers; the early end does not
+        "threading._register_atexit(lambda: os.write(1, b'TEARDOWN RAN\\n'))\n"
         "sys.argv = ['mergedb', *sys.argv[1:]]\n"
         "runpy.run_module('mergedb.cli', run_name='__main__')\n"
     )
+    # the probe works: a command that ends the ordinary way runs the teardown
+    plain = subprocess.run([sys.executable, "-c", code, "ls", "-c", db], capture_output=True, text=True)
+    assert plain.returncode == 0 and "TEARDOWN RAN" in plain.stdout, plain.stdout + plain.stderr
     run = [sys.executable, "-c", code, "execute"]
     ok = subprocess.run(run + ["1", "--out", str(tmp_path / "o"), "-c", db], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("wrote ") and ok.stdout.rstrip().endswith("ATEXIT RAN")
+    assert "TEARDOWN RAN" not in ok.stdout  # the early end was taken
     assert (tmp_path / "o" / "model.safetensors").exists()
     bad = subprocess.run(run + ["7", "--out", str(tmp_path / "p"), "-c", db], capture_output=True, text=True)
     assert bad.returncode == 1 and "no plan matching '7'" in bad.stderr and "Traceback" not in bad.stderr
-    assert bad.stdout.strip() == "ATEXIT RAN"
+    assert bad.stdout.strip() == "ATEXIT RAN"  # a failed execute ends early too: no teardown line
     # a program calling cli.main() keeps running after an execute, a failed one, and a later command
     host = (
         "import sys\n"

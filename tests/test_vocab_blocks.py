@@ -337,3 +337,30 @@ def test_spans_of_small_blocks_merge_exactly_as_blocks_one_by_one(
     assert spans.expert_bytes == one.expert_bytes == plan.selected_bytes
     for f in sorted((tmp_path / "one").glob("*.safetensors")):
         assert (tmp_path / "spans" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+@pytest.mark.parametrize("budget", ["all", "30%"])
+def test_spans_under_slerp_rescale_blocks_no_expert_is_read_for(auto_family, tmp_path, monkeypatch, budget):
+    """SLERP scales the base of every block (s0 + s1), so its units also cover blocks no expert is
+    read for (an empty expert set): spans of those merge byte for byte as blocks one by one, and the
+    spans do form."""
+    from mergedb import merger
+
+    _, cat = auto_family
+    plan = cat.plan(PlanRequest("base", ("expert_01",), "slerp", budget, params={"t": 0.3}))
+    xp = cat.execution_plan(plan.plan_id)
+    m = merger.Merger(xp)
+    try:
+        units = [u for ti in range(len(xp.tensors)) for u in m.units(ti)]
+    finally:
+        m.close()
+    sel = xp.selected()
+    assert any(len(u.blocks) > 1 for u in units)
+    if budget != "all":  # blocks of no expert, scaled all the same
+        assert any(b not in sel.get(u.tensor_idx, {}) for u in units for b in u.blocks)
+    spans = executor.execute(xp, tmp_path / "spans")
+    monkeypatch.setattr(merger, "SPAN_BYTES", 0)
+    one = executor.execute(xp, tmp_path / "one")
+    assert spans.expert_bytes == one.expert_bytes == plan.selected_bytes
+    for f in sorted((tmp_path / "one").glob("*.safetensors")):
+        assert (tmp_path / "spans" / f.name).read_bytes() == f.read_bytes(), f.name

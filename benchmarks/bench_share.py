@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mergedb.planner import PlanRequest
+from mergedb.units import DEFAULT_LAYOUT
 
 from .common import CACHE, evict, save, sequential_read
 from .run import METHOD_PARAMS, Suite
@@ -103,7 +104,7 @@ def run(
     repeats: int,
     budgets=None,
     trees: list[Path] | None = None,
-    block_size: str = "auto",
+    block_size: str = DEFAULT_LAYOUT,
 ) -> dict:
     suite = Suite(False, 1)
     cat = suite.catalog(block_size=block_size)
@@ -165,7 +166,7 @@ if __name__ == "__main__":
     ap.add_argument("--methods", nargs="*", default=list(TARGET_SHARE), choices=sorted(METHOD_PARAMS))
     ap.add_argument("--budgets", nargs="*", default=None, help="default: all and 10%% at the smallest K, all above")
     ap.add_argument("--trees", nargs=2, type=Path, default=None, metavar=("BEFORE", "AFTER"))
-    ap.add_argument("--block-size", default="auto", help="the family's layout (default auto, as register's)")
+    ap.add_argument("--block-size", default=DEFAULT_LAYOUT, help="the family's layout (default: register's)")
     ap.add_argument("--save", default="share")
     a = ap.parse_args()
     trees = [t.resolve() for t in a.trees] if a.trees else None

@@ -23,6 +23,7 @@ import numpy as np
 from mergedb import synth
 from mergedb.catalog import Catalog
 from mergedb.planner import PlanRequest
+from mergedb.units import DEFAULT_LAYOUT
 
 from .common import CACHE, evict, save, sequential_read
 
@@ -48,7 +49,7 @@ class Suite:
         self.size = "tiny" if quick else "bench"
         self.kmax = 4 if quick else 20
         self.repeats = repeats
-        self.block_size = "auto"  # the layout `mergedb register` gives a new base (units.DEFAULT_LAYOUT)
+        self.block_size = DEFAULT_LAYOUT  # the layout `mergedb register` gives a new base
 
     # -- families and catalogs ---------------------------------------------------------------
 
@@ -385,7 +386,7 @@ def main() -> None:
         t0 = time.perf_counter()
         doc = getattr(suite, name)()
         doc["seconds"] = time.perf_counter() - t0
-        doc.setdefault("block_size", suite.block_size)  # the layout of the catalogs it used by default
+        doc["default_block_size"] = suite.block_size  # its catalogs' layout unless it names another
         suffix = "-quick" if a.quick else ""
         print(save(name + suffix, {"quick": a.quick, **doc}), flush=True)
     from .report import write_report

@@ -12,9 +12,11 @@ compute threads run units (the numba kernels release the GIL); IO_THREADS thread
 and the expert blocks ahead of them; the caller receives tensors in header order from a reorder
 buffer of at most AHEAD_BYTES of later tensors. Memory: per compute thread, the running sums of
 one block (5 float32 per element for TIES-style methods, 1 otherwise) and two groups of
-READ_AHEAD expert blocks (one being folded in, one being read), reused from block to block; plus
-the tensors in the reorder buffer. None of it grows with K, except for model_stock: every expert
-block of one block at once per thread (its pairwise dots), and its tensor's float32 update.
+READ_AHEAD expert blocks (one being folded in, one being read), reused from block to block; a
+block or span of more than slicefold.SLICE_BYTES is merged slice by slice, so these hold one
+slice's (slicefold.py: the sums stay in cache); plus the tensors in the reorder buffer. None of it
+grows with K, except for model_stock: every expert block of one block at once per thread (its
+pairwise dots), and its tensor's float32 update.
 
 A block that a LoRA adapter of the plan contributes to is formed from the adapter's factors and
 folded as float32, one expert at a time (loramerge.py); every other block takes the path above.
@@ -34,7 +36,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import fetchplan, jitload, kernels, methods, multifold, stepwise
+from . import fetchplan, jitload, kernels, methods, multifold, slicefold, stepwise
 from .checkpoint import PlanInputs
 from .errors import ChangedFileError
 from .layout import TensorLayout, block_bytes, output_dtype, row_elems, span_bytes, spans
@@ -149,7 +151,8 @@ class Merger:
             raise
         # spans (units()): one read per expert and one kernel call for consecutive blocks with one expert
         # set, exact (kernels are elementwise, keyed by element offset); not where a block is its own unit
-        # (nor for remote files: their reads are declared block by block, fetchplan.declare_merge)
+        # (nor for remote files: their reads are declared block by block, fetchplan.declare_merge). The
+        # same path merges a block or span larger than a slice slice by slice (slicefold.py)
         plain = xp.method != "model_stock" and self.lora is None and not verify
         remote = any(src.remote for where in self.inputs.where for src, _, _ in where.values())
         self.spans = self.fused and plain and not remote and read_block is None and fold_block is None
@@ -188,25 +191,27 @@ class Merger:
                     )
         return base
 
-    def pread_block(self, ti: int, b: int | tuple[int, ...], pos: int, raw: np.ndarray) -> None:
-        """Fill `raw` with expert `pos`'s bytes of block `b` (or span) of tensor `ti`, from its file."""
+    def pread_block(self, ti: int, b: int | tuple[int, ...], pos: int, raw: np.ndarray, skip: int = 0) -> None:
+        """Fill `raw` with expert `pos`'s bytes of block `b` (or span) of tensor `ti` from byte `skip`
+        of the block on, from its file."""
         t = self.xp.tensors[ti]
         src, info, _ = self.inputs.where[pos + 1][t.name]
         lo, _ = span_bytes(t, info.nbytes, b)
-        src.read_into(memoryview(raw), info.start + lo)
+        src.read_into(memoryview(raw), info.start + lo + skip)
 
     def _read_one(
-        self, ti: int, b: int | tuple[int, ...], pos: int, h: str, raw: np.ndarray | None = None
+        self, ti: int, b: int | tuple[int, ...], pos: int, h: str, raw: np.ndarray | None = None, skip: int = 0
     ) -> np.ndarray:
         """Expert `pos`'s bytes of block `b` (or span: no --verify, no read_block) of tensor `ti`
-        (into `raw` if given; checked against `h` with --verify)."""
+        (into `raw` if given; checked against `h` with --verify). `skip`: a slice's bytes from byte
+        `skip` of the block on, as many as `raw` holds (slicefold.py: no --verify, no read_block)."""
         t = self.xp.tensors[ti]
         fd, info, path = self.inputs.where[pos + 1][t.name]
         lo, hi = span_bytes(t, info.nbytes, b)
         if raw is None:
             raw = np.empty(hi - lo, np.uint8)
         if self.read_block is None:
-            self.pread_block(ti, b, pos, raw)
+            self.pread_block(ti, b, pos, raw, skip)
         else:
             self.read_block(ti, b, pos, raw, lambda buf: self.pread_block(ti, b, pos, buf))
         with self._lock:
@@ -332,6 +337,9 @@ class Merger:
         """One block through the fused kernels: fold the selected experts into running sums (or take
         the sums from `fold_block`), then finish them into the output."""
         _, n, _, base = self._block(ti, b, base_raw)
+        if self.spans and base.nbytes > slicefold.SLICE_BYTES:  # the running sums of a slice stay in cache
+            slicefold.merge_sliced(self, ti, b, base_raw, out)
+            return
         acc = self.local.get("acc", (5 if self.method.consensus else 1) * n, np.float32)
         acc = acc.reshape(-1, n)  # (1 or 5, n) float32 running sums
         if self.fold_block is None:
@@ -356,8 +364,7 @@ class Merger:
         lo, n, bits_dt, base = self._block(ti, b, base_raw)
         nb = base.nbytes
         acc.fill(0)
-        work = self.sel.get(ti, {}).get(b if isinstance(b, int) else b[0], [])  # a span: one expert set
-        groups = [work[i : i + READ_AHEAD] for i in range(0, len(work), READ_AHEAD)]
+        groups = self._groups(ti, b)
         bufs = [self.local.get(f"ex{j}", READ_AHEAD * nb, np.uint8) for j in range(2)]
 
         def submit(gi: int) -> list[Future[np.ndarray]]:
@@ -368,8 +375,6 @@ class Merger:
             ]
 
         reads = submit(0) if groups else []
-        mode = kernels.MODE[self.method.sparsify]
-        draws = self.method.sparsify in kernels.RANDOM
         for gi, grp in enumerate(groups):
             for f in reads:
                 f.result()
@@ -381,36 +386,57 @@ class Merger:
                 w, t_lo, t_hi = (np.ascontiguousarray(x[:, at]) for x in bands)  # (G, g) each
                 multifold.fold_many(base, ex, kind, w, t_lo, t_hi, acc)
                 continue
-            srcs = [self.xp.experts[pos] for pos, _ in grp]
-            vals = [self._values(pos, ti) for pos, _ in grp]
-            trims = [self._trim(pos, ti, t, src) for (pos, _), src in zip(grp, srcs)]
-            coefs = np.array([v.weight if self.method.consensus else v.coef for v in vals], np.float32)
-            t_lo = np.array([tr.t_lo for tr in trims], np.float64)
-            t_hi = np.array([np.inf if tr.t_hi is None else tr.t_hi for tr in trims], np.float64)
-            keys = np.array([tr.key for tr in trims], np.uint64)
-            dens = [(v.density, v.epsilon or 0.0) for v in vals]
-            ranks = np.stack([tr.rank for tr in trims]) if mode == kernels.MODE["della"] else kernels.NO_RANKS
-            j0 = 0  # (not `b`: `submit` reads the block index b when the next group is read)
-            while j0 < len(grp):  # one call per run of experts with one DARE/DELLA density and ε (each
-                j1 = j0 + 1  # element's operations and their order do not depend on where a group is cut)
-                while j1 < len(grp) and (not draws or dens[j1] == dens[j0]):
-                    j1 += 1
-                sl = slice(j0, j1)
-                rk = ranks[sl] if len(ranks) else ranks
-                p, eps = dens[j0]
-                kernels.fold_group(
-                    base, ex[sl], kind, mode, lo, coefs[sl], t_lo[sl], t_hi[sl], keys[sl], p, eps, rk, acc
-                )
-                j0 = j1
+            self._fold_group(ti, grp, base, ex, lo, acc)
 
-    def _finish(self, ti: int, b: int, raw: np.ndarray, acc: np.ndarray, out: np.ndarray, tv=None, norm=None) -> None:
+    def _groups(self, ti: int, b: int | tuple[int, ...]) -> list[list[tuple[int, str]]]:
+        """The (position, hash) of the experts block `b` of tensor `ti` reads, in groups of READ_AHEAD
+        (a span: its blocks' one expert set)."""
+        work = self.sel.get(ti, {}).get(b if isinstance(b, int) else b[0], [])
+        return [work[i : i + READ_AHEAD] for i in range(0, len(work), READ_AHEAD)]
+
+    def _fold_group(
+        self, ti: int, grp: list[tuple[int, str]], base: np.ndarray, ex: np.ndarray, lo: int, acc: np.ndarray
+    ) -> None:
+        """Fold one group of experts (`ex` (g, n) raw bits of (position, hash) `grp`) into `acc`; `base`
+        (n,) raw bits, `lo` the first element's offset in the tensor (DARE/DELLA draws are keyed by it)."""
+        t = self.xp.tensors[ti]
+        kind = kernels.IN_KIND[t.dtype]
+        mode = kernels.MODE[self.method.sparsify]
+        draws = self.method.sparsify in kernels.RANDOM
+        srcs = [self.xp.experts[pos] for pos, _ in grp]
+        vals = [self._values(pos, ti) for pos, _ in grp]
+        trims = [self._trim(pos, ti, t, src) for (pos, _), src in zip(grp, srcs)]
+        coefs = np.array([v.weight if self.method.consensus else v.coef for v in vals], np.float32)
+        t_lo = np.array([tr.t_lo for tr in trims], np.float64)
+        t_hi = np.array([np.inf if tr.t_hi is None else tr.t_hi for tr in trims], np.float64)
+        keys = np.array([tr.key for tr in trims], np.uint64)
+        dens = [(v.density, v.epsilon or 0.0) for v in vals]
+        ranks = np.stack([tr.rank for tr in trims]) if mode == kernels.MODE["della"] else kernels.NO_RANKS
+        j0 = 0
+        while j0 < len(grp):  # one call per run of experts with one DARE/DELLA density and ε (each
+            j1 = j0 + 1  # element's operations and their order do not depend on where a group is cut)
+            while j1 < len(grp) and (not draws or dens[j1] == dens[j0]):
+                j1 += 1
+            sl = slice(j0, j1)
+            rk = ranks[sl] if len(ranks) else ranks
+            p, eps = dens[j0]
+            kernels.fold_group(base, ex[sl], kind, mode, lo, coefs[sl], t_lo[sl], t_hi[sl], keys[sl], p, eps, rk, acc)
+            j0 = j1
+
+    def _finish(
+        self, ti: int, b: int, raw: np.ndarray, acc: np.ndarray, out: np.ndarray, tv=None, norm=None, part=None
+    ) -> None:
         """Write block `b` of tensor `ti`: the base (times the tensor's base scale) plus the merged
-        update of the sums `acc`; `tv`, `norm`: another plan's λ and normalize (setmerge's fold sets)."""
+        update of the sums `acc`; `tv`, `norm`: another plan's λ and normalize (setmerge's fold sets);
+        `part` (first, count): only those elements of the block (slicefold.py)."""
         t = self.xp.tensors[ti]
         out_dtype = output_dtype(t, self.dtype)
         out_dt = np.dtype(DTYPES[out_dtype][1])
         kind = kernels.IN_KIND[t.dtype]
         lo, n, _, base = self._block(ti, b, raw)
+        if part is not None:
+            first, n = part
+            base, lo = base[first : first + n], lo + first
         normalize = bool(self.xp.params.get("normalize", True)) if norm is None else norm
         tv = tv or self._values(0, ti)  # λ and the base scale are per tensor: the same at every position
         lam, scale = tv.lam, tv.base_scale

@@ -364,3 +364,37 @@ def test_spans_under_slerp_rescale_blocks_no_expert_is_read_for(auto_family, tmp
     assert spans.expert_bytes == one.expert_bytes == plan.selected_bytes
     for f in sorted((tmp_path / "one").glob("*.safetensors")):
         assert (tmp_path / "spans" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+@pytest.mark.parametrize(
+    "method,params,experts,dtype",
+    [
+        ("ties", {"density": 0.2}, None, "fp32"),  # --dtype: every block is a unit, untouched ones too
+        ("slerp", {"t": 0.3}, ("expert_01",), None),  # the base of every block scaled
+        ("dare_ties", {"density": 0.5}, None, None),
+    ],
+)
+def test_slices_merge_exactly_as_whole_blocks(auto_family, tmp_path, monkeypatch, method, params, experts, dtype):
+    """Blocks and spans merged slice by slice (slicefold.py; 1,000-byte slices) give the bytes of whole
+    blocks, at a budget where some units read no expert (their slices only scale or convert the base),
+    and they are sliced."""
+    from mergedb import slicefold
+
+    _, cat = auto_family
+    plan = cat.plan(PlanRequest("base", experts, method, "30%", params=params, seed=3))
+    xp = cat.execution_plan(plan.plan_id)
+    monkeypatch.setattr(slicefold, "SLICE_BYTES", 2**40)  # no block is sliced
+    whole = executor.execute(xp, tmp_path / "whole", dtype=dtype)
+    monkeypatch.setattr(slicefold, "SLICE_BYTES", 1000)
+    groups = []
+    merge_sliced = slicefold.merge_sliced
+    monkeypatch.setattr(
+        slicefold,
+        "merge_sliced",
+        lambda m, ti, b, *a: groups.append(len(m._groups(ti, b))) or merge_sliced(m, ti, b, *a),
+    )
+    sliced = executor.execute(xp, tmp_path / "sliced", dtype=dtype)
+    assert sliced.expert_bytes == whole.expert_bytes == plan.selected_bytes
+    assert any(groups) and (0 in groups or method == "dare_ties")
+    for f in sorted((tmp_path / "whole").glob("*.safetensors")):
+        assert (tmp_path / "sliced" / f.name).read_bytes() == f.read_bytes(), f.name

@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import bounds, consensus, greedy, methods
+from .arrowcols import column
 from .tensorparams import TensorValues
 
 
@@ -89,10 +90,10 @@ def estimate(
         coef, noise = _stock_terms(con, ids, fam, read)
     omitted = pa.table(
         {
-            "checkpoint_id": _arrow(np.asarray(ids, np.int32)[c.position[left]]),
-            "position": _arrow(c.position[left]),
-            "tensor_idx": _arrow(c.tensor_idx[left]),
-            "block_idx": _arrow(c.block_idx[left]),
+            "checkpoint_id": column(np.asarray(ids, np.int32)[c.position[left]]),
+            "position": column(c.position[left]),
+            "tensor_idx": column(c.tensor_idx[left]),
+            "block_idx": column(c.block_idx[left]),
         }
     )
     est = math.sqrt(bounds.sketch_estimate(con, coef, omitted) ** 2 + noise)
@@ -100,13 +101,6 @@ def estimate(
         p = values.density[c.position[left], c.tensor_idx[left]]
         est = math.sqrt(est**2 + float(np.sum(c.value[left] ** 2 * (1.0 / p - 1.0))))
     return est
-
-
-def _arrow(a: np.ndarray) -> pa.Array:
-    """A 1-D numeric array as Arrow, zero-copy: pa.array(ndarray) checks for masked arrays, whose
-    module's import (numpy.ma, ~9 ms) would fall on the first plan of a process."""
-    a = np.ascontiguousarray(a)
-    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [None, pa.py_buffer(a)])
 
 
 def _stock_terms(

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import accessrules, bounds, candidates, consensus, deviation, greedy, methods, planstats, tensorparams
+from .arrowcols import column
 from .errors import MergeDBError, PlanError
 from .faults import unregister
 from .plans import validate_plan_name
@@ -70,7 +71,7 @@ def parse_budget(spec: str, full_bytes: int) -> int:
         pct = float(m.group(1))
         if pct > 100:
             raise PlanError(f"budget {shown(spec)} is over 100%; {example}")
-        return int(full_bytes * pct / 100)
+        return full_bytes if pct == 100 else int(full_bytes * pct / 100)
     if text.startswith("-"):
         raise PlanError(f"budget {shown(spec)} is negative; {example}")
     if re.fullmatch(r"\d+", text) and text.strip("0"):
@@ -79,6 +80,16 @@ def parse_budget(spec: str, full_bytes: int) -> int:
         return parse_size(text, what="budget")  # at most units.MAX_BYTES; more than the full read means all
     except MergeDBError as e:
         raise PlanError(f"{e}; or a percentage of the full read (25%), or all") from None
+
+
+def reads_everything(spec: str) -> bool:
+    """Whether a budget spec is the full read by its form (`all`, `100%`): such a plan selects every
+    candidate whatever the scores, so the planner need not compute trimmed values (the histogram
+    fetch and its arithmetic, ~40% of a TIES plan): they order the cut and sum the omitted blocks'
+    bound and estimate, which are 0. The stored plan is the same either way (tests/test_planner)."""
+    text = str(spec).strip()
+    m = _PERCENT.match(text)
+    return text.lower() == "all" or (m is not None and float(m.group(1)) == 100)
 
 
 STRATEGIES = ("ranked", "random")
@@ -246,7 +257,7 @@ def _select(
     """Score every (expert, block) candidate in SQL (queries/plan_candidates*.sql), fetch them once,
     and cut at the budget in memory (greedy.py): the greedy, the bounds and the estimate."""
     trims = planstats.thresholds(con, inp.method, inp.values, list(inp.ids), inp.numel)
-    fam, cands = _candidates(con, req, inp, trims, steps)
+    fam, cands = _candidates(con, req, inp, trims, steps, values=not reads_everything(req.budget))
     budget = parse_budget(req.budget, int(cands.nbytes.sum()))
     if req.min_coverage:  # accessrules.py: forced blocks first, refused if they do not fit
         cands = accessrules.with_coverage(cands, len(inp.ids), float(req.min_coverage), budget)
@@ -292,19 +303,22 @@ def _candidates(
     inp: _Inputs,
     trims: pa.Table,
     steps: list[tuple[str, str, int]] | None = None,
+    values: bool = True,
 ) -> tuple[bounds.FamilyBlocks, greedy.Candidates]:
+    """The scored candidates; values=False: a trimming method's blocks valued by their whole delta's
+    norm instead of the trimmed one, for a plan that selects every candidate (reads_everything)."""
     fam = inp.fam
     sc = candidates.Scoring(
         inp.ids,
         inp.values.coef,
         trims,
-        trimmed=inp.method.score == "trimmed",
+        trimmed=inp.method.score == "trimmed" and values,
         random_seed=req.seed if req.strategy == "random" else None,
         drop_nonfinite=bool(req.allow_nonfinite and inp.nonfinite),
         sqrt_size=req.value_model == "norm-sqrt",  # accessrules.py: the default, value / √bytes
     )
     cands = candidates.fetch(con, sc, fam, [] if steps is None else steps)
-    if req.value_model == "consensus":  # accessrules.py: the TIES model's leave-one-out value
+    if req.value_model == "consensus" and values:  # accessrules.py: the TIES model's leave-one-out value
         model = consensus.fetch(con, inp.method, inp.values, inp.params, inp.ids, trims, fam, sc.drop_nonfinite)
         cands = accessrules.with_consensus_value(cands, consensus.leave_one_out(model))
     return fam, cands
@@ -337,10 +351,10 @@ def _store(
     n_tensors = len(inp.mergeable)
     bit_table = pa.table(  # every (position, tensor); the INSERT keeps those with candidates (`present`)
         {
-            "checkpoint_id": _column(np.repeat(np.asarray(inp.ids, np.int32), n_tensors)),
-            "tensor_idx": _column(np.tile(np.arange(n_tensors, dtype=np.int32), k)),
+            "checkpoint_id": column(np.repeat(np.asarray(inp.ids, np.int32), n_tensors)),
+            "tensor_idx": column(np.tile(np.arange(n_tensors, dtype=np.int32), k)),
             "bits": pa.LargeStringArray.from_buffers(present.size, pa.py_buffer(offsets), pa.py_buffer(chars)),
-            "present": _column(present),
+            "present": column(present),
         }
     )  # filtered in SQL: Table.filter would import pyarrow.compute, ~35 ms of the first plan of a process
     tables = {"_plan_bits": bit_table}
@@ -428,15 +442,6 @@ def _store(
             "est_kind": deviation.kind(inp.method) if sel.est_error is not None else None,
         },
     )
-
-
-def _column(a: np.ndarray) -> pa.Array:
-    """A 1-D numpy array as an Arrow array, without `pa.array` (see _store): fixed-width values
-    zero-copy, booleans bit-packed."""
-    if a.dtype == np.bool_:
-        return pa.Array.from_buffers(pa.bool_(), a.size, [None, pa.py_buffer(np.packbits(a, bitorder="little"))])
-    a = np.ascontiguousarray(a)
-    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [None, pa.py_buffer(a)])
 
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict[str, Any]) -> None:

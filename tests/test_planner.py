@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import duckdb
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 from mergedb.catalog import Catalog
 from mergedb.errors import PlanError
+from mergedb.methods import METHODS
 from mergedb.planner import PlanRequest, parse_budget
 from mergedb.synth import simulate
 from tests.reference import kth_largest, load_model, ref_coefficients
@@ -526,3 +529,43 @@ def test_trimmed_norms_of_a_sliced_batch_against_a_loop():
             total += s * max(0.0, min(b, hi_t) - max(a, lo_t)) / (b - a)
         want = 0.0 if free[i] else np.sqrt(total)
         assert out[j] == pytest.approx(want, rel=1e-6, abs=1e-12), i
+
+
+def _stored(cat, plan_id):
+    """Everything a plan stores but its id, name, budget spec and timing: the plans row, its experts,
+    thresholds and mask bits."""
+    skip = {"plan_id", "name", "budget_spec", "planning_seconds", "created"}
+    plan = {k: v for k, v in cat.sql("SELECT * FROM plans WHERE plan_id = ?", [plan_id]).to_pylist()[0].items()}
+    tables = {
+        t: cat.sql(f"SELECT * EXCLUDE (plan_id) FROM {t} WHERE plan_id = ? ORDER BY ALL", [plan_id]).to_pylist()
+        for t in ("plan_experts", "plan_thresholds", "plan_mask_bits")
+    }
+    return {k: v for k, v in plan.items() if k not in skip}, tables
+
+
+_TRIMMED = [(m.name, {}) for m in METHODS.values() if m.score == "trimmed"]
+_CONSENSUS = [(m.name, {"value_model": "consensus", "min_coverage": 0.3}) for m in METHODS.values() if m.consensus]
+
+
+@pytest.mark.parametrize("method,options", _TRIMMED + _CONSENSUS)
+def test_full_read_plans_skip_values_and_store_the_same_plan(registered, monkeypatch, method, options):
+    """A budget that is the full read by its form (all, 100%) selects every candidate whatever the
+    values, so the planner skips what only values need (the trimmed histograms, the consensus
+    model): the stored plan is the one a size budget of the same bytes stores, which computes them."""
+    from mergedb import consensus
+
+    cat, _ = registered
+    fetched = []
+    real_fetch = consensus.fetch
+    monkeypatch.setattr(consensus, "fetch", lambda *a, **k: fetched.append(1) or real_fetch(*a, **k))
+    req = PlanRequest("base", None, method, "all", (1.0, 0.5, -0.7, 2.0), **options)
+    fast = cat.plan(req, explain=True)
+    assert not any("plan_candidates_trimmed" in sql for _, sql, _ in fast.explain)
+    assert not fetched
+    sized = cat.plan(replace(req, budget=f"{fast.full_bytes}B"), explain=True)
+    trimmed = any("plan_candidates_trimmed" in sql for _, sql, _ in sized.explain)
+    assert trimmed == (METHODS[method].score == "trimmed")
+    assert bool(fetched) == ("value_model" in options)
+    percent = cat.plan(replace(req, budget="100%"))
+    assert fast.n_selected == fast.n_candidates - fast.free_blocks > 0 and fast.est_error == 0
+    assert _stored(cat, fast.plan_id) == _stored(cat, sized.plan_id) == _stored(cat, percent.plan_id)

@@ -18,8 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from . import remote
 from .checkpoint import PlanInputs
 from .layout import block_bytes
@@ -92,7 +90,7 @@ class Prefetch:
         try:
             sizes = [inputs.where[0][t.name][1].nbytes for t in xp.tensors]
             last = next((i for i, n in enumerate(itertools.accumulate(sizes)) if n >= limit), len(sizes) - 1)
-            chunks = list(_chunks(merge_reads(xp, inputs, _selected_upto(xp, last)), limit))
+            chunks = list(_chunks(merge_reads(xp, inputs, xp.selected(hashes=False, last=last)), limit))
             pool = ThreadPoolExecutor(threads, thread_name_prefix="mergedb-prefetch")
             with pool, open(os.devnull, "wb") as null:
                 for f in [pool.submit(self._read, null.fileno(), *c) for c in chunks]:
@@ -108,19 +106,6 @@ class Prefetch:
             if k == 0:
                 return
             offset, n = offset + k, n - k
-
-
-def _selected_upto(xp: ExecutionPlan, last: int) -> dict[int, dict[int, list[tuple[int, str]]]]:
-    """xp.selected() for tensors 0..last only, positions without hashes (the reads need none): the
-    first PREFETCH_BYTES never reach further, and a plan may select millions of blocks."""
-    pos, ti, bi = (np.asarray(xp.mask.column(c).to_numpy()) for c in ("position", "tensor_idx", "block_idx"))
-    keep = ti <= last
-    pos, ti, bi = pos[keep], ti[keep], bi[keep]
-    order = np.lexsort((pos, bi, ti))
-    out: dict[int, dict[int, list[tuple[int, str]]]] = {}
-    for p, t, b in zip(pos[order].tolist(), ti[order].tolist(), bi[order].tolist()):
-        out.setdefault(t, {}).setdefault(b, []).append((p, ""))
-    return out
 
 
 def _fds_for(sources: tuple) -> bool:

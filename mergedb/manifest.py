@@ -90,12 +90,18 @@ class ExecutionPlan:
             src.weight, src.coef, float(p.get("density", 1.0)), p.get("epsilon"), float(p.get("lambda", 1.0))
         )
 
-    def selected(self) -> dict[int, dict[int, list[tuple[int, str]]]]:
-        """tensor_idx -> block_idx -> [(position, content_hash)] in plan order."""
+    def selected(self, hashes: bool = True, last: int | None = None) -> dict[int, dict[int, list[tuple[int, str]]]]:
+        """tensor_idx -> block_idx -> [(position, content_hash)] in plan order. hashes=False: "" for
+        every hash (only --verify reads them; at K = 20 the strings are ~4 MiB of a merge's memory);
+        `last`: tensors 0..last only."""
+        pos, ti, bi = (np.asarray(self.mask.column(c).to_numpy()) for c in ("position", "tensor_idx", "block_idx"))
+        keep = np.flatnonzero(ti <= last) if last is not None else np.arange(ti.size)
+        keep = keep[np.lexsort((pos[keep], bi[keep], ti[keep]))]  # (tensor, block, position): unique
+        h = self.mask.column("content_hash").to_pylist() if hashes else None
+        bare = [(p, "") for p in range(len(self.experts))]  # hashes=False: one shared pair per position
         out: dict[int, dict[int, list[tuple[int, str]]]] = {}
-        cols = [self.mask.column(c).to_pylist() for c in ("position", "tensor_idx", "block_idx", "content_hash")]
-        for pos, t, b, h in sorted(zip(*cols)):
-            out.setdefault(t, {}).setdefault(b, []).append((pos, h))
+        for i, p, t, b in zip(keep.tolist(), pos[keep].tolist(), ti[keep].tolist(), bi[keep].tolist()):
+            out.setdefault(t, {}).setdefault(b, []).append((p, h[i]) if h is not None else bare[p])
         return out
 
 

@@ -130,7 +130,7 @@ class Merger:
         self.read_block, self.fold_block = read_block, fold_block
         self.dtype = normalize_dtype(dtype)
         self.method = methods.get_method(xp.method)
-        self.sel = xp.selected()
+        self.sel = xp.selected(hashes=verify)
         self._trim_cache: dict[tuple[int, int], kernels.Trim] = {}
         pos_ti = (xp.trims.column(c).to_pylist() for c in ("position", "tensor_idx"))
         self.trims = {(p, t): r for p, t, r in zip(*pos_ti, xp.trims.to_pylist())}  # per (position, tensor_idx)

@@ -88,6 +88,8 @@ def test_verify_catches_file_modified_in_place(registered):
     fam, cat, tmp = registered
     plan = cat.plan(PlanRequest("base", None, "linear"))
     xp = cat.execution_plan(plan.plan_id)
+    executor.execute(xp, tmp / "clean", verify=True)  # unchanged files pass: every block's hash is checked
+    assert (tmp / "clean" / "model.safetensors").exists()
     _poke_in_place(fam / "expert_00" / "model.safetensors")
     executor.execute(xp, tmp / "unverified")  # the fingerprint alone cannot see this change
     with pytest.raises(ChangedFileError, match="does not match its registered hash"):

@@ -165,11 +165,20 @@ def test_prefetch_reads_nothing_when_the_inputs_twice_would_not_fit_the_open_fil
     assert calls  # with room, it reads
 
 
-def test_prefetch_selection_of_the_first_tensors_is_the_plans(plan):
-    full = plan.selected()
-    for last in range(len(plan.tensors)):
-        want = {t: {b: [(p, "") for p, _ in w] for b, w in blocks.items()} for t, blocks in full.items() if t <= last}
-        assert fetchplan._selected_upto(plan, last) == want
+def test_selected_groups_the_mask_by_tensor_and_block(plan):
+    """ExecutionPlan.selected (the merger's and the prefetch's view of the mask) against the mask's
+    rows grouped by hand: per tensor and block, (position, hash) in position order; "" for hashes
+    when they are not wanted (only --verify reads them); only tensors 0..last when asked."""
+    rows = sorted(plan.mask.to_pylist(), key=lambda r: (r["tensor_idx"], r["block_idx"], r["position"]))
+    assert len({(r["tensor_idx"], r["block_idx"]) for r in rows}) < len(rows)  # blocks with several experts
+    for last in [None, *range(len(plan.tensors))]:
+        for hashes in (True, False):
+            want: dict = {}
+            for r in rows:
+                if last is None or r["tensor_idx"] <= last:
+                    pair = (r["position"], r["content_hash"] if hashes else "")
+                    want.setdefault(r["tensor_idx"], {}).setdefault(r["block_idx"], []).append(pair)
+            assert plan.selected(hashes, last) == want
 
 
 def test_unreadable_numba_version_turns_light_loads_off(monkeypatch):

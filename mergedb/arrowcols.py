@@ -11,14 +11,9 @@ import numpy as np
 import pyarrow as pa
 
 
-def _bits(a: np.ndarray) -> pa.Buffer:
-    return pa.py_buffer(np.packbits(a, bitorder="little"))
-
-
-def column(a: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
-    """A 1-D numpy array as an Arrow array; `valid` (bool, same length): False rows are null."""
-    validity = None if valid is None else _bits(np.asarray(valid, bool))
+def column(a: np.ndarray) -> pa.Array:
+    """A 1-D numpy array (fixed-width or bool, no nulls) as an Arrow array."""
     if a.dtype == np.bool_:
-        return pa.Array.from_buffers(pa.bool_(), a.size, [validity, _bits(a)])
+        return pa.Array.from_buffers(pa.bool_(), a.size, [None, pa.py_buffer(np.packbits(a, bitorder="little"))])
     a = np.ascontiguousarray(a)
-    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [validity, pa.py_buffer(a)])
+    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [None, pa.py_buffer(a)])

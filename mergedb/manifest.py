@@ -92,7 +92,7 @@ class ExecutionPlan:
 
     def selected(self, hashes: bool = True, last: int | None = None) -> dict[int, dict[int, list[tuple[int, str]]]]:
         """tensor_idx -> block_idx -> [(position, content_hash)] in plan order. hashes=False: "" for
-        every hash (only --verify reads them; at K = 20 the strings are ~4 MiB of a merge's memory);
+        every hash (only --verify reads them; at K = 20 on the bench family the strings were ~5.5 MiB of a merge);
         `last`: tensors 0..last only."""
         pos, ti, bi = (np.asarray(self.mask.column(c).to_numpy()) for c in ("position", "tensor_idx", "block_idx"))
         keep = np.flatnonzero(ti <= last) if last is not None else np.arange(ti.size)

@@ -68,6 +68,17 @@ def test_modules_are_short_or_say_why():
         assert n <= 470 or "long because" in doc, f"{path.name} has {n} lines and no word on why"
 
 
+def test_readme_module_map_names_every_module():
+    """README's module map ("One module per concept") is where a newcomer starts: every module of the
+    package has a row there (16 had none before this test)."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    table = readme[readme.index("| module | what it answers |") :].split("\n\n", 1)[0]
+    named = {cell.strip("` ") for line in table.splitlines()[2:] for cell in line.split("|")[1].split(",")}
+    modules = {p.name for p in PACKAGE.glob("*.py")} - {"__init__.py"}
+    assert sorted(modules - named) == []
+    assert sorted(named - modules) == []  # and names none that is gone
+
+
 def test_layers_never_reach_upward():
     graph = _imports()
     assert not graph["methods"] - {"errors"}, "methods is pure parameter logic"

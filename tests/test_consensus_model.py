@@ -1,0 +1,91 @@
+"""consensus.py's model against a loop written from its definition: per block and draw, each
+expert's τ (non-zero with probability p, lognormal magnitude, random sign; the module's own draws,
+which are the model's input), the TIES merge of a read set (elected sign of Σ w τ, +1 on zero; the
+agreeing experts' Σ w τ, divided by their Σ w when normalizing), and the expectations as means over
+the draws. The vectorised code must agree within float32 rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mergedb import consensus
+
+
+def _model(k: int, nb: int, seed: int, normalize: bool) -> consensus.Model:
+    rng = np.random.default_rng(seed)
+    p = rng.random((k, nb)) * (rng.random((k, nb)) < 0.85)  # some experts never touch a block
+    p[:, -1] = np.maximum(p[:, -1], 0.3)  # every expert touches the last one
+    return consensus.Model(
+        p=p,
+        mu=rng.random((k, nb)) * 1e-3 + 1e-5,
+        sigma=rng.random((k, nb)) * 1.5,
+        # a weight per (expert, block)'s tensor; a lone expert with a negative one never agrees with its own sign
+        w=rng.choice([0.5, 1.0, 2.0, -0.7] if k > 1 else [0.5, 2.0], size=(k, nb)),
+        lam=rng.choice([0.5, 1.0, 1.3], size=nb),
+        numel=rng.integers(1, 5000, size=nb).astype(np.float64),
+        normalize=normalize,
+    )
+
+
+def _tau(m: consensus.Model, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """(R, K) float64 τ of block b per draw, and the same with every element non-zero."""
+    u, sign, z = (np.asarray(a, np.float64) for a in consensus._draws(m.p.shape[0]))
+    forced = sign * m.mu[:, b] * np.exp(m.sigma[:, b] * z - m.sigma[:, b] ** 2 / 2)
+    return np.where(u < m.p[:, b], forced, 0.0), forced
+
+
+def _ties(tau: np.ndarray, w: np.ndarray, normalize: bool) -> float:
+    """One element merged from the experts' τ (zeros for experts not read)."""
+    up = float(np.sum(w * tau)) >= 0
+    agree = tau > 0 if up else tau < 0
+    num = float(np.sum((w * tau)[agree]))
+    den = float(np.sum(w[agree]))
+    return num / (den if abs(den) >= 1e-8 else 1.0) if normalize else num
+
+
+def ref_deviation(m: consensus.Model, read: np.ndarray) -> float:
+    total = 0.0
+    for b in range(m.p.shape[1]):
+        tau, _ = _tau(m, b)
+        w = m.w[:, b]
+        sq = [(_ties(t * read[:, b], w, m.normalize) - _ties(t, w, m.normalize)) ** 2 for t in tau]
+        total += np.mean(sq) * m.numel[b] * m.lam[b] ** 2
+    return float(np.sqrt(total))
+
+
+def ref_leave_one_out(m: consensus.Model) -> np.ndarray:
+    k, nb = m.p.shape
+    out = np.zeros((k, nb))
+    for b in range(nb):
+        tau, forced = _tau(m, b)
+        w = m.w[:, b]
+        for j in range(k):
+            others = np.arange(k) != j
+            sq = []
+            for t, f in zip(tau, forced):
+                with_j = np.where(others, t, f[j])  # j's element forced non-zero
+                sq.append((_ties(with_j, w, m.normalize) - _ties(t * others, w, m.normalize)) ** 2)
+            out[j, b] = np.mean(sq) * m.p[j, b] * m.numel[b] * m.lam[b] ** 2
+    return np.sqrt(out)
+
+
+@pytest.mark.parametrize("k,nb,seed,normalize", [(3, 5, 1, True), (4, 7, 2, False), (8, 3, 3, True), (1, 2, 4, True)])
+def test_deviation_is_the_definition(k, nb, seed, normalize):
+    m = _model(k, nb, seed, normalize)
+    rng = np.random.default_rng(seed + 100)
+    read = rng.random((k, nb)) < 0.6
+    read[:, 0] = True  # a block read whole: no deviation from it
+    read[0, -1] = False  # and one that is not
+    want, got = ref_deviation(m, read), consensus.deviation(m, read)
+    assert want > 0
+    assert got == pytest.approx(want, rel=1e-4)
+    assert consensus.deviation(m, np.ones((k, nb), bool)) == 0.0
+
+
+@pytest.mark.parametrize("k,nb,seed,normalize", [(3, 5, 5, True), (4, 4, 6, False), (6, 3, 7, True)])
+def test_leave_one_out_is_the_definition(k, nb, seed, normalize):
+    m = _model(k, nb, seed, normalize)
+    want, got = ref_leave_one_out(m), consensus.leave_one_out(m)
+    assert want.shape == got.shape and np.count_nonzero(want) > k
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-12)

@@ -42,14 +42,14 @@ _CAP = 1 - 2**-40  # a carrier's other candidates score at most this × the carr
 
 
 @cache
-def _statement(name: str) -> str:
+def statement(name: str) -> str:
     """queries/<name>.sql without its header comment lines, for con.sql(): DuckDB's Python layer
     tokenizes the text of every con.sql() call one character at a time (~3 ms a statement with
     the header, a small plan's largest cost after the connection)."""
     return "\n".join(line for line in query(name).splitlines() if not line.lstrip().startswith("--"))
 
 
-def _positions(first: int) -> str:
+def positions(first: int) -> str:
     """The `_plan_positions(checkpoint_id, position)` the candidate queries read: the plan's experts in
     plan order, from two list parameters ($first: checkpoint ids, $first+1: 0, 1, …) zipped by unnest.
     Not a registered Arrow table: registering and unregistering one cost ~1 ms per plan."""
@@ -146,7 +146,7 @@ def fetch(
     score = random if random.size or not large else freshmem.empty(total, np.float64)
     # batches of 64k rows: their buffers are reused; 1M-row batches came back as fresh pages each time
     reader = con.sql(
-        _positions(3) + _statement(name), params=[sc.drop_nonfinite, sc.random_seed, ids, list(range(len(ids)))]
+        positions(3) + statement(name), params=[sc.drop_nonfinite, sc.random_seed, ids, list(range(len(ids)))]
     ).to_arrow_reader(1 << 16)
     at = 0
     ahead = [*cols.values(), random, gblock, score] if large else []
@@ -255,7 +255,7 @@ def trimmed_norms(batch: pa.RecordBatch, first: int, t_lo: np.ndarray, t_hi: np.
 
 def _fixed_bytes(con: duckdb.DuckDBPyConnection, ids: list[int], n_tensors: int) -> np.ndarray:
     """(K·T,) int64 fixed bytes of each (position, tensor) pair (queries/plan_fixed_bytes.sql)."""
-    t = con.sql(_positions(1) + _statement("plan_fixed_bytes"), params=[ids, list(range(len(ids)))]).to_arrow_table()
+    t = con.sql(positions(1) + statement("plan_fixed_bytes"), params=[ids, list(range(len(ids)))]).to_arrow_table()
     fixed = np.zeros(len(ids) * n_tensors, np.int64)
     pos = t.column("position").to_numpy().astype(np.int64)
     fixed[pos * n_tensors + t.column("tensor_idx").to_numpy()] = t.column("fixed_bytes").to_numpy()
@@ -265,7 +265,7 @@ def _fixed_bytes(con: duckdb.DuckDBPyConnection, ids: list[int], n_tensors: int)
 def family_blocks(con: duckdb.DuckDBPyConnection, base_id: int, dtypes: list[str]) -> bounds.FamilyBlocks:
     """The base family's blocks in (tensor_idx, block_idx) order (queries/plan_block_bytes.sql);
     `dtypes`: each tensor's dtype name, by tensor_idx (family_tensors.dtype)."""
-    t = con.sql(_statement("plan_block_bytes"), params=[base_id]).to_arrow_table()
+    t = con.sql(statement("plan_block_bytes"), params=[base_id]).to_arrow_table()
     tix, bix = t.column("tensor_idx").to_numpy(), t.column("block_idx").to_numpy()
     order = np.lexsort((bix, tix))  # the query's rows come in no order; (tensor_idx, block_idx) is unique
     tix = tix[order]

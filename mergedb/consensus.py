@@ -41,8 +41,8 @@ import numpy as np
 import pyarrow as pa
 
 from . import bounds, methods
-from .faults import unregister
-from .resources import query
+from .candidates import pair_trims, positions, statement
+from .errors import CatalogError
 from .tensorparams import TensorValues
 
 DRAWS = 256  # Monte Carlo elements per block
@@ -74,22 +74,18 @@ def fetch(
     drop_nonfinite: bool,
 ) -> Model:
     """The model's inputs for a plan's experts (queries/plan_consensus_stats.sql), one scan."""
-    con.register("_plan_trim", trims)
-    con.register(
-        "_plan_positions",
-        # a list, not pa.array(ndarray): its masked-array check imports numpy.ma (~9 ms of a first plan)
-        pa.table({"checkpoint_id": pa.array(ids, pa.int32()), "position": pa.array(list(range(len(ids))), pa.int32())}),
-    )
-    try:
-        t = con.sql(query("plan_consensus_stats"), params=[drop_nonfinite]).to_arrow_table()
-    finally:
-        unregister(con, "_plan_trim")
-        unregister(con, "_plan_positions")
+    t = con.sql(
+        positions(2) + statement("plan_consensus_stats"), params=[drop_nonfinite, list(ids), list(range(len(ids)))]
+    ).to_arrow_table()
     k, nb = len(ids), int(fam.first_block[-1])
+    n_tensors = fam.first_block.size - 1
     pos = t.column("position").to_numpy().astype(np.int64)
     tix = t.column("tensor_idx").to_numpy()
     g = fam.first_block[tix] + t.column("block_idx").to_numpy()
-    col = {c: t.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in t.column_names[3:]}
+    trim_lo, trim_hi = pair_trims(trims, list(ids), n_tensors)
+    pair = pos * n_tensors + tix
+    col = {c: t.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in ("nnz", "norm")}
+    col["kept"], col["kept_abs"], col["kept_sq"] = kept_stats(t, trim_lo[pair], trim_hi[pair])
     keep = np.ones(pos.size)  # probability a kept element survives a random drop
     if method.sparsify in ("random", "della"):  # DARE, DELLA: every non-zero element, kept with p ≈ density
         keep = values.density[pos, tix]
@@ -113,6 +109,37 @@ def fetch(
         numel=numel,
         normalize=bool(params.get("normalize", True)),
     )
+
+
+def kept_stats(t: pa.Table, t_lo: np.ndarray, t_hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(n,) float64 elements the trim [t_lo, t_hi) keeps in each row's block, and their Σ|Δ| and ΣΔ²,
+    from the row's histogram bins (plan_consensus_stats' hist_* columns): Σ_bins x · frac, frac the
+    part of the bin [lo, hi) inside the trim (edge arithmetic in float32, as the stored edges and
+    trims are), a zero-width bin 1 if lo lies inside; 0 for a block identical to the base. `t_lo`,
+    `t_hi` (n,) float32, ±inf: no trim (candidates.pair_trims)."""
+    cols = [t.column(c).combine_chunks() for c in ("hist_lo", "hist_hi", "hist_count", "hist_sum", "hist_sumsq")]
+    offsets = cols[0].offsets.to_numpy()
+    if any(not np.array_equal(c.offsets.to_numpy(), offsets) for c in cols[1:]):
+        raise CatalogError(
+            "expert_blocks has a block whose histogram columns differ in length; the catalog is damaged: "
+            "register the experts again into a new catalog"
+        )
+    a, b = int(offsets[0]), int(offsets[-1])
+    lo, hi, count, total, sq = (c.values.to_numpy()[a:b] for c in cols)
+    counts = np.diff(offsets)
+    row = np.repeat(np.arange(t.num_rows), counts)
+    t_lo, t_hi = np.repeat(t_lo, counts), np.repeat(t_hi, counts)
+    inside = np.minimum(hi, t_hi) - np.maximum(lo, t_lo)  # float32
+    width = (hi - lo).astype(np.float64)
+    frac = np.maximum(inside, 0).astype(np.float64)
+    frac = np.divide(frac, width, out=np.zeros_like(frac), where=width > 0)
+    zero_width = width <= 0  # kept if inside the band
+    frac[zero_width] = ((lo >= t_lo) & (lo < t_hi))[zero_width]
+    out = tuple(np.bincount(row, weights=x * frac, minlength=t.num_rows) for x in (count, total, sq))
+    identical = t.column("identical").to_numpy(zero_copy_only=False)
+    for x in out:
+        x[identical] = 0.0
+    return out  # type: ignore[return-value]
 
 
 def _draws(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

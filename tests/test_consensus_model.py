@@ -89,3 +89,46 @@ def test_leave_one_out_is_the_definition(k, nb, seed, normalize):
     want, got = ref_leave_one_out(m), consensus.leave_one_out(m)
     assert want.shape == got.shape and np.count_nonzero(want) > k
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-12)
+
+
+def test_kept_stats_are_the_bins_inside_the_trim():
+    """consensus.kept_stats against a loop over each block's bins: a bin wholly inside [t_lo, t_hi)
+    counts fully, a straddling one by the part of its width inside, a zero-width bin if its edge is
+    inside; rows without a trim (±inf) keep every bin; a block identical to the base keeps none."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(11)
+    rows = []
+    for r in range(40):
+        n = int(rng.integers(0, 9))
+        lo = np.sort(rng.random(n).astype(np.float32))
+        hi = (lo + rng.choice([0.0, 0.01, 0.2], size=n).astype(np.float32)).astype(np.float32)  # some zero-width
+        rows.append((lo, hi, rng.integers(1, 100, n), rng.random(n), rng.random(n), r % 7 == 3))
+    t = pa.table(
+        {
+            "hist_lo": pa.array([r[0] for r in rows], pa.list_(pa.float32())),
+            "hist_hi": pa.array([r[1] for r in rows], pa.list_(pa.float32())),
+            "hist_count": pa.array([r[2] for r in rows], pa.list_(pa.int64())),
+            "hist_sum": pa.array([r[3] for r in rows], pa.list_(pa.float64())),
+            "hist_sumsq": pa.array([r[4] for r in rows], pa.list_(pa.float64())),
+            "identical": pa.array([r[5] for r in rows]),
+        }
+    )
+    t_lo = rng.random(40).astype(np.float32) * 0.5
+    t_hi = np.where(rng.random(40) < 0.5, np.float32(np.inf), t_lo + np.float32(0.3)).astype(np.float32)
+    t_lo[::5], t_hi[::5] = -np.inf, np.inf  # pairs without a trim row
+    got = consensus.kept_stats(t, t_lo, t_hi)
+    for i, (lo, hi, count, s, sq, identical) in enumerate(rows):
+        want = [0.0, 0.0, 0.0]
+        for j in range(len(lo)):
+            if hi[j] > lo[j]:
+                inside = np.float32(min(hi[j], t_hi[i]) - max(lo[j], t_lo[i]))
+                frac = max(float(inside), 0.0) / float(np.float32(hi[j] - lo[j]))
+            else:
+                frac = float(t_lo[i] <= lo[j] < t_hi[i])
+            for x, v in enumerate((count[j], s[j], sq[j])):
+                want[x] += float(v) * frac
+        if identical:
+            want = [0.0, 0.0, 0.0]
+        assert [g[i] for g in got] == pytest.approx(want, rel=1e-12, abs=1e-300)
+    assert sum(1 for r in rows if len(r[0]) and not r[5]) > 20

@@ -132,3 +132,21 @@ def test_kept_stats_are_the_bins_inside_the_trim():
             want = [0.0, 0.0, 0.0]
         assert [g[i] for g in got] == pytest.approx(want, rel=1e-12, abs=1e-300)
     assert sum(1 for r in rows if len(r[0]) and not r[5]) > 20
+
+
+def test_totals_with_infinite_draws_are_the_masked_sums():
+    """A draw that overflows float32 (|Δ| near its limit) must not turn the masked sums into NaN
+    (inf · 0): the totals are the textbook sums of w·τ and w over positive and negative τ."""
+    x = np.array([[[np.inf, -1.0, 2.0], [0.0, -np.inf, 1.0]]], np.float32)  # (b=1, R=2, K=3)
+    w = np.array([[[1.0, 2.0, 0.5]]], np.float32)
+    got = consensus._totals(x, w)
+    wx = (w * x)[0]
+    want = (
+        wx.sum(-1),
+        np.array([sum(v for v, t in zip(r, xr) if t > 0) for r, xr in zip(wx, x[0])], np.float32),
+        np.array([sum(wk for wk, t in zip(w[0, 0], xr) if t > 0) for xr in x[0]], np.float32),
+        np.array([sum(v for v, t in zip(r, xr) if t < 0) for r, xr in zip(wx, x[0])], np.float32),
+        np.array([sum(wk for wk, t in zip(w[0, 0], xr) if t < 0) for xr in x[0]], np.float32),
+    )
+    for g, v in zip(got, want):
+        np.testing.assert_array_equal(g[0], v)

@@ -173,19 +173,23 @@ def register(
         from .rayexec import expert_scanner  # one Ray task per expert; this process writes the catalog
 
         scanner = expert_scanner(ray)
-    with render.progress(quiet, "register") as (advance, set_total):
-        r = _catalog(catalog, wait).register(
-            paths,
-            base=base,
-            base_model=base_model,
-            name=name,
-            block_size=rule,
-            refresh=refresh,
-            threads=threads,
-            progress=advance,
-            on_total=set_total,
-            scanner=scanner,
-        )
+    started = _hold_collector()
+    try:
+        with render.progress(quiet, "register") as (advance, set_total):
+            r = _catalog(catalog, wait).register(
+                paths,
+                base=base,
+                base_model=base_model,
+                name=name,
+                block_size=rule,
+                refresh=refresh,
+                threads=threads,
+                progress=advance,
+                on_total=lambda n: (started(), set_total and set_total(n)),
+                scanner=scanner,
+            )
+    finally:
+        started()
     if not quiet:
         rate = r.bytes_read / r.seconds / 1e6 if r.seconds else 0.0
         render.out().print(
@@ -692,10 +696,11 @@ _PROCESS = False  # running as the `mergedb` command (main), not inside another 
 
 
 def _hold_collector() -> Callable[[], None]:
-    """Hold Python's cyclic garbage collector while a merge starts: importing DuckDB, pyarrow and
-    numba makes ~1M long-lived objects, and the collections they trigger cost ~0.06 CPU-s. The
-    returned call (once the merger runs; again is harmless) freezes what was imported, so that no
-    later collection scans it, and lets the collector run again. Only in the `mergedb` process:
+    """Hold Python's cyclic garbage collector while a merge or a registration starts: importing
+    DuckDB, pyarrow and numba makes ~1M long-lived objects, and the collections they trigger cost
+    ~0.06 CPU-s (and the scans' collections ~0.08 CPU-s more in a 4-expert registration). The
+    returned call (once the merger or the scan runs; again is harmless) freezes what was imported,
+    so that no later collection scans it, and lets the collector run again. Only in the `mergedb` process:
     frozen objects are never collected, which another program calling `app` may not want."""
     if not _PROCESS or not gc.isenabled():
         return lambda: None

@@ -10,7 +10,8 @@ import gc
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -173,23 +174,19 @@ def register(
         from .rayexec import expert_scanner  # one Ray task per expert; this process writes the catalog
 
         scanner = expert_scanner(ray)
-    started = _hold_collector()
-    try:
-        with render.progress(quiet, "register") as (advance, set_total):
-            r = _catalog(catalog, wait).register(
-                paths,
-                base=base,
-                base_model=base_model,
-                name=name,
-                block_size=rule,
-                refresh=refresh,
-                threads=threads,
-                progress=advance,
-                on_total=lambda n: (started(), set_total and set_total(n)),
-                scanner=scanner,
-            )
-    finally:
-        started()
+    with _held_progress(quiet, "register") as (advance, on_total):
+        r = _catalog(catalog, wait).register(
+            paths,
+            base=base,
+            base_model=base_model,
+            name=name,
+            block_size=rule,
+            refresh=refresh,
+            threads=threads,
+            progress=advance,
+            on_total=on_total,
+            scanner=scanner,
+        )
     if not quiet:
         rate = r.bytes_read / r.seconds / 1e6 if r.seconds else 0.0
         render.out().print(
@@ -472,25 +469,20 @@ def execute(
         from .rayexec import shard_writer  # one Ray task per shard, each on --threads cores (default 1)
 
         write_shards = shard_writer(ray, verify=verify, threads=threads or 1)
-    started = _hold_collector()
     _end_fast()
-    try:
-        cat = _catalog(catalog, wait)
-        with render.progress(quiet, "merge") as (advance, set_total):
-            res = cat.execute(
-                plan_ref,
-                out_dir,
-                max_shard_size=shard,
-                dtype=dtype,
-                verify=verify,
-                force=force,
-                progress=advance,
-                on_total=lambda n: (started(), set_total and set_total(n)),
-                threads=threads,
-                write_shards=write_shards,
-            )
-    finally:
-        started()
+    with _held_progress(quiet, "merge") as (advance, on_total):
+        res = _catalog(catalog, wait).execute(
+            plan_ref,
+            out_dir,
+            max_shard_size=shard,
+            dtype=dtype,
+            verify=verify,
+            force=force,
+            progress=advance,
+            on_total=on_total,
+            threads=threads,
+            write_shards=write_shards,
+        )
     if not quiet:
         render.out().print(
             f"wrote {out_dir}: expert bytes {format_size(res.expert_bytes)} "
@@ -712,6 +704,19 @@ def _hold_collector() -> Callable[[], None]:
             gc.enable()
 
     return started
+
+
+@contextmanager
+def _held_progress(quiet: bool, label: str) -> Iterator[tuple[Any, Callable[[int], None]]]:
+    """render.progress's (advance, on_total) for a merge or a registration, with Python's collector
+    held (_hold_collector) until the work reports its total, i.e. until it has started; running
+    again afterwards whatever happens."""
+    started = _hold_collector()
+    try:
+        with render.progress(quiet, label) as (advance, set_total):
+            yield advance, lambda n: (started(), set_total and set_total(n))
+    finally:
+        started()
 
 
 _FAST_END = False  # an `execute` ran in the `mergedb` process: end it without the interpreter's teardown

@@ -229,20 +229,8 @@ def trimmed_norms(batch: pa.RecordBatch, first: int, t_lo: np.ndarray, t_hi: np.
     `t_lo`, `t_hi` ((n,) float32, ±inf: none; pair_trims), Σ_bins sumsq · overlap([lo, hi), [t_lo,
     t_hi)) / (hi − lo), the edge arithmetic in float32 as the stored edges and trims are; a free
     block's norm is 0."""
-    lo_col = batch.column(first)
-    offsets = lo_col.offsets.to_numpy()  # (n+1,): this batch's rows into the (unsliced) value buffers
-    for c in (first + 1, first + 2):
-        if not np.array_equal(batch.column(c).offsets.to_numpy(), offsets):
-            raise CatalogError(
-                "expert_blocks has a block whose hist_lo, hist_hi and hist_sumsq differ in length; the catalog "
-                "is damaged: register the experts again into a new catalog"
-            )
-    a, b = int(offsets[0]), int(offsets[-1])
-    lo = lo_col.values.to_numpy()[a:b]
-    hi = batch.column(first + 1).values.to_numpy()[a:b]
-    sumsq = batch.column(first + 2).values.to_numpy()[a:b]
+    counts, (lo, hi, sumsq) = histogram_bins([batch.column(c) for c in (first, first + 1, first + 2)])
     n = batch.num_rows
-    counts = np.diff(offsets)
     row = np.repeat(np.arange(n), counts)
     kept = np.minimum(hi, np.repeat(t_hi, counts))  # float32
     kept -= np.maximum(lo, np.repeat(t_lo, counts))
@@ -251,6 +239,20 @@ def trimmed_norms(batch: pa.RecordBatch, first: int, t_lo: np.ndarray, t_hi: np.
     part /= hi - lo
     out[:] = np.sqrt(np.bincount(row, weights=part, minlength=n))
     out[batch.column(3).to_numpy(zero_copy_only=False)] = 0.0  # free: identical to the base
+
+
+def histogram_bins(lists: list[pa.ListArray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Per row, its block's histogram bins from list columns of expert_blocks (hist_lo, hist_hi, …):
+    (n,) bins of each row, and each column's values of all rows' bins, row after row. Refuses a
+    damaged catalog whose lists of one block differ in length."""
+    offsets = lists[0].offsets.to_numpy()  # (n+1,): these rows into the (unsliced) value buffers
+    if any(not np.array_equal(c.offsets.to_numpy(), offsets) for c in lists[1:]):
+        raise CatalogError(
+            "expert_blocks has a block whose histogram columns differ in length; the catalog is damaged: "
+            "register the experts again into a new catalog"
+        )
+    a, b = int(offsets[0]), int(offsets[-1])
+    return np.diff(offsets), [c.values.to_numpy()[a:b] for c in lists]
 
 
 def _fixed_bytes(con: duckdb.DuckDBPyConnection, ids: list[int], n_tensors: int) -> np.ndarray:

@@ -41,8 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import bounds, methods
-from .candidates import pair_trims, positions, statement
-from .errors import CatalogError
+from .candidates import histogram_bins, pair_trims, positions, statement
 from .tensorparams import TensorValues
 
 DRAWS = 256  # Monte Carlo elements per block
@@ -117,16 +116,8 @@ def kept_stats(t: pa.Table, t_lo: np.ndarray, t_hi: np.ndarray) -> tuple[np.ndar
     part of the bin [lo, hi) inside the trim (edge arithmetic in float32, as the stored edges and
     trims are), a zero-width bin 1 if lo lies inside; 0 for a block identical to the base. `t_lo`,
     `t_hi` (n,) float32, ±inf: no trim (candidates.pair_trims)."""
-    cols = [t.column(c).combine_chunks() for c in ("hist_lo", "hist_hi", "hist_count", "hist_sum", "hist_sumsq")]
-    offsets = cols[0].offsets.to_numpy()
-    if any(not np.array_equal(c.offsets.to_numpy(), offsets) for c in cols[1:]):
-        raise CatalogError(
-            "expert_blocks has a block whose histogram columns differ in length; the catalog is damaged: "
-            "register the experts again into a new catalog"
-        )
-    a, b = int(offsets[0]), int(offsets[-1])
-    lo, hi, count, total, sq = (c.values.to_numpy()[a:b] for c in cols)
-    counts = np.diff(offsets)
+    names = ("hist_lo", "hist_hi", "hist_count", "hist_sum", "hist_sumsq")
+    counts, (lo, hi, count, total, sq) = histogram_bins([t.column(c).combine_chunks() for c in names])
     row = np.repeat(np.arange(t.num_rows), counts)
     t_lo, t_hi = np.repeat(t_lo, counts), np.repeat(t_hi, counts)
     inside = np.minimum(hi, t_hi) - np.maximum(lo, t_lo)  # float32

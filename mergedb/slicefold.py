@@ -13,8 +13,8 @@ reads, across slice ends too, run on the I/O threads while this group is folded 
 
 The kernels are elementwise and keyed by element offset (DARE's draws), so every element's float32
 operations are those of the whole-block call, in the same order: the output bytes are the same.
-Used where spans are (Merger.spans: the fused path on local files without --verify, a sweep's
-shared reads or folds, or adapters).
+Used where spans are (Merger.spans): the fused path on local files, and none of --verify, a
+sweep's shared reads or folds (read_block, fold_block), or adapters.
 """
 
 from __future__ import annotations

@@ -150,3 +150,18 @@ def test_totals_with_infinite_draws_are_the_masked_sums():
     )
     for g, v in zip(got, want):
         np.testing.assert_array_equal(g[0], v)
+
+
+def test_histogram_columns_of_unequal_lengths_are_a_damaged_catalog():
+    """Both readers of a block's bins (trimmed values, the consensus statistics) refuse lists that
+    differ in length instead of pairing one block's edges with another's sums."""
+    import pyarrow as pa
+
+    from mergedb.candidates import histogram_bins
+    from mergedb.errors import CatalogError
+
+    lo = pa.array([[0.1, 0.2], [0.3]], pa.list_(pa.float32()))
+    counts, (a, b) = histogram_bins([lo, pa.array([[1, 2], [3]], pa.list_(pa.int64()))])
+    assert counts.tolist() == [2, 1] and a.tolist() == pytest.approx([0.1, 0.2, 0.3]) and b.tolist() == [1, 2, 3]
+    with pytest.raises(CatalogError, match="damaged"):
+        histogram_bins([lo, pa.array([[1], [2, 3]], pa.list_(pa.int64()))])

@@ -45,6 +45,23 @@ def sequential_read(paths, chunk: int = 16 * 2**20) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
+def sequential_write(path: Path, nbytes: int, chunk: int = 16 * 2**20) -> float:
+    """Write `nbytes` to a new file `path` in `chunk`-sized writes, fsync it, delete it: seconds for
+    writing and syncing (what an execution does with its output before installing it). The bytes are
+    random (a device or filesystem that compresses or skips zeros would flatter zeros)."""
+    buf = os.urandom(chunk)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        t0, left = time.perf_counter(), nbytes
+        while left > 0:
+            left -= os.write(fd, memoryview(buf)[: min(chunk, left)])
+        os.fsync(fd)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def machine() -> dict:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {

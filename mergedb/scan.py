@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from . import blockgroups, stats
+from . import blockgroups, readahead, stats
 from .checkpoint import Checkpoint
 from .errors import AlignmentError
 from .layout import Block, FamilyTensor, family_layout, vocab_size
@@ -292,12 +292,10 @@ def _scan(
                 shared.release(unit[1].tensor_idx)
 
     def scan_unit(k: int, ft: FamilyTensor) -> tuple[list[BlockRow], TensorRow | None, list[str]]:
+        ahead.started(k, ft)  # this unit's bytes and the next units' are read ahead (readahead.py)
         efiles = expert_files[k]
         bfi, bt = bwhere[ft.name]
         efi, et = ewhere[k][ft.name]
-        efiles.src[efi].will_need(et.start, et.nbytes)
-        if base_hashes is None:  # this scan reads the base first (scan_family): ask for it ahead too
-            bfiles.src[bfi].will_need(bt.start, bt.nbytes)
         rows: list[BlockRow] = []
         hashes: list[str] = []
         abs_delta = scratch.get("abs", ft.numel * 4).view(np.float32) if ft.mergeable else None
@@ -374,7 +372,8 @@ def _scan(
     done: dict[tuple[int, int], tuple[list[BlockRow], TensorRow | None, list[str]]] = {}
     with _opened([base, *experts]) as (bfiles, *expert_files):
         if any(s.remote for f in (bfiles, *expert_files) for s in f.src):
-            declare(_scan_reads(units, bfiles, bwhere, expert_files, ewhere))
+            declare(readahead.unit_reads(units, bfiles, bwhere, expert_files, ewhere))
+        ahead = readahead.ReadAhead(units, bfiles, bwhere, expert_files, ewhere)
         with ThreadPoolExecutor(threads) as pool:
             for (k, ft), result in zip(units, pool.map(one, units)):
                 done[k, ft.tensor_idx] = result
@@ -391,20 +390,6 @@ def _scan(
         st.content_hash = content_hash(all_hashes)
         out.append(st)
     return out, computed
-
-
-def _scan_reads(units, bfiles, bwhere, expert_files, ewhere):  # type: ignore[no-untyped-def]
-    """(source, offset, length, times) of every block `scan_experts` reads, in the order its units
-    run: each expert's blocks once, the base's blocks once (the first unit of a tensor reads them;
-    _Shared keeps them for the others)."""
-    seen = set()
-    for k, ft in units:
-        efi, et = ewhere[k][ft.name]
-        yield from ((expert_files[k].src[efi], et.start + b.byte_start, b.nbytes, 1) for b in ft.blocks)
-        if ft.tensor_idx not in seen:
-            seen.add(ft.tensor_idx)
-            bfi, bt = bwhere[ft.name]
-            yield from ((bfiles.src[bfi], bt.start + b.byte_start, b.nbytes, 1) for b in ft.blocks)
 
 
 def content_hash(block_hashes: list[str]) -> str:

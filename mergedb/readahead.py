@@ -1,0 +1,84 @@
+"""What registration's scan reads, unit by unit, and asking for it ahead.
+
+The scan (scan.py) runs (expert, tensor) units in a fixed order, each reading its expert's tensor
+block by block, and the first unit of each tensor reading the base's too. Remote sources are told
+every read up front (unit_reads, for sources.declare: coalesced requests fetched ahead); local
+files are asked of the kernel a few units ahead (ReadAhead: POSIX_FADV_WILLNEED), so a unit's first
+blocks are in the page cache when it starts instead of a disk round trip away.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .layout import FamilyTensor
+from .sources import LocalFile, RemoteFile
+
+Unit = tuple[int, FamilyTensor]  # (expert index, tensor)
+Read = tuple[LocalFile | RemoteFile, int, int]  # (source, offset, bytes)
+
+READ_AHEAD_BYTES = 256 * 2**20  # file bytes asked for beyond the unit that starts (page cache, not RSS)
+
+
+class ReadAhead:
+    """Asks the kernel to read the scan's files ahead of its units (POSIX_FADV_WILLNEED; remote
+    sources fetch their declared reads ahead already): when a unit starts, every unit after it that
+    begins within READ_AHEAD_BYTES of its end, and at least the next one, each asked for once. A
+    unit's first blocks are then in memory when it starts instead of a disk round trip away, and the
+    disk is kept busy while both cores compute. A tensor's first unit asks for the base's bytes too
+    (the units of a tensor share them, scan._Shared). `units` in the order they run; the files and
+    `where`s as scan._scan holds them."""
+
+    def __init__(
+        self, units: Sequence[Unit], bfiles: Any, bwhere: dict, expert_files: Sequence[Any], ewhere: list
+    ) -> None:
+        self.reads: list[list[Read]] = []  # per unit, in run order
+        seen = set()
+        for k, ft in units:
+            efi, et = ewhere[k][ft.name]
+            unit = [(expert_files[k].src[efi], et.start, et.nbytes)]
+            if ft.tensor_idx not in seen:
+                seen.add(ft.tensor_idx)
+                bfi, bt = bwhere[ft.name]
+                unit.append((bfiles.src[bfi], bt.start, bt.nbytes))
+            self.reads.append(unit)
+        self.end = np.cumsum([sum(n for _, _, n in r) for r in self.reads])  # bytes up to each unit's end
+        self.index = {(k, ft.tensor_idx): i for i, (k, ft) in enumerate(units)}
+        self.asked = 0  # units asked for so far
+        self.lock = threading.Lock()
+
+    def started(self, k: int, ft: FamilyTensor) -> None:
+        """Unit (k, ft) starts: ask for it and the units after it not asked for yet (outside the lock:
+        a unit whose bytes another thread is still asking for reads them itself, just as correctly)."""
+        i = self.index[k, ft.tensor_idx]
+        with self.lock:
+            lo = self.asked
+            hi = max(lo, i + 2)
+            limit = self.end[i] + READ_AHEAD_BYTES
+            while hi < len(self.reads) and self.end[hi - 1] < limit:
+                hi += 1
+            hi = min(hi, len(self.reads))
+            self.asked = hi
+        for unit in self.reads[lo:hi]:
+            for src, offset, n in unit:
+                src.will_need(offset, n)
+
+
+def unit_reads(
+    units: Sequence[Unit], bfiles: Any, bwhere: dict, expert_files: Sequence[Any], ewhere: list
+) -> Iterator[tuple[LocalFile | RemoteFile, int, int, int]]:
+    """(source, offset, length, times) of every block scan.scan_experts reads, in the order its units
+    run, for sources.declare: each expert's blocks once, the base's blocks once (the first unit of a
+    tensor reads them; scan._Shared keeps them for the others)."""
+    seen = set()
+    for k, ft in units:
+        efi, et = ewhere[k][ft.name]
+        yield from ((expert_files[k].src[efi], et.start + b.byte_start, b.nbytes, 1) for b in ft.blocks)
+        if ft.tensor_idx not in seen:
+            seen.add(ft.tensor_idx)
+            bfi, bt = bwhere[ft.name]
+            yield from ((bfiles.src[bfi], bt.start + b.byte_start, b.nbytes, 1) for b in ft.blocks)

@@ -14,11 +14,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import xxhash
 
-from . import deltapass, stats
+from . import deltapass, jitload, stats
 from .layout import Block, FamilyTensor, element_offset
 from .tensorfile import DTYPES, as_float32
 
 GROUP_BYTES = 4 << 20
+for _module in (stats, deltapass):  # registration's first kernel calls load cached code without numba's full refresh
+    jitload.light_cache_loads(vars(_module))
 
 Buffer = Callable[[str, int], np.ndarray]  # a reused per-thread buffer: (name, bytes) -> uint8 array
 

@@ -144,6 +144,45 @@ def test_kernels_loaded_from_cache_without_numba_refresh_compute_the_same(tmp_pa
         assert registries == "False", "a cached load imported numba's lowering registries"
 
 
+REGISTER_RUN = r"""
+import hashlib, sys
+from numba.core import cpu
+refreshed = []
+_refresh = cpu.CPUContext.refresh
+cpu.CPUContext.refresh = lambda self: refreshed.append(1) or _refresh(self)
+if sys.argv[2] == "full":
+    from numba.core.registry import cpu_target; cpu_target.target_context.refresh()
+from mergedb import deltapass
+from mergedb.catalog import Catalog
+cat = Catalog(sys.argv[1] + "/" + sys.argv[3] + ".duckdb")  # a new catalog: nothing skipped
+cat.register([sys.argv[1] + "/fam"], base_model="base", threads=2)
+with cat.duckdb_connection() as con:
+    rows = [con.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall()
+            for t in ("expert_blocks", "expert_tensors", "blocks")]
+hits = bool(deltapass.group_pass.stats.cache_hits)
+print(hashlib.sha256(repr(rows).encode()).hexdigest(), hits, len(refreshed) > (sys.argv[2] == "full"))
+"""
+
+
+@pytest.mark.skipif(not jitload.tested_numba(), reason="light cache loads are off on an unchecked numba")
+def test_registration_kernels_loaded_without_numba_refresh_store_the_same_rows(tmp_path):
+    """Registration's kernels (stats.py, deltapass.py) load from numba's cache without the full
+    target refresh too (blockgroups.py): a registration in a fresh process stores the rows a process
+    that refreshed first stores, and, when its kernels came from the cache, never refreshed."""
+    from mergedb.synth import make_family
+
+    make_family(tmp_path / "fam", experts=2, size="tiny", seed=3)
+    run = lambda mode, name: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", REGISTER_RUN, str(tmp_path), mode, name], capture_output=True, text=True, check=True
+    ).stdout.split()
+    ref_hash, _, _ = run("full", "a")
+    run("light", "b")  # fills numba's cache if this checkout's kernels were never compiled
+    got_hash, hits, refreshed = run("light", "c")
+    assert got_hash == ref_hash
+    if hits == "True":  # numba's cache is writable here, so the process loaded from it
+        assert refreshed == "False", "a cached registration kernel refreshed numba's whole target"
+
+
 def test_prefetch_reads_nothing_when_the_inputs_twice_would_not_fit_the_open_file_limit(plan, monkeypatch):
     """The prefetch opens every input file and the merger opens them again: near RLIMIT_NOFILE it
     stays out of the way rather than make the merger's opens fail."""

@@ -310,27 +310,33 @@ def _scan(
             for i, blk in enumerate(group):
                 efiles.src[efi].read_into(memoryview(eraw[at[i] : at[i + 1]]), et.start + blk.byte_start)
 
-            def read_base(buf: np.ndarray, group: list[Block] = group, at: np.ndarray = at) -> None:
+            read: list[bool] = []  # whether this unit read the group's base bytes (once per group: _Shared)
+
+            def read_base(buf: np.ndarray, group: list[Block] = group, at: np.ndarray = at, read: list = read) -> None:
                 for i, blk in enumerate(group):
                     bfiles.src[bfi].read_into(memoryview(buf[at[i] : at[i + 1]]), bt.start + blk.byte_start)
-                if base_hashes is None:  # once per group (_Shared): the base's own rows
-                    brows = blockgroups.base_rows(ft, group, buf, scratch.get)
-                    computed.update(zip(((ft.tensor_idx, b.block_idx) for b in group), brows))
-                    if progress:
-                        progress(int(at[-1]))
+                read.append(True)
 
             if shared is not None:
                 braw = shared.base(ft, group[0].block_idx, read_base, int(at[-1]))
             else:
                 braw = scratch.get("b", int(at[-1]))
                 read_base(braw)
+            if read and base_hashes is None:  # the base's own rows, by the unit that read the group,
+                # once its bytes are shared: the tensor's other units go on meanwhile instead of waiting
+                brows = blockgroups.base_rows(ft, group, braw, scratch.get)
+                computed.update(zip(((ft.tensor_idx, b.block_idx) for b in group), brows))
+                if progress:
+                    progress(int(at[-1]))
             if progress:
                 progress(2 * int(at[-1]))  # the expert's blocks and the base's
             if not ft.mergeable:
                 for i, blk in enumerate(group):
                     e_i, b_i = eraw[at[i] : at[i + 1]], braw[at[i] : at[i + 1]]
                     same = stats.same_bytes(e_i, b_i)
-                    hashes.append(hash_of(ft.tensor_idx, blk.block_idx) if same else xxhash.xxh3_128_hexdigest(e_i))
+                    hashes.append(
+                        hash_of(ft.tensor_idx, blk.block_idx, e_i) if same else xxhash.xxh3_128_hexdigest(e_i)
+                    )
                 continue
             gcodes = shared.group_codes(ft, group) if shared is not None else None
             out = blockgroups.expert_stats(
@@ -338,7 +344,7 @@ def _scan(
             )
             for i, blk in enumerate(group):
                 if out[0][i]:  # the block's bytes equal the base's
-                    chash = hash_of(ft.tensor_idx, blk.block_idx)
+                    chash = hash_of(ft.tensor_idx, blk.block_idx, eraw[at[i] : at[i + 1]])
                     rows.append(_zero_row(ft.tensor_idx, blk.block_idx, chash, sketch_dim))
                 else:
                     all_identical = False
@@ -362,8 +368,10 @@ def _scan(
     )
     computed: dict[tuple[int, int], tuple[str, float | None, int | None]] = {}  # base rows (base_hashes None)
 
-    def hash_of(tensor_idx: int, block_idx: int) -> str:
-        return base_hashes[tensor_idx, block_idx] if base_hashes is not None else computed[tensor_idx, block_idx][0]
+    def hash_of(tensor_idx: int, block_idx: int, same: np.ndarray) -> str:
+        """The hash of a block whose bytes `same` equal the base's: the registered base's, or (the base
+        registered with this scan, its rows maybe still being computed by another unit) their own."""
+        return base_hashes[tensor_idx, block_idx] if base_hashes is not None else xxhash.xxh3_128_hexdigest(same)
 
     # a tensor's units share its base blocks (and, base_hashes None, compute the base's rows once); one
     # expert reads each base group once anyway, into per-thread scratch (no whole tensor kept)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import xxhash
 
 from mergedb import stats
 from tests.conftest import BLOCK_SIZE
@@ -22,7 +23,7 @@ def _blocks(cat, expert):
     return cat.sql(
         """SELECT ft.name, eb.block_idx, bl.row_start, bl.row_end, eb.identical, eb.delta_norm, eb.max_abs,
                   eb.nnz, eb.nonfinite, eb.hist_lo, eb.hist_hi, eb.hist_count, eb.hist_sum, eb.hist_sumsq, eb.sketch,
-                  eb.base_dot
+                  eb.base_dot, eb.content_hash, bl.base_hash
            FROM expert_blocks eb JOIN checkpoints c USING (checkpoint_id)
            JOIN family_tensors ft ON ft.base_id = c.base_id AND ft.tensor_idx = eb.tensor_idx
            JOIN blocks bl ON bl.base_id = c.base_id AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx
@@ -61,6 +62,9 @@ def test_block_statistics_exact(family, models, expert):
         sl = slice(r["row_start"] * row_bytes, r["row_end"] * row_bytes)
         identical = raw_b[r["name"]][sl] == raw_e[r["name"]][sl]
         assert r["identical"] == identical
+        # the block's hash is xxh3-128 of the expert's bytes; an unchanged block's is the base block's
+        assert r["content_hash"] == xxhash.xxh3_128_hexdigest(raw_e[r["name"]][sl]), r["name"]
+        assert r["base_hash"] == xxhash.xxh3_128_hexdigest(raw_b[r["name"]][sl]), r["name"]
         seen_identical += identical
         seen_changed += not identical
         np.testing.assert_allclose(r["delta_norm"], np.sqrt(np.sum(d.astype(np.float64) ** 2)), rtol=1e-12, atol=0)

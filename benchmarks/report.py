@@ -343,7 +343,11 @@ def _share_targets(doc: dict | None) -> list[str]:
             )
     budgeted = [r for r in rows if r["budget"] != "all"]
     if budgeted:
-        got = ", ".join(f"{r['method']} K={r['k']} {r['median']['over_ideal']:.2f}×" for r in budgeted)
+        got = ", ".join(
+            f"{r['method']} K={r['k']} {r['median']['over_ideal']:.2f}×"
+            + (f" ({r['median']['over_ideal_rw']:.2f}× at the write rate)" if "over_ideal_rw" in r["median"] else "")
+            for r in budgeted
+        )
         ok = all(r["median"]["over_ideal"] <= doc["targets"]["over_ideal"] for r in budgeted)
         verdict = "yes" if ok else "no"
         budgets = "/".join(sorted({r["budget"] for r in budgeted}))

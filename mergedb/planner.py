@@ -22,7 +22,6 @@ import pyarrow as pa
 from . import accessrules, bounds, candidates, consensus, deviation, greedy, methods, planstats, tensorparams
 from .arrowcols import column
 from .errors import MergeDBError, PlanError
-from .faults import unregister
 from .plans import validate_plan_name
 from .units import parse_size, shown
 
@@ -357,40 +356,32 @@ def _store(
             "present": column(present),
         }
     )  # filtered in SQL: Table.filter would import pyarrow.compute, ~35 ms of the first plan of a process
-    tables = {"_plan_bits": bit_table}
+    # DuckDB reads these Arrow tables by their names here, the local variables of this frame (its
+    # replacement scan): ~0.4 ms less per table than registering and unregistering a view
+    _plan_bits, _plan_trim, _plan_tensor_params = bit_table, sel.trims, per_tensor  # noqa: F841
+    unnest = ", ".join(f"unnest(${i}::{t}[])" for i, (t, _) in enumerate(experts.values(), 2))
+    con.execute(
+        f"INSERT INTO plan_experts (plan_id, {', '.join(experts)}) SELECT $1, {unnest}",
+        [plan_id, *(v for _, v in experts.values())],
+    )
     if sel.trims.num_rows:
-        tables["_plan_trim"] = sel.trims
-    if per_tensor is not None:
-        tables["_plan_tensor_params"] = per_tensor
-    for name, table in tables.items():
-        con.register(name, table)
-    try:
-        unnest = ", ".join(f"unnest(${i}::{t}[])" for i, (t, _) in enumerate(experts.values(), 2))
         con.execute(
-            f"INSERT INTO plan_experts (plan_id, {', '.join(experts)}) SELECT $1, {unnest}",
-            [plan_id, *(v for _, v in experts.values())],
-        )
-        if sel.trims.num_rows:
-            con.execute(
-                "INSERT INTO plan_thresholds (plan_id, checkpoint_id, tensor_idx, t_lo, t_hi, exact) "
-                "SELECT $1, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim",
-                [plan_id],
-            )
-        if per_tensor is not None:
-            con.execute(
-                "INSERT INTO plan_tensor_params (plan_id, position, tensor_idx, weight, coef, density, epsilon, gamma, "
-                "lam, t, base_scale) SELECT $1, position, tensor_idx, weight, coef, density, epsilon, gamma, lam, t, "
-                "base_scale FROM _plan_tensor_params",
-                [plan_id],
-            )
-        con.execute(
-            "INSERT INTO plan_mask_bits (plan_id, checkpoint_id, tensor_idx, selected) "
-            "SELECT $1, checkpoint_id, tensor_idx, CAST(bits AS BIT) FROM _plan_bits WHERE present",
+            "INSERT INTO plan_thresholds (plan_id, checkpoint_id, tensor_idx, t_lo, t_hi, exact) "
+            "SELECT $1, checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM _plan_trim",
             [plan_id],
         )
-    finally:
-        for name in tables:
-            unregister(con, name)
+    if per_tensor is not None:
+        con.execute(
+            "INSERT INTO plan_tensor_params (plan_id, position, tensor_idx, weight, coef, density, epsilon, gamma, "
+            "lam, t, base_scale) SELECT $1, position, tensor_idx, weight, coef, density, epsilon, gamma, lam, t, "
+            "base_scale FROM _plan_tensor_params",
+            [plan_id],
+        )
+    con.execute(
+        "INSERT INTO plan_mask_bits (plan_id, checkpoint_id, tensor_idx, selected) "
+        "SELECT $1, checkpoint_id, tensor_idx, CAST(bits AS BIT) FROM _plan_bits WHERE present",
+        [plan_id],
+    )
     description = {
         "method": req.method,
         "params": inp.params,

@@ -21,7 +21,6 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from .faults import unregister
 from .greedy import Bounds
 
 # float32 arithmetic of the executor (unit roundoff 2^-24, smallest subnormal step 2^-149)
@@ -82,16 +81,13 @@ def sketch_estimate(con: duckdb.DuckDBPyConnection, coefs: np.ndarray, omitted: 
     terms ⟨c_j S Δ_jb, c_k S Δ_kb⟩, c_k = coefs[position, tensor_idx]. `omitted`: the omitted
     non-free candidates (checkpoint_id, position, tensor_idx, block_idx). Streams the omitted rows'
     sketches in batches: memory stays bounded."""
-    con.register("_plan_omitted", omitted)
-    try:
-        reader = con.sql(
-            "SELECT r.tensor_idx, r.block_idx, r.position, eb.delta_norm, eb.sketch FROM _plan_omitted r "
-            "JOIN expert_blocks eb USING (checkpoint_id, tensor_idx, block_idx) "
-            "ORDER BY r.tensor_idx, r.block_idx, r.position"
-        ).to_arrow_reader(1 << 18)
-        total = _estimate_stream(reader, np.asarray(coefs, np.float64))
-    finally:
-        unregister(con, "_plan_omitted")
+    _plan_omitted = omitted  # noqa: F841  (read by its name: DuckDB's replacement scan, as in planner._store)
+    reader = con.sql(
+        "SELECT r.tensor_idx, r.block_idx, r.position, eb.delta_norm, eb.sketch FROM _plan_omitted r "
+        "JOIN expert_blocks eb USING (checkpoint_id, tensor_idx, block_idx) "
+        "ORDER BY r.tensor_idx, r.block_idx, r.position"
+    ).to_arrow_reader(1 << 18)
+    total = _estimate_stream(reader, np.asarray(coefs, np.float64))
     return float(math.sqrt(max(total, 0.0)))
 
 

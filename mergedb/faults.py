@@ -63,15 +63,6 @@ def foreign(path: Path, why: str) -> CatalogError:
     )
 
 
-def unregister(con: duckdb.DuckDBPyConnection, name: str) -> None:
-    """Drop a registered Arrow view; for `finally` blocks, where an aborted transaction must not
-    replace the error being handled."""
-    try:
-        con.unregister(name)
-    except duckdb.Error:
-        pass
-
-
 def rollback(con: duckdb.DuckDBPyConnection) -> None:
     """Roll back the open transaction, if DuckDB has not already ended it. For `except` blocks: an
     error here (e.g. "no transaction is active" after a failed COMMIT) must never hide the one

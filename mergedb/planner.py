@@ -332,8 +332,8 @@ def _store(
     b = sel.bounds
     k = len(inp.ids)
     per = np.array(b.per_position, np.float64).reshape(k, 4)  # (K, 4): bound_sum, blockwise, selected, full
-    # the experts' rows as list parameters of the INSERT (unnest zips them), not a registered Arrow
-    # table: registering and unregistering one cost ~1 ms per plan
+    # the experts' rows as list parameters of the INSERT (unnest zips them); as an Arrow table read by
+    # name, as the tables below are, they measured the same
     experts = {
         "position": ("INTEGER", list(range(k))),
         "checkpoint_id": ("INTEGER", [int(i) for i in inp.ids]),

@@ -21,7 +21,7 @@ import pyarrow as pa
 from . import lora, lorascan, scan
 from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
-from .faults import rollback, unregister
+from .faults import rollback
 from .layout import Block, FamilyTensor, vocab_size
 from .units import DEFAULT_LAYOUT, BlockSizes, block_sizes, check_name, check_same_layout, check_threads
 
@@ -369,13 +369,11 @@ def _all_blocks(fam: list[FamilyTensor]) -> Iterator[Block]:
 
 
 def append_rows(con: duckdb.DuckDBPyConnection, table: str, data: pa.Table) -> None:
-    """INSERT an Arrow table into `table`, by column name."""
-    con.register("_mergedb_rows", data)
-    try:
-        cols = ", ".join(data.column_names)
-        con.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM _mergedb_rows")
-    finally:
-        unregister(con, "_mergedb_rows")
+    """INSERT an Arrow table into `table`, by column name. DuckDB reads the table by its local name
+    (a replacement scan, as planner._store does): no view to register and drop."""
+    _mergedb_rows = data  # noqa: F841
+    cols = ", ".join(data.column_names)
+    con.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM _mergedb_rows")
 
 
 def _insert_family(con: duckdb.DuckDBPyConnection, base_id: int, fam: list[FamilyTensor], hashes: list[str]) -> None:

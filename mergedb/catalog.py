@@ -140,6 +140,35 @@ class Catalog:
         finally:
             con.close()
 
+    def check_creatable(self) -> None:
+        """Refuse a path where there is no catalog and none can be made (its folder missing or
+        read-only): a registration into a new catalog checks it before reading anything (the catalog
+        is made when its rows are written)."""
+        folder = self.path.parent
+        if self.path.exists():
+            return
+        if not folder.exists():
+            raise CatalogError(
+                f"cannot create catalog {self.path}: its folder {folder} does not exist; create it, or pass "
+                "--catalog with a path in a writable folder"
+            )
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise CatalogError(
+                f"cannot write catalog {self.path}: its folder {folder} is read-only or not a folder; pass "
+                "--catalog with a path in a writable folder"
+            )
+
+    def discard_if_empty(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Remove the catalog `con` has open read-write when it holds no checkpoint: a registration that
+        made it failed before writing any. Removed while `con` holds the file's lock, so no other
+        process has it open; one that opens the path afterwards finds no file and makes a new one."""
+        try:
+            empty = con.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 0
+        except duckdb.Error:  # the connection cannot tell: leave the file
+            return
+        if empty:
+            self._remove_new()
+
     def _remove_new(self) -> None:
         for p in (self.path, Path(f"{self.path}.wal")):
             try:

@@ -1,7 +1,8 @@
 """Registration: read checkpoints once (scan.py) and store their layout and delta statistics.
 
 Two phases, so DuckDB's file lock is held only briefly: the files are read with the catalog
-closed, then every row is written in one transaction (nothing is written if anything fails).
+closed, then every row is written in one transaction (nothing is written if anything fails; a new
+catalog is made then, so a refused or failed first registration leaves no file behind).
 Rows cross from the scan as named records (`scan.BlockRow`, `scan.TensorRow`) and enter DuckDB
 as Arrow tables whose columns are named after the schema's (schema/001_catalog.sql).
 """
@@ -79,16 +80,15 @@ def register(
             raise MergeDBError(f"--name applies to one checkpoint, but {len(found) + len(adapter_paths)} were found")
         found = [replace(c, name=name) for c in found]
 
-    with cat.duckdb_connection(write=True, create=True) as con:
-        existing = {  # name -> (name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size,
-            r[0]: r  #          vocab_block_rows)
-            for r in con.execute(
-                "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size, "
-                "vocab_block_rows FROM checkpoints"
-            ).fetchall()
-        }
-        base_names = {r[1]: r[0] for r in existing.values() if r[2] == "base"}
-        dim = cat.sketch_dim()
+    new = not cat.path.exists()  # made with the rows (phase 2)
+    existing: dict[str, tuple] = {}  # name -> the row of these columns:
+    cols = "name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size, vocab_block_rows"
+    cat.check_creatable()  # before anything is read
+    if not new:
+        with cat.duckdb_connection(write=True, create=True) as con:
+            existing = {r[0]: r for r in con.execute(f"SELECT {cols} FROM checkpoints").fetchall()}
+    base_names = {r[1]: r[0] for r in existing.values() if r[2] == "base"}
+    dim = cat.sketch_dim()
 
     if base:
         bases, experts, base_ckpt_name = found, [], None
@@ -208,7 +208,7 @@ def register(
     # Phase 2: one transaction. Another process may have registered some of these meanwhile:
     # identical ones are skipped, conflicting ones refused (nothing is written then).
     done: list[str] = []
-    with cat.duckdb_connection(write=True) as con:
+    with cat.duckdb_connection(write=True, create=new) as con:
         con.execute("BEGIN")
         try:
             now = {
@@ -257,6 +257,8 @@ def register(
             con.execute("COMMIT")
         except BaseException:
             rollback(con)
+            if new:
+                cat.discard_if_empty(con)
             raise
     return RegisterResult(tuple(done), tuple(unchanged), read, time.perf_counter() - t0)
 

@@ -330,3 +330,65 @@ def test_sketch_dim_out_of_range_refused_before_anything_is_written(tmp_path, di
     with pytest.raises(CatalogError, match="sketch_dim must be a whole number from 1 to 32768: "):
         Catalog(tmp_path / "c.duckdb", sketch_dim=dim)
     assert not (tmp_path / "c.duckdb").exists()
+
+
+def _no_catalog(path: Path) -> None:
+    assert not path.exists() and not Path(f"{path}.wal").exists(), sorted(p.name for p in path.parent.iterdir())
+
+
+def test_a_refused_first_registration_leaves_no_catalog(tmp_path):
+    """Refused before anything is read (an unknown base), while reading (a truncated expert) or while
+    writing the rows: a registration into a new catalog leaves no file behind, by the library and
+    through the CLI; the same registration, corrected, makes the catalog."""
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=5)
+    path = tmp_path / "new.duckdb"
+    with pytest.raises(CatalogError, match="unknown --base-model 'bse'"):
+        Catalog(path).register([fam], base_model="bse")
+    _no_catalog(path)
+    res = CliRunner().invoke(app, ["register", str(fam), "--base-model", "bse", "-c", str(path), "-q"])
+    assert res.exit_code == 1 and "unknown --base-model" in res.output, res.output
+    _no_catalog(path)
+
+    bad = tmp_path / "bad"
+    shutil.copytree(fam, bad)
+    data = (bad / "expert_00" / "model.safetensors").read_bytes()
+    (bad / "expert_00" / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(FormatError, match="truncated"):
+        Catalog(path).register([bad], base_model="base")
+    _no_catalog(path)
+
+    assert Catalog(path).register([fam], base_model="base").registered == ("base", "expert_00")
+    assert [c.name for c in Catalog(path).checkpoints()] == ["base", "expert_00"]
+
+
+def test_a_first_registration_failing_while_writing_leaves_no_catalog(tmp_path, monkeypatch):
+    from mergedb import register
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=5)
+
+    def fail(*a, **k):
+        raise OSError("simulated failure while writing the rows")
+
+    monkeypatch.setattr(register, "_insert_stats", fail)
+    path = tmp_path / "new.duckdb"
+    with pytest.raises(OSError, match="simulated"):
+        Catalog(path).register([fam], base_model="base")
+    _no_catalog(path)
+    # a catalog that was there before, even one with no checkpoint yet, stays
+    with Catalog(path).duckdb_connection(write=True, create=True):
+        pass
+    with pytest.raises(OSError, match="simulated"):
+        Catalog(path).register([fam], base_model="base")
+    assert path.exists() and Catalog(path).checkpoints() == []
+
+
+def test_a_new_catalog_in_a_missing_folder_is_refused_before_reading(tmp_path, monkeypatch):
+    from mergedb import scan
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=5)
+    monkeypatch.setattr(scan, "layout", lambda *a, **k: pytest.fail("read before the catalog's folder was checked"))
+    folder = tmp_path / "no" / "such"
+    path = folder / "c.duckdb"
+    with pytest.raises(CatalogError, match=rf"cannot create catalog .*c.duckdb: its folder {folder} does not exist"):
+        Catalog(path).register([fam], base_model="base")
+    assert not (tmp_path / "no").exists()

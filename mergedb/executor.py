@@ -19,7 +19,6 @@ import os
 import resource
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,7 +169,7 @@ def execute(
         outdir.remove_stale(out)  # under the lock: what is left is a killed run's, never a live one's
         outdir.check_out(out, force)
         t0, phys0 = time.perf_counter(), physical_read_bytes()
-        tmp = out.parent / f".{out.name}{outdir.TMP}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = outdir.temp_folder(out)
         merger = prefetch = None
         try:
             tmp.mkdir()

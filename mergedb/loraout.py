@@ -36,7 +36,6 @@ import os
 import re
 import shutil
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -287,7 +286,7 @@ def execute(
         outdir.remove_stale(out)
         outdir.check_out(out, force)
         t0, phys0 = time.perf_counter(), physical_read_bytes()
-        tmp = out.parent / f".{out.name}{outdir.TMP}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = outdir.temp_folder(out)
         try:
             tmp.mkdir()
             doc, run = _write(xp, adapters, modules, tmp, rank, out_dt)

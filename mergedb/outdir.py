@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import re
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -131,6 +132,25 @@ def os_advice(e: OSError, out: Path) -> str:
     return f"{why}; nothing was left behind, fix the cause and retry"
 
 
+def temp_folder(out: Path) -> Path:
+    """Where a run builds `out`: `.OUT.mergedb-tmp-PID-XXXX` beside it (not yet made)."""
+    return out.parent / f".{out.name}{TMP}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _left_beside(out: Path, kind: str) -> list[Path]:
+    """The `.OUT{kind}PID-XXXX` folders beside `out` (kind TMP or OLD), matched by their exact form:
+    an `out` whose name holds glob characters (`merged[1]`) or begins another output's name never
+    claims that output's folders."""
+    form = re.compile(rf"\.{re.escape(out.name)}{re.escape(kind)}\d+-[0-9a-f]+")
+    return sorted(p for p in out.parent.iterdir() if form.fullmatch(p.name))
+
+
+def _partner(out: Path, folder: Path, kind: str) -> Path:
+    """The TMP folder of an OLD one, or the OLD of a TMP: the same PID-XXXX, beside `out`."""
+    tag = folder.name[len(f".{out.name}") + len(TMP if kind == OLD else OLD) :]
+    return out.parent / f".{out.name}{kind}{tag}"
+
+
 def remove_stale(out: Path) -> None:
     """Finish what killed runs left for `out` (called under its lock, so no live run owns any of it).
 
@@ -141,9 +161,9 @@ def remove_stale(out: Path) -> None:
     removed. Nothing else in `out` is touched: files mergedb did not create never move."""
     if not out.parent.is_dir():
         return
-    for old in sorted(out.parent.glob(f".{out.name}{OLD}*")):
-        _undo_swap(out, old, out.parent / old.name.replace(OLD, TMP, 1))
-    for tmp in out.parent.glob(f".{out.name}{TMP}*"):
+    for old in _left_beside(out, OLD):
+        _undo_swap(out, old, _partner(out, old, TMP))
+    for tmp in _left_beside(out, TMP):
         _remove_ours(tmp)
 
 
@@ -225,7 +245,7 @@ def install(tmp: Path, out: Path) -> None:
             f"{out / clash[0]} was not created by mergedb (its manifest does not list it) but the new output "
             "has a file of that name; move it away and retry"
         )
-    old = out.parent / tmp.name.replace(TMP, OLD, 1)
+    old = _partner(out, tmp, OLD)
     old.mkdir()
     try:
         os.rename(out / MANIFEST, old / MANIFEST)

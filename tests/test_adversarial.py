@@ -222,6 +222,28 @@ def test_crash_at_every_step_of_the_force_swap_keeps_user_files(setup, tmp_path)
     assert _leftovers(out) == []
 
 
+def test_an_output_named_with_glob_characters_leaves_other_outputs_leftovers_alone(setup, tmp_path):
+    """A killed run into `merged1` left its temporary folder and, mid --force swap, the old output's
+    files: a run into `merged[1]` (a glob pattern matching `merged1`) must not delete or move them,
+    and the next run into `merged1` still finishes that swap."""
+    fam, db, plan = setup
+    out, other = tmp_path / "merged1", tmp_path / "merged[1]"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    tag = f"{os.getpid()}-0123abcd"
+    tmp, old = tmp_path / f".merged1.mergedb-tmp-{tag}", tmp_path / f".merged1.mergedb-old-{tag}"
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(b"half-written shard")
+    old.mkdir()  # a swap cut after the old manifest left `out`: its output is in `old`
+    os.rename(out / manifest.MANIFEST, old / manifest.MANIFEST)
+    before = _snapshot(tmp_path / "fam", out, tmp, old)
+    assert _cli("execute", plan["half"], "--out", other, "-c", db, "-q")[0] == 0
+    assert _snapshot(tmp_path / "fam", out, tmp, old) == before
+    assert check_output(other) == []
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q", "--force")[0] == 0
+    assert not tmp.exists() and not old.exists() and check_output(out) == []
+    assert _leftovers(out) == [] and _leftovers(other) == []
+
+
 # -- 5: a replay that differs installs nothing -------------------------------------------------
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -767,12 +768,23 @@ def main() -> None:
         _PROCESS, _FAST_END = False, False
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM (kill, timeout, docker stop, a batch scheduler) ends a command as Ctrl-C does: every
+    clean-up runs (an unfinished output's temporary folder and lock, a new catalog), then the
+    process exits with 128 + 15. A second SIGTERM meanwhile ends it at once (the next run into the
+    same output removes what that leaves)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise SystemExit(128 + signum)
+
+
 def entry() -> None:
     """The `mergedb` console script (and `python -m mergedb.cli`): main() in a process of its own,
-    which an `execute` may end without the interpreter's teardown. A program calling main() keeps
-    running after it (SystemExit, as typer raises it)."""
+    which an `execute` may end without the interpreter's teardown, and which SIGTERM ends with its
+    clean-up (_terminated). A program calling main() keeps running after it (SystemExit, as typer
+    raises it) and keeps its own signal handlers."""
     global _OWN_PROCESS
     _OWN_PROCESS = True
+    signal.signal(signal.SIGTERM, _terminated)
     main()
 
 

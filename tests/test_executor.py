@@ -225,6 +225,28 @@ def _assert_whole_or_absent(out, want_hash: str) -> None:
             assert "not a complete mergedb output" in problems[0]
 
 
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_interrupted_or_terminated_execute_leaves_nothing(tmp_path, sig, code):
+    """Ctrl-C, or SIGTERM (kill, timeout, docker stop, a scheduler), while the output is written: the
+    command cleans up (no output, no temporary folder, no lock) and exits with 128 + the signal (as a
+    shell reports it); a second run then writes the output."""
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=6)
+    db = tmp_path / "c.duckdb"
+    cat = Catalog(db)
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "ties", "all"))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "mergedb.cli", "execute", str(plan.plan_id), "--out", str(out), "-c", str(db), "-q"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    assert _wait_until_writing(proc, out)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err, err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["c.duckdb", "fam"]
+    assert subprocess.run(cmd, capture_output=True).returncode == 0 and check_output(out) == []
+
+
 def test_killed_execute_leaves_no_complete_output(tmp_path):
     fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=6)
     db = tmp_path / "c.duckdb"

@@ -410,7 +410,8 @@ class Catalog:
 
         `as_lora`: write a PEFT adapter folder instead of a model (linear / task arithmetic over
         adapters only; loraout.py), exact, or cut to `rank` per module by a truncated SVD
-        (`verify`, `threads`, `max_shard_size` and the progress callbacks apply to models only).
+        (`verify` and `threads` are refused with it; `max_shard_size` and the progress callbacks
+        apply to models only).
 
         The catalog is open only to read the plan and to record the run, never during the merge.
         `out` may not be, hold or lie inside any registered checkpoint's folder. A run whose merge
@@ -421,6 +422,12 @@ class Catalog:
 
         if rank is not None and not as_lora:
             raise PlanError("a rank applies to a LoRA output only: pass as_lora=True (--as-lora) with it")
+        if as_lora and (verify or threads is not None):  # refused, not ignored: an adapter is neither
+            raise PlanError(
+                f"{'verify (--verify)' if verify else 'threads (--threads)'} applies to a model output (--out): an "
+                "--as-lora adapter is written on one thread from the adapters' factors, which are not re-hashed; "
+                "drop it, or write a model"
+            )
         with self.duckdb_connection() as con:  # one connection (~30 ms each) for the plan and the paths
             xp = plans.execution_plan(con, plans.resolve_plan(con, plan))
             registered = con.execute("SELECT path, root FROM checkpoints").fetchall()

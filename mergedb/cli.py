@@ -419,7 +419,7 @@ def execute(
     out_dir: Path | None = typer.Option(
         None, "--out", "-o", help="Output folder (created; must not exist or be empty)."
     ),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard."),
+    max_shard_size: str | None = typer.Option(None, "--max-shard-size", help="Largest output shard [default: 5GB]."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 [default: the base's]."),
     verify: bool = typer.Option(False, "--verify", help="Re-hash every block read against the catalog."),
     force: bool = typer.Option(False, "--force", help="Replace a previous mergedb output in --out."),
@@ -452,8 +452,12 @@ def execute(
         raise MergeDBError("--rank applies to a LoRA output only: use it with --as-lora DIR")
     if ray is not None and as_lora is not None:
         raise MergeDBError("--ray writes a model (--out DIR); an --as-lora adapter is written here: drop --ray")
+    if max_shard_size is not None and as_lora is not None:
+        raise MergeDBError("--max-shard-size applies to a model (--out DIR); an --as-lora adapter is one file")
     if as_lora is not None:
-        res = _catalog(catalog, wait).execute(plan_ref, as_lora, dtype=dtype, force=force, as_lora=True, rank=rank)
+        res = _catalog(catalog, wait).execute(
+            plan_ref, as_lora, dtype=dtype, force=force, as_lora=True, rank=rank, verify=verify, threads=threads
+        )
         lo = res.manifest["lora"]
         ranks = sorted({m["rank"] for m in lo["modules"]})
         if not quiet:
@@ -464,7 +468,7 @@ def execute(
             )
         return
 
-    shard = parse_size(max_shard_size, what="shard size")
+    shard = parse_size("5GB" if max_shard_size is None else max_shard_size, what="shard size")
     write_shards = None
     if ray is not None:
         from .rayexec import shard_writer  # one Ray task per shard, each on --threads cores (default 1)
@@ -618,7 +622,7 @@ def sweep(
     max_parallel: int = typer.Option(8, "--max-parallel", help="Plans merged at once (memory grows with it)."),
     threads: int | None = typer.Option(None, "--threads", help="Merge threads per plan [default: cores / plans]."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 [default: the base's]."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output shard."),
+    max_shard_size: str | None = typer.Option(None, "--max-shard-size", help="Largest output shard [default: 5GB]."),
     fmt: str = FormatOpt,
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
@@ -636,7 +640,7 @@ def sweep(
     from .units import parse_size
 
     render.check_format(fmt)
-    shard = parse_size(max_shard_size, what="shard size")
+    shard = parse_size(max_shard_size or "5GB", what="shard size")
     cat = _catalog(catalog, wait)
     dtypes: str | None | list[str | None] = dtype
     if configs:

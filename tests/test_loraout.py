@@ -276,6 +276,9 @@ def test_refusals_name_the_problem_and_write_nothing(fam, tmp_path):
             cat.execute(ok.plan_id, tmp_path / "out", as_lora=True, rank=bad)
     with pytest.raises(PlanError, match="LoRA output only"):
         cat.execute(ok.plan_id, tmp_path / "out", rank=2)
+    for opts, words in (({"verify": True}, "verify .--verify. applies to a model"), ({"threads": 2}, "threads")):
+        with pytest.raises(PlanError, match=words):  # refused, not silently ignored
+            cat.execute(ok.plan_id, tmp_path / "out", as_lora=True, **opts)
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
@@ -292,9 +295,13 @@ def test_cli_as_lora(fam, tmp_path):
         (["--out", str(tmp_path / "m"), "--as-lora", str(tmp_path / "x")], "one of them"),
         (["--out", str(tmp_path / "m"), "--rank", "2"], "--rank applies to a LoRA output only"),
         ([], "one of them"),
+        (["--as-lora", str(tmp_path / "x"), "--verify"], "verify (--verify) applies to a model output"),
+        (["--as-lora", str(tmp_path / "x"), "--threads", "-3"], "threads (--threads) applies to a model output"),
+        (["--as-lora", str(tmp_path / "x"), "--max-shard-size", "1GB"], "--max-shard-size applies to a model"),
     ):
         r = CliRunner().invoke(app, ["execute", "two", *args, "-c", db])
-        assert r.exit_code == 1 and words in r.output, r.output
+        assert r.exit_code == 1 and words in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_dense_plan_is_refused_before_reading(tmp_path):

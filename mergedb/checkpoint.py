@@ -302,16 +302,31 @@ def side_files(root: Path) -> list[str]:
     return sorted(found)
 
 
-def copy_side_files(root: Path | RemotePath, dest: Path) -> None:
-    """Copy the side files of the checkpoint folder `root` (see `side_files`) into `dest`."""
+_TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # safetensors dtype -> config.json's
+
+
+def copy_side_files(root: Path | RemotePath, dest: Path, dtype: str | None = None) -> None:
+    """Copy the side files of the checkpoint folder `root` (see `side_files`) into `dest`. With
+    `dtype` (the output's, a safetensors name), config.json's `torch_dtype` and `dtype` say it
+    where they are present, so that transformers' dtype="auto" loads the weights as written."""
     if not isinstance(root, RemotePath):
         for f in side_files(root):
             shutil.copyfile(root / f, dest / f)
+    else:
+        for f in remote.side_names(root, SIDE_FILES):
+            data = remote.read_small((root / f).url)
+            if data is not None:
+                (dest / f).write_bytes(data)
+    config = dest / "config.json"
+    if dtype is None or not config.is_file():
         return
-    for f in remote.side_names(root, SIDE_FILES):
-        data = remote.read_small((root / f).url)
-        if data is not None:
-            (dest / f).write_bytes(data)
+    try:
+        doc = json.loads(config.read_text())
+    except (OSError, ValueError):  # the base's own config, unreadable: copied as it is
+        return
+    if isinstance(doc, dict) and any(k in doc for k in ("torch_dtype", "dtype")):
+        doc.update({k: _TORCH_DTYPES[dtype] for k in ("torch_dtype", "dtype") if k in doc})
+        config.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def remote_file_info(root: RemotePath, relpath: str) -> FileInfo:

@@ -328,7 +328,7 @@ def _write(
     hashes, weight_map, written = shards.hashes, shards.weight_map, shards.written
     if len(groups) > 1:
         write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
-    copy_side_files(open_checkpoint(xp.base.path).root, tmp)
+    copy_side_files(open_checkpoint(xp.base.path).root, tmp, out_dt)
     pq.write_table(mask_table(xp), tmp / MASK)
     if expect_hashes is not None and hashes != expect_hashes:
         bad = sorted(n for n in expect_hashes.keys() | hashes.keys() if hashes.get(n) != expect_hashes.get(n))

@@ -93,7 +93,7 @@ OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}  # --dtype options
 
 def normalize_dtype(dtype: str | None) -> str | None:
     """An output dtype option (bf16 | fp16 | fp32, or BF16 | F16 | F32) as a safetensors dtype."""
-    if not dtype:
+    if dtype is None:
         return None
     out = OUT_DTYPES.get(dtype, dtype)
     if out not in OUT_DTYPES.values():

@@ -18,6 +18,7 @@ from mergedb.catalog import Catalog
 from mergedb.check import check_output
 from mergedb.errors import ChangedFileError, MergeDBError
 from mergedb.planner import PlanRequest
+from mergedb.tensorfile import read_header
 from tests.conftest import FAMILIES
 from tests.reference import cast_like, load_model, ref_merge
 
@@ -132,6 +133,29 @@ def test_partial_budget_error_within_bound(family, loaded, tmp_path, budget):
         assert err > 0
     else:
         assert err == 0 and plan.bound_blockwise == 0
+
+
+def test_output_dtype_is_the_configs_dtype(tmp_path):
+    """--dtype writes the merged tensors in that dtype, and config.json says so (transformers'
+    dtype="auto" reads it); without --dtype the base's config is copied byte for byte. An empty
+    --dtype is refused, not taken as the default."""
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=3)  # bf16, torch_dtype bfloat16
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    xp = cat.execution_plan(cat.plan(PlanRequest("base", None, "task_arithmetic", "all")).plan_id)
+    base_config = (fam / "base" / "config.json").read_bytes()
+    assert json.loads(base_config)["torch_dtype"] == "bfloat16"
+    executor.execute(xp, tmp_path / "same")
+    assert (tmp_path / "same" / "config.json").read_bytes() == base_config
+    for dtype, name in (("fp32", "float32"), ("fp16", "float16")):
+        executor.execute(xp, tmp_path / dtype, dtype=dtype)
+        config = json.loads((tmp_path / dtype / "config.json").read_text())
+        assert config == {**json.loads(base_config), "torch_dtype": name}
+        header = read_header(tmp_path / dtype / "model.safetensors")
+        assert {t.dtype for t in header.tensors} == {dtype.replace("fp", "F"), "I64"}  # I64: a pass-through tensor
+    with pytest.raises(MergeDBError, match="unknown --dtype ''"):
+        executor.execute(xp, tmp_path / "empty", dtype="")
+    assert not (tmp_path / "empty").exists()
 
 
 def test_replay_and_output_format(family, tmp_path):

@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,7 +86,9 @@ def check_clear_of(out: Path, paths: list[str], what: str) -> None:
 def output_lock(out: Path) -> Iterator[None]:
     """Hold an exclusive flock on `.OUT.mergedb-lock` beside `out` for the whole run, so two runs
     into one output cannot both install (the second fails at once, naming the first). The file is
-    removed on release; a lock taken on a file unlinked meanwhile is retried on the new one."""
+    removed on release; a lock taken on a file unlinked meanwhile is retried on the new one. The
+    folders made to hold `out` are removed again on release while empty (a run that failed)."""
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # deepest first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -120,6 +123,9 @@ def output_lock(out: Path) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(path)
         os.close(fd)
+        for folder in made:  # rmdir: only while empty, so never one holding the output or anything else
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def os_advice(e: OSError, out: Path) -> str:
@@ -211,7 +217,14 @@ def _remove_ours(folder: Path) -> None:
 
 
 def check_out(out: Path, force: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.is_dir() and os.path.ismount(out):  # before the merge: `install` renames a folder into place
+        raise MergeDBError(
+            f"--out {out} is a mount point, which a finished output cannot be renamed over; pass a new "
+            f"folder inside it, e.g. --out {out / 'merged'}"
+        )
+    if out.exists() and not out.is_dir():
+        raise MergeDBError(f"--out {out} is a file, not a folder; choose another --out")
+    if out.exists() and any(out.iterdir()):
         if not force:
             raise MergeDBError(
                 f"{out} exists and is not empty; choose another --out or pass --force to replace a "
@@ -234,7 +247,12 @@ def install(tmp: Path, out: Path) -> None:
     last, (5) the old folder is deleted. A crash anywhere is undone or finished by the next run
     (`remove_stale`)."""
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        os.rename(tmp, out)  # replaces an empty folder too
+        was = out.stat() if out.exists() else None
+        os.rename(tmp, out)  # replaces an empty folder too: it keeps that folder's mode and owner
+        if was is not None:
+            os.chmod(out, stat.S_IMODE(was.st_mode))
+            with contextlib.suppress(OSError):  # only root or the owner may; the mode is what matters
+                os.chown(out, was.st_uid, was.st_gid)
         return
     ours = _listed_files(out) | {MANIFEST}
     ours = {n for n in ours if (out / n).is_file() and not (out / n).is_symlink()}

@@ -244,6 +244,33 @@ def test_an_output_named_with_glob_characters_leaves_other_outputs_leftovers_alo
     assert _leftovers(out) == [] and _leftovers(other) == []
 
 
+def test_an_empty_out_keeps_its_mode_and_a_failed_run_leaves_no_folders(setup, tmp_path, monkeypatch):
+    """An empty --out folder (a volume, a folder made for the result) is filled, keeping its mode;
+    a file or a mount point as --out is refused before merging, by name; the folders a run made to
+    hold its output go again when it fails."""
+    fam, db, plan = setup
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o700)
+    os.chmod(empty, 0o710)  # not the umask's default: it must survive the install
+    assert _cli("execute", plan["all"], "--out", empty, "-c", db, "-q")[0] == 0
+    assert check_output(empty) == [] and oct(empty.stat().st_mode & 0o7777) == oct(0o710)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, text = _cli("execute", plan["all"], "--out", afile, "-c", db, "-q", "--force")
+    assert code == 1 and "is a file, not a folder" in text and afile.read_text() == "x"
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mnt or real_ismount(p))
+    code, text = _cli("execute", plan["all"], "--out", mnt, "-c", db, "-q")
+    assert code == 1 and "is a mount point" in " ".join(text.split()) and not any(mnt.iterdir())
+    expert = fam / "expert_00" / "model.safetensors"
+    expert.write_bytes(expert.read_bytes()[:-8] + b"changed!")  # the run fails: the expert changed
+    code, text = _cli("execute", plan["all"], "--out", tmp_path / "new" / "deep" / "out", "-c", db, "-q")
+    assert code == 1 and "changed" in text
+    assert not (tmp_path / "new").exists()
+
+
 # -- 5: a replay that differs installs nothing -------------------------------------------------
 
 

@@ -133,6 +133,11 @@ def os_advice(e: OSError, out: Path) -> str:
     why = e.strerror or str(e)
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return f"{why}; nothing was left behind, free space and retry"
+    if e.errno == errno.ENAMETOOLONG:
+        return (
+            f"{why}: mergedb first writes it beside, as .NAME{TMP}PID-XXXXXXXX (about 30 characters "
+            "longer); nothing was left behind, choose a shorter --out name"
+        )
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{why}; nothing was left behind: choose an --out in a folder you can write ({out.parent} is not)"
     return f"{why}; nothing was left behind, fix the cause and retry"

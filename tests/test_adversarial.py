@@ -264,6 +264,8 @@ def test_an_empty_out_keeps_its_mode_and_a_failed_run_leaves_no_folders(setup, t
     monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mnt or real_ismount(p))
     code, text = _cli("execute", plan["all"], "--out", mnt, "-c", db, "-q")
     assert code == 1 and "is a mount point" in " ".join(text.split()) and not any(mnt.iterdir())
+    code, text = _cli("execute", plan["all"], "--out", tmp_path / ("n" * 240), "-c", db, "-q")
+    assert code == 1 and "choose a shorter --out name" in " ".join(text.split())  # its temporary name is longer
     expert = fam / "expert_00" / "model.safetensors"
     expert.write_bytes(expert.read_bytes()[:-8] + b"changed!")  # the run fails: the expert changed
     code, text = _cli("execute", plan["all"], "--out", tmp_path / "new" / "deep" / "out", "-c", db, "-q")

@@ -78,6 +78,8 @@ class Catalog:
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, wait: float = 0.0, sketch_dim: int | None = None):
         self.path = Path(path) if path is not None else default_path()
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:  # NaN fails >= too
+            raise CatalogError(f"--wait must be a number of seconds ≥ 0 (inf: as long as it takes), got {wait!r}")
         self.wait = wait
         if sketch_dim is not None:
             from .summary import MAX_SKETCH_DIM
@@ -268,9 +270,8 @@ class Catalog:
                 raise (faults.diagnose(self.path, e) or usersql.sql_error(e)) from None
 
     def checkpoints(self) -> list[CheckpointRow]:
-        """Every registered checkpoint, bases first."""
-        if not self.path.exists():
-            return []
+        """Every registered checkpoint, bases first (no catalog at the path: CatalogError, as for
+        every other reading, so that a mistyped path does not look like an empty catalog)."""
         with self.duckdb_connection() as con:
             rows = con.execute(
                 "SELECT c.name, c.role, b.name, c.path, c.dtype, c.n_tensors, c.bytes, c.fingerprint "

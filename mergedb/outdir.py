@@ -52,12 +52,16 @@ def resolve_out(out: Path) -> Path:
         raise MergeDBError(
             f"--out {_shown(out)} is not valid UTF-8 (the catalog and manifest store text); choose a UTF-8 name"
         ) from None
-    if out.is_symlink():
+    try:
+        link = out.is_symlink()
+        real = out.resolve()
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise MergeDBError(f"--out {out}: {os_advice(e, out)}") from None
+    if link:
         raise MergeDBError(
             f"--out {out} is a symbolic link (to {os.readlink(out)}); mergedb writes only real folders: "
             "pass the link's target, or another --out"
         )
-    real = out.resolve()
     try:
         cwd = Path.cwd().resolve()
     except OSError:

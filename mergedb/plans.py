@@ -88,7 +88,7 @@ def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str) -> int:
     """The plan_id of a plan given by id, name or plan-hash prefix (at least 6 characters), tried
     in that order: an exact id wins over a name, an exact name over a hash prefix."""
     text = str(plan).strip()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # not "²": int() refuses other digits
         rows = con.execute("SELECT plan_id FROM plans WHERE plan_id = ?", [int(text)]).fetchall()
         if rows:
             return int(rows[0][0])

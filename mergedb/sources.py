@@ -54,7 +54,7 @@ class RemoteOptions:
                 kw[key] = parse_size(os.environ[var], what=var)
         if os.environ.get("MERGEDB_REMOTE_READ_AHEAD"):
             text = os.environ["MERGEDB_REMOTE_READ_AHEAD"]
-            if not text.isdigit():
+            if not (text.isascii() and text.isdigit()):
                 raise MergeDBError(f"MERGEDB_REMOTE_READ_AHEAD must be a whole number of chunks, got {text!r}")
             kw["read_ahead"] = int(text)
         return cls(**kw)

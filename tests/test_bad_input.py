@@ -19,6 +19,7 @@ from mergedb import synth
 from mergedb.catalog import Catalog
 from mergedb.cli import app
 from mergedb.errors import AlignmentError, CatalogError, FormatError, MergeDBError
+from mergedb.planner import PlanRequest
 from mergedb.tensorfile import read_header
 
 TABLES = ["checkpoints", "files", "family_tensors", "tensors", "blocks", "expert_blocks", "expert_tensors"]
@@ -392,3 +393,25 @@ def test_a_new_catalog_in_a_missing_folder_is_refused_before_reading(tmp_path, m
     with pytest.raises(CatalogError, match=rf"cannot create catalog .*c.duckdb: its folder {folder} does not exist"):
         Catalog(path).register([fam], base_model="base")
     assert not (tmp_path / "no").exists()
+
+
+def test_odd_references_and_waits_get_one_line_errors(setup):
+    """A plan reference of non-ASCII digits, an --out name longer than the file system allows, a
+    --wait that is NaN or negative, a catalog path with no catalog: each a one-line error, exit 1,
+    never a traceback, and `ls` no longer reports a mistyped catalog as an empty one."""
+    fam, cat, tmp = setup
+    cat.register([fam / "expert_00"], base_model="base")
+    cat.plan(PlanRequest("base", None, "linear", "all"))
+    for args, words in (
+        (["show-plan", "²"], "no plan matching '²'"),
+        (["execute", "²", "--out", str(tmp / "o")], "no plan matching '²'"),
+        (["execute", "1", "--out", str(tmp / ("n" * 300))], "File name too long"),
+        (["plans", "--wait", "nan"], "--wait must be a number of seconds ≥ 0"),
+        (["plans", "--wait", "-5"], "--wait must be a number of seconds ≥ 0"),
+    ):
+        res = CliRunner().invoke(app, [*args, "-c", str(cat.path)])
+        assert res.exit_code == 1 and words in " ".join(res.output.split()), (args, res.output)
+        assert res.exception is None or isinstance(res.exception, SystemExit), (args, res.exception)
+    res = CliRunner().invoke(app, ["ls", "-c", str(tmp / "typo.duckdb")])
+    assert res.exit_code == 1 and "no catalog at" in res.output, res.output
+    assert not (tmp / "typo.duckdb").exists()

@@ -564,6 +564,8 @@ def frontier(
     render.check_format(fmt)
     names = tuple(e.strip() for e in experts.split(",") if e.strip()) if experts else None
     params = {k: v for k, v in {"lambda": lam, "density": density}.items() if v is not None}
+    if out_png is not None:
+        fr.check_plot_path(out_png)  # before --keep stores anything
     summaries = _catalog(catalog, wait).frontier(PlanRequest(base, names, method, params=params, name=name), keep=keep)
     rows = fr.records(summaries)
     title = f"{method} over {len(summaries[0].experts)} experts of {base}"

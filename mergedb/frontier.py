@@ -78,8 +78,30 @@ def records(summaries: list[PlanSummary]) -> list[dict[str, Any]]:
     ]
 
 
+def check_plot_path(path: str | os.PathLike[str]) -> Path:
+    """Refuse a picture path `plot` could not write (not .png, its folder missing, a folder itself, no
+    matplotlib), before any plan is made: `frontier --keep` stores its plans first."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise MergeDBError(f"--out {path}: the frontier picture is a PNG; give a file name ending in .png")
+    if path.is_dir() or not path.parent.is_dir():
+        raise MergeDBError(
+            f"--out {path}: {'is a folder' if path.is_dir() else 'its folder does not exist'}; "
+            "give a .png file in an existing folder"
+        )
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MergeDBError(
+            "writing a frontier picture needs matplotlib; install it with: pip install 'mergedb[plot]' "
+            "(or leave out --out to print the table only)"
+        ) from None
+    return path
+
+
 def plot(rows: list[dict[str, Any]], path: str | os.PathLike[str], title: str) -> Path:
     """Draw bytes read (x) against bound and estimate (y, log scale) into the PNG `path`."""
+    path = check_plot_path(path)
     try:
         import matplotlib
 
@@ -90,9 +112,6 @@ def plot(rows: list[dict[str, Any]], path: str | os.PathLike[str], title: str) -
             "writing a frontier picture needs matplotlib; install it with: pip install 'mergedb[plot]' "
             "(or leave out --out to print the table only)"
         ) from None
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise MergeDBError(f"--out {path}: the frontier picture is a PNG; give a file name ending in .png")
     x = [100 * r["share"] for r in rows]
     fig, ax = plt.subplots(figsize=(5.6, 3.6), dpi=100)
     for key, label, style in (("bound", "bound", "o-"), ("est_error", "sketch estimate", "s--")):

@@ -44,6 +44,7 @@ from .errors import MergeDBError, PlanError
 from .lora import is_adapter
 from .manifest import ExecutionPlan
 from .sweepwave import Slot, Wave, Work
+from .units import check_threads
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -73,11 +74,13 @@ class SweepResult:
 
 def _dtypes(dtype: str | None | Sequence[str | None], n: int) -> list[str | None]:
     """One output dtype per request (a single one for all, or a list as long as the requests)."""
-    if dtype is None or isinstance(dtype, str):
-        return [dtype] * n
-    out = list(dtype)
+    from .tensorfile import normalize_dtype
+
+    out = [dtype] * n if dtype is None or isinstance(dtype, str) else list(dtype)
     if len(out) != n:
         raise MergeDBError(f"{len(out)} output dtypes for {n} plans; give one dtype, or one per plan")
+    for d in out:
+        normalize_dtype(d)  # refused before anything is planned
     return out
 
 
@@ -118,11 +121,15 @@ def sweep(
 
     _check_parallel(max_parallel)
     dtypes = _dtypes(dtype, len(requests))
+    if threads is not None:
+        check_threads(threads)
     root = Path(out_dir)
-    _check_outs(cat, [root / r.name for r in requests if isinstance(r, planner.PlanRequest) and r.name])
+    if root.exists() and not root.is_dir():
+        raise MergeDBError(f"--out {root} is a file, not a folder; a sweep writes a folder per plan in it")
+    _check_outs(cat, [_out(root, r.name) for r in requests if isinstance(r, planner.PlanRequest) and r.name])
     summaries, xps = grid.plan_and_load(cat, requests)
     _refuse_adapters(xps)
-    outs = [root / (s.name or f"plan-{s.plan_id}") for s in summaries]
+    outs = [_out(root, s.name or f"plan-{s.plan_id}") for s in summaries]
     _check_outs(cat, outs)
     _check_space(root, xps, dtypes, summaries)
     t0, phys0 = time.perf_counter(), executor.physical_read_bytes()
@@ -218,6 +225,17 @@ def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None],
 
 
 RECORD_WAIT = 30.0  # seconds a finished merge waits for the catalog to record its run
+
+
+def _out(root: Path, name: str) -> Path:
+    """OUT/NAME, the folder of the plan named `name`: refused unless `name` is one folder name (no
+    '/', not '..', short enough for its temporary folder), so that every output lies inside OUT."""
+    if name in ("", ".", "..") or "/" in name or "\0" in name or len(os.fsencode(name)) > 220:
+        raise MergeDBError(
+            f"a sweep writes each plan into OUT/NAME, and {name!r} is not a folder name of at most 220 bytes "
+            "(no '/', not '..'); pick another --name"
+        )
+    return root / name
 
 
 def _check_outs(cat: Catalog, outs: list[Path]) -> None:

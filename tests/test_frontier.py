@@ -74,6 +74,18 @@ def test_cli_table_json_and_png(catalog, tmp_path):
     assert _n_plans(catalog) == before
 
 
+def test_keep_with_a_bad_picture_path_stores_nothing(catalog, tmp_path):
+    before = _n_plans(catalog)
+    for out, words in ((tmp_path / "f.txt", "PNG"), (tmp_path / "no" / "f.png", "its folder does not exist")):
+        res = runner.invoke(
+            app,
+            ["frontier", "--base", "base", "-m", "linear", "--keep", "--name", "kk", "-c", str(catalog.path),
+             "--out", str(out)],
+        )  # fmt: skip
+        assert res.exit_code == 1 and words in res.output, res.output
+    assert _n_plans(catalog) == before and not (tmp_path / "no").exists()
+
+
 def test_png_needs_a_png_name(catalog, tmp_path):
     res = runner.invoke(
         app, ["frontier", "--base", "base", "-m", "linear", "-c", str(catalog.path), "--out", str(tmp_path / "f.jpg")]

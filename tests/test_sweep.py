@@ -206,6 +206,22 @@ def test_bad_sweeps_store_nothing(fam, tmp_path):
     assert not (tmp_path / "x").exists()
     assert (tmp_path / "y" / "taken" / "notes.txt").read_text() == "mine"
     assert cat.sql("SELECT count(*) AS n FROM plans").to_pylist() == before
+    # refused before anything is planned: names that would leave OUT, bad dtypes and thread counts,
+    # an OUT that is a file (each used to store its plans, then fail)
+    (tmp_path / "afile").write_text("x")
+    one = [PlanRequest("base", None, "ties", name="ok-name")]
+    for requests, out, kw, words in (
+        ([PlanRequest("base", None, "ties", name="../esc")], tmp_path / "z" / "in", {}, "not a folder name"),
+        ([PlanRequest("base", None, "ties", name=str(tmp_path / "abs"))], tmp_path / "z", {}, "not a folder name"),
+        ([PlanRequest("base", None, "ties", name="n" * 300)], tmp_path / "z", {}, "at most 220 bytes"),
+        (one, tmp_path / "z", {"dtype": "fp64"}, "unknown --dtype"),
+        (one, tmp_path / "z", {"threads": 0}, "threads must be"),
+        (one, tmp_path / "afile", {}, "is a file, not a folder"),
+    ):
+        with pytest.raises(MergeDBError, match=words):
+            sw.sweep(cat, requests, out, **kw)
+    assert cat.sql("SELECT count(*) AS n FROM plans").to_pylist() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "y"]
 
 
 def test_cli_sweep_and_score(fam, tmp_path):

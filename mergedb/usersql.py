@@ -2,7 +2,8 @@
 sandbox, and how results become Python rows.
 
 Allowed: exactly one statement whose type is in `STATEMENTS` — SELECT (which in DuckDB also
-covers WITH, FROM-first queries, VALUES, DESCRIBE, SHOW, SUMMARIZE and PIVOT) or EXPLAIN. It runs
+covers WITH, FROM-first queries, VALUES, DESCRIBE, SHOW, SUMMARIZE and PIVOT with an IN list) or
+EXPLAIN. It runs
 on a read-only connection opened with `SANDBOX`: no file but the catalog can be read or written
 (read_csv, read_text, glob, COPY, EXPORT, ATTACH), no extension installed or loaded, and SET,
 RESET or PRAGMA cannot change that because the configuration is locked.
@@ -41,6 +42,11 @@ def check_statement(con: duckdb.DuckDBPyConnection, text: str) -> None:
             f"mergedb sql runs exactly one statement; this text has {len(statements)}: run them one at a time"
         )
     kind = statements[0].type
+    if kind == duckdb.StatementType.MULTI and text.lstrip().upper().startswith("PIVOT"):
+        raise MergeDBError(
+            "mergedb sql runs PIVOT with its values listed, e.g. PIVOT plans ON method IN ('ties', 'linear') "
+            "USING count(*): without IN, DuckDB first creates a type, which the read-only catalog refuses"
+        )
     if kind not in STATEMENTS:
         raise MergeDBError(
             f"mergedb sql only reads the catalog, and a {kind.name} statement is not a query; allowed: {ALLOWED}"

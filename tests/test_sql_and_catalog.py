@@ -127,6 +127,13 @@ def test_sql_refusals_say_why(world):
         cat.sql("DROP TABLE plans")
     with pytest.raises(MergeDBError, match="reads the catalog only"):
         cat.sql(f"SELECT * FROM read_csv('{side}/table.csv')")
+    with pytest.raises(MergeDBError, match=r"runs PIVOT with its values listed, e.g. PIVOT plans ON method IN"):
+        cat.sql("PIVOT plans ON method USING count(*)")
+    got = cat.sql("PIVOT (SELECT strategy, method FROM plans) ON method IN ('ties', 'nothing') USING count(*)")
+    want = cat.sql("SELECT strategy, count(*) FILTER (method = 'ties') AS n FROM plans GROUP BY strategy")
+    assert want.num_rows and sorted(zip(*got.to_pydict().values())) == sorted(
+        (s, n, 0) for s, n in zip(*want.to_pydict().values())
+    )
 
 
 def test_sql_queries_and_every_view_work(world):

@@ -1,4 +1,5 @@
 """Registration: read checkpoints once (scan.py) and store their layout and delta statistics.
+It is long because every refusal of a registration's input is here, before anything is read.
 
 Two phases, so DuckDB's file lock is held only briefly: the files are read with the catalog
 closed, then every row is written in one transaction (nothing is written if anything fails; a new
@@ -82,7 +83,7 @@ def register(
 
     new = not cat.path.exists()  # made with the rows (phase 2)
     existing: dict[str, tuple] = {}  # name -> the row of these columns:
-    cols = "name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size, vocab_block_rows"
+    cols = "name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size, vocab_block_rows, root"
     cat.check_creatable()  # before anything is read
     if not new:
         with cat.duckdb_connection(write=True, create=True) as con:
@@ -159,6 +160,7 @@ def register(
                 )
         (todo_bases if role == "base" else todo_experts).append(c)
 
+    _refuse_copies(todo_bases, todo_experts, existing, existing.get(base_ckpt_name or "", (0, None))[1])
     if asked:  # a layout asked for must be the one the bases involved get or already have
         involved = [c.name for c in bases] + ([base_ckpt_name] if experts and base_ckpt_name else [])
         owned = {c.name for c in todo_bases}
@@ -261,6 +263,20 @@ def register(
                 cat.discard_if_empty(con)
             raise
     return RegisterResult(tuple(done), tuple(unchanged), read, time.perf_counter() - t0)
+
+
+def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> None:
+    """Refuse files registered (or being registered) under another name in the same role, for the
+    same base: a model named twice would count twice in every plan over all experts."""
+    seen = {(r[2], r[9], r[4]): r[0] for r in existing.values() if r[2] == "base" or r[3] == base_id}
+    for role, todo in (("base", bases), ("expert", experts)):
+        for c in todo:
+            other = seen.setdefault((role, str(c.root.resolve()), c.fingerprint), c.name)
+            if other != c.name:
+                raise CatalogError(
+                    f"{c.path} holds the files of {role} {other!r}, registered under that name; register a "
+                    f"model once (plans over all experts would count it twice): use {other!r}"
+                )
 
 
 def _load_family(cat: Catalog, base_name: str) -> tuple[Checkpoint, list[FamilyTensor], list[str]]:

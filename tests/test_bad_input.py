@@ -415,3 +415,19 @@ def test_odd_references_and_waits_get_one_line_errors(setup):
     res = CliRunner().invoke(app, ["ls", "-c", str(tmp / "typo.duckdb")])
     assert res.exit_code == 1 and "no catalog at" in res.output, res.output
     assert not (tmp / "typo.duckdb").exists()
+
+
+def test_the_same_files_under_a_second_name_are_refused(setup):
+    """An expert registered again under another name (its file instead of its folder, or --name)
+    would be a second expert with the same delta, counted twice by every plan over all experts."""
+    fam, cat, tmp = setup
+    cat.register([fam / "expert_00"], base_model="base")
+    before = snapshot(cat)
+    for paths, kw in (([fam / "expert_00" / "model.safetensors"], {}), ([fam / "expert_00"], {"name": "again"})):
+        with pytest.raises(CatalogError, match="holds the files of expert 'expert_00', registered under that name"):
+            cat.register(paths, base_model="base", **kw)
+        assert snapshot(cat) == before
+    copy = tmp / "copy"
+    shutil.copytree(fam / "expert_00", copy)  # a copy elsewhere is another checkpoint: allowed
+    assert cat.register([copy], base_model="base").registered == ("copy",)
+    assert cat.register([fam / "expert_00"], base_model="base").unchanged == ("expert_00",)

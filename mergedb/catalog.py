@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -59,6 +60,21 @@ class CheckpointRow:
 
 _LOCK = re.compile(r"lock", re.IGNORECASE)
 _PID = re.compile(r"PID (\d+)")
+_IN_PROCESS: dict[str, threading.RLock] = {}  # per catalog file: one connection at a time in this process
+_IN_PROCESS_GUARD = threading.Lock()
+
+
+@contextmanager
+def _one_at_a_time(path: Path) -> Iterator[None]:
+    """Hold this process's lock on the catalog file `path` while a connection is open. DuckDB shares
+    one database between the connections of a process, so two threads planning at once collided on
+    the new plan's id (a raw ConstraintException), and a user-SQL (sandboxed) connection beside any
+    other was refused ("a different configuration"). Connections are short; the lock is reentrant
+    (a connection may open another in the same thread)."""
+    with _IN_PROCESS_GUARD:
+        lock = _IN_PROCESS.setdefault(os.path.realpath(path), threading.RLock())
+    with lock:
+        yield
 
 
 class _Elsewhere:
@@ -97,13 +113,19 @@ class Catalog:
     def duckdb_connection(
         self, write: bool = False, *, create: bool = False, sandbox: bool = False
     ) -> Iterator[duckdb.DuckDBPyConnection]:
-        """A short-lived DuckDB connection to a mergedb catalog.
+        """A short-lived DuckDB connection to a mergedb catalog, one at a time per file in this
+        process (`_one_at_a_time`).
 
         write=True migrates an older catalog; create=True (registration only) also makes a new one
         when there is none. sandbox=True opens it with `usersql.SANDBOX` (for user SQL). A file
         that is not a mergedb catalog is never changed; DuckDB errors that mean the file is damaged,
         or its folder read-only or full, become CatalogErrors saying so.
         """
+        with _one_at_a_time(self.path), self._connection(write, create, sandbox) as con:
+            yield con
+
+    @contextmanager
+    def _connection(self, write: bool, create: bool, sandbox: bool) -> Iterator[duckdb.DuckDBPyConnection]:
         new = write and create and not self.path.exists()
         self._check_path(create=write and create)
         try:

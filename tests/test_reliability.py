@@ -369,3 +369,26 @@ def test_register_unchanged_catalog_after_failed_expert(registered):
     with pytest.raises(MergeDBError):
         cat.register([fam / "expert_01", bad], base_model="base")
     assert snapshot(cat) == before
+
+
+def test_threads_sharing_a_catalog_file_plan_query_and_record(tmp_path):
+    """One process, several threads, two Catalog objects on one file: plans made at once get
+    distinct ids (they raced on max(plan_id) + 1: a raw ConstraintException), user SQL beside other
+    connections works (DuckDB refused its sandboxed connection beside another), and a run recorded
+    while another thread queries is recorded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=2)
+    cat, other = Catalog(tmp_path / "c.duckdb"), Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    first = cat.plan(PlanRequest("base", None, "ties", "50%"))
+    with ThreadPoolExecutor(4) as ex:
+        plans = [ex.submit(cat.plan, PlanRequest("base", None, "ties", "50%")) for _ in range(8)]
+        reads = [ex.submit(other.sql, "SELECT count(*) AS n FROM plans") for _ in range(8)]
+        reads += [ex.submit(other.get_plan, first.plan_id) for _ in range(4)]
+        run = ex.submit(cat.execute, first.plan_id, tmp_path / "out")
+        ids = sorted(f.result().plan_id for f in plans)
+        [f.result() for f in reads]
+        run.result()
+    assert ids == list(range(first.plan_id + 1, first.plan_id + 9))
+    assert cat.sql("SELECT count(*) AS n FROM runs WHERE status = 'ok'").column("n")[0].as_py() == 1

@@ -30,7 +30,7 @@ import pyarrow as pa
 from . import faults, plans, schemaversion, scores, usersql
 from .errors import CatalogError, MergeDBError, PlanError, RunNotRecordedError
 from .resources import migrations
-from .units import BlockSizes
+from .units import BlockSizes, shown
 
 if TYPE_CHECKING:
     from . import planner, register
@@ -89,10 +89,27 @@ class _Elsewhere:
         return fn if cat is None else fn.__get__(cat, owner)
 
 
+def _check_execute_args(out: Any, max_shard_size: Any, flags: dict[str, Any], calls: dict[str, Any]) -> None:
+    """Refuse, before anything is read, an execute() argument of the wrong type (a str flag such
+    as "no" would be taken as true, a non-callable progress would fail mid-merge)."""
+    if not isinstance(out, (str, os.PathLike)):
+        raise MergeDBError(f"execute() writes into a folder path (str or Path), got {type(out).__name__}")
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 0:
+        raise MergeDBError(f"max_shard_size is a whole number of bytes ≥ 0, got {shown(max_shard_size)}")
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise MergeDBError(f"execute() {k} is True or False, got {shown(v)}")
+    for k, v in calls.items():
+        if v is not None and not callable(v):
+            raise MergeDBError(f"execute() {k} is a function or None, got {type(v).__name__}")
+
+
 class Catalog:
     """A mergedb catalog file. Cheap to create: nothing is opened until an operation needs it."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, wait: float = 0.0, sketch_dim: int | None = None):
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise CatalogError(f"a catalog path is a str or a path, got {type(path).__name__}")
         self.path = Path(path) if path is not None else default_path()
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:  # NaN fails >= too
             raise CatalogError(f"--wait must be a number of seconds ≥ 0 (inf: as long as it takes), got {wait!r}")
@@ -283,10 +300,18 @@ class Catalog:
 
         One query (SELECT, WITH, FROM …, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN) on a read-only,
         sandboxed connection: the catalog's tables and views only (usersql.py says exactly what)."""
+        if not isinstance(text, str):
+            raise MergeDBError(f"sql() takes the query as a str, got {type(text).__name__}")
+        if params is not None and not isinstance(params, (list, tuple, dict)):
+            raise MergeDBError(
+                f"sql() params are a list ($1, ?) or a dict ($name) of values, got {type(params).__name__}"
+            )
         with self.duckdb_connection(sandbox=True) as con:
             usersql.check_statement(con, text)
             try:
-                result = con.sql(text, params=list(params) if params else None)
+                result = con.sql(
+                    text, params=(params if isinstance(params, dict) else list(params)) if params else None
+                )
                 return result.to_arrow_table() if result is not None else pa.table({})
             except duckdb.Error as e:
                 raise (faults.diagnose(self.path, e) or usersql.sql_error(e)) from None
@@ -443,6 +468,8 @@ class Catalog:
         `write_shards`: see executor.execute (rayexec.shard_writer runs the shards on Ray)."""
         from . import executor, outdir  # the merge kernels are heavy to import; planning does not need them
 
+        flags, calls = {"verify": verify, "force": force, "as_lora": as_lora}, (progress, on_total, write_shards)
+        _check_execute_args(out, max_shard_size, flags, dict(zip(("progress", "on_total", "write_shards"), calls)))
         if rank is not None and not as_lora:
             raise PlanError("a rank applies to a LoRA output only: pass as_lora=True (--as-lora) with it")
         if as_lora and (verify or threads is not None):  # refused, not ignored: an adapter is neither

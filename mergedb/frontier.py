@@ -34,6 +34,8 @@ def make_plans(
 
     All plans are made in one transaction, rolled back unless `keep`, so by default nothing is
     stored. Kept plans of a named request are named `NAME@BUDGET`."""
+    planner.check_request(request)
+    budgets = [budgets] if isinstance(budgets, str) else budgets  # one budget, not its letters
     reqs = [replace(request, budget=b, name=f"{request.name}@{b}" if keep and request.name else None) for b in budgets]
     with cat.duckdb_connection(write=True) as con:
         con.execute("BEGIN")
@@ -49,6 +51,7 @@ def make_plans(
 def candidates(cat: Catalog, request: planner.PlanRequest) -> pa.Table:
     """Every (expert, block) candidate of `request` as the planner scores it (position, tensor_idx,
     block_idx, nbytes, free, value, score), without planning; plans store only the selection."""
+    planner.check_request(request)
     with cat.duckdb_connection(write=True) as con:
         con.execute("BEGIN")
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -21,9 +20,9 @@ import pyarrow as pa
 
 from . import accessrules, bounds, candidates, consensus, deviation, greedy, methods, planstats, tensorparams
 from .arrowcols import column
-from .errors import MergeDBError, PlanError
+from .errors import PlanError
 from .plans import validate_plan_name
-from .units import parse_size, shown
+from .units import parse_budget, reads_everything, shown
 
 MAX_FILL_PASSES = 256
 ESTIMATE_MAX_ROWS = 2_000_000  # above this many omitted blocks the sketch estimate is opt-in (≈1 s per 1M)
@@ -55,40 +54,39 @@ class PlanRequest:
     value_model: str | None = None
     min_coverage: float | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse a field of the wrong type when the request is made (a set of experts would bind
+        the weights in no fixed order, a str would be read letter by letter); lists become tuples."""
+        for f in ("experts", "weights"):
+            if isinstance(getattr(self, f), list):
+                object.__setattr__(self, f, tuple(getattr(self, f)))
+        for f, want, ok in (
+            ("base", "a base's name", isinstance(self.base, str)),
+            ("method", "a method's name, e.g. 'ties'", isinstance(self.method, str)),
+            ("experts", "a list or tuple of names, in order (or None: all)", self.experts is None
+             or isinstance(self.experts, tuple) and all(isinstance(e, str) for e in self.experts)),
+            ("weights", "a list or tuple, one per expert (or None)", self.weights is None
+             or isinstance(self.weights, tuple)),
+            ("params", "a dict of parameter -> value", isinstance(self.params, dict)),
+            ("name", "a str or None", self.name is None or isinstance(self.name, str)),
+            ("allow_nonfinite", "True or False", isinstance(self.allow_nonfinite, bool)),
+            ("estimate", "True, False or None", self.estimate is None or isinstance(self.estimate, bool)),
+            ("tensor_params", "a pyarrow Table or None", self.tensor_params is None
+             or isinstance(self.tensor_params, pa.Table)),
+        ):  # fmt: skip
+            if not ok:
+                raise PlanError(f"PlanRequest {f} must be {want}, got {shown(getattr(self, f))}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise PlanError(f"seed must be a whole number from 0 to 2^63 - 1, got {shown(self.seed)}; e.g. --seed 42")
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {self.strategy!r}; use ranked or random")
+        if self.name is not None:
+            validate_plan_name(self.name)
 
-_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
-
-def parse_budget(spec: str, full_bytes: int) -> int:
-    """Budget bytes from `500MB`, `2GiB`, `25%`, `all` or `0`."""
-    text = str(spec).strip()
-    example = "write a size with a unit (500MB, 2GiB), a percentage of the full read (25%), or all"
-    if text.lower() == "all":
-        return full_bytes
-    m = _PERCENT.match(text)
-    if m:
-        pct = float(m.group(1))
-        if pct > 100:
-            raise PlanError(f"budget {shown(spec)} is over 100%; {example}")
-        return full_bytes if pct == 100 else int(full_bytes * pct / 100)
-    if text.startswith("-"):
-        raise PlanError(f"budget {shown(spec)} is negative; {example}")
-    if re.fullmatch(r"\d+", text) and text.strip("0"):
-        raise PlanError(f"budget {shown(spec)} has no unit; {example}")
-    try:
-        return parse_size(text, what="budget")  # at most units.MAX_BYTES; more than the full read means all
-    except MergeDBError as e:
-        raise PlanError(f"{e}; or a percentage of the full read (25%), or all") from None
-
-
-def reads_everything(spec: str) -> bool:
-    """Whether a budget spec is the full read by its form (`all`, `100%`): such a plan selects every
-    candidate whatever the scores, so the planner need not compute trimmed values (the histogram
-    fetch and its arithmetic, ~40% of a TIES plan): they order the cut and sum the omitted blocks'
-    bound and estimate, which are 0. The stored plan is the same either way (tests/test_planner)."""
-    text = str(spec).strip()
-    m = _PERCENT.match(text)
-    return text.lower() == "all" or (m is not None and float(m.group(1)) == 100)
+def check_request(req: Any) -> None:
+    if not isinstance(req, PlanRequest):
+        raise PlanError(f"expected a PlanRequest(base, experts, method, budget), got {shown(req)}")
 
 
 STRATEGIES = ("ranked", "random")
@@ -145,12 +143,7 @@ def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, li
     `queries/`, store the plan. The caller owns the transaction.
     """
     t0 = time.perf_counter()
-    if isinstance(req.seed, bool) or not isinstance(req.seed, int) or not 0 <= req.seed < 2**63:
-        raise PlanError(f"seed must be a whole number from 0 to 2^63 - 1, got {shown(req.seed)}; e.g. --seed 42")
-    if req.strategy not in STRATEGIES:
-        raise PlanError(f"unknown strategy {req.strategy!r}; use ranked or random")
-    if req.name is not None:
-        validate_plan_name(req.name)
+    check_request(req)
     # the next plan id, and whether the name is taken: one statement (bool_or of no rows, or of
     # `name = NULL` for an unnamed plan, is NULL)
     plan_id, taken = _rows(con, "SELECT coalesce(max(plan_id), 0) + 1, bool_or(name = ?) FROM plans", [req.name])[0]

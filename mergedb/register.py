@@ -25,7 +25,7 @@ from .checkpoint import Checkpoint, discover, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback
 from .layout import Block, FamilyTensor, vocab_size
-from .units import DEFAULT_LAYOUT, BlockSizes, block_sizes, check_name, check_same_layout, check_threads
+from .units import DEFAULT_LAYOUT, BlockSizes, block_sizes, check_name, check_same_layout, check_threads, shown
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -69,6 +69,9 @@ def register(
     rayexec.expert_scanner: one Ray task per expert); the rows are written here all the same.
     """
     t0 = time.perf_counter()
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths  # one path, not its letters
+    if not isinstance(paths, (list, tuple)) or not all(isinstance(p, (str, os.PathLike)) for p in paths):
+        raise MergeDBError(f"register() takes a list of paths (str or Path), got {shown(paths)}")
     threads = check_threads(os.cpu_count() or 1 if threads is None else threads)
     asked = block_size is not None or vocab_block_size is not None  # else: a new base gets the default
     rule = block_sizes(DEFAULT_LAYOUT if block_size is None else block_size, vocab_block_size)

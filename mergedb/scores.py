@@ -35,6 +35,8 @@ def record(cat: Catalog, plan: int | str, metric: str, value: float) -> int:
         raise MergeDBError(f"metric {metric!r} has control characters; use a plain name, e.g. loss")
     try:
         v = float(value)
+    except OverflowError:  # an int past float's range
+        v = math.inf
     except (TypeError, ValueError):
         raise MergeDBError(f"score value {value!r} for metric {metric!r} is not a number, e.g. 0.42") from None
     if not math.isfinite(v):

@@ -76,6 +76,8 @@ def _dtypes(dtype: str | None | Sequence[str | None], n: int) -> list[str | None
     """One output dtype per request (a single one for all, or a list as long as the requests)."""
     from .tensorfile import normalize_dtype
 
+    if dtype is not None and not isinstance(dtype, (str, list, tuple)):
+        raise MergeDBError(f"dtype is bf16, fp16, fp32 or None (or a list of those, one per plan), got {dtype!r}")
     out = [dtype] * n if dtype is None or isinstance(dtype, str) else list(dtype)
     if len(out) != n:
         raise MergeDBError(f"{len(out)} output dtypes for {n} plans; give one dtype, or one per plan")
@@ -87,6 +89,20 @@ def _dtypes(dtype: str | None | Sequence[str | None], n: int) -> list[str | None
 def _waves(n: int, max_parallel: int) -> Iterator[list[int]]:
     for start in range(0, n, _check_parallel(max_parallel)):
         yield list(range(start, min(start + max_parallel, n)))
+
+
+def _requests(requests: Any) -> list:
+    """The sweep's plan requests as a list: one plan reference or request alone is one plan."""
+    if isinstance(requests, (str, int, planner.PlanRequest)):
+        return [requests]
+    if not isinstance(requests, (list, tuple)):
+        raise MergeDBError(f"a sweep takes a list of PlanRequests or plan references, got {type(requests).__name__}")
+    return list(requests)
+
+
+def _check_cache(cache_bytes: Any) -> None:
+    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+        raise MergeDBError(f"cache_bytes is a whole number of bytes ≥ 0, got {cache_bytes!r}")
 
 
 def _check_parallel(max_parallel: int) -> int:
@@ -120,7 +136,9 @@ def sweep(
     from . import executor  # the merge kernels are heavy to import; planning and the catalog do not need them
 
     _check_parallel(max_parallel)
+    requests = _requests(requests)
     dtypes = _dtypes(dtype, len(requests))
+    _check_cache(cache_bytes)
     if threads is not None:
         check_threads(threads)
     root = Path(out_dir)
@@ -273,9 +291,15 @@ def in_memory(
     from . import executor
 
     _check_parallel(max_parallel)
+    requests = _requests(requests)
+    dtypes = _dtypes(dtype, len(requests))  # these checks come before anything is planned
+    _check_cache(cache_bytes)
+    if threads is not None:
+        check_threads(threads)
+    if into is not None and not callable(getattr(into, "state_dict", None)):
+        raise MergeDBError(f"into= takes a torch module (it has a state_dict), got {type(into).__name__}")
     summaries, xps = grid.plan_and_load(cat, requests)
     _refuse_adapters(xps)
-    dtypes = [dtype] * len(xps)
     for idx in _waves(len(xps), max_parallel):
         wave = Wave(xps, idx, cache_bytes, threads, dtypes)
 
@@ -287,7 +311,7 @@ def in_memory(
                         n: executor.tensor_array(dt, shape, data)
                         for n, dt, shape, data in slot.feed.tensors(every, True)
                     }
-                return executor.merge_to_dict(xps[i], dtype, slot.threads, slot.reader, slot.step, slot.fold)
+                return executor.merge_to_dict(xps[i], dtypes[i], slot.threads, slot.reader, slot.step, slot.fold)
 
             return merge
 

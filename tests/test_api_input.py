@@ -1,0 +1,114 @@
+"""The library as an embedding program calls it: arguments of the wrong type or value get a
+MergeDBError naming them, before anything is planned, read or stored (a set of experts used to
+bind the weights in no fixed order, a str path was scanned letter by letter, flags given as
+"no" were true, and bare TypeErrors came from deep inside)."""
+
+from __future__ import annotations
+
+import pytest
+
+import mergedb
+from mergedb import synth
+from mergedb.catalog import Catalog
+from mergedb.errors import CatalogError, MergeDBError, PlanError
+from mergedb.planner import PlanRequest
+
+
+@pytest.fixture(scope="module")
+def cat(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    fam = synth.make_family(root / "fam", experts=2, size="tiny", seed=1)
+    cat = Catalog(root / "c.duckdb")
+    cat.register(str(fam / "base"), base=True)  # one path as a str: that folder, not its letters
+    cat.register(fam / "expert_00", base_model="base")
+    cat.register([fam / "expert_01"], base_model="base")
+    cat.plan(PlanRequest("base", None, "ties", "50%"))
+    return cat
+
+
+def _plans(cat: Catalog) -> int:
+    return cat.sql("SELECT count(*) AS n FROM plans").column("n")[0].as_py()
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"experts": {"expert_00", "expert_01"}}, "experts must be a list or tuple of names"),
+        ({"experts": "expert_00"}, "experts must be a list or tuple of names"),
+        ({"experts": 3}, "experts must be a list or tuple"),
+        ({"weights": 1.0}, "weights must be a list or tuple, one per expert"),
+        ({"params": None}, "params must be a dict"),
+        ({"name": 5}, "name must be a str or None"),
+        ({"estimate": "no"}, "estimate must be True, False or None"),
+        ({"allow_nonfinite": "no"}, "allow_nonfinite must be True or False"),
+        ({"tensor_params": {"a": 1}}, "tensor_params must be a pyarrow Table"),
+        ({"method": ["ties"]}, "method must be a method's name"),
+        ({"strategy": "bogus"}, "unknown strategy 'bogus'"),
+        ({"seed": 1.5}, "seed must be a whole number"),
+    ],
+)
+def test_plan_requests_of_the_wrong_type_are_refused_when_made(fields, words):
+    with pytest.raises(PlanError, match=words):
+        PlanRequest(**{"base": "base", "experts": None, "method": "ties", **fields})
+
+
+def test_lists_become_tuples_and_non_requests_are_refused(cat):
+    req = PlanRequest("base", ["expert_01", "expert_00"], "linear", "all", [1.0, 0.25])
+    assert req.experts == ("expert_01", "expert_00") and req.weights == (1.0, 0.25)
+    before = _plans(cat)
+    for call in (cat.plan, cat.plan_candidates, cat.frontier):
+        with pytest.raises(PlanError, match="expected a PlanRequest"):
+            call(None)
+    got = cat.frontier(req, "50%")  # one budget, not "5", "0", "%"
+    assert [p.budget_spec for p in got] == ["50%"]
+    assert _plans(cat) == before
+
+
+def test_execute_sql_score_register_and_connect_arguments(cat, tmp_path):
+    before = _plans(cat)
+    for kw, words in (
+        ({"out": None}, "writes into a folder path"),
+        ({"out": 5}, "writes into a folder path"),
+        ({"max_shard_size": -1}, "max_shard_size is a whole number of bytes"),
+        ({"max_shard_size": 1.5}, "max_shard_size is a whole number of bytes"),
+        ({"max_shard_size": True}, "max_shard_size is a whole number of bytes"),
+        ({"verify": "no"}, "verify is True or False"),
+        ({"force": "yes"}, "force is True or False"),
+        ({"progress": 5}, "progress is a function or None"),
+    ):
+        with pytest.raises(MergeDBError, match=words):
+            cat.execute(1, **{"out": tmp_path / "o", **kw})
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(MergeDBError, match="takes the query as a str"):
+        cat.sql(None)
+    with pytest.raises(MergeDBError, match="params are a list"):
+        cat.sql("SELECT ? AS a", 5)
+    assert cat.sql("SELECT $a AS a", {"a": 7}).column("a")[0].as_py() == 7
+    with pytest.raises(MergeDBError, match="not finite"):
+        cat.record_score(1, "loss", 10**400)
+    for paths, kw, words in ((None, {}, "takes a list of paths"), ([1], {}, "takes a list of paths")):
+        with pytest.raises(MergeDBError, match=words):
+            cat.register(paths, base_model="base", **kw)
+    with pytest.raises(MergeDBError, match="is not a str"):
+        cat.register([tmp_path], base_model="base", name=5)
+    with pytest.raises(CatalogError, match="a catalog path is a str or a path"):
+        mergedb.connect(5)
+    assert _plans(cat) == before
+
+
+def test_in_memory_sweep_checks_its_options_before_planning(cat):
+    before = _plans(cat)
+    req = PlanRequest("base", None, "ties", "50%", name="s1")
+    for kw, words in (
+        ({"dtype": "fp8"}, "unknown --dtype 'fp8'"),
+        ({"dtype": 5}, "dtype is bf16, fp16, fp32 or None"),
+        ({"cache_bytes": None}, "cache_bytes is a whole number"),
+        ({"cache_bytes": -1}, "cache_bytes is a whole number"),
+        ({"into": object()}, "into= takes a torch module"),
+        ({"threads": 0}, "threads must be"),
+    ):
+        with pytest.raises(MergeDBError, match=words):
+            list(cat.sweep([req], **kw))
+    assert _plans(cat) == before
+    (plan, state), *rest = list(cat.sweep(req, dtype=["fp32"]))  # one request alone; a dtype per plan
+    assert plan.name == "s1" and not rest and {a.dtype.name for a in state.values()} >= {"float32"}

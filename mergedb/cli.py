@@ -164,7 +164,7 @@ def register(
     """Scan checkpoints into the catalog (each file read once).
 
     Example: mergedb register ./experts --base-model base
-    Remote: mergedb register s3://bucket/family --base-model base (pip install 'mergedb[remote]')
+    Remote: mergedb register s3://bucket/family --base-model base (pip install 'mergedb\\[remote]')
     """
     rule = None  # the default for a new base, and an existing base's own layout
     if block_size is not None or vocab_block_size is not None:  # checked here, before any read

@@ -54,6 +54,7 @@ from .mkresolve import (  # noqa: F401 - mergekit's tables and the value types a
     export_dict,
     resolve,
 )
+from .units import shown
 
 # libyaml's scanner when present: the same safe constructors and resolvers as yaml.safe_load (mergekit's)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -102,7 +103,10 @@ class MergeConfig:
 
 
 def _load(text_or_path: str | PathLike[str]) -> tuple[Any, str]:
-    if isinstance(text_or_path, PathLike) or ("\n" not in text_or_path and ":" not in text_or_path):
+    one_line = isinstance(text_or_path, str) and "\n" not in text_or_path
+    if isinstance(text_or_path, PathLike) or (
+        one_line and (":" not in text_or_path or text_or_path.strip().lower().endswith((".yml", ".yaml")))
+    ):  # a one-line str is a path unless it reads as YAML ('merge_method: ties'); 'v1:ties.yml' is a path
         path = Path(text_or_path)
         try:
             text, where = path.read_text(encoding="utf-8"), str(path)
@@ -122,8 +126,12 @@ def _number(key: str, v: Any) -> float:
             v = float(v)
         except ValueError:
             pass
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ConfigError(f"parameter {key}: {v!r} is not a finite number")
+    try:
+        finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not finite:
+        raise ConfigError(f"parameter {key}: {shown(v)} is not a finite number")
     return float(v)
 
 
@@ -177,11 +185,7 @@ def _params(where: str, raw: Any, method: str) -> dict:
 def _model_ref(where: str, v: Any) -> str:
     if not isinstance(v, str) or not v.strip():
         raise ConfigError(f"{where}: model must be a path or registered name (a string), got {v!r}")
-    if "+" in v:
-        raise ConfigError(f"{where}: {v!r} applies a LoRA (model+lora); mergedb has no LoRA experts yet")
-    if "@" in v:
-        raise ConfigError(f"{where}: {v!r} names a hub revision; download it and name the local folder")
-    return v
+    return v  # a path that does not exist and holds `+` or `@` is refused when it is bound (bind_models)
 
 
 def _entries(where: str, raw: Any, method: str, allowed: tuple[str, ...]) -> list[tuple[ModelEntry, Any]]:
@@ -353,8 +357,24 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
         how = f"mergedb register {shlex.quote(ref)} --base" if base_hint is None else (
             f"mergedb register {shlex.quote(ref)} --base-model {shlex.quote(base_hint)}"
         )  # fmt: skip
-        hub = "" if p.exists() else " (mergedb reads local files: download it to a folder first)"
-        raise ConfigError(f"model {ref!r} is not registered in the catalog{hub}; run: {how}")
+        if p.exists():
+            raise ConfigError(f"model {ref!r} is not registered in the catalog; run: {how}")
+        if "+" in ref:  # mergekit's model+lora
+            raise ConfigError(
+                f"model {ref!r} applies a LoRA (model+lora), which mergedb does not read from a config: register "
+                "the adapter as an expert (mergedb register ADAPTER --base-model BASE) and list it as a model"
+            )
+        if "@" in ref:
+            raise ConfigError(f"model {ref!r} names a hub revision; download it and name the local folder")
+        if ref.startswith((".", "/", "~")) or "\\" in ref or ref.count("/") > 1:
+            raise ConfigError(
+                f"model {ref!r}: there is no {p} (a relative path is read from {here}, as mergekit reads it) "
+                "and no checkpoint registered under that name; correct the path, or run the config from its folder"
+            )
+        raise ConfigError(
+            f"model {ref!r} is neither a folder here nor a registered name (mergedb reads local files: download "
+            f"it to a folder first); then run: {how}"
+        )
 
     base_row = find(config.base_model, None) if config.base_model is not None else None
     if base_row is not None and base_row.role != "base":

@@ -317,9 +317,30 @@ def _read_config(root: Path) -> tuple[dict[str, Any], bytes]:
             raise FormatError(f"{path}: {flag} is set; LoRA adapters with {flag} are not supported")
     for key in ("r", "lora_alpha"):
         v = cfg.get(key)
-        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0):
-            raise FormatError(f"{path}: {key} is {v!r}; expected a positive number")
+        if v is not None and not _positive(v, whole=key == "r"):
+            raise FormatError(f"{path}: {key} is {v!r}; expected a positive {'whole ' if key == 'r' else ''}number")
+    for key in ("rank_pattern", "alpha_pattern"):  # module regex -> r or alpha (pattern_value)
+        pats = cfg.get(key) or {}
+        if not isinstance(pats, dict):
+            raise FormatError(f"{path}: {key} is {pats!r}; expected an object of module pattern -> number")
+        for pat, v in pats.items():
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise FormatError(f"{path}: {key} has the pattern {pat!r}, not a regular expression ({e})") from None
+            if not _positive(v, whole=key == "rank_pattern"):
+                raise FormatError(f"{path}: {key}[{pat!r}] is {v!r}; expected a positive number")
     return cfg, raw
+
+
+def _positive(v: Any, whole: bool) -> bool:
+    """A finite number > 0 (a whole one for a rank): NaN, inf, 4.7 as r, a str or a bool is not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        return False
+    try:
+        return math.isfinite(float(v)) and (not whole or float(v).is_integer())
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def _shards(root: Path) -> list[str]:
@@ -359,6 +380,12 @@ def split_paths(paths: Iterable[str | os.PathLike[str]], base: bool = False) -> 
         if is_adapter(p):
             adapters.append(p)
             continue
+        if p.is_dir() and ((p / SINGLE).is_file() or (p / INDEX).is_file()) != (p / CONFIG).is_file():
+            has, lacks = (CONFIG, SINGLE) if (p / CONFIG).is_file() else (SINGLE, CONFIG)
+            raise FormatError(
+                f"{p} holds {has} but no {lacks}: a PEFT LoRA adapter needs both; copy the missing file from "
+                "where the adapter was saved"
+            )
         subs = sorted(c for c in p.iterdir() if is_adapter(c)) if p.is_dir() and not is_checkpoint(p) else []
         adapters.extend(subs)
         if not subs or any(is_checkpoint(c) for c in p.iterdir()):

@@ -115,7 +115,8 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
         if not (isinstance(w, (int, float, np.floating)) and math.isfinite(w) and abs(w) <= MAX_SCALE):
             raise PlanError(
                 f"weight {i + 1} of {n_experts} is {w!r}: weights must be finite numbers between "
-                f"-{MAX_SCALE:g} and {MAX_SCALE:g}; e.g. --weights 1,0.5"
+                f"-{MAX_SCALE:g} and {MAX_SCALE:g} (the experts' weights, in order: --weights 1,0.5, or weight: in a "
+                "config's models)"
             )
     if method == "linear" and p["normalize"] and abs(sum(weights)) < 1e-12:
         raise PlanError("linear with normalize needs weights that do not sum to zero")

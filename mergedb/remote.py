@@ -110,13 +110,28 @@ class RemoteStat:
     version: str
 
 
+def _unreachable(url: str, e: FileNotFoundError) -> MergeDBError | None:
+    """fsspec's HTTP filesystem reports every failure to reach a file as FileNotFoundError, with the
+    real one attached (connection refused, an unknown host, 403, TLS); only a 404, or no cause, means
+    there is no such file."""
+    cause = e.__cause__ or e.__context__
+    if cause is None or getattr(cause, "status", None) == 404 or isinstance(cause, FileNotFoundError):
+        return None
+    return MergeDBError(f"{url}: cannot be reached ({type(cause).__name__}: {cause}); check the URL and the network")
+
+
 def stat(url: str) -> RemoteStat | None:
     """The file at `url`, or None when there is none (a folder is not a file)."""
     fs, path = filesystem(url)
     try:
         fs.invalidate_cache(path)  # a listing cached earlier in this process must not hide a change
         info = fs.info(path)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except FileNotFoundError as e:
+        err = _unreachable(url, e)
+        if err is not None:
+            raise err from None
+        return None
+    except (IsADirectoryError, NotADirectoryError):
         return None
     except Exception as e:  # network, credentials (botocore's errors are not OSErrors)
         raise MergeDBError(f"{url}: cannot be read ({e}); check the URL, the network and the credentials") from None
@@ -136,8 +151,8 @@ def read_bytes(url: str, start: int | None = None, end: int | None = None) -> by
     fs, path = filesystem(url)
     try:
         data = fs.cat_file(path, start=start, end=end)
-    except FileNotFoundError:
-        raise FormatError(f"{url}: no such file") from None
+    except FileNotFoundError as e:
+        raise (_unreachable(url, e) or FormatError(f"{url}: no such file")) from None
     except Exception as e:  # network, credentials (botocore's errors are not OSErrors)
         raise MergeDBError(f"{url}: reading failed ({e}); check the network and the credentials") from None
     if start is not None and end is not None and len(data) != end - start:

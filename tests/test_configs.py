@@ -244,8 +244,6 @@ REFUSED = [
     ("unknown method", head("averaging", False) + MODELS, "'averaging'"),
     ("tokenizer union", TA + MODELS + "tokenizer_source: union", "tokenizer_source"),
     ("tokenizer of a model", TA + MODELS + "tokenizer_source: a", "tokenizer_source"),
-    ("lora", TA + "models: [{model: a+lora, parameters: {weight: 1}}]", "LoRA"),
-    ("revision", TA + "models: [{model: org/a@main, parameters: {weight: 1}}]", "revision"),
     ("models and slices", TA + MODELS + "slices: []", "exactly one of models: or slices:"),
     ("neither", TA, "exactly one of models: or slices:"),
     ("two slices", TA + "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: []}]", "frankenmerge"),
@@ -278,6 +276,7 @@ REFUSED = [
     ("partial slice end", TA + sources("[0, 3]", "[0, 3]"), "full range"),
     ("linear not summing to 1", head("linear", False) + W % 0.3 + "parameters: {normalize: false}", "sum"),
     ("negative weight in ties", head("ties") + W % -1, "negative"),
+    ("an int past float's range", TA + W % ("1" + "0" * 400), "is not a finite number"),
     ("della epsilon", head("della") + MODELS + "parameters: {density: 0.9, epsilon: 0.1}", "epsilon"),
     ("breadcrumbs gamma", head("breadcrumbs") + MODELS + "parameters: {density: 0.95, gamma: 0.1}", "gamma"),
 ]
@@ -346,6 +345,23 @@ def test_unregistered_and_misfiled_models_say_what_to_run(registered, tmp_path):
     hub = parse_config("merge_method: ties\nbase_model: base\nmodels: [{model: org/model, parameters: {weight: 1}}]")
     with pytest.raises(ConfigError, match="download it to a folder first"):
         bind_models(hub, rows)
+    # mergekit's model+lora and model@revision when no such path exists; a relative path that is missing
+    for ref, words in (
+        ("a+lora", "applies a LoRA .model.lora., which mergedb does not read from a config: register the adapter"),
+        ("org/a@main", "names a hub revision"),
+        ("../family/base", r"there is no .*family/base \(a relative path is read from"),
+    ):
+        cfg = parse_config(
+            f"merge_method: ties\nbase_model: base\nmodels: [{{model: '{ref}', parameters: {{weight: 1}}}}]"
+        )
+        with pytest.raises(ConfigError, match=words):
+            bind_models(cfg, rows, cwd=tmp_path)
+    plus = tmp_path / "fam+ily@2"  # a folder whose name holds + and @ is that folder
+    shutil.copytree(root / "family" / "expert_00", plus)
+    cfg = parse_config(
+        f"merge_method: ties\nbase_model: base\nmodels: [{{model: '{plus}', parameters: {{weight: 1}}}}]"
+    )
+    assert [m.model for m in bind_models(cfg, rows).models] == ["expert_00"]  # matched by its fingerprint
     swapped = parse_config("merge_method: ties\nbase_model: expert_00\nmodels: [{model: expert_01}]")
     with pytest.raises(ConfigError, match="registered as an expert"):
         bind_models(swapped, rows)
@@ -578,3 +594,9 @@ def test_stored_plan_exports_to_a_config_that_resolves_to_it(registered, method,
     for p, v in plan.params.items():
         if p != "normalize" or method != "linear":
             assert back.params[p] == v, p
+
+
+def test_a_config_path_with_a_colon_is_a_path(tmp_path):
+    path = tmp_path / "v1:ties.yml"
+    path.write_text(TA + W % 1)
+    assert parse_config(str(path)).resolve(NAMES).weights == (1.0,)  # was read as the YAML text 'v1:ties.yml'

@@ -184,6 +184,15 @@ def _ok_pair(rank: int = 4, cols: int = lf.HIDDEN, rows: int = lf.HIDDEN) -> dic
         ),
         ({**_ok_pair(), f"{Q}.lora_B.bias": torch.ones(lf.HIDDEN)}, {}, FormatError, "LoRA biases"),
         ({**_ok_pair(), "base_model.model.nowhere.weight": torch.ones(3)}, {}, AlignmentError, "nowhere.weight"),
+        # scalings and patterns that peft could not use, refused when the config is read
+        (_ok_pair(), {"lora_alpha": float("nan")}, FormatError, "lora_alpha is nan; expected a positive number"),
+        (_ok_pair(), {"lora_alpha": float("inf")}, FormatError, "lora_alpha is inf"),
+        (_ok_pair(), {"r": 4.7}, FormatError, "r is 4.7; expected a positive whole number"),
+        (_ok_pair(), {"r": 10**400}, FormatError, "expected a positive whole number"),
+        (_ok_pair(), {"rank_pattern": {"(": 2}}, FormatError, "pattern '(', not a regular expression"),
+        (_ok_pair(), {"rank_pattern": {"q_proj": "four"}}, FormatError, "rank_pattern['q_proj'] is 'four'"),
+        (_ok_pair(), {"rank_pattern": ["q_proj"]}, FormatError, "expected an object of module pattern"),
+        (_ok_pair(), {"alpha_pattern": {"q_proj": -1}}, FormatError, "alpha_pattern['q_proj'] is -1"),
     ],
 )
 def test_refused_adapters_say_what_in_one_line(base_dir, tmp_path, tensors, config, error, words):
@@ -192,6 +201,22 @@ def test_refused_adapters_say_what_in_one_line(base_dir, tmp_path, tensors, conf
         open_adapter(path, open_checkpoint(base_dir))
     msg = str(e.value)
     assert words in msg and "\n" not in msg and isinstance(e.value, MergeDBError)
+
+
+def test_an_adapter_missing_its_config_or_its_weights_says_so(base_dir, tmp_path):
+    from mergedb.catalog import Catalog
+
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([base_dir], base=True)
+    for gone, words in (
+        ("adapter_config.json", "holds adapter_model.safetensors but no adapter_config.json"),
+        ("adapter_model.safetensors", "holds adapter_config.json but no adapter_model.safetensors"),
+    ):
+        path = _write(tmp_path / gone, _ok_pair())
+        (path / gone).unlink()
+        with pytest.raises(FormatError, match=words):
+            cat.register([path], base_model=base_dir.name)
+    assert [c.name for c in cat.checkpoints()] == [base_dir.name]
 
 
 def test_adapter_name_segment_and_sharded_index(base_dir, tmp_path):

@@ -419,6 +419,18 @@ def test_urls_with_credentials_are_refused(tmp_path):
     assert not (tmp_path / "c.duckdb").exists()  # refused before the catalog was created
 
 
+def test_an_unreachable_server_is_not_called_a_missing_file(sharded_family, http_server, tmp_path):
+    """fsspec's HTTP filesystem reports a refused connection as FileNotFoundError: mergedb says the
+    server cannot be reached (with the cause), and keeps "no such file" for a real 404."""
+    pytest.importorskip("fsspec")
+    cat = Catalog(tmp_path / "c.duckdb")
+    with pytest.raises(MergeDBError, match=r"127.0.0.1:9/x/model.safetensors: cannot be reached \(ClientConnector"):
+        cat.register(["http://127.0.0.1:9/x/model.safetensors"], base=True)
+    with pytest.raises(MergeDBError, match="no such file|holds no checkpoint|no model.safetensors"):
+        cat.register([f"{http_server.url}/no/such/model.safetensors"], base=True)
+    assert not (tmp_path / "c.duckdb").exists()
+
+
 def test_mergedb_works_without_fsspec_and_says_how_to_get_it(tmp_path):
     code = f"""
 import sys

@@ -77,6 +77,8 @@ def register(
     rule = block_sizes(DEFAULT_LAYOUT if block_size is None else block_size, vocab_block_size)
     if name is not None:
         check_name(name, "--name")
+    if base and base_model is not None:
+        raise MergeDBError("--base registers PATHS as bases; --base-model names the base of experts: give one of them")
     ckpt_paths, adapter_paths = lora.split_paths(paths, base)  # PEFT adapters: experts read by lorascan
     found = [open_checkpoint(p) for p in discover(ckpt_paths)] if ckpt_paths or not adapter_paths else []
     if name is not None:

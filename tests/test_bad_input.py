@@ -309,6 +309,8 @@ def test_newer_schema_refused(setup):
 
 def test_bad_block_size_and_names(setup):
     fam, cat, tmp = setup
+    with pytest.raises(MergeDBError, match="--base registers PATHS as bases; --base-model names"):
+        cat.register([fam / "base"], base=True, base_model="zzz")  # was silently ignored
     with pytest.raises(MergeDBError, match="e.g. 4MiB"):
         cat.register([fam / "expert_00"], base_model="base", block_size="lots")
     with pytest.raises(MergeDBError, match="one checkpoint"):

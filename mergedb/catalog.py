@@ -230,6 +230,16 @@ class Catalog:
                 f"{p} is an empty file, not a mergedb catalog; remove it (`mergedb register` then creates a catalog "
                 "there) or pass --catalog with another path"
             )
+        try:
+            with open(p, "rb") as f:
+                magic = f.read(12)[8:]
+        except OSError:
+            return  # DuckDB's own error follows, and says why
+        if magic != b"DUCK":  # DuckDB would read a .json or .csv file as data, not refuse it
+            raise CatalogError(
+                f"{p} is not a DuckDB file, so not a mergedb catalog; pass --catalog with a mergedb catalog "
+                f"(if it was one, it is damaged: {faults.RECOVER})"
+            )
 
     def _explain(self, e: duckdb.Error) -> Exception:
         """`faults.diagnose`'s CatalogError for a damaged file or unwritable folder; else `e`."""

@@ -433,3 +433,11 @@ def test_the_same_files_under_a_second_name_are_refused(setup):
     shutil.copytree(fam / "expert_00", copy)  # a copy elsewhere is another checkpoint: allowed
     assert cat.register([copy], base_model="base").registered == ("copy",)
     assert cat.register([fam / "expert_00"], base_model="base").unchanged == ("expert_00",)
+
+
+def test_a_json_file_as_catalog_is_not_a_duckdb_file(setup):
+    """DuckDB opens a .json path as data (an in-memory database over it) instead of refusing it."""
+    fam, cat, tmp = setup
+    for cmd in (["plans"], ["ls"], ["sql", "SELECT 1"]):
+        res = CliRunner().invoke(app, [*cmd, "-c", str(fam / "base" / "config.json")])
+        assert res.exit_code == 1 and "is not a DuckDB file, so not a mergedb catalog" in res.output, res.output

@@ -190,7 +190,7 @@ def register(
         )
     if not quiet:
         rate = r.bytes_read / r.seconds / 1e6 if r.seconds else 0.0
-        render.out().print(
+        render.line(
             f"registered {len(r.registered)} ({', '.join(r.registered) or '-'}), unchanged {len(r.unchanged)}; "
             f"read {format_size(r.bytes_read)} in {r.seconds:.2f}s ({rate:.0f} MB/s)"
         )
@@ -213,7 +213,7 @@ def synth_cmd(
     from .units import parse_size
 
     synth.make_family(out_dir, experts, size, dtype, seed, parse_size(shard_size, what="shard size"))
-    render.out().print(f"wrote {out_dir}/base and {experts} experts")
+    render.line(f"wrote {out_dir}/base and {experts} experts")
 
 
 @app.command()
@@ -258,10 +258,8 @@ def show(
     if render.check_format(fmt) != "table":  # csv, json: the per-tensor rows (none for a base)
         render.print_table(cat.tensor_summary(name) if row.role == "expert" else _empty(), fmt)
         return
-    render.out().print(f"[bold]{row.name}[/] ({row.role}{', base ' + row.base if row.base else ''}) {row.path}")
-    render.out().print(
-        f"{row.n_tensors} tensors, {row.dtype}, {format_size(row.bytes)}, fingerprint {row.fingerprint[:16]}"
-    )
+    render.line(f" ({row.role}{', base ' + row.base if row.base else ''}) {row.path}", f"[bold]{escape(row.name)}[/]")
+    render.line(f"{row.n_tensors} tensors, {row.dtype}, {format_size(row.bytes)}, fingerprint {row.fingerprint[:16]}")
     if row.role == "expert":
         render.print_table(cat.tensor_summary(name), title="per-tensor delta")
 
@@ -377,7 +375,7 @@ def plan(
 
 def _print_plan(summary: Any) -> None:
     for step, sql_text, rows in summary.explain:  # only with --explain
-        render.out().print(f"[bold]-- {step}: {rows} rows[/]")
+        render.line("", f"[bold]-- {escape(step)}: {rows} rows[/]")
         render.out().print(sql_text.strip(), highlight=False, markup=False)
     render.print_plan(summary)
 
@@ -461,7 +459,7 @@ def execute(
         lo = res.manifest["lora"]
         ranks = sorted({m["rank"] for m in lo["modules"]})
         if not quiet:
-            render.out().print(
+            render.line(
                 f"wrote adapter {as_lora}: {len(lo['modules'])} modules, rank {'/'.join(map(str, ranks)) or 0}"
                 + (" (exact)" if lo["exact"] else f", largest relative error {lo['max_rel_error']:.3g}")
                 + f", expert bytes {format_size(res.expert_bytes)}, {res.seconds:.2f}s"
@@ -489,7 +487,7 @@ def execute(
             write_shards=write_shards,
         )
     if not quiet:
-        render.out().print(
+        render.line(
             f"wrote {out_dir}: expert bytes {format_size(res.expert_bytes)} "
             f"(budget {format_size(res.manifest['budget_bytes'])}), "
             f"base {format_size(res.base_bytes)}, physical reads {format_size(res.physical_bytes)}, "
@@ -510,9 +508,7 @@ def replay(
     from . import loraout
 
     res = loraout.replay(manifest, out_dir, force=force)  # a model (executor.replay) or an --as-lora adapter
-    render.out().print(
-        f"replayed into {out_dir}: {len(res.manifest['tensor_hashes'])} tensors identical to the original"
-    )
+    render.line(f"replayed into {out_dir}: {len(res.manifest['tensor_hashes'])} tensors identical to the original")
 
 
 @app.command()
@@ -573,7 +569,7 @@ def frontier(
     if out_png is not None:
         fr.plot(rows, out_png, title)
         if fmt == "table":
-            render.out().print(f"wrote {out_png}", highlight=False)
+            render.line(f"wrote {out_png}")
 
 
 @app.command()
@@ -593,10 +589,10 @@ def check(
     for o in output:
         problems += check_output(o)
     for p in problems:
-        render.out().print(f"[red]problem:[/] {p}", highlight=False)
+        render.line(p, "[red]problem:[/] ")
     if problems:
         raise typer.Exit(1)
-    render.out().print("ok: catalog" + (" and outputs" if output else "") + " verified")
+    render.line("ok: catalog" + (" and outputs" if output else "") + " verified")
 
 
 @app.command()
@@ -682,7 +678,7 @@ def score(
     Example: mergedb score ties-sweep1-density=0.2 loss 1.87
     """
     score_id = _catalog(catalog, wait).record_score(plan_ref, metric, value)
-    render.out().print(f"score {score_id}: {metric} = {value:g} for plan {plan_ref}", highlight=False)
+    render.line(f"score {score_id}: {metric} = {value!r} for plan {plan_ref}")
 
 
 def _empty() -> Any:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from . import methods
 from .configs import SCHEMA, MergeConfig, bind_models, parse_config, plan_resolution, to_mergekit_yaml
 from .errors import ConfigError, MergeDBError
 from .mkresolve import most_common
@@ -148,4 +149,13 @@ def plan_to_mergekit(cat: Catalog, plan: int | str) -> str:
     res = replace(plan_resolution(summary, rows), params=params)
     ckpts = cat.checkpoints()
     base_dtype = next((r.dtype for r in ckpts if r.name == summary.base), None)
-    return to_mergekit_yaml(res, {r.name: r.path for r in ckpts}, [t.name for t in xp.tensors], base_dtype)
+    text = to_mergekit_yaml(res, {r.name: r.path for r in ckpts}, [t.name for t in xp.tensors], base_dtype)
+    notes = []  # what mergekit cannot express: it reads every block, and draws DARE's drops from its own seed
+    if summary.selected_bytes < summary.full_bytes:
+        notes.append(
+            f"# this plan reads {summary.selected_bytes} of {summary.full_bytes} expert bytes (budget "
+            f"{summary.budget_spec}); mergekit reads them all: this config is the plan's full-read merge"
+        )
+    if methods.get_method(summary.method).sparsify in ("random", "della"):
+        notes.append(f"# the plan's seed {summary.seed} is mergedb's random stream; mergekit draws its own drops")
+    return "\n".join(notes) + "\n" + text if notes else text

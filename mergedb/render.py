@@ -12,10 +12,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -32,6 +34,12 @@ DASH = "–"  # a value that does not apply
 
 def out() -> Console:
     return Console()  # built per call so COLUMNS and redirections are honoured
+
+
+def line(text: str, lead: str = "") -> None:
+    """One line of a command's report: `lead` is rich markup (`[red]problem:[/] `), `text` is
+    printed as it is (a path may hold `[`), never wrapped (a pipe or a file gets whole paths)."""
+    out().print(lead + escape(text), highlight=False, soft_wrap=True)
 
 
 def check_format(fmt: str, *extra: str) -> str:
@@ -104,6 +112,34 @@ def middle(text: str, width: int) -> str:
     return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
 
 
+def _plain(v: Any) -> Any:
+    """A value as JSON can carry it: NaN and ±inf as null (JSON has neither), DuckDB's HUGEINT and
+    DECIMAL (Python Decimal) as numbers, bytes as hex, nested lists and structs element by element;
+    anything else (dates, intervals) as its text."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, Decimal):
+        return int(v) if v == v.to_integral_value() else float(v)
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v).hex()
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v if v is None or isinstance(v, (str, int, bool)) else str(v)
+
+
+def _write_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(_plain(doc), allow_nan=False) + "\n")
+
+
+def _csv_value(v: Any) -> Any:
+    """A CSV field: nested values as their JSON text (not Python's repr), bytes as hex."""
+    if isinstance(v, (dict, list, tuple, bytes, bytearray, memoryview)):
+        return json.dumps(_plain(v))
+    return v
+
+
 def cell(v: Any) -> str:
     """Any SQL value as a table cell: floats with three significant digits, long lists elided."""
     if isinstance(v, float):
@@ -138,12 +174,12 @@ def print_records(
 ) -> None:
     """Print records (dicts of raw values): csv and json carry the raw values, a table shows them."""
     if fmt == "json":
-        sys.stdout.write(json.dumps([{c.key: r.get(c.key) for c in cols} for r in records], default=str) + "\n")
+        _write_json([{c.key: r.get(c.key) for c in cols} for r in records])
         return
     if fmt == "csv":
         buf = io.StringIO()
         csv.writer(buf, lineterminator="\n").writerows(
-            [[c.key for c in cols], *[[r.get(c.key) for c in cols] for r in records]]
+            [[c.key for c in cols], *[[_csv_value(r.get(c.key)) for c in cols] for r in records]]
         )
         sys.stdout.write(buf.getvalue())
         return
@@ -163,10 +199,10 @@ def print_table(table: pa.Table, fmt: str = "table", title: str | None = None) -
     names, rows = table.column_names, table_rows(table)
     if fmt == "json":
         keys = distinct_names(names)
-        sys.stdout.write(json.dumps([dict(zip(keys, r)) for r in rows], default=str) + "\n")
+        _write_json([dict(zip(keys, r)) for r in rows])
     elif fmt == "csv":
         buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerows([names, *rows])
+        csv.writer(buf, lineterminator="\n").writerows([names, *([_csv_value(v) for v in r] for r in rows)])
         sys.stdout.write(buf.getvalue())
     else:
         _print_grid(names, [[cell(v) for v in r] for r in rows], title, [False] * len(names), [False] * len(names))
@@ -176,11 +212,14 @@ def _print_grid(
     headers: Sequence[str], rows: list[list[str]], title: str | None, right: Sequence[bool], shrink: Sequence[bool]
 ) -> None:
     from rich import box
+    from rich.cells import cell_len
     from rich.table import Table
 
     o = out()
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    excess = sum(w + 2 for w in widths) - o.width  # SIMPLE_HEAD box, no edge: 1 space each side
+    whole = [list(r) for r in rows]  # the one-record-per-block view has room for every value whole
+    widths = [max([cell_len(h), *(cell_len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    # SIMPLE_HEAD without edges: a column separator and a space each side between columns, none outside
+    excess = sum(widths) + 3 * (len(widths) - 1) - o.width
     for i, s in enumerate(shrink):
         if excess > 0 and s and widths[i] > 16:
             cut = min(excess, widths[i] - 16)
@@ -189,7 +228,7 @@ def _print_grid(
             for r in rows:
                 r[i] = middle(r[i], widths[i])
     if excess > 0:
-        _print_vertical(headers, rows, title)
+        _print_vertical(headers, whole, title)
         return
     t = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title_justify="left")
     for h, r in zip(headers, right):
@@ -208,7 +247,7 @@ def _print_vertical(headers: Sequence[str], rows: list[list[str]], title: str | 
     for n, row in enumerate(rows, 1):
         o.print(f"-[ row {n} ]" + "-" * max(0, min(o.width, 40) - 11 - len(str(n))), highlight=False)
         for h, v in zip(headers, row):
-            o.print(escape(f"{h.ljust(w)}  {v}"), highlight=False)
+            o.print(escape(f"{h.ljust(w)}  {v}"), highlight=False, soft_wrap=True)  # a value whole, not folded
     if not rows:
         o.print("(no rows)", highlight=False)
 
@@ -282,13 +321,15 @@ def print_plan(p: PlanSummary, fmt: str = "table") -> None:
     if fmt == "json":
         doc = {**plan_record(p), "params": p.params, "budget_bytes": p.budget_bytes, "base": p.base}
         doc |= {"bound_rounded": p.bound_rounded, "base_bytes": p.base_bytes, "experts": experts}
-        sys.stdout.write(json.dumps(doc, default=str) + "\n")
+        keys = ("seed", "strategy", "value_model", "min_coverage", "n_candidates", "n_selected", "free_blocks")
+        doc |= {k: getattr(p, k) for k in (*keys, "bound_note", "est_kind", "planning_seconds")}  # all the table says
+        _write_json(doc)
         return
     if fmt == "csv":
         print_records(EXPERT_COLS, experts, "csv")
         return
     o = out()
-    line = lambda s: o.print(escape(s), highlight=False)  # noqa: E731
+    line = lambda s: o.print(escape(s), highlight=False, soft_wrap=True)  # noqa: E731
     o.print(
         f"[bold]plan {p.plan_id}[/]{escape(' (' + p.name + ')') if p.name else ''}  "
         f"{escape(p.method)} {escape(str(p.params))}  hash {p.plan_hash[:16]}",
@@ -364,7 +405,7 @@ def print_demo(res: Any, fmt: str, workdir: str) -> None:
     records = [asdict(r) for r in res.rows]
     if fmt == "json":
         doc = {k: v for k, v in asdict(res).items() if k != "rows"}
-        sys.stdout.write(json.dumps({**doc, "rows": records}, default=str) + "\n")
+        _write_json({**doc, "rows": records})
         return
     title = f"{res.method}, {res.experts} experts ({res.size} family in {workdir})"
     footer = f"demo took {res.seconds:.0f}s; the outputs are in {workdir}/merged-*"
@@ -388,7 +429,8 @@ FRONTIER_COLS = (
 
 def print_frontier(rows: list[dict[str, Any]], fmt: str, title: str, kept: bool) -> None:
     note = "plans stored (mergedb plans lists them)" if kept else "nothing stored (--keep stores these plans)"
-    print_records(FRONTIER_COLS, rows, fmt, title=title, notes=[note] if fmt == "table" else ())
+    cols = (Col("plan_id", "id", str, right=True), *FRONTIER_COLS) if kept else FRONTIER_COLS  # ids of stored plans
+    print_records(cols, rows, fmt, title=title, notes=[note] if fmt == "table" else ())
 
 
 SWEEP_COLS = (
@@ -396,6 +438,7 @@ SWEEP_COLS = (
     Col("name", "plan"),
     Col("selected_bytes", "read", size, "expert bytes the plan reads (alone)", right=True),
     Col("bound", "bound", num, "bound on ‖θB−θF‖ of the written output", right=True),
+    Col("out", "output", shrink=True),
 )
 
 

@@ -1,0 +1,75 @@
+"""What the commands print, as a pipe or a program reads it (found by a review helper): no value
+cut to fit 80 columns, JSON that JSON parsers accept, numbers as numbers, a report line never
+folded inside a path, machine formats that carry what the table shows, and paths holding rich
+markup printed as they are."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mergedb import synth
+from mergedb.catalog import Catalog
+from mergedb.cli import app
+from mergedb.planner import PlanRequest
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deep-folder-name-to-make-paths-long-" + "x" * 40)
+    fam = synth.make_family(root / "fam", experts=2, size="tiny", seed=1)
+    cat = Catalog(root / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "dare_ties", "50%", seed=7))
+    return root, cat, plan
+
+
+def run(*args: str, columns: int = 80) -> str:
+    res = CliRunner(env={"COLUMNS": str(columns)}).invoke(app, [str(a) for a in args])
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_tables_never_cut_a_value(world):
+    root, cat, _ = world
+    values = [f"{c * 7}{i}" for i, c in enumerate("abcdefgh", 1)]
+    text = run("sql", "SELECT " + ", ".join(f"'{v}' AS c{i}" for i, v in enumerate(values)), "-c", cat.path)
+    assert all(v in text for v in values), text  # rich cropped 4 of 8 when the width was misjudged
+    narrow = run("ls", "-c", cat.path, columns=40)
+    assert str(root / "fam" / "expert_00") in narrow  # the one-record view has room for the whole path
+
+
+def test_json_is_json_and_numbers_are_numbers(world):
+    root, cat, _ = world
+    query = "SELECT 'nan'::DOUBLE AS x, 'inf'::DOUBLE AS y, sum(nbytes) AS n FROM blocks"
+    doc = json.loads(run("sql", query, "-c", cat.path, "-f", "json"), parse_constant=lambda c: pytest.fail(c))
+    n = cat.sql("SELECT sum(nbytes)::BIGINT AS n FROM blocks").column("n")[0].as_py()
+    assert doc == [{"x": None, "y": None, "n": n}]  # HUGEINT came out as the string "…"
+    rows = list(csv.reader(io.StringIO(run("sql", "SELECT [1, 2] AS l, {'k': 'ü'} AS s", "-c", cat.path, "-f", "csv"))))
+    assert rows == [["l", "s"], ["[1, 2]", '{"k": "\\u00fc"}']]  # JSON text, not Python's repr
+
+
+def test_machine_formats_carry_what_the_table_shows(world, tmp_path):
+    root, cat, plan = world
+    doc = json.loads(run("show-plan", plan.plan_id, "-c", cat.path, "-f", "json"))
+    assert doc["seed"] == 7 and doc["n_selected"] == plan.n_selected and doc["strategy"] == "ranked"
+    kept = json.loads(
+        run("frontier", "--base", "base", "-m", "linear", "--keep", "--name", "fr", "-c", cat.path, "-f", "json")
+    )
+    assert [cat.get_plan(r["plan_id"]).name for r in kept] == [f"fr@{r['budget']}" for r in kept]
+    yml = run("show-plan", plan.plan_id, "-c", cat.path, "-f", "mergekit")
+    assert "mergekit reads them all: this config is the plan's full-read merge" in yml and "seed 7" in yml
+
+
+def test_report_lines_are_whole_and_markup_is_text(world, tmp_path):
+    root, cat, plan = world
+    out = tmp_path / "[/tmp]" / ("o" * 90)  # a path rich would read as a closing tag
+    text = run("execute", plan.plan_id, "--out", out, "-c", cat.path)
+    assert f"wrote {out}:" in text
+    checked = run("check", "--output", out, "-c", cat.path)
+    assert checked.strip() == "ok: catalog and outputs verified"
+    assert "loss = 123456789.123" in run("score", plan.plan_id, "loss", "123456789.123", "-c", cat.path)

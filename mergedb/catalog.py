@@ -280,7 +280,13 @@ class Catalog:
                     "(version INTEGER PRIMARY KEY, name VARCHAR NOT NULL, applied_at TIMESTAMP NOT NULL)"
                 )
                 for version, name, sql in pending:
-                    con.execute(sql)
+                    try:
+                        con.execute(sql)
+                    except duckdb.CatalogException as e:  # e.g. "already exists": the tables are newer than
+                        raise CatalogError(  # schema_version says
+                            f"catalog {self.path}: upgrading it to schema {name} failed ({str(e).splitlines()[0]}): "
+                            f"its tables do not match its schema_version table; it is damaged: {faults.RECOVER}"
+                        ) from None
                     con.execute("INSERT INTO schema_version VALUES (?, ?, current_timestamp)", [version, name])
                 if current == 0:
                     from .summary import DEFAULT_SKETCH_DIM

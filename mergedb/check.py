@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from . import manifest
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import INDEX, Checkpoint, open_checkpoint
 from .errors import MergeDBError
 from .lora import adapter_fingerprint, is_adapter
 from .sources import Sources
@@ -42,8 +42,13 @@ _ORPHANS = [
     ("family_tensors", "base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
     ("checkpoints", "role = 'expert' AND base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
     ("plan_experts", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+    ("plan_experts", "checkpoint_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'expert')"),
     ("plan_mask_bits", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+    ("plan_thresholds", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+    ("plan_tensor_params", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+    ("plans", "base_id NOT IN (SELECT checkpoint_id FROM checkpoints WHERE role = 'base')"),
     ("runs", "plan_id NOT IN (SELECT plan_id FROM plans)"),
+    ("scores", "plan_id NOT IN (SELECT plan_id FROM plans)"),
 ]
 
 
@@ -173,8 +178,14 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     invalid = manifest.manifest_problems(doc, mask)
     if invalid:  # an edited manifest: report it, and hash nothing against fields that cannot be trusted
         return [*problems, f"{path}: {invalid[0]}"]
-    seen = {}
+    seen, where = {}, {}
     shapes = {t["name"]: tuple(t["shape"]) for t in doc["layout"]}
+    # the dtype each tensor is written in: the output's for a merged tensor, else its own (layout.output_dtype)
+    dtypes = {t["name"]: (doc.get("dtype") or t["dtype"]) if t["mergeable"] else t["dtype"] for t in doc["layout"]}
+    run = doc.get("run")
+    for name in run.get("files") if isinstance(run, dict) and isinstance(run.get("files"), list) else []:
+        if isinstance(name, str) and not (folder / name).is_file():
+            problems.append(f"{folder}: {name} is missing (the manifest lists it among the output's files)")
     for f in sorted(folder.glob("*.safetensors")):
         try:
             h = read_header(f)
@@ -187,8 +198,19 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
                     problems.append(
                         f"{f}: tensor {t.name!r} has shape {list(t.shape)}, the manifest says {list(shapes[t.name])}"
                     )
+                if t.name in dtypes and t.dtype != dtypes[t.name] and doc.get("lora") is None:
+                    problems.append(f"{f}: tensor {t.name!r} is {t.dtype}, the manifest says {dtypes[t.name]}")
+                where[t.name] = f.name
                 fh.seek(t.start)
                 seen[t.name] = xxhash.xxh3_128_hexdigest(fh.read(t.nbytes))
+    index = folder / INDEX
+    if index.is_file() or len(set(where.values())) > 1:  # shards: the index must send each tensor to its file
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            wmap = None
+        if not isinstance(wmap, dict) or {n: wmap.get(n) for n in where} != where:
+            problems.append(f"{index}: missing, or its weight_map does not say which shard holds each tensor")
     lora = doc.get("lora")  # an --as-lora output (loraout.py): its adapter keys are hashed there
     want_hashes = lora["key_hashes"] if isinstance(lora, dict) and isinstance(lora.get("key_hashes"), dict) else None
     for name, want in (want_hashes or doc.get("tensor_hashes", {})).items():

@@ -149,7 +149,11 @@ def register(
     vocab_block_size: str | None = typer.Option(
         None, "--vocab-block-size", help="Block size of a new base's vocabulary tensors only (1B-1TiB)."
     ),
-    refresh: bool = typer.Option(False, "--refresh", help="Re-scan experts whose files changed."),
+    refresh: bool = typer.Option(
+        False,
+        "--refresh",
+        help="Re-scan the experts named (their files changed, or --verify found bytes changed in place).",
+    ),
     threads: int = typer.Option(
         os.cpu_count() or 1,
         "--threads",

@@ -11,7 +11,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from .errors import ChangedFileError, PlanError
+from .errors import CatalogError, ChangedFileError, PlanError
 from .layout import TensorLayout
 from .manifest import ExecutionPlan, Source
 from .tensorparams import COLUMNS as TENSOR_PARAM_COLUMNS
@@ -160,13 +160,18 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         [pid],
     ).fetchall()[0]
     experts = con.execute(
-        "SELECT c.name, c.path, pe.fingerprint, pe.content_hash, pe.weight, pe.coef, c.fingerprint "
-        "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? "
+        "SELECT c.name, c.path, pe.fingerprint, pe.content_hash, pe.weight, pe.coef, c.fingerprint, c.content_hash "
+        "FROM plan_experts pe LEFT JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? "
         "ORDER BY pe.position",
         [pid],
     ).fetchall()
-    for name, _, planned, _, _, _, current in experts:
-        if planned != current:
+    if any(name is None for name, *_ in experts):  # a merge without it would be another merge
+        raise CatalogError(
+            f"plan {pid} merges an expert the catalog no longer holds (its checkpoint rows are gone); the "
+            f"catalog is damaged: `mergedb check` lists what is missing"
+        )
+    for name, _, planned, planned_content, _, _, current, content in experts:
+        if planned != current or planned_content != content:  # content: a --refresh of bytes changed in place
             raise ChangedFileError(f"expert {name!r} was re-registered after this plan was made; plan again")
     tensors = con.execute(
         "SELECT ft.tensor_idx, ft.name, ft.dtype, ft.shape, ft.mergeable, "
@@ -212,7 +217,7 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         params=params,
         seed=p[3],
         base=Source(p[5], p[6], p[7], p[8]),
-        experts=tuple(Source(n, path, fp, ch, w, c) for n, path, fp, ch, w, c, _ in experts),
+        experts=tuple(Source(n, path, fp, ch, w, c) for n, path, fp, ch, w, c, _, _ in experts),
         tensors=tuple(
             TensorLayout(n, d, tuple(s), m, tuple(zip(r0, r1)), tuple(h)) for _, n, d, s, m, r0, r1, h in tensors
         ),

@@ -150,9 +150,10 @@ def register(
                     f"expert {c.name!r} is registered with base {old_base!r}, not {base_ckpt_name!r}; "
                     "register it for this base under another name with --name NEW"
                 )
-            if row[4] == c.fingerprint and (role == "base" or existing.get(base_ckpt_name or "", (0, -1))[1] == row[3]):
-                unchanged.append(c.name)
-                continue
+            same_base = role == "base" or existing.get(base_ckpt_name or "", (0, -1))[1] == row[3]
+            if row[4] == c.fingerprint and same_base and not (refresh and role == "expert"):
+                unchanged.append(c.name)  # --refresh re-scans an expert whose fingerprint (sizes, times,
+                continue  # headers) is unchanged too: its bytes may have changed in place (check --deep)
             if not refresh:
                 raise ChangedFileError(
                     f"{c.name!r} ({c.path}) changed since it was registered; "

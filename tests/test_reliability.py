@@ -82,6 +82,21 @@ def test_check_output_against_manifest(registered):
     assert any("differs from the manifest" in p for p in check_output(tmp / "out"))
     (tmp / "half").mkdir()
     assert "not a complete mergedb output" in check_output(tmp / "half")[0]
+    # what a tensor hash cannot see: a header relabelled to another dtype of the same width, a file of
+    # the output gone, a sharded output's index gone
+    xp = cat.execution_plan(plan.plan_id)
+    executor.execute(xp, tmp / "relabel")
+    f = tmp / "relabel" / "model.safetensors"
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    f.write_bytes(data[:8] + data[8 : 8 + n].replace(b'"BF16"', b'"F16" ', 1) + data[8 + n :])
+    assert any("is F16, the manifest says BF16" in p for p in check_output(tmp / "relabel"))
+    executor.execute(xp, tmp / "sharded", max_shard_size=400_000)
+    assert check_output(tmp / "sharded") == []
+    (tmp / "sharded" / "config.json").unlink()
+    (tmp / "sharded" / "model.safetensors.index.json").unlink()
+    found = check_output(tmp / "sharded")
+    assert any("config.json is missing" in p for p in found) and any("weight_map" in p for p in found), found
 
 
 def test_verify_catches_file_modified_in_place(registered):
@@ -95,6 +110,43 @@ def test_verify_catches_file_modified_in_place(registered):
     with pytest.raises(ChangedFileError, match="does not match its registered hash"):
         executor.execute(xp, tmp / "verified", verify=True)
     assert not (tmp / "verified").exists()
+    # what the error advises works: --refresh re-scans it although its fingerprint is the same,
+    # the plan made before is refused, a new plan merges the new bytes and verifies
+    assert cat.register([fam / "expert_00"], base_model="base", refresh=True).registered == ("expert_00",)
+    with pytest.raises(ChangedFileError, match="re-registered after this plan was made; plan again"):
+        cat.execution_plan(plan.plan_id)
+    again = cat.plan(PlanRequest("base", None, "linear"))
+    executor.execute(cat.execution_plan(again.plan_id), tmp / "refreshed", verify=True)
+    assert check_output(tmp / "refreshed") == []
+
+
+def test_a_plan_whose_expert_rows_are_gone_is_refused_and_check_says_so(registered):
+    """A damaged catalog (an expert's rows deleted by hand): `check` finds the plan's orphaned rows and
+    execute refuses the plan instead of merging the experts that are left."""
+    import duckdb
+
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "ties", "50%"))
+    con = duckdb.connect(str(cat.path))
+    cid = con.execute("SELECT checkpoint_id FROM checkpoints WHERE name = 'expert_01'").fetchall()[0][0]
+    for table in ("expert_blocks", "expert_tensors", "tensors", "files", "checkpoints"):
+        con.execute(f"DELETE FROM {table} WHERE checkpoint_id = ?", [cid])
+    con.close()
+    assert any(p.where == "table plan_experts" for p in check_catalog(cat))
+    with pytest.raises(MergeDBError, match="merges an expert the catalog no longer holds"):
+        cat.execute(plan.plan_id, tmp / "out")
+    assert not (tmp / "out").exists()
+
+
+def test_a_catalog_whose_tables_are_newer_than_its_schema_version_says_so(registered):
+    import duckdb
+
+    fam, cat, tmp = registered
+    con = duckdb.connect(str(cat.path))
+    con.execute("DELETE FROM schema_version WHERE version > 11")
+    con.close()
+    with pytest.raises(MergeDBError, match="upgrading it to schema 012_vocab_blocks failed .*it is damaged"):
+        cat.plans()
 
 
 def test_disk_full_midway_removes_temp_and_records_failure(registered, monkeypatch):

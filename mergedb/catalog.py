@@ -143,6 +143,8 @@ class Catalog:
 
     @contextmanager
     def _connection(self, write: bool, create: bool, sandbox: bool) -> Iterator[duckdb.DuckDBPyConnection]:
+        if write and create and self.path.is_file() and self.path.stat().st_size == 0:
+            self.path.unlink()  # a creation cut before DuckDB wrote its header (or a `touch`): nothing to keep
         new = write and create and not self.path.exists()
         self._check_path(create=write and create)
         try:

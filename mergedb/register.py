@@ -86,7 +86,7 @@ def register(
             raise MergeDBError(f"--name applies to one checkpoint, but {len(found) + len(adapter_paths)} were found")
         found = [replace(c, name=name) for c in found]
 
-    new = not cat.path.exists()  # made with the rows (phase 2)
+    new = not cat.path.exists() or (cat.path.is_file() and cat.path.stat().st_size == 0)  # made with the rows
     existing: dict[str, tuple] = {}  # name -> the row of these columns:
     cols = "name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size, vocab_block_rows, root"
     cat.check_creatable()  # before anything is read
@@ -132,7 +132,7 @@ def register(
     if dupes:
         raise MergeDBError(f"two checkpoints would be named {dupes[0]!r}; register them separately with --name")
 
-    todo_bases, todo_experts, unchanged = [], [], []
+    todo_bases, todo_experts, unchanged, retimed = [], [], [], []
     for c in bases + experts:
         role = "base" if c in bases else "expert"
         row = existing.get(c.name)
@@ -160,9 +160,12 @@ def register(
                     "pass --refresh to re-scan it (plans made before then will ask to be made again)"
                 )
             if role == "base":
+                if _only_times_changed(cat, c, threads):  # a copy, `touch`, a checkout: its bytes are the same
+                    retimed.append(c)
+                    continue
                 raise ChangedFileError(
-                    f"base {c.name!r} ({c.path}) changed since it was registered; its experts' statistics "
-                    "depend on it. Register the new base under a new --name"
+                    f"base {c.name!r} ({c.path}) changed since it was registered (its bytes, not only its files' "
+                    "times); its experts' statistics depend on it. Register the new base under a new --name"
                 )
         (todo_bases if role == "base" else todo_experts).append(c)
 
@@ -227,6 +230,18 @@ def register(
                 ).fetchall()
             }
             ids = {}
+            for b in retimed:  # its stored fingerprint and file times only: its rows and its experts' hold
+                if now[b.name][4] != existing[b.name][4]:
+                    raise CatalogError(f"base {b.name!r} was registered again by another process meanwhile; run again")
+                con.execute(
+                    "UPDATE checkpoints SET fingerprint = ? WHERE checkpoint_id = ?", [b.fingerprint, now[b.name][1]]
+                )
+                for f in b.files:
+                    con.execute(
+                        "UPDATE files SET mtime_ns = ? WHERE checkpoint_id = ? AND relpath = ?",
+                        [f.mtime_ns, now[b.name][1], f.relpath],
+                    )
+                done.append(b.name)
             for b in todo_bases:
                 _, fam, hashes = families[b.name]
                 if b.name in now:
@@ -285,8 +300,26 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
                 )
 
 
-def _load_family(cat: Catalog, base_name: str) -> tuple[Checkpoint, list[FamilyTensor], list[str]]:
-    """A registered base's checkpoint, layout and block hashes, after checking its files are unchanged."""
+def _only_times_changed(cat: Catalog, c: Checkpoint, threads: int) -> bool:
+    """Whether the registered base `c`, whose fingerprint changed, differs only in its files' times:
+    the same relative paths, sizes and headers, and every block hashing as registered (read in full)."""
+    _, fam, hashes = _load_family(cat, c.name, checked=False)
+    with cat.duckdb_connection() as con:
+        files = con.execute(
+            "SELECT f.relpath, f.bytes, f.header_sha256 FROM files f JOIN checkpoints c USING (checkpoint_id) "
+            "WHERE c.name = ? ORDER BY f.file_idx",
+            [c.name],
+        ).fetchall()
+    if [(f.relpath, f.size, f.header.sha256) for f in c.files] != [tuple(r) for r in files]:
+        return False
+    return list(scan.hash_base(c, fam, threads, None)) == hashes
+
+
+def _load_family(
+    cat: Catalog, base_name: str, checked: bool = True
+) -> tuple[Checkpoint, list[FamilyTensor], list[str]]:
+    """A registered base's checkpoint, layout and block hashes, after checking its files are unchanged
+    (`checked`)."""
     with cat.duckdb_connection() as con:
         row = _one(con, "SELECT checkpoint_id, path, fingerprint FROM checkpoints WHERE name = ?", [base_name])
         cid, path, fp = row
@@ -301,7 +334,7 @@ def _load_family(cat: Catalog, base_name: str) -> tuple[Checkpoint, list[FamilyT
             [cid],
         ).fetchall()
     ckpt = open_checkpoint(path, name=base_name)
-    if ckpt.fingerprint != fp:
+    if checked and ckpt.fingerprint != fp:
         raise ChangedFileError(
             f"base {base_name!r} ({path}) changed since it was registered; register it again under a new --name"
         )

@@ -444,3 +444,23 @@ def test_threads_sharing_a_catalog_file_plan_query_and_record(tmp_path):
         run.result()
     assert ids == list(range(first.plan_id + 1, first.plan_id + 9))
     assert cat.sql("SELECT count(*) AS n FROM runs WHERE status = 'ok'").column("n")[0].as_py() == 1
+
+
+def test_a_base_whose_files_were_only_touched_is_kept_by_refresh(registered):
+    """A copy, `touch` or a checkout changes a base's file times, not its bytes: --refresh re-hashes
+    it and keeps it (its experts' statistics and plans hold; it used to be refused for good, and the
+    catalog's plans on that base with it); a base whose bytes changed is still refused."""
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "ties", "50%"))
+    before = executor.execute(cat.execution_plan(plan.plan_id), tmp / "before").manifest["tensor_hashes"]
+    f = fam / "base" / "model.safetensors"
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    with pytest.raises(ChangedFileError):
+        executor.execute(cat.execution_plan(plan.plan_id), tmp / "stale")
+    assert cat.register([fam / "base"], base=True, refresh=True).registered == ("base",)
+    after = executor.execute(cat.execution_plan(plan.plan_id), tmp / "after").manifest["tensor_hashes"]
+    assert after == before and check_catalog(cat) == []
+    _poke_in_place(f)
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    with pytest.raises(ChangedFileError, match="its bytes, not only its files' times"):
+        cat.register([fam / "base"], base=True, refresh=True)

@@ -211,7 +211,9 @@ def test_empty_files_and_non_duckdb_files_refused(world, tmp_path):
     before = _digest(tmp_path)
     cases = [(zero, "is an empty file, not a mergedb catalog"), (junk, "is not a DuckDB file")]
     for path, phrase in cases:
-        for call in _calls(Catalog(path), fam).values():
+        for name, call in _calls(Catalog(path), fam).items():
+            if path == zero and name == "register":
+                continue  # a 0-byte file holds nothing: register makes a catalog there (below)
             with pytest.raises(CatalogError, match=phrase):
                 call()
     for name, call in _calls(Catalog(empty_db), fam).items():
@@ -221,6 +223,9 @@ def test_empty_files_and_non_duckdb_files_refused(world, tmp_path):
             call()
     assert _digest(tmp_path) == before
     res = Catalog(empty_db).register([fam], base_model="base", block_size="32KiB")
+    assert set(res.registered) == {"base", "expert_00", "expert_01"}
+    # a 0-byte file (a creation cut before DuckDB wrote its header, e.g. by SIGKILL): register makes the catalog
+    res = Catalog(zero).register([fam], base_model="base", block_size="32KiB")
     assert set(res.registered) == {"base", "expert_00", "expert_01"}
 
 

@@ -14,6 +14,7 @@ the merge's first bytes (the executor's seconds count both).
 from __future__ import annotations
 
 import functools
+import hashlib
 import mmap
 import os
 import resource
@@ -29,7 +30,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from . import fetchplan, methods, outdir, remote
-from .checkpoint import INDEX, copy_side_files, open_checkpoint
+from .checkpoint import INDEX, SIDE_FILES, copy_side_files, open_checkpoint
 from .errors import MergeDBError
 from .layout import output_dtype, shard_groups, shard_names
 from .manifest import (
@@ -138,6 +139,7 @@ def execute(
     progress: Callable[[int], None] | None = None,
     on_total: Callable[[int], None] | None = None,
     expect_hashes: dict[str, str] | None = None,
+    expect_side: dict[str, str] | None = None,
     threads: int | None = None,
     unit_order_seed: int | None = None,
     read_block: ReadBlock | None = None,
@@ -147,7 +149,8 @@ def execute(
     """Merge into `out` (a new folder, or an old mergedb output with force=True), atomically.
 
     With `expect_hashes` (tensor name -> xxh3-128 of its bytes, as a manifest records them) the
-    output is checked before it is installed: a mismatch raises and leaves nothing behind.
+    output is checked before it is installed: a mismatch raises and leaves nothing behind; so is
+    each side file (config, tokenizer) with `expect_side` (name -> sha256, as run.side_files records).
     `on_total(n)` is told the output's tensor bytes first, then `progress(k)` each tensor's bytes
     as it is written (for a byte-based progress bar).
     `threads` compute threads (default: os.cpu_count()) merge; the output's bytes and manifest do
@@ -182,7 +185,9 @@ def execute(
                 write_shards = functools.partial(_write_shards_here, merger)
             if on_total:
                 on_total(sum(tensor_nbytes(output_dtype(t, out_dt), t.shape) for t in xp.tensors))
-            manifest, run, shards = _write(xp, write_shards, tmp, out, out_dt, max_shard_size, progress, expect_hashes)
+            manifest, run, shards = _write(
+                xp, write_shards, tmp, out, out_dt, max_shard_size, progress, expect_hashes, expect_side
+            )
             written = shards.written
             run["seconds"] = time.perf_counter() - t0
             run["physical_read_bytes"] = physical_read_bytes() - phys0 + shards.physical_bytes
@@ -320,6 +325,7 @@ def _write(
     max_shard_size: int,
     progress: Callable[[int], None] | None,
     expect_hashes: dict[str, str] | None,
+    expect_side: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], ShardsWritten]:
     """Write the merged model into `tmp` (all but the manifest); (manifest, run record, shards)."""
     groups = output_shards(xp, max_shard_size, out_dt)
@@ -329,6 +335,13 @@ def _write(
     if len(groups) > 1:
         write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
     copy_side_files(open_checkpoint(xp.base.path).root, tmp, out_dt)
+    side = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp.iterdir()) if p.name in SIDE_FILES}
+    if expect_side is not None and side != expect_side:
+        bad = sorted(n for n in side.keys() | expect_side.keys() if side.get(n) != expect_side.get(n))
+        raise MergeDBError(
+            f"the base's side files {bad} differ from those {out} was first written with (edited since?); nothing "
+            "was installed: restore them, or execute the plan again for an output with the current ones"
+        )
     pq.write_table(mask_table(xp), tmp / MASK)
     if expect_hashes is not None and hashes != expect_hashes:
         bad = sorted(n for n in expect_hashes.keys() | hashes.keys() if hashes.get(n) != expect_hashes.get(n))
@@ -341,6 +354,8 @@ def _write(
         "base_bytes": shards.base_bytes,
         "bytes_written": written,
         "peak_rss_bytes": max(peak_rss(), shards.peak_rss),
+        "max_shard_size": max_shard_size,  # replay writes the same shards
+        "side_files": side,
         **({"remote_bytes_fetched": shards.remote_fetched} if shards.remote_fetched is not None else {}),
         "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
     }
@@ -380,4 +395,15 @@ def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *
             "`mergedb replay` or mergedb.loraout.replay"
         )
     _check_rng(manifest_path, xp, doc)
-    return execute(xp, out, dtype=doc["dtype"], force=force, expect_hashes=doc["tensor_hashes"])
+    run = doc.get("run") if isinstance(doc.get("run"), dict) else {}  # outputs before these were recorded: defaults
+    shard = run.get("max_shard_size")
+    side = run.get("side_files")
+    return execute(
+        xp,
+        out,
+        dtype=doc["dtype"],
+        force=force,
+        expect_hashes=doc["tensor_hashes"],
+        max_shard_size=shard if isinstance(shard, int) and not isinstance(shard, bool) and shard >= 0 else 5 * 10**9,
+        expect_side=side if isinstance(side, dict) else None,
+    )

@@ -179,6 +179,17 @@ def test_replay_and_output_format(family, tmp_path):
     assert rep.manifest["tensor_hashes"] == res.manifest["tensor_hashes"]
     for shard in set(index["weight_map"].values()):
         assert (out / shard).read_bytes() == (tmp_path / "again" / shard).read_bytes()
+        # the replay writes the same shards (it took the 5 GB default: one file)
+        assert (tmp_path / "replayed" / shard).read_bytes() == (out / shard).read_bytes()
+    config = folder / "base" / "config.json"
+    original = config.read_bytes()
+    config.write_text(original.decode().replace("}", ', "edited": true}', 1))
+    try:  # a side file changed since: the replay would not be the output it claims to reproduce
+        with pytest.raises(MergeDBError, match=r"side files \['config.json'\] differ"):
+            executor.replay(out / "mergedb_manifest.json", tmp_path / "replayed-edited")
+        assert not (tmp_path / "replayed-edited").exists()
+    finally:
+        config.write_bytes(original)
     # refuses a non-empty folder; --force replaces only a previous mergedb output
     with pytest.raises(MergeDBError, match="--force"):
         executor.execute(xp, out)

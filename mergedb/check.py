@@ -3,6 +3,7 @@ against its manifest. Both report problems (what, where, how to fix) instead of 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -186,6 +187,11 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     for name in run.get("files") if isinstance(run, dict) and isinstance(run.get("files"), list) else []:
         if isinstance(name, str) and not (folder / name).is_file():
             problems.append(f"{folder}: {name} is missing (the manifest lists it among the output's files)")
+    side = run.get("side_files") if isinstance(run, dict) and isinstance(run.get("side_files"), dict) else {}
+    for name, want in side.items():  # config, tokenizer: sha256 as written (outputs since run.side_files)
+        f = folder / str(name)
+        if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() != want:
+            problems.append(f"{f}: differs from the file the output was written with")
     for f in sorted(folder.glob("*.safetensors")):
         try:
             h = read_header(f)

@@ -93,6 +93,8 @@ def test_check_output_against_manifest(registered):
     assert any("is F16, the manifest says BF16" in p for p in check_output(tmp / "relabel"))
     executor.execute(xp, tmp / "sharded", max_shard_size=400_000)
     assert check_output(tmp / "sharded") == []
+    (tmp / "sharded" / "tokenizer_config.json").write_text("{}")
+    assert any("tokenizer_config.json: differs from the file" in p for p in check_output(tmp / "sharded"))
     (tmp / "sharded" / "config.json").unlink()
     (tmp / "sharded" / "model.safetensors.index.json").unlink()
     found = check_output(tmp / "sharded")

@@ -124,7 +124,8 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
                 Problem(
                     f"checkpoint {name}",
                     f"files at {path} changed since registration",
-                    "mergedb register --refresh (experts) or register under a new name (bases)",
+                    "mergedb register --refresh (an expert; a base whose files only changed times, with --base)"
+                    " or register a base whose bytes changed under a new name",
                 )
             )
             continue

@@ -152,7 +152,7 @@ def register(
     refresh: bool = typer.Option(
         False,
         "--refresh",
-        help="Re-scan the experts named (their files changed, or --verify found bytes changed in place).",
+        help="Re-scan experts whose files changed, and an expert named itself (bytes changed in place: --verify).",
     ),
     threads: int = typer.Option(
         os.cpu_count() or 1,

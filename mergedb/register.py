@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import duckdb
@@ -80,6 +81,7 @@ def register(
     if base and base_model is not None:
         raise MergeDBError("--base registers PATHS as bases; --base-model names the base of experts: give one of them")
     ckpt_paths, adapter_paths = lora.split_paths(paths, base)  # PEFT adapters: experts read by lorascan
+    given = {Path(p).resolve() for p in ckpt_paths if not (isinstance(p, str) and "://" in p)}  # named themselves
     found = [open_checkpoint(p) for p in discover(ckpt_paths)] if ckpt_paths or not adapter_paths else []
     if name is not None:
         if len(found) + len(adapter_paths) != 1:
@@ -151,9 +153,10 @@ def register(
                     "register it for this base under another name with --name NEW"
                 )
             same_base = role == "base" or existing.get(base_ckpt_name or "", (0, -1))[1] == row[3]
-            if row[4] == c.fingerprint and same_base and not (refresh and role == "expert"):
-                unchanged.append(c.name)  # --refresh re-scans an expert whose fingerprint (sizes, times,
-                continue  # headers) is unchanged too: its bytes may have changed in place (check --deep)
+            named = refresh and role == "expert" and Path(str(c.path)).resolve() in given  # not found in a folder
+            if row[4] == c.fingerprint and same_base and not named:
+                unchanged.append(c.name)  # --refresh re-scans an expert named itself even when its fingerprint
+                continue  # (sizes, times, headers) is unchanged: its bytes may have changed in place (--verify)
             if not refresh:
                 raise ChangedFileError(
                     f"{c.name!r} ({c.path}) changed since it was registered; "
@@ -336,7 +339,8 @@ def _load_family(
     ckpt = open_checkpoint(path, name=base_name)
     if checked and ckpt.fingerprint != fp:
         raise ChangedFileError(
-            f"base {base_name!r} ({path}) changed since it was registered; register it again under a new --name"
+            f"base {base_name!r} ({path}) changed since it was registered; if only its files' times changed (a "
+            f"copy, touch), `mergedb register {path} --base --refresh` keeps it, else register it under a new --name"
         )
     by_tensor: dict[int, list[Block]] = {}
     for t, b, r0, r1, bs, nb, ne, _ in blocks:

@@ -438,7 +438,6 @@ SWEEP_COLS = (
     Col("name", "plan"),
     Col("selected_bytes", "read", size, "expert bytes the plan reads (alone)", right=True),
     Col("bound", "bound", num, "bound on ‖θB−θF‖ of the written output", right=True),
-    Col("out", "output", shrink=True),
 )
 
 
@@ -453,4 +452,7 @@ def print_sweep(res: Any, fmt: str) -> None:
         f"peak RSS {size(res.peak_rss)}; {res.fold_groups} fold group(s) (plans that differ only in λ or "
         f"normalize), each block folded in {res.fold_passes} pass(es)",
     ]
-    print_records(SWEEP_COLS, records, fmt, notes=notes if fmt == "table" else ())
+    if fmt != "table":  # the table's note names the outputs' folder; a program gets each one
+        print_records((*SWEEP_COLS, Col("out", "output")), records, fmt)
+        return
+    print_records(SWEEP_COLS, records, fmt, notes=notes)

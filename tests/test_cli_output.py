@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -61,6 +62,10 @@ def test_machine_formats_carry_what_the_table_shows(world, tmp_path):
         run("frontier", "--base", "base", "-m", "linear", "--keep", "--name", "fr", "-c", cat.path, "-f", "json")
     )
     assert [cat.get_plan(r["plan_id"]).name for r in kept] == [f"fr@{r['budget']}" for r in kept]
+    grid = ["--base", "base", "--all", "-m", "linear", "--grid", "budget=10%,20%", "--out", tmp_path / "sw"]
+    swept = json.loads(run("sweep", *grid, "-c", cat.path, "-f", "json"))
+    assert [Path(r["out"]).parent for r in swept] == [tmp_path / "sw"] * 2
+    assert all(Path(r["out"]).is_dir() for r in swept)
     yml = run("show-plan", plan.plan_id, "-c", cat.path, "-f", "mergekit")
     assert "mergekit reads them all: this config is the plan's full-read merge" in yml and "seed 7" in yml
 

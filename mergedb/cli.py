@@ -216,6 +216,11 @@ def synth_cmd(
     from . import synth
     from .units import parse_size
 
+    taken = [d for d in ["base", *(f"expert_{k:02d}" for k in range(max(experts, 0)))] if (out_dir / d).exists()]
+    if taken:  # never over a model (a real one would be overwritten file by file)
+        raise MergeDBError(
+            f"{out_dir / taken[0]} exists; synth writes new checkpoints there: choose a new or empty folder"
+        )
     synth.make_family(out_dir, experts, size, dtype, seed, parse_size(shard_size, what="shard size"))
     render.line(f"wrote {out_dir}/base and {experts} experts")
 

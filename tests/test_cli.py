@@ -60,6 +60,13 @@ def test_console_script_subprocess(tmp_path):
     assert out.returncode == 0, out.stderr
     out = subprocess.run([exe, "show", "nope", "-c", str(tmp_path / "c.duckdb")], capture_output=True, text=True)
     assert out.returncode == 1 and "no checkpoint named 'nope'" in out.stderr and "Traceback" not in out.stderr
+    # synth never writes over a model (it would overwrite it file by file): a second run into f is refused
+    before = (tmp_path / "f" / "base" / "model.safetensors").read_bytes()
+    out = subprocess.run(
+        [exe, "synth", str(tmp_path / "f"), "--experts", "1", "--seed", "9"], capture_output=True, text=True
+    )
+    assert out.returncode == 1 and "base exists; synth writes new checkpoints there" in out.stderr, out.stderr
+    assert (tmp_path / "f" / "base" / "model.safetensors").read_bytes() == before
 
 
 def test_demo_runs_and_reports(tmp_path):

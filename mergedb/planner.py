@@ -58,8 +58,9 @@ class PlanRequest:
         """Refuse a field of the wrong type when the request is made (a set of experts would bind
         the weights in no fixed order, a str would be read letter by letter); lists become tuples."""
         for f in ("experts", "weights"):
-            if isinstance(getattr(self, f), list):
-                object.__setattr__(self, f, tuple(getattr(self, f)))
+            v = getattr(self, f)
+            if isinstance(v, (list, np.ndarray)):  # weights computed with numpy are welcome
+                object.__setattr__(self, f, tuple(v.tolist() if isinstance(v, np.ndarray) else v))
         for f, want, ok in (
             ("base", "a base's name", isinstance(self.base, str)),
             ("method", "a method's name, e.g. 'ties'", isinstance(self.method, str)),

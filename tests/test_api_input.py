@@ -5,6 +5,7 @@ bind the weights in no fixed order, a str path was scanned letter by letter, fla
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import mergedb
@@ -55,6 +56,7 @@ def test_plan_requests_of_the_wrong_type_are_refused_when_made(fields, words):
 def test_lists_become_tuples_and_non_requests_are_refused(cat):
     req = PlanRequest("base", ["expert_01", "expert_00"], "linear", "all", [1.0, 0.25])
     assert req.experts == ("expert_01", "expert_00") and req.weights == (1.0, 0.25)
+    assert PlanRequest("base", None, "linear", weights=np.array([1.0, 0.25])).weights == (1.0, 0.25)
     before = _plans(cat)
     for call in (cat.plan, cat.plan_candidates, cat.frontier):
         with pytest.raises(PlanError, match="expected a PlanRequest"):

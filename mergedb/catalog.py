@@ -196,10 +196,7 @@ class Catalog:
                 "--catalog with a path in a writable folder"
             )
         if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-            raise CatalogError(
-                f"cannot write catalog {self.path}: its folder {folder} is read-only or not a folder; pass "
-                "--catalog with a path in a writable folder"
-            )
+            raise faults.unwritable(self.path)
 
     def discard_if_empty(self, con: duckdb.DuckDBPyConnection) -> None:
         """Remove the catalog `con` has open read-write when it holds no checkpoint: a registration that
@@ -238,10 +235,7 @@ class Catalog:
         except OSError:
             return  # DuckDB's own error follows, and says why
         if magic != b"DUCK":  # DuckDB would read a .json or .csv file as data, not refuse it
-            raise CatalogError(
-                f"{p} is not a DuckDB file, so not a mergedb catalog; pass --catalog with a mergedb catalog "
-                f"(if it was one, it is damaged: {faults.RECOVER})"
-            )
+            raise faults.not_duckdb(p)
 
     def _explain(self, e: duckdb.Error) -> Exception:
         """`faults.diagnose`'s CatalogError for a damaged file or unwritable folder; else `e`."""
@@ -486,8 +480,12 @@ class Catalog:
         `write_shards`: see executor.execute (rayexec.shard_writer runs the shards on Ray)."""
         from . import executor, outdir  # the merge kernels are heavy to import; planning does not need them
 
-        flags, calls = {"verify": verify, "force": force, "as_lora": as_lora}, (progress, on_total, write_shards)
-        _check_execute_args(out, max_shard_size, flags, dict(zip(("progress", "on_total", "write_shards"), calls)))
+        _check_execute_args(
+            out,
+            max_shard_size,
+            flags={"verify": verify, "force": force, "as_lora": as_lora},
+            calls={"progress": progress, "on_total": on_total, "write_shards": write_shards},
+        )
         if rank is not None and not as_lora:
             raise PlanError("a rank applies to a LoRA output only: pass as_lora=True (--as-lora) with it")
         if as_lora and (verify or threads is not None):  # refused, not ignored: an adapter is neither

@@ -647,7 +647,7 @@ def sweep(
     from .units import parse_size
 
     render.check_format(fmt)
-    shard = parse_size(max_shard_size or "5GB", what="shard size")
+    shard = parse_size("5GB" if max_shard_size is None else max_shard_size, what="shard size")
     cat = _catalog(catalog, wait)
     dtypes: str | None | list[str | None] = dtype
     if configs:

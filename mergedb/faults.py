@@ -42,18 +42,27 @@ def diagnose(path: Path, e: BaseException) -> CatalogError | None:
                 "free space (or raise the limit) and run the command again"
             )
         if NO_WRITE.search(str(x)):
-            return CatalogError(
-                f"cannot write catalog {path}: its folder {path.parent} is read-only or not a folder ({text}); "
-                "pass --catalog with a path in a writable folder"
-            )
+            return unwritable(path, f" ({text})")
         if "not a valid DuckDB database" in str(x):
-            return CatalogError(
-                f"{path} is not a DuckDB file, so not a mergedb catalog; pass --catalog with a mergedb catalog "
-                f"(if it was one, it is damaged: {RECOVER})"
-            )
+            return not_duckdb(path)
         if DAMAGED.search(str(x)) or isinstance(x, duckdb.SerializationException):
             return CatalogError(f"catalog {path} is damaged ({text}); {RECOVER}")
     return None
+
+
+def unwritable(path: Path, detail: str = "") -> CatalogError:
+    """The catalog's folder is read-only or not a folder (`detail`: the system's words, if any)."""
+    return CatalogError(
+        f"cannot write catalog {path}: its folder {path.parent} is read-only or not a folder{detail}; "
+        "pass --catalog with a path in a writable folder"
+    )
+
+
+def not_duckdb(path: Path) -> CatalogError:
+    return CatalogError(
+        f"{path} is not a DuckDB file, so not a mergedb catalog; pass --catalog with a mergedb catalog "
+        f"(if it was one, it is damaged: {RECOVER})"
+    )
 
 
 def foreign(path: Path, why: str) -> CatalogError:

@@ -104,17 +104,12 @@ def check_plot_path(path: str | os.PathLike[str]) -> Path:
 
 def plot(rows: list[dict[str, Any]], path: str | os.PathLike[str], title: str) -> Path:
     """Draw bytes read (x) against bound and estimate (y, log scale) into the PNG `path`."""
-    path = check_plot_path(path)
-    try:
-        import matplotlib
+    path = check_plot_path(path)  # matplotlib is there
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MergeDBError(
-            "writing a frontier picture needs matplotlib; install it with: pip install 'mergedb[plot]' "
-            "(or leave out --out to print the table only)"
-        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     x = [100 * r["share"] for r in rows]
     fig, ax = plt.subplots(figsize=(5.6, 3.6), dpi=100)
     for key, label, style in (("bound", "bound", "o-"), ("est_error", "sketch estimate", "s--")):

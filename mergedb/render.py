@@ -329,7 +329,6 @@ def print_plan(p: PlanSummary, fmt: str = "table") -> None:
         print_records(EXPERT_COLS, experts, "csv")
         return
     o = out()
-    line = lambda s: o.print(escape(s), highlight=False, soft_wrap=True)  # noqa: E731
     o.print(
         f"[bold]plan {p.plan_id}[/]{escape(' (' + p.name + ')') if p.name else ''}  "
         f"{escape(p.method)} {escape(str(p.params))}  hash {p.plan_hash[:16]}",

@@ -91,18 +91,21 @@ def _waves(n: int, max_parallel: int) -> Iterator[list[int]]:
         yield list(range(start, min(start + max_parallel, n)))
 
 
-def _requests(requests: Any) -> list:
-    """The sweep's plan requests as a list: one plan reference or request alone is one plan."""
+def _checked(
+    requests: Any, max_parallel: int, threads: int | None, dtype: Any, cache_bytes: Any
+) -> tuple[list, list[str | None]]:
+    """A sweep's options checked before anything is planned: (the requests as a list, one dtype per
+    request). One plan reference or request alone is one plan."""
+    _check_parallel(max_parallel)
     if isinstance(requests, (str, int, planner.PlanRequest)):
-        return [requests]
+        requests = [requests]
     if not isinstance(requests, (list, tuple)):
         raise MergeDBError(f"a sweep takes a list of PlanRequests or plan references, got {type(requests).__name__}")
-    return list(requests)
-
-
-def _check_cache(cache_bytes: Any) -> None:
     if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
         raise MergeDBError(f"cache_bytes is a whole number of bytes ≥ 0, got {cache_bytes!r}")
+    if threads is not None:
+        check_threads(threads)
+    return list(requests), _dtypes(dtype, len(requests))
 
 
 def _check_parallel(max_parallel: int) -> int:
@@ -135,12 +138,7 @@ def sweep(
     recorded as a failed run, each success as an ok one)."""
     from . import executor  # the merge kernels are heavy to import; planning and the catalog do not need them
 
-    _check_parallel(max_parallel)
-    requests = _requests(requests)
-    dtypes = _dtypes(dtype, len(requests))
-    _check_cache(cache_bytes)
-    if threads is not None:
-        check_threads(threads)
+    requests, dtypes = _checked(requests, max_parallel, threads, dtype, cache_bytes)
     root = Path(out_dir)
     if root.exists() and not root.is_dir():
         raise MergeDBError(f"--out {root} is a file, not a folder; a sweep writes a folder per plan in it")
@@ -290,12 +288,7 @@ def in_memory(
     A generator: planning starts with the iteration."""
     from . import executor
 
-    _check_parallel(max_parallel)
-    requests = _requests(requests)
-    dtypes = _dtypes(dtype, len(requests))  # these checks come before anything is planned
-    _check_cache(cache_bytes)
-    if threads is not None:
-        check_threads(threads)
+    requests, dtypes = _checked(requests, max_parallel, threads, dtype, cache_bytes)
     if into is not None and not callable(getattr(into, "state_dict", None)):
         raise MergeDBError(f"into= takes a torch module (it has a state_dict), got {type(into).__name__}")
     summaries, xps = grid.plan_and_load(cat, requests)

@@ -26,7 +26,6 @@ does not set it; merge-wide (shared) parameters are looked up only in the slice 
 
 from __future__ import annotations
 
-import math
 import shlex
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -54,7 +53,7 @@ from .mkresolve import (  # noqa: F401 - mergekit's tables and the value types a
     export_dict,
     resolve,
 )
-from .units import shown
+from .units import finite, shown
 
 # libyaml's scanner when present: the same safe constructors and resolvers as yaml.safe_load (mergekit's)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -126,13 +125,10 @@ def _number(key: str, v: Any) -> float:
             v = float(v)
         except ValueError:
             pass
-    try:
-        finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-    except OverflowError:  # an int past float's range
-        finite = False
-    if not finite:
+    f = finite(v)  # None for NaN, ±inf and an int past float's range too
+    if f is None:
         raise ConfigError(f"parameter {key}: {shown(v)} is not a finite number")
-    return float(v)
+    return f
 
 
 def _scalar_or_gradient(key: str, v: Any) -> float | tuple[float, ...]:

@@ -38,6 +38,7 @@ from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint, is_checkpo
 from .errors import AlignmentError, FormatError
 from .remote import is_url
 from .tensorfile import FLOAT_DTYPES, TensorInfo
+from .units import finite
 
 CONFIG = "adapter_config.json"
 SINGLE = "adapter_model.safetensors"
@@ -335,12 +336,8 @@ def _read_config(root: Path) -> tuple[dict[str, Any], bytes]:
 
 def _positive(v: Any, whole: bool) -> bool:
     """A finite number > 0 (a whole one for a rank): NaN, inf, 4.7 as r, a str or a bool is not."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-        return False
-    try:
-        return math.isfinite(float(v)) and (not whole or float(v).is_integer())
-    except OverflowError:  # an int past float's range
-        return False
+    f = finite(v)
+    return f is not None and f > 0 and (not whole or f.is_integer())
 
 
 def _shards(root: Path) -> list[str]:

@@ -10,6 +10,7 @@ CLI and the library share: thread counts, block layouts, checkpoint names, and b
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -69,6 +70,18 @@ def _at_most_max(n: int, text: str | int, what: str) -> int:
     if n > MAX_BYTES:
         raise MergeDBError(f"{what} {shown(text)} is over the {MAX_BYTES}-byte (4 EiB) limit; {_EXAMPLE}")
     return n
+
+
+def finite(value: object) -> float | None:
+    """`value` as a float when it is a finite real number (an int or a float, not a bool); None for
+    NaN, ±inf, an int past float's range, or anything else (a str, a list)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def shown(value: object) -> str:

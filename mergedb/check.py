@@ -51,6 +51,13 @@ _ORPHANS = [
     ("runs", "plan_id NOT IN (SELECT plan_id FROM plans)"),
     ("scores", "plan_id NOT IN (SELECT plan_id FROM plans)"),
 ]
+# a plan's rows keyed by these columns have no index that refuses a repeat (schema/010, 013): the
+# planner writes each once, and `check` makes sure
+_KEYS = [
+    ("plan_experts", "plan_id, position"),
+    ("plan_thresholds", "plan_id, checkpoint_id, tensor_idx"),
+    ("plan_mask_bits", "plan_id, checkpoint_id, tensor_idx"),
+]
 
 
 def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
@@ -62,6 +69,12 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
             n = con.execute(f"SELECT count(*) FROM {table} WHERE {cond}").fetchall()[0][0]
             if n:
                 problems.append(Problem(f"table {table}", f"{n} orphaned rows", "re-create the catalog from the files"))
+        for table, key in _KEYS:
+            n = con.execute(f"SELECT count(*) FROM (SELECT {key} FROM {table} GROUP BY ALL HAVING count(*) > 1)")
+            if n := n.fetchall()[0][0]:
+                problems.append(
+                    Problem(f"table {table}", f"{n} ({key}) keys on more than one row", "plan the affected plans again")
+                )
         short = con.execute(
             "SELECT c.name, count(eb.block_idx), (SELECT count(*) FROM blocks bl JOIN family_tensors ft "
             "USING (base_id, tensor_idx) WHERE bl.base_id = c.base_id AND ft.mergeable) "

@@ -140,6 +140,26 @@ def test_a_plan_whose_expert_rows_are_gone_is_refused_and_check_says_so(register
     assert not (tmp / "out").exists()
 
 
+def test_check_finds_a_plan_row_written_twice(registered):
+    """plan_experts, plan_thresholds and plan_mask_bits have no key that refuses a repeated row
+    (schema/013): `check` reports one, table by table, and says nothing of a healthy catalog."""
+    import duckdb
+
+    fam, cat, tmp = registered
+    cat.plan(PlanRequest("base", None, "ties", "50%"))
+    assert check_catalog(cat) == []
+    con = duckdb.connect(str(cat.path))
+    for table in ("plan_experts", "plan_thresholds", "plan_mask_bits"):
+        con.execute(f"INSERT INTO {table} SELECT * FROM {table} LIMIT 1")
+    con.close()
+    found = {p.where: p.what for p in check_catalog(cat)}
+    assert found == {
+        "table plan_experts": "1 (plan_id, position) keys on more than one row",
+        "table plan_thresholds": "1 (plan_id, checkpoint_id, tensor_idx) keys on more than one row",
+        "table plan_mask_bits": "1 (plan_id, checkpoint_id, tensor_idx) keys on more than one row",
+    }
+
+
 def test_a_catalog_whose_tables_are_newer_than_its_schema_version_says_so(registered):
     import duckdb
 

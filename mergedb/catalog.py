@@ -497,7 +497,8 @@ class Catalog:
         with self.duckdb_connection() as con:  # one connection (~30 ms each) for the plan and the paths
             xp = plans.execution_plan(con, plans.resolve_plan(con, plan))
             registered = con.execute("SELECT path, root FROM checkpoints").fetchall()
-        outdir.check_clear_of(Path(out), [p for row in registered for p in row], "a registered checkpoint")
+        with outdir.named("--as-lora" if as_lora else "--out"):  # the option its messages name
+            outdir.check_clear_of(Path(out), [p for row in registered for p in row], "a registered checkpoint")
         if self.path.exists() and not os.access(self.path, os.W_OK):
             raise CatalogError(
                 f"catalog {self.path} is read-only, so this run could not be recorded; make it writable "
@@ -507,7 +508,8 @@ class Catalog:
             if as_lora:
                 from . import loraout
 
-                res = loraout.execute(xp, out, rank=rank, dtype=dtype, force=force)
+                with outdir.named("--as-lora"):
+                    res = loraout.execute(xp, out, rank=rank, dtype=dtype, force=force)
             else:
                 res = executor.execute(
                     xp,

@@ -13,6 +13,7 @@ the lock) finishes or undoes what a killed run left.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import fcntl
 import json
@@ -35,6 +36,18 @@ from .manifest import MANIFEST, MASK
 TMP, OLD, LOCK = ".mergedb-tmp-", ".mergedb-old-", ".mergedb-lock"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # an --as-lora output's (loraout.py)
 _OUR_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+# the option that named the output folder, for messages: a model's --out, an adapter's --as-lora
+_FLAG: contextvars.ContextVar[str] = contextvars.ContextVar("mergedb_out_flag", default="--out")
+
+
+@contextmanager
+def named(flag: str) -> Iterator[None]:
+    """Messages about the output folder name it as `flag` (e.g. "--as-lora") within this block."""
+    token = _FLAG.set(flag)
+    try:
+        yield
+    finally:
+        _FLAG.reset(token)
 
 
 def _shown(p: Path | str) -> str:
@@ -50,17 +63,17 @@ def resolve_out(out: Path) -> Path:
         os.fspath(out).encode("utf-8")
     except UnicodeEncodeError:
         raise MergeDBError(
-            f"--out {_shown(out)} is not valid UTF-8 (the catalog and manifest store text); choose a UTF-8 name"
+            f"{_FLAG.get()} {_shown(out)} is not valid UTF-8 (the catalog and manifest store text); choose a UTF-8 name"
         ) from None
     try:
         link = out.is_symlink()
         real = out.resolve()
     except OSError as e:  # e.g. a name longer than the file system allows
-        raise MergeDBError(f"--out {out}: {os_advice(e, out)}") from None
+        raise MergeDBError(f"{_FLAG.get()} {out}: {os_advice(e, out)}") from None
     if link:
         raise MergeDBError(
-            f"--out {out} is a symbolic link (to {os.readlink(out)}); mergedb writes only real folders: "
-            "pass the link's target, or another --out"
+            f"{_FLAG.get()} {out} is a symbolic link (to {os.readlink(out)}); mergedb writes only real folders: "
+            f"pass the link's target, or another {_FLAG.get()}"
         )
     try:
         cwd = Path.cwd().resolve()
@@ -68,7 +81,8 @@ def resolve_out(out: Path) -> Path:
         cwd = None
     if cwd is not None and (real == cwd or real in cwd.parents):
         raise MergeDBError(
-            f"--out {out} is the current folder or holds it ({real}); pass a new subfolder, e.g. --out ./merged"
+            f"{_FLAG.get()} {out} is the current folder or holds it ({real}); pass a new subfolder, "
+            f"e.g. {_FLAG.get()} ./merged"
         )
     return real
 
@@ -81,8 +95,8 @@ def check_clear_of(out: Path, paths: list[str], what: str) -> None:
         src = Path(p).resolve()
         if real == src or src.is_relative_to(real) or real.is_relative_to(src):
             raise MergeDBError(
-                f"--out {out} overlaps {src}, {what}; mergedb never writes into, over or around a "
-                "checkpoint it reads: choose an --out outside it"
+                f"{_FLAG.get()} {out} overlaps {src}, {what}; mergedb never writes into, over or around a "
+                f"checkpoint it reads: choose an {_FLAG.get()} outside it"
             )
 
 
@@ -110,7 +124,7 @@ def output_lock(out: Path) -> Iterator[None]:
             os.close(fd)
             raise MergeDBError(
                 f"another mergedb (process {holder}) is writing {out} now; wait for it to finish, or choose "
-                "another --out"
+                f"another {_FLAG.get()}"
             ) from None
         try:
             same = os.stat(path).st_ino == os.fstat(fd).st_ino
@@ -140,10 +154,12 @@ def os_advice(e: OSError, out: Path) -> str:
     if e.errno == errno.ENAMETOOLONG:
         return (
             f"{why}: mergedb first writes it beside, as .NAME{TMP}PID-XXXXXXXX (about 30 characters "
-            "longer); nothing was left behind, choose a shorter --out name"
+            f"longer); nothing was left behind, choose a shorter {_FLAG.get()} name"
         )
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"{why}; nothing was left behind: choose an --out in a folder you can write ({out.parent} is not)"
+        return (
+            f"{why}; nothing was left behind: choose an {_FLAG.get()} in a folder you can write ({out.parent} is not)"
+        )
     return f"{why}; nothing was left behind, fix the cause and retry"
 
 
@@ -228,21 +244,21 @@ def _remove_ours(folder: Path) -> None:
 def check_out(out: Path, force: bool) -> None:
     if out.is_dir() and os.path.ismount(out):  # before the merge: `install` renames a folder into place
         raise MergeDBError(
-            f"--out {out} is a mount point, which a finished output cannot be renamed over; pass a new "
-            f"folder inside it, e.g. --out {out / 'merged'}"
+            f"{_FLAG.get()} {out} is a mount point, which a finished output cannot be renamed over; pass a new "
+            f"folder inside it, e.g. {_FLAG.get()} {out / 'merged'}"
         )
     if out.exists() and not out.is_dir():
-        raise MergeDBError(f"--out {out} is a file, not a folder; choose another --out")
+        raise MergeDBError(f"{_FLAG.get()} {out} is a file, not a folder; choose another {_FLAG.get()}")
     if out.exists() and any(out.iterdir()):
         if not force:
             raise MergeDBError(
-                f"{out} exists and is not empty; choose another --out or pass --force to replace a "
+                f"{out} exists and is not empty; choose another {_FLAG.get()} or pass --force to replace a "
                 "previous mergedb output"
             )
         if not (out / MANIFEST).is_file():
             raise MergeDBError(
                 f"{out} holds files mergedb did not create (no {MANIFEST}); refusing to touch it "
-                "even with --force; choose another --out"
+                f"even with --force; choose another {_FLAG.get()}"
             )
 
 

@@ -304,6 +304,30 @@ def test_cli_as_lora(fam, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_output_folder_refusals_name_the_as_lora_option(fam, tmp_path):
+    """An --as-lora output's folder refusals name --as-lora, the option the user gave (they said --out,
+    an option of model outputs); a model output's and a replay's still name --out."""
+    root, base, ads, b0, _ = fam
+    cat = _catalog(fam, tmp_path)
+    plan = cat.plan(PlanRequest("base", ("a", "b"), "linear", "all"))
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("x")
+    for out, words in (
+        (tmp_path / "file", "--as-lora .*file is a file, not a folder; choose another --as-lora$"),
+        (tmp_path / "busy", "busy exists and is not empty; choose another --as-lora or pass --force"),
+        (Path(ads[0]), "--as-lora .* overlaps .*, a registered checkpoint; .* choose an --as-lora outside it$"),
+    ):
+        with pytest.raises(MergeDBError, match=words) as e:
+            cat.execute(plan.plan_id, out, as_lora=True)
+        assert "--out" not in str(e.value)
+    with pytest.raises(MergeDBError, match="--out .*file is a file, not a folder; choose another --out$"):
+        cat.execute(plan.plan_id, tmp_path / "file")
+    cat.execute(plan.plan_id, tmp_path / "ad", as_lora=True)
+    with pytest.raises(MergeDBError, match="choose another --out or pass --force"):
+        loraout.replay(tmp_path / "ad" / "mergedb_manifest.json", tmp_path / "busy")
+
+
 def test_a_dense_plan_is_refused_before_reading(tmp_path):
     from mergedb import synth
 

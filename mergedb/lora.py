@@ -178,9 +178,20 @@ def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | Non
                     f"{root}: key {key!r} names no tensor of base {base.name!r}; register the adapter "
                     "against the base it was trained on (--base-model NAME)"
                 )
+            if target in dense:  # e.g. a prefixed and a bare copy: which one would be merged?
+                raise FormatError(
+                    f"{root}: keys {dense[target][1].name!r} and {key!r} both hold base tensor {target!r}; "
+                    "keep one of them (save the adapter again)"
+                )
             dense[target] = ft
             continue
-        pairs.setdefault(m["module"], {})[m["kind"]] = ft
+        slot = pairs.setdefault(m["module"], {})
+        if m["kind"] in slot:  # two adapter names (lora_A.default and lora_A.other), or a prefixed and a bare copy
+            raise FormatError(
+                f"{root}: keys {slot[m['kind']][1].name!r} and {key!r} are both the {m['kind']} of module "
+                f"{m['module']!r}; an adapter folder holds one adapter: save each adapter on its own"
+            )
+        slot[m["kind"]] = ft
     factors: dict[str, LoraFactor] = {}
     for module, p in sorted(pairs.items()):
         emb = any("embedding" in k for k in p)

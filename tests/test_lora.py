@@ -184,6 +184,32 @@ def _ok_pair(rank: int = 4, cols: int = lf.HIDDEN, rows: int = lf.HIDDEN) -> dic
         ),
         ({**_ok_pair(), f"{Q}.lora_B.bias": torch.ones(lf.HIDDEN)}, {}, FormatError, "LoRA biases"),
         ({**_ok_pair(), "base_model.model.nowhere.weight": torch.ones(3)}, {}, AlignmentError, "nowhere.weight"),
+        # two entries for one tensor: which would be merged? (the last one was, silently)
+        (
+            {
+                k.replace("weight", f"{n}.weight"): v * i
+                for i, n in enumerate(("default", "other"), 1)
+                for k, v in _ok_pair().items()
+            },
+            {},
+            FormatError,
+            f"keys '{Q}.lora_A.default.weight' and '{Q}.lora_A.other.weight' are both the lora_A of module",
+        ),
+        (
+            {**_ok_pair(), f"{Q[len('base_model.model.') :]}.lora_A.weight": torch.ones(4, lf.HIDDEN)},
+            {},
+            FormatError,
+            "are both the lora_A of module 'model.layers.0.self_attn.q_proj'",
+        ),
+        (
+            {
+                "base_model.model.model.norm.weight": torch.ones(lf.HIDDEN),
+                "model.norm.weight": 2 * torch.ones(lf.HIDDEN),
+            },
+            {},
+            FormatError,
+            "keys 'base_model.model.model.norm.weight' and 'model.norm.weight' both hold base tensor",
+        ),
         # scalings and patterns that peft could not use, refused when the config is read
         (_ok_pair(), {"lora_alpha": float("nan")}, FormatError, "lora_alpha is nan; expected a positive number"),
         (_ok_pair(), {"lora_alpha": float("inf")}, FormatError, "lora_alpha is inf"),

@@ -69,6 +69,15 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
+# a sign-electing method's negative weight: mergedb elects the sign of Σ w·Δ but sorts each expert by
+# the sign of its Δ, so such an expert's delta would be dropped where it disagrees (mergekit sorts by w·Δ)
+NEGATIVE_CONSENSUS = (
+    "{method} elects each element's sign by the experts' agreement and takes weights ≥ 0 (a negative weight "
+    "would drop that expert's delta where it disagrees); to subtract an expert use task_arithmetic with a "
+    "negative weight"
+)
+
+
 def validate(method: str, params: dict[str, Any], weights: list[float], n_experts: int) -> dict[str, Any]:
     """Fill defaults and check every parameter; returns the full, canonical parameter dict."""
     m = get_method(method)
@@ -118,6 +127,11 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
                 f"-{MAX_SCALE:g} and {MAX_SCALE:g} (the experts' weights, in order: --weights 1,0.5, or weight: in a "
                 "config's models)"
             )
+    if m.consensus and any(w < 0 for w in weights):
+        i = next(i for i, w in enumerate(weights) if w < 0)
+        raise PlanError(f"weight {i + 1} of {n_experts} is {weights[i]:g}: {NEGATIVE_CONSENSUS.format(method=method)}")
+    if method == "model_stock" and any(w != 1.0 for w in weights):
+        raise PlanError("model_stock takes no weights: its ratio t comes from the angles between the experts' deltas")
     if method == "linear" and p["normalize"] and abs(sum(weights)) < 1e-12:
         raise PlanError("linear with normalize needs weights that do not sum to zero")
     big = [c for c in coefficients(method, p, list(weights)) if abs(c) > MAX_SCALE]

@@ -242,6 +242,8 @@ def _check(
         if "epsilon" in full:
             e = full["epsilon"]
             refuse(~((e >= 0) & (d - e > 0) & (d + e <= 1)), "epsilon must keep density ± epsilon inside (0, 1]")
+    if methods.get_method(method).consensus:
+        refuse(merge & (full["weight"] < 0), "a negative weight: " + methods.NEGATIVE_CONSENSUS.format(method=method))
     if method == "linear" and normalize:
         refuse(
             merge & (np.abs(full["weight"].sum(axis=0)) < 1e-12),

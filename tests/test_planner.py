@@ -156,6 +156,26 @@ def test_bad_methods_and_parameters_refused_before_writing(tmp_path, method, par
     assert cat.plans() == []
 
 
+def test_negative_weights_refused_where_signs_are_elected(tmp_path):
+    """Every sign-electing method refuses a negative weight (it used to drop that expert's delta where
+    signs disagreed: a lone expert at weight -1 merged to the base); task arithmetic subtracts with one.
+    model_stock refuses weights it would ignore."""
+    from mergedb.methods import METHODS
+
+    cat = Catalog(tmp_path / "c.duckdb")
+    simulate(cat, 2, 1, 2)
+    base = cat.checkpoints()[0].name
+    electing = [m for m in METHODS.values() if m.consensus]
+    assert {"ties", "dare_ties", "breadcrumbs_ties", "della"} <= {m.name for m in electing}
+    for m in electing:
+        with pytest.raises(PlanError, match=rf"weight 2 of 2 is -0.5: {m.name} elects each element's sign"):
+            cat.plan(PlanRequest(base, None, m.name, "all", weights=(1.0, -0.5)))
+    with pytest.raises(PlanError, match="model_stock takes no weights"):
+        cat.plan(PlanRequest(base, None, "model_stock", "all", weights=(1.0, 2.0)))
+    assert cat.plans() == []
+    assert cat.plan(PlanRequest(base, None, "task_arithmetic", "all", weights=(1.0, -0.5))).plan_id == 1
+
+
 def test_unknown_expert_and_weights(tmp_path):
     cat = Catalog(tmp_path / "c.duckdb")
     simulate(cat, 2, 1, 2)
@@ -256,7 +276,9 @@ def test_trimmed_values_interpolate_the_histogram(registered, method, params):
     estimate brackets the exact ‖Δ surviving the trim‖ like the bins do, and is close to it."""
     cat, models = registered
     names = ["expert_00", "expert_01", "expert_02", "expert_03"]
-    weights = (1.0, 0.5, -0.7, 2.0)
+    from mergedb.methods import METHODS
+
+    weights = (1.0, 0.5, 0.7 if METHODS[method].consensus else -0.7, 2.0)  # |c_k|; sign election takes w ≥ 0
     req = PlanRequest("base", tuple(names), method, "50%", weights, params)
     p = cat.plan(req)
     cat_with = duckdb.connect()
@@ -558,7 +580,8 @@ def test_full_read_plans_skip_values_and_store_the_same_plan(registered, monkeyp
     fetched = []
     real_fetch = consensus.fetch
     monkeypatch.setattr(consensus, "fetch", lambda *a, **k: fetched.append(1) or real_fetch(*a, **k))
-    req = PlanRequest("base", None, method, "all", (1.0, 0.5, -0.7, 2.0), **options)
+    w3 = 0.7 if METHODS[method].consensus else -0.7  # sign election takes weights ≥ 0
+    req = PlanRequest("base", None, method, "all", (1.0, 0.5, w3, 2.0), **options)
     fast = cat.plan(req, explain=True)
     assert not any("plan_candidates_trimmed" in sql for _, sql, _ in fast.explain)
     assert not fetched

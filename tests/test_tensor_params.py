@@ -239,6 +239,9 @@ BAD = [
     ("ties", [(1, T0, "density", 1.5)], rf"'expert_01' in tensor '{T0}': density must be in \(0, 1\]"),
     ("dare_ties", [(2, T0, "density", 0.0)], r"'expert_02' in tensor .*density must be in \(0, 1\]"),
     ("task_arithmetic", [(0, T0, "weight", 1e7)], r"weight outside ±1e\+06"),
+    # sign election sorts experts by the sign of Δ, not of w·Δ: a negative weight dropped the delta
+    ("ties", [(1, T0, "weight", -0.5)], rf"'expert_01' in tensor '{T0}': a negative weight: ties elects"),
+    ("breadcrumbs_ties", [(0, T0, "weight", -1.0)], r"a negative weight: breadcrumbs_ties elects each element"),
     (
         "linear",
         [(0, T0, "weight", -0.4)],

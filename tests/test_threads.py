@@ -23,7 +23,9 @@ PARAMS = {"linear": {"normalize": False}, "ties": {"density": 0.3}, "dare_ties":
 def _request(method: str, budget: str, seed: int) -> PlanRequest:
     if method == "slerp":  # the base and one expert
         return PlanRequest("base", EXPERTS[:1], method, budget, None, PARAMS[method], seed=seed)
-    return PlanRequest("base", EXPERTS, method, budget, WEIGHTS, PARAMS.get(method, {}), seed=seed)
+    # sign election takes weights ≥ 0 and model_stock none: the negative weight for the others
+    weights = None if method == "model_stock" else tuple(map(abs, WEIGHTS)) if METHODS[method].consensus else WEIGHTS
+    return PlanRequest("base", EXPERTS, method, budget, weights, PARAMS.get(method, {}), seed=seed)
 
 
 @pytest.fixture(scope="module", params=["bf16", "fp16-sharded"])
@@ -83,7 +85,7 @@ def test_f16_decode_is_exact():
 def test_units_are_plain_independent_values(fam, monkeypatch):
     """Units are disjoint: one per block, or (by default) spans of consecutive blocks with one
     expert set of at most SPAN_BYTES, which cover the same blocks."""
-    plan = fam.plan(PlanRequest("base", EXPERTS, "ties", "all", WEIGHTS, {"density": 0.3}))
+    plan = fam.plan(PlanRequest("base", EXPERTS, "ties", "all", tuple(map(abs, WEIGHTS)), {"density": 0.3}))
     xp = fam.execution_plan(plan.plan_id)
 
     def units():
@@ -111,7 +113,7 @@ def test_cli_threads_option(fam, tmp_path):
 
     from mergedb.cli import app
 
-    plan = fam.plan(PlanRequest("base", EXPERTS, "dare_ties", "all", WEIGHTS, {"density": 0.4}))
+    plan = fam.plan(PlanRequest("base", EXPERTS, "dare_ties", "all", tuple(map(abs, WEIGHTS)), {"density": 0.4}))
     runner = CliRunner()
     outs = []
     for n in ("1", "2"):

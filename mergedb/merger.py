@@ -337,6 +337,8 @@ class Merger:
         """One block through the fused kernels: fold the selected experts into running sums (or take
         the sums from `fold_block`), then finish them into the output."""
         _, n, _, base = self._block(ti, b, base_raw)
+        if n == 0:  # a zero-size tensor's block: nothing to fold or write (a unit when the dtype changes)
+            return
         if self.spans and base.nbytes > slicefold.SLICE_BYTES:  # the running sums of a slice stay in cache
             slicefold.merge_sliced(self, ti, b, base_raw, out)
             return

@@ -409,3 +409,38 @@ def test_untouched_tensors_are_the_bases_bytes_copied_file_to_file(family, tmp_p
         assert res.manifest["tensor_hashes"][name] == xxhash.xxh3_128_hexdigest(data), name
         assert (data == base[name]) if name in untouched else len(data) == len(base[name]), name
     assert sum(copied) == (sum(len(base[n]) for n in untouched) if in_kernel else 0)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (0,)])
+def test_zero_size_tensors_merge_with_every_unit_path(tmp_path, shape):
+    """A zero-size tensor beside a real one: with another output dtype or with SLERP every block is a
+    unit of the fused pass, the empty one included (it raised a reshape ValueError, unrecorded); the
+    outputs hold the empty tensor and the other's merge, computed here in torch."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(0)
+    base = {"model.layers.0.w": torch.randn(8, 8, generator=g), "model.empty": torch.zeros(shape)}
+    delta = 0.3 * torch.randn(8, 8, generator=g)
+    expert = {"model.layers.0.w": base["model.layers.0.w"] + delta, "model.empty": torch.zeros(shape)}
+    for name, tensors in (("base", base), ("e0", expert)):
+        (tmp_path / "fam" / name).mkdir(parents=True)
+        save_file(tensors, str(tmp_path / "fam" / name / "model.safetensors"))
+        (tmp_path / "fam" / name / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([tmp_path / "fam"], base_model="base")
+    ta = cat.plan(PlanRequest("base", ("e0",), "task_arithmetic", "all", params={"lambda": 0.5}))
+    sl = cat.plan(PlanRequest("base", ("e0",), "slerp", "all", params={"t": 0.3}))
+    cat.execute(ta.plan_id, tmp_path / "bf16", dtype="bf16")
+    cat.execute(sl.plan_id, tmp_path / "slerp")
+    got = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert got["model.empty"].shape == shape and got["model.empty"].dtype == torch.bfloat16
+    want = (base["model.layers.0.w"] + 0.5 * delta).to(torch.bfloat16)
+    assert torch.equal(got["model.layers.0.w"], want)
+    slerped = load_file(str(tmp_path / "slerp" / "model.safetensors"))
+    assert slerped["model.empty"].shape == shape
+    a, b = base["model.layers.0.w"].double().flatten(), expert["model.layers.0.w"].double().flatten()
+    omega = torch.arccos(torch.clamp(a @ b / (a.norm() * b.norm()), -1, 1))
+    ref = (torch.sin(0.7 * omega) * a + torch.sin(0.3 * omega) * b) / torch.sin(omega)
+    assert torch.allclose(slerped["model.layers.0.w"].double().flatten(), ref, rtol=1e-5, atol=1e-6)
+    assert check_output(tmp_path / "bf16") == [] and check_output(tmp_path / "slerp") == []

@@ -167,6 +167,8 @@ class Catalog:
             con.close()
             if new and version == 0:  # creating the catalog failed: leave no half-made file behind
                 self._remove_new()
+            if _interrupted(e):
+                raise KeyboardInterrupt from None
             if not isinstance(e, duckdb.Error):
                 raise
             err = self._explain(e)
@@ -180,6 +182,10 @@ class Catalog:
             if err is e:
                 raise
             raise err from None
+        except RuntimeError as e:
+            if _interrupted(e):
+                raise KeyboardInterrupt from None
+            raise
         finally:
             con.close()
 
@@ -555,6 +561,13 @@ class Catalog:
     plan_candidates = _Elsewhere("frontier", "candidates")  # a request's scored candidates, nothing stored
     sweep = _Elsewhere("sweep", "in_memory")  # many plans merged in memory, each expert block read once
     record_score = scores.record  # a measurement of a stored plan, for searches (scores.py)
+
+
+def _interrupted(e: BaseException) -> bool:
+    """DuckDB's answer to Ctrl-C or a signal handler's exception during a statement: a plain
+    RuntimeError, which Catalog connections raise as the KeyboardInterrupt it stands for (the
+    transaction is rolled back, or was committed just before; never half of it)."""
+    return isinstance(e, RuntimeError) and str(e) == "Query interrupted"
 
 
 RECORD_WAIT = 30.0  # seconds a finished merge waits for the catalog to record its run

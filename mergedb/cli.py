@@ -54,6 +54,10 @@ class _Group(TyperGroup):
             # escaped: a message's own brackets (pip install 'mergedb[ray]') are text, not rich markup
             Console(stderr=True).print(f"[bold red]Error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             ctx.exit(1)
+        except KeyboardInterrupt:  # also SIGTERM's SystemExit when DuckDB caught it (catalog._interrupted)
+            if _TERMINATED:
+                raise SystemExit(128 + _TERMINATED) from None
+            raise
 
 
 _METAVARS = {"int": "N", "float": "X", "str": "TEXT", "path": "PATH", "list[Path]": "PATH"}
@@ -697,6 +701,7 @@ def _empty() -> Any:
 
 
 _PROCESS = False  # running as the `mergedb` command (main), not inside another program
+_TERMINATED = 0  # the signal _terminated received, if any
 
 
 def _hold_collector() -> Callable[[], None]:
@@ -784,6 +789,8 @@ def _terminated(signum: int, frame: Any) -> None:
     clean-up runs (an unfinished output's temporary folder and lock, a new catalog), then the
     process exits with 128 + 15. A second SIGTERM meanwhile ends it at once (the next run into the
     same output removes what that leaves)."""
+    global _TERMINATED
+    _TERMINATED = signum  # if DuckDB turns the exit below into "Query interrupted", _Group still exits 143
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise SystemExit(128 + signum)
 

@@ -486,3 +486,31 @@ def test_a_base_whose_files_were_only_touched_is_kept_by_refresh(registered):
     os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
     with pytest.raises(ChangedFileError, match="its bytes, not only its files' times"):
         cat.register([fam / "base"], base=True, refresh=True)
+
+
+@pytest.mark.parametrize("sig, code", [(2, 130), (15, 143)])
+def test_a_signal_during_a_catalog_statement_exits_cleanly(tmp_path, sig, code):
+    """Ctrl-C or SIGTERM while DuckDB runs a statement: DuckDB answers RuntimeError('Query
+    interrupted'), which printed a traceback and exited 1; now 130 / 143, as anywhere else."""
+    from mergedb.synth import simulate
+
+    db = tmp_path / "c.duckdb"
+    simulate(Catalog(db), 2, 1, 2)
+    query = "SELECT count(*) FROM range(20000000000) t(x) WHERE x % 7 = 3"  # runs for minutes
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mergedb.cli", "sql", query, "-c", str(db)], stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until DuckDB's worker threads run the query
+        time.sleep(0.1)
+        if len(os.listdir(f"/proc/{proc.pid}/task")) > 2 and _cpu_seconds(proc.pid) > 1.5:
+            break
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and "RuntimeError" not in err, err
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

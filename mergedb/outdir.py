@@ -91,13 +91,27 @@ def check_clear_of(out: Path, paths: list[str], what: str) -> None:
     """Refuse an `out` that is, holds, or lies inside any of `paths` (checkpoint files or folders):
     writing there would overwrite or swap away the files a merge reads."""
     real = Path(out).resolve()
-    for p in paths:
-        src = Path(p).resolve()
+    for src in sorted(set(_with_link_targets(paths))):
         if real == src or src.is_relative_to(real) or real.is_relative_to(src):
             raise MergeDBError(
                 f"{_FLAG.get()} {out} overlaps {src}, {what}; mergedb never writes into, over or around a "
                 f"checkpoint it reads: choose an {_FLAG.get()} outside it"
             )
+
+
+def _with_link_targets(paths: list[str]) -> Iterator[Path]:
+    """Each path resolved, and for a folder, where the links among its files lead: a checkpoint
+    folder may hold links to files elsewhere (a Hugging Face cache's snapshot, a hand-made family),
+    and an output there would overwrite what they point at."""
+    for p in paths:
+        yield Path(p).resolve()
+        try:
+            entries = list(os.scandir(p)) if os.path.isdir(p) else []
+        except OSError:
+            continue
+        for e in entries:
+            if e.is_symlink():
+                yield Path(e.path).resolve()
 
 
 @contextmanager

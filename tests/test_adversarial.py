@@ -91,6 +91,28 @@ def test_force_never_overwrites_a_registered_checkpoint(setup, tmp_path):
     assert _snapshot(tmp_path) == before
 
 
+def test_force_never_overwrites_what_a_checkpoints_links_point_at(setup, tmp_path):
+    """An expert folder whose model file is a link into an output (a Hugging Face snapshot is a folder
+    of such links): --force into that output would replace the expert's bytes, so it is refused
+    (the folder check resolved the folder, not the files in it)."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "model.safetensors").symlink_to(out / "model.safetensors")
+    shutil.copy(out / "config.json", linked / "config.json")
+    Catalog(db).register([linked], base_model="base")
+    pid = Catalog(db).plan(PlanRequest("base", ("expert_00", "linked"), "task_arithmetic", "all")).plan_id
+    before = _snapshot(tmp_path)
+    code, text = _cli("execute", pid, "--out", out, "--force", "-c", db, "-q")
+    assert code == 1 and f"overlaps {out / 'model.safetensors'}" in text, text
+    assert _snapshot(tmp_path) == before
+    with pytest.raises(MergeDBError, match="an input of this plan"):  # the executor alone too
+        executor.execute(Catalog(db).execution_plan(pid), out, force=True)
+    assert _snapshot(tmp_path) == before
+
+
 # -- 3: two writers of one output: exactly one wins -------------------------------------------
 
 

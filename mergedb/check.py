@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import xxhash
 
 from . import manifest
-from .checkpoint import INDEX, Checkpoint, open_checkpoint
+from .checkpoint import INDEX, SIDE_FILES, Checkpoint, open_checkpoint
 from .errors import MergeDBError
 from .lora import adapter_fingerprint, is_adapter
 from .sources import Sources
-from .tensorfile import read_header
+from .tensorfile import read_header, read_small
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -177,7 +177,9 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     if not path.is_file():
         return [f"{folder}: no {manifest.MANIFEST}: not a complete mergedb output"]
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_small(path))
+    except OSError as e:
+        return [f"{path}: cannot be read ({e.strerror})"]
     except ValueError as e:
         return [f"{path}: not valid JSON ({e})"]
     if not isinstance(doc, dict):
@@ -198,12 +200,19 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     # the dtype each tensor is written in: the output's for a merged tensor, else its own (layout.output_dtype)
     dtypes = {t["name"]: (doc.get("dtype") or t["dtype"]) if t["mergeable"] else t["dtype"] for t in doc["layout"]}
     run = doc.get("run")
+    # run.files and run.side_files are not under the content hash: only plain names in the folder
+    # are looked at (an edited manifest could name ../../anything)
     for name in run.get("files") if isinstance(run, dict) and isinstance(run.get("files"), list) else []:
-        if isinstance(name, str) and not (folder / name).is_file():
+        if not _plain_name(name):
+            problems.append(f"{path}: run.files names {name!r}, not a file in the output's folder (edited?)")
+        elif not (folder / name).is_file():
             problems.append(f"{folder}: {name} is missing (the manifest lists it among the output's files)")
     side = run.get("side_files") if isinstance(run, dict) and isinstance(run.get("side_files"), dict) else {}
     for name, want in side.items():  # config, tokenizer: sha256 as written (outputs since run.side_files)
-        f = folder / str(name)
+        if name not in SIDE_FILES:
+            problems.append(f"{path}: run.side_files names {name!r}, not a side file mergedb copies (edited?)")
+            continue
+        f = folder / name
         if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() != want:
             problems.append(f"{f}: differs from the file the output was written with")
     for f in sorted(folder.glob("*.safetensors")):
@@ -226,7 +235,7 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     index = folder / INDEX
     if index.is_file() or len(set(where.values())) > 1:  # shards: the index must send each tensor to its file
         try:
-            wmap = json.loads(index.read_text())["weight_map"]
+            wmap = json.loads(read_small(index))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError):
             wmap = None
         if not isinstance(wmap, dict) or {n: wmap.get(n) for n in where} != where:
@@ -239,3 +248,7 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
         elif seen[name] != want:
             problems.append(f"{folder}: tensor {name!r} differs from the manifest")
     return problems
+
+
+def _plain_name(name: object) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name

@@ -27,7 +27,7 @@ from . import remote
 from .errors import ChangedFileError, FormatError
 from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
-from .tensorfile import Header, TensorInfo, parse_header, read_header
+from .tensorfile import Header, TensorInfo, parse_header, read_header, read_small
 
 if TYPE_CHECKING:
     from .manifest import ExecutionPlan
@@ -156,7 +156,7 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
         raise FormatError(f"{path}: no such file or folder")
     files = tuple(file_info(root, rel) for rel in relpaths)
     if relpaths != [SINGLE] and (path / INDEX).is_file() and path.is_dir():
-        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        weight_map = json.loads(read_small(path / INDEX))["weight_map"]
         return _assemble(name or default_name, path, root, files, weight_map, str(path / INDEX))
     return _assemble(name or default_name, path, root, files, None, "")
 
@@ -194,10 +194,12 @@ def _assemble(
 def _shards_from_index(folder: Path) -> list[str]:
     index_path = folder / INDEX
     try:
-        doc = json.loads(index_path.read_text())
+        doc = json.loads(read_small(index_path))
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError
+    except OSError as e:
+        raise FormatError(f"{index_path}: cannot be read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         raise FormatError(f"{index_path}: not a valid index (expected JSON with a 'weight_map' object)") from None
     if not weight_map:
@@ -241,7 +243,7 @@ def _config(root: Path | RemotePath) -> tuple[str | None, int | None]:
             raw = remote.read_small((root / "config.json").url)
             text = "" if raw is None else raw.decode()
         else:
-            text = (root / "config.json").read_text()
+            text = read_small(root / "config.json").decode()
         cfg = json.loads(text)
         if not isinstance(cfg, dict):
             return None, None
@@ -321,7 +323,7 @@ def copy_side_files(root: Path | RemotePath, dest: Path, dtype: str | None = Non
     if dtype is None or not config.is_file():
         return
     try:
-        doc = json.loads(config.read_text())
+        doc = json.loads(read_small(config))
     except (OSError, ValueError):  # the base's own config, unreadable: copied as it is
         return
     if isinstance(doc, dict) and any(k in doc for k in ("torch_dtype", "dtype")):

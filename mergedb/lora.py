@@ -37,7 +37,7 @@ from typing import Any
 from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint, is_checkpoint
 from .errors import AlignmentError, FormatError
 from .remote import is_url
-from .tensorfile import FLOAT_DTYPES, TensorInfo
+from .tensorfile import FLOAT_DTYPES, TensorInfo, read_small
 from .units import finite
 
 CONFIG = "adapter_config.json"
@@ -308,7 +308,7 @@ def _dense_target(rest: str, base_t: dict[str, TensorInfo]) -> str | None:
 def _read_config(root: Path) -> tuple[dict[str, Any], bytes]:
     path = root / CONFIG
     try:
-        raw = path.read_bytes()
+        raw = read_small(path)
         cfg = json.loads(raw)
         if not isinstance(cfg, dict):
             raise TypeError
@@ -354,7 +354,7 @@ def _positive(v: Any, whole: bool) -> bool:
 def _shards(root: Path) -> list[str]:
     path = root / INDEX
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
+        weight_map = json.loads(read_small(path))["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):

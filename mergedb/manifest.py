@@ -25,7 +25,7 @@ from . import greedy, tensorparams
 from .errors import MergeDBError
 from .layout import TensorLayout
 from .methods import validate
-from .tensorfile import DTYPE_BITS
+from .tensorfile import DTYPE_BITS, read_small
 
 MANIFEST = "mergedb_manifest.json"
 MASK = "mask.parquet"
@@ -212,7 +212,7 @@ def read_manifest(manifest_path: str | os.PathLike[str]) -> tuple[dict[str, Any]
     consistently still cannot crash a replay or make it allocate more than the files hold."""
     path = Path(manifest_path)
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_small(path))
         mask = pq.read_table(path.parent / MASK)
     except (OSError, ValueError) as e:
         raise MergeDBError(f"cannot read {path} or its {MASK}: {e}") from None

@@ -28,6 +28,7 @@ from pathlib import Path
 from .checkpoint import INDEX, SIDE_FILES
 from .errors import MergeDBError
 from .manifest import MANIFEST, MASK
+from .tensorfile import read_small
 
 # Names beside `out` (in its parent folder) that mergedb makes while writing it:
 #   .OUT.mergedb-lock           held (flock) for the whole run: one writer per output at a time
@@ -231,7 +232,7 @@ def _listed_files(folder: Path) -> set[str]:
     """Names the manifest in `folder` lists as mergedb's (run.files), restricted to names mergedb
     writes (shards, index, mask, manifest, the base's side files); empty when none is readable."""
     try:
-        files = json.loads((folder / MANIFEST).read_text())["run"]["files"]
+        files = json.loads(read_small(folder / MANIFEST))["run"]["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return set()
     if not isinstance(files, list):

@@ -514,3 +514,47 @@ def test_a_signal_during_a_catalog_statement_exits_cleanly(tmp_path, sig, code):
 def _cpu_seconds(pid: int) -> float:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_named_pipes_and_devices_are_refused_not_waited_on(tmp_path):
+    """A config.json that is a named pipe or /dev/zero, or a named pipe called *.safetensors in an
+    output: reading them waited forever for a writer (register, execute, check hung) or filled
+    memory. config.json is then treated as absent (it only names the architecture), the pipe in an
+    output is reported by check. Each command runs in a process with a timeout."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=4)
+    (fam / "expert_00" / "config.json").unlink()
+    os.mkfifo(fam / "expert_00" / "config.json")
+    (fam / "expert_01" / "config.json").unlink()
+    (fam / "expert_01" / "config.json").symlink_to("/dev/zero")
+    db = tmp_path / "c.duckdb"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "mergedb.cli", *args, "-c", str(db)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    assert run("register", str(fam), "--base-model", "base", "-q").returncode == 0
+    assert run("plan", "--base", "base", "--all", "-m", "task_arithmetic", "--name", "p").returncode == 0
+    assert run("execute", "p", "--out", str(tmp_path / "out"), "-q").returncode == 0
+    assert check_output(tmp_path / "out") == []
+    assert run("check").returncode == 0
+    os.mkfifo(tmp_path / "out" / "extra.safetensors")
+    r = run("check", "--output", str(tmp_path / "out"))
+    assert r.returncode == 1 and "extra.safetensors: is a named pipe, not a regular file" in r.stdout + r.stderr
+
+
+def test_check_output_reads_only_plain_names_the_manifest_lists(registered):
+    """run.files and run.side_files are outside the content hash: an edited manifest naming paths
+    outside the output is reported, and those files are not read."""
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "linear"))
+    out = tmp / "plain-names"
+    cat.execute(plan.plan_id, out)
+    doc = json.loads((out / "mergedb_manifest.json").read_text())
+    doc["run"]["side_files"] = {"/etc/hostname": "0" * 64, "../fam/base/config.json": "0" * 64}
+    doc["run"]["files"] = [*doc["run"]["files"], "../c.duckdb"]
+    (out / "mergedb_manifest.json").write_text(json.dumps(doc))
+    found = check_output(out)
+    assert any("run.side_files names '/etc/hostname', not a side file mergedb copies" in p for p in found), found
+    assert any("run.side_files names '../fam/base/config.json'" in p for p in found), found
+    assert any("run.files names '../c.duckdb', not a file in the output's folder" in p for p in found), found
+    assert not any("differs from the file" in p for p in found), found

@@ -43,7 +43,8 @@ def thresholds(
     con: duckdb.DuckDBPyConnection, m: methods.Method, values: TensorValues, ids: list[int], numel: np.ndarray
 ) -> pa.Table:
     """Per (expert, tensor) trim thresholds at that pair's density (and γ): exact from the density
-    grid when the density is on it, from the magnitude summary (within 0.8%) otherwise. The rows
+    grid when the density is on it, from the magnitude summary otherwise (the lower edge of the k-th
+    largest's bin: at least k kept; summary.threshold_from_summary). The rows
     come as Arrow columns (no Python object per grid entry); only pairs off the grid read their
     summary. `numel`: (T,) elements of each family tensor. Rows in (checkpoint_id, tensor_idx) order."""
     cols: dict[str, list[Any]] = {"checkpoint_id": [], "tensor_idx": [], "t_lo": [], "t_hi": [], "exact": []}

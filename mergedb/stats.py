@@ -8,7 +8,7 @@ Definitions (the planner, the executor and the tests all use these):
 - A block histogram bins |Δ| by the top 10 bits of its float32 pattern (exponent plus one mantissa
   bit): bin edges are 2^e and 1.5·2^e, so each bin spans a factor of 1.5 or 4/3.
 - A tensor's magnitude summary bins |Δ| by the top 15 bits (relative width 2^-6): it gives the
-  exact count above every bin edge, hence any top-k threshold within 0.8% (bin's geometric mid).
+  exact count above every bin edge, hence a top-k threshold for any density (the k-th largest's bin edge).
 - An exception is a finite |Δ| whose low 17 bits are not all zero; every other finite |Δ| equals
   its summary bin's lower edge exactly. A bf16/fp16 delta is a few units in the last place of its
   base value, so exceptions are rare, and the histogram sums, ‖Δ‖, max |Δ| and the exact top-k

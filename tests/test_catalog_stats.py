@@ -113,8 +113,8 @@ def test_grid_thresholds_exact_and_summary_within_1pct(family, models, expert):
             )
             if exact == 0:
                 assert derived == 0
-            else:
-                assert abs(derived - exact) <= 0.01 * exact, (r["name"], dens, derived, exact)
+            else:  # the lower edge of the k-th largest's bin: never above it, less than a bin below
+                assert derived <= exact < derived * (1 + 2**-6), (r["name"], dens, derived, exact)
 
 
 def test_histogram_estimates_survival_mass(family, models):

@@ -444,3 +444,42 @@ def test_zero_size_tensors_merge_with_every_unit_path(tmp_path, shape):
     ref = (torch.sin(0.7 * omega) * a + torch.sin(0.3 * omega) * b) / torch.sin(omega)
     assert torch.allclose(slerped["model.layers.0.w"].double().flatten(), ref, rtol=1e-5, atol=1e-6)
     assert check_output(tmp_path / "bf16") == [] and check_output(tmp_path / "slerp") == []
+
+
+def test_ties_off_the_density_grid_keeps_at_least_the_top_k(tmp_path):
+    """A density off the catalog's grid takes its threshold from the magnitude summary: every |Δ| ≥
+    the k-th largest is kept (k = max(1, int(density·n)), computed here in numpy), a larger density
+    never keeps fewer, and bf16 deltas keep exactly what the k-th-largest rule keeps. The bin's
+    middle, used before, kept nothing of a four-element tensor at 0.237 and fewer at 0.0505 than
+    at 0.05."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(3)
+    bw = (torch.randn(256, 256, generator=g) * 0.02).to(torch.bfloat16)
+    base = {"model.layers.0.small": torch.ones(4), "model.layers.0.w": bw}
+    expert = {
+        "model.layers.0.small": torch.ones(4) + torch.tensor([0.297, 0.1, 0.05, 0.01]),
+        "model.layers.0.w": (bw.float() + torch.randn(256, 256, generator=g) * 5e-4).to(torch.bfloat16),
+    }
+    for name, tensors in (("base", base), ("e0", expert)):
+        (tmp_path / "fam" / name).mkdir(parents=True)
+        save_file(tensors, str(tmp_path / "fam" / name / "model.safetensors"))
+        (tmp_path / "fam" / name / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([tmp_path / "fam"], base_model="base")
+    kept_before = {}
+    for d in (0.05, 0.0505, 0.2, 0.237, 0.25):  # off the grid: 0.0505, 0.237
+        plan = cat.plan(PlanRequest("base", ("e0",), "ties", "all", params={"density": d}))
+        cat.execute(plan.plan_id, tmp_path / f"d{d}")
+        got = load_file(str(tmp_path / f"d{d}" / "model.safetensors"))
+        for name in base:
+            a = (expert[name].float() - base[name].float()).abs().flatten()
+            k = max(1, int(d * a.numel()))
+            kth = torch.topk(a, k).values[-1]
+            kept = (got[name].float() - base[name].float()).flatten() != 0
+            assert bool(kept[a >= kth].all()), (name, d)  # never fewer than the top k
+            if name == "model.layers.0.w":  # bf16: exactly the k-th-largest rule, ties kept
+                assert torch.equal(kept, a >= kth), (d, int(kept.sum()), int((a >= kth).sum()))
+            assert int(kept.sum()) >= kept_before.get(name, 0), (name, d)  # monotone in density
+            kept_before[name] = int(kept.sum())

@@ -362,7 +362,7 @@ def _shards(root: Path) -> list[str]:
     real = root.resolve()
     shards = sorted(set(map(str, weight_map.values())))
     for s in shards:
-        if os.path.isabs(s) or not (root / s).resolve().is_relative_to(real) or not (root / s).is_file():
+        if "\x00" in s or os.path.isabs(s) or not (root / s).resolve().is_relative_to(real) or not (root / s).is_file():
             raise FormatError(f"{path}: shard {s!r} is missing or outside the adapter folder")
     return shards
 

@@ -25,7 +25,7 @@ from . import greedy, tensorparams
 from .errors import MergeDBError
 from .layout import TensorLayout
 from .methods import validate
-from .tensorfile import DTYPE_BITS, read_small
+from .tensorfile import DTYPE_BITS, MAX_RANK, read_small  # MAX_RANK: what a registered file may have
 
 MANIFEST = "mergedb_manifest.json"
 MASK = "mask.parquet"
@@ -243,7 +243,6 @@ _TOP_FIELDS = {
     "mask_digest": str,
     "tensor_hashes": dict,
 }
-MAX_RANK = 8  # dims of a tensor shape; safetensors files in practice hold ≤ 5
 
 
 def _is(v: Any, kind: type) -> bool:

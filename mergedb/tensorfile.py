@@ -86,6 +86,7 @@ DTYPES: dict[str, tuple[int, str, bool]] = {
     "F8_E4M3FNUZ": (1, "u1", False),
     "F8_E5M2FNUZ": (1, "u1", False),
 }
+MAX_RANK = 16  # dimensions of a tensor's shape (the manifest allows as many)
 FLOAT_DTYPES = ("BF16", "F16", "F32")  # the dtypes mergedb merges; every other dtype passes through
 
 
@@ -275,13 +276,14 @@ def parse_header(read: Callable[[int, int], bytes], path: Path | str, size: int)
             f"{bad}: key {e.key!r} appears more than once in the header (JSON readers silently keep the last "
             "one, so tools disagree on what this file holds); re-export the checkpoint with one entry per tensor"
         ) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # not UTF-8, not JSON, or an integer of over 4300 digits
         raise FormatError(f"{bad}: header is not valid JSON ({e})") from None
     except RecursionError:
         raise FormatError(f"{bad}: header JSON nests too deeply") from None
     if not isinstance(doc, dict):
         raise FormatError(f"{bad}: header must be a JSON object, got {type(doc).__name__}")
-    metadata = doc.pop("__metadata__", None) or {}
+    metadata = doc.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # as safetensors: null or an object, nothing else
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -320,12 +322,20 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _entry(bad: str, name: Any, spec: Any, data_start: int) -> TensorInfo:
     if not isinstance(name, str) or not name or "\x00" in name:
         raise FormatError(f"{bad}: tensor name {name!r} is empty or contains NUL")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, written as a \ud800 escape
+        raise FormatError(f"{bad}: tensor name {name!r} is not valid Unicode (a lone surrogate)") from None
     if not isinstance(spec, dict):
         raise FormatError(f"{bad}: entry for tensor {name!r} must be an object")
     dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise FormatError(f"{bad}: tensor {name!r} has unknown dtype {dtype!r}; known: {', '.join(DTYPE_BITS)}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 16:
+    if (
+        not isinstance(shape, list)
+        or not all(type(d) is int and 0 <= d < 2**63 for d in shape)
+        or len(shape) > MAX_RANK
+    ):
         raise FormatError(f"{bad}: tensor {name!r} has invalid shape {shape!r}")
     if (
         not isinstance(offsets, list)

@@ -483,3 +483,27 @@ def test_ties_off_the_density_grid_keeps_at_least_the_top_k(tmp_path):
                 assert torch.equal(kept, a >= kth), (d, int(kept.sum()), int((a >= kth).sum()))
             assert int(kept.sum()) >= kept_before.get(name, 0), (name, d)  # monotone in density
             kept_before[name] = int(kept.sum())
+
+
+def test_a_tensor_of_nine_dimensions_merges_checks_and_replays(tmp_path):
+    """The header reader took up to 16 dimensions but the manifest's check only 8: a merge of a
+    9-dimensional tensor succeeded and then check and replay called its manifest damaged."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shape = (1,) * 8 + (2, 4)
+    base = {"model.w": torch.zeros(shape)}
+    expert = {"model.w": torch.arange(8.0).reshape(shape)}
+    for name, tensors in (("base", base), ("e0", expert)):
+        (tmp_path / "fam" / name).mkdir(parents=True)
+        save_file(tensors, str(tmp_path / "fam" / name / "model.safetensors"))
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([tmp_path / "fam"], base_model="base")
+    plan = cat.plan(PlanRequest("base", ("e0",), "task_arithmetic", "all", params={"lambda": 0.5}))
+    cat.execute(plan.plan_id, tmp_path / "out")
+    assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["model.w"], 0.5 * expert["model.w"])
+    assert check_output(tmp_path / "out") == []
+    executor.replay(tmp_path / "out" / "mergedb_manifest.json", tmp_path / "again")
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (
+        tmp_path / "out" / "model.safetensors"
+    ).read_bytes()

@@ -195,3 +195,37 @@ def test_random_json_headers_fail_cleanly(tmp_path, doc):
     except FormatError:
         return
     assert all(t.nbytes == 0 for t in h.tensors)
+
+
+_W = '"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+_E = '"e": {{"dtype": "F32", "shape": [{}, 0], "data_offsets": [0, 0]}}'
+
+
+@pytest.mark.parametrize(
+    "header, words",
+    [
+        ('{"x\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "is not valid Unicode"),
+        ("{" + _E.format(2**70) + ", " + _W + "}", "invalid shape"),
+        ("{" + _E.format("9" * 5000) + ", " + _W + "}", "not valid JSON"),
+        ('{"__metadata__": false, ' + _W + "}", "__metadata__ must map strings to strings"),
+        ('{"__metadata__": [], ' + _W + "}", "__metadata__ must map strings to strings"),
+        ('{"__metadata__": 0, ' + _W + "}", "__metadata__ must map strings to strings"),
+    ],
+)
+def test_headers_python_accepts_but_safetensors_does_not_are_refused(tmp_path, header, words):
+    """Headers that once raised a raw exception at registration (a lone surrogate in a name, a
+    dimension past int64 in an empty tensor, a 5000-digit integer) or were let through (a
+    __metadata__ that is false, [] or 0: safetensors takes null or an object of strings only)."""
+    blob = header.encode()
+    p = tmp_path / "bad.safetensors"
+    p.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(4))
+    with pytest.raises(FormatError, match=words):
+        read_header(p)
+
+
+def test_pipes_and_devices_are_refused_by_name(tmp_path):
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    with pytest.raises(FormatError, match="pipe.safetensors: is a named pipe, not a regular file"):
+        read_header(tmp_path / "pipe.safetensors")
+    with pytest.raises(FormatError, match="/dev/zero: is a device, not a regular file"):
+        read_header("/dev/zero")

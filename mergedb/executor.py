@@ -193,7 +193,7 @@ def execute(
             run["physical_read_bytes"] = physical_read_bytes() - phys0 + shards.physical_bytes
             write_json(tmp / MANIFEST, {**manifest, "run": run})
             outdir.fsync_dir(tmp)
-            outdir.install(tmp, out)
+            outdir.install(tmp, out, force)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise MergeDBError(f"writing {out} failed: {outdir.os_advice(e, out)}") from None

@@ -277,7 +277,7 @@ def check_out(out: Path, force: bool) -> None:
             )
 
 
-def install(tmp: Path, out: Path) -> None:
+def install(tmp: Path, out: Path, force: bool = False) -> None:
     """Put the finished output in place.
 
     Into a new or empty folder: one rename. Over an old mergedb output (--force), file by file, so
@@ -285,7 +285,8 @@ def install(tmp: Path, out: Path) -> None:
     moves to `.OUT.mergedb-old-…` (from here `out` no longer looks complete), (2) the old output's
     own files (its manifest's run.files) follow it, (3) the new files move in, (4) the new manifest
     last, (5) the old folder is deleted. A crash anywhere is undone or finished by the next run
-    (`remove_stale`)."""
+    (`remove_stale`). `out` checked before the merge (check_out) may have been filled since, by a
+    program other than mergedb (another mergedb waits on the lock): then nothing is installed."""
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         was = out.stat() if out.exists() else None
         os.rename(tmp, out)  # replaces an empty folder too: it keeps that folder's mode and owner
@@ -294,6 +295,12 @@ def install(tmp: Path, out: Path) -> None:
             with contextlib.suppress(OSError):  # only root or the owner may; the mode is what matters
                 os.chown(out, was.st_uid, was.st_gid)
         return
+    if not force or not (out / MANIFEST).is_file():
+        held = ", ".join(sorted(p.name for p in out.iterdir())[:3])
+        raise MergeDBError(
+            f"{_FLAG.get()} {out} was filled by another program while the merge ran (it now holds {held}); "
+            f"nothing was installed and its files are untouched: choose another {_FLAG.get()}, or empty it and retry"
+        )
     ours = _listed_files(out) | {MANIFEST}
     ours = {n for n in ours if (out / n).is_file() and not (out / n).is_symlink()}
     new = sorted(p.name for p in tmp.iterdir())

@@ -470,3 +470,21 @@ def test_symlink_and_current_folder_out_refused(setup, tmp_path, monkeypatch):
         assert code == 1 and "current folder" in text, (target, text)
     shutil.rmtree(tmp_path / "work")
     assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_folder_filled_while_the_merge_runs_is_left_as_it_is(setup, tmp_path, force):
+    """--out was empty when the merge started, and another program wrote into it meanwhile: the
+    install took the --force swap path without --force and failed with 'No such file or directory'.
+    Now a clear refusal; the newcomer's file stays, no temporary folder or lock is left."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+
+    def fill(n: int) -> None:
+        out.mkdir(exist_ok=True)
+        (out / "NOTES.md").write_text("mine")
+
+    with pytest.raises(MergeDBError, match="was filled by another program while the merge ran .*NOTES.md"):
+        Catalog(db).execute(plan["all"], out, force=force, progress=fill)
+    assert sorted(p.name for p in out.iterdir()) == ["NOTES.md"] and (out / "NOTES.md").read_text() == "mine"
+    assert _leftovers(out) == []

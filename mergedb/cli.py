@@ -22,7 +22,7 @@ from rich.markup import escape
 from typer.core import TyperArgument, TyperGroup
 
 from . import cliparse, render
-from .errors import MergeDBError
+from .errors import MergeDBError, PlanError
 from .units import block_sizes, check_threads, format_size
 
 if TYPE_CHECKING:
@@ -672,9 +672,16 @@ def sweep(
         names, w = _experts_and_weights(experts, all_experts, weights)
         template = PlanRequest(base, names, method, budget, w, seed=seed)
         requests = grids.grid_requests(template, grids.parse_grid(grid), name or grids.default_prefix(cat, method))
-    res = sw.sweep(
-        cat, requests, out_dir, max_parallel=max_parallel, threads=threads, dtype=dtypes, max_shard_size=shard
-    )
+    for attempt in range(5):
+        try:
+            res = sw.sweep(
+                cat, requests, out_dir, max_parallel=max_parallel, threads=threads, dtype=dtypes, max_shard_size=shard
+            )
+            break
+        except PlanError as e:  # another sweep took the default METHOD-sweepN between the two: take the next
+            if name is not None or configs or "exists already" not in str(e) or attempt == 4:
+                raise
+            requests = grids.grid_requests(template, grids.parse_grid(grid), grids.default_prefix(cat, method))
     render.print_sweep(res, fmt)
 
 

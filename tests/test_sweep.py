@@ -258,6 +258,33 @@ def test_cli_sweep_and_score(fam, tmp_path):
     assert r.exit_code == 1 and "NAME=V1,V2" in r.output
 
 
+def test_a_default_prefix_taken_meanwhile_moves_to_the_next(fam, tmp_path, monkeypatch):
+    """Two sweeps started at once pick the same default METHOD-sweepN (read in its own connection);
+    the second to plan got 'a plan named … exists already; choose another --name' though it named
+    nothing. Here the other sweep's plan is stored between the pick and the planning: the sweep
+    takes the next free prefix and runs."""
+    from mergedb import grid
+
+    root, cat = fam
+    real = grid.default_prefix
+    picks = []
+
+    def racing(c, method):
+        prefix = real(c, method)
+        if not picks:  # the other sweep stores its first plan under this prefix now
+            c.plan(PlanRequest("base", None, method, "10%", params={"density": 0.2}, name=f"{prefix}-density=0.2"))
+        picks.append(prefix)
+        return prefix
+
+    monkeypatch.setattr(grid, "default_prefix", racing)
+    out = tmp_path / "raced"
+    args = ["sweep", "--base", "base", "--all", "-m", "ties", "--budget", "30%", "--grid", "density=0.2", "--out"]
+    r = runner.invoke(app, [*args, str(out), "-c", str(cat.path)])
+    assert r.exit_code == 0, r.output
+    assert len(picks) == 2 and picks[0] != picks[1]
+    assert [p.name for p in out.iterdir()] == [f"{picks[1]}-density=0.2"]
+
+
 def test_record_score_returns_ids_in_order(fam):
     root, cat = fam
     plan = cat.plan(PlanRequest("base", None, "linear", "10%", name="scored"))

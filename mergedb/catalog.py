@@ -506,6 +506,11 @@ class Catalog:
         with outdir.named("--as-lora" if as_lora else "--out"):  # the option its messages name
             outdir.check_clear_of(Path(out), [p for row in registered for p in row], "a registered checkpoint")
         if self.path.exists() and not os.access(self.path, os.W_OK):
+            if os.statvfs(self.path).f_flag & os.ST_RDONLY:
+                raise CatalogError(
+                    f"catalog {self.path} is on a read-only file system, so this run could not be recorded; copy "
+                    "it to a writable folder and pass --catalog COPY (nothing was merged)"
+                )
             raise CatalogError(
                 f"catalog {self.path} is read-only, so this run could not be recorded; make it writable "
                 "(chmod u+w) and retry"

@@ -52,7 +52,7 @@ def candidates(cat: Catalog, request: planner.PlanRequest) -> pa.Table:
     """Every (expert, block) candidate of `request` as the planner scores it (position, tensor_idx,
     block_idx, nbytes, free, value, score), without planning; plans store only the selection."""
     planner.check_request(request)
-    with cat.duckdb_connection(write=True) as con:
+    with cat.duckdb_connection() as con:  # reads only: a read-only catalog serves it too
         con.execute("BEGIN")
         try:
             return planner.candidate_table(con, request)

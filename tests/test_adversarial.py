@@ -488,3 +488,23 @@ def test_a_folder_filled_while_the_merge_runs_is_left_as_it_is(setup, tmp_path, 
         Catalog(db).execute(plan["all"], out, force=force, progress=fill)
     assert sorted(p.name for p in out.iterdir()) == ["NOTES.md"] and (out / "NOTES.md").read_text() == "mine"
     assert _leftovers(out) == []
+
+
+@pytest.mark.parametrize("mount_ro", [False, True])
+def test_a_read_only_catalog_is_refused_before_merging_with_the_fix_that_works(setup, tmp_path, monkeypatch, mount_ro):
+    """A catalog that cannot record the run is refused before the merge; on a read-only file system
+    the advice is a writable copy, since chmod cannot help there. (Simulated: tests run as root,
+    whom permissions do not stop, and a read-only mount needs privileges.)"""
+    import types
+
+    from mergedb import catalog as catalog_mod
+
+    fam, db, plan = setup
+    real_access = os.access
+    monkeypatch.setattr(catalog_mod.os, "access", lambda p, m: False if Path(p) == db else real_access(p, m))
+    flags = os.ST_RDONLY if mount_ro else 0
+    monkeypatch.setattr(catalog_mod.os, "statvfs", lambda p: types.SimpleNamespace(f_flag=flags))
+    words = "on a read-only file system.*copy it to a writable folder" if mount_ro else r"is read-only.*chmod u\+w"
+    with pytest.raises(MergeDBError, match=words):
+        Catalog(db).execute(plan["all"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -91,3 +91,25 @@ def test_png_needs_a_png_name(catalog, tmp_path):
         app, ["frontier", "--base", "base", "-m", "linear", "-c", str(catalog.path), "--out", str(tmp_path / "f.jpg")]
     )
     assert res.exit_code == 1 and "PNG" in res.output
+
+
+def test_candidates_read_beside_other_readers(catalog):
+    """plan_candidates only reads: it opens the catalog read-only, so it runs while another process
+    reads the catalog (it opened it read-write, which that reader's shared lock refused)."""
+    import subprocess
+    import sys
+
+    req = PlanRequest("base", None, "ties", "all")
+    want = catalog.plan_candidates(req)
+    hold = (
+        "import duckdb, sys, time; c = duckdb.connect(sys.argv[1], read_only=True); "
+        "print('held', flush=True); time.sleep(60)"
+    )
+    reader = subprocess.Popen([sys.executable, "-c", hold, str(catalog.path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "held"
+        got = Catalog(catalog.path, wait=0).plan_candidates(req)
+    finally:
+        reader.kill()
+        reader.wait()
+    assert got.equals(want)

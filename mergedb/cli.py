@@ -752,13 +752,15 @@ def _end_fast() -> None:
     _FAST_END = _PROCESS and _OWN_PROCESS
 
 
-def _exit_now(code: object) -> None:
+def _exit_now(code: object, interrupted: bool = False) -> None:
     """End the process with `code` (SystemExit's) once an `execute` command is done, skipping the
     interpreter's teardown: freeing every module and object one by one after numba, pyarrow and
     DuckDB were loaded costs ~0.04 s. The atexit handlers still run and the standard streams are
     flushed; returns (the ordinary exit follows) while another non-daemon thread runs or a stream
-    cannot be flushed."""
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+    cannot be flushed. `interrupted` (Ctrl-C, SIGTERM, after the command's own clean-up ran): other
+    threads are not waited for, since a pool worker may never finish (merger.close)."""
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if not interrupted and any(t.is_alive() and not t.daemon for t in others):
         return
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)  # what the interpreter does with sys.exit("message")
@@ -783,9 +785,10 @@ def main() -> None:
     try:
         app()
     except SystemExit as e:
-        if _FAST_END:
+        interrupted = _OWN_PROCESS and e.code in (130, 128 + signal.SIGTERM)
+        if _FAST_END or interrupted:
             _PROCESS = False
-            _exit_now(e.code)
+            _exit_now(e.code, interrupted)
         raise
     finally:
         _PROCESS, _FAST_END = False, False

@@ -174,6 +174,7 @@ def execute(
         t0, phys0 = time.perf_counter(), physical_read_bytes()
         tmp = outdir.temp_folder(out)
         merger = prefetch = None
+        ok = False
         try:
             tmp.mkdir()
             if write_shards is None:
@@ -194,6 +195,7 @@ def execute(
             write_json(tmp / MANIFEST, {**manifest, "run": run})
             outdir.fsync_dir(tmp)
             outdir.install(tmp, out, force)
+            ok = True
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise MergeDBError(f"writing {out} failed: {outdir.os_advice(e, out)}") from None
@@ -202,7 +204,7 @@ def execute(
             raise
         finally:
             if merger is not None:
-                merger.close()
+                merger.close(wait=ok)
             if prefetch is not None:
                 prefetch.close()
     return ExecuteResult(

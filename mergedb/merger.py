@@ -167,9 +167,12 @@ class Merger:
             for bits in {np.uint32 if k == "F32" else np.uint16 for k in kinds}:
                 self.compute.submit(kernels.warm, bits, stock)
 
-    def close(self) -> None:
-        self.compute.shutdown(cancel_futures=True)
-        self.io.shutdown(cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the pools. `wait=False` after a failure or an interrupt: a worker may never finish (one
+        loading numba's cache can wait forever on an import lock that Ctrl-C left held in the main
+        thread), and its results are discarded anyway; it only reads inputs."""
+        self.compute.shutdown(wait=wait, cancel_futures=True)
+        self.io.shutdown(wait=wait, cancel_futures=True)
         self.inputs.close()
         if self.lora:
             self.lora.close()

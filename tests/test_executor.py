@@ -282,6 +282,39 @@ def test_interrupted_or_terminated_execute_leaves_nothing(tmp_path, sig, code):
     assert subprocess.run(cmd, capture_output=True).returncode == 0 and check_output(out) == []
 
 
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_an_interrupted_execute_does_not_wait_for_a_stuck_worker(tmp_path, sig, code):
+    """A merge worker that never finishes (as one loading numba's cache does when Ctrl-C left the
+    import lock held in the main thread, seen twice in this suite): the interrupted command used to
+    wait for it forever, holding its output's lock. Here the kernels' warm-up task blocks for good:
+    the command still cleans up and exits 130 / 143."""
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=6)
+    db = tmp_path / "c.duckdb"
+    cat = Catalog(db)
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "ties", "all"))
+    out = tmp_path / "out"
+    stuck = (
+        "import sys, threading; from mergedb import kernels, cli; "
+        "kernels.warm = lambda *a: threading.Event().wait(); "
+        "sys.argv = ['mergedb', *sys.argv[1:]]; cli.entry()"
+    )
+    args = ["execute", str(plan.plan_id), "--out", str(out), "-c", str(db), "-q"]
+    proc = subprocess.Popen([sys.executable, "-c", stuck, *args], stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_until_writing(proc, out)
+        deadline = time.monotonic() + 60  # until the merge writes (the pools and the stuck task exist)
+        while not any(out.parent.glob(f".{out.name}.mergedb-tmp-*/*.safetensors")) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err, err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["c.duckdb", "fam"]
+
+
 def test_killed_execute_leaves_no_complete_output(tmp_path):
     fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=6)
     db = tmp_path / "c.duckdb"

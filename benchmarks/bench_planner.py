@@ -354,6 +354,7 @@ if __name__ == "__main__":
     ap.add_argument("--save", default=None, help="results/<SAVE>.json (default planner[-quick])")
     ap.add_argument("--small", type=Path, metavar="CATALOG", help="time small plans on a copy of CATALOG")
     ap.add_argument("--execute", type=int, default=0, help="--small: then execute each plan N times, cold")
+    ap.add_argument("--rounds", type=int, default=3, help="--small: processes per side (first plans: twice as many)")
     ap.add_argument("--one", nargs=2, metavar=("CATALOG", "BUDGET"), help=argparse.SUPPRESS)
     ap.add_argument("--small-one", nargs=2, metavar=("CATALOG", "REPEATS"), help=argparse.SUPPRESS)
     ap.add_argument("--first-one", nargs=2, metavar=("CATALOG", "METHOD"), help=argparse.SUPPRESS)
@@ -373,7 +374,7 @@ if __name__ == "__main__":
 
         print("RESULT " + json.dumps({"plans": len(Catalog(a.prepare).plans())}))
     elif a.small:
-        print(save(a.save or "planner-small", run_small(a.small, a.baseline, execute_runs=a.execute)))
+        print(save(a.save or "planner-small", run_small(a.small, a.baseline, a.rounds, execute_runs=a.execute)))
     else:
         rows = tuple(a.rows) if a.rows else ((20_000,) if a.quick else (1_000_000, 10_000_000, 35_000_000))
         doc = run(rows, a.catalog_dir, a.baseline, tuple(a.budgets) if a.budgets else None)

@@ -27,7 +27,16 @@ from . import remote
 from .errors import ChangedFileError, FormatError
 from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
-from .tensorfile import Header, TensorInfo, parse_header, read_header, read_small
+from .tensorfile import (
+    DuplicateKey,
+    Header,
+    TensorInfo,
+    file_kind,
+    no_duplicate_keys,
+    parse_header,
+    read_header,
+    read_small,
+)
 
 if TYPE_CHECKING:
     from .manifest import ExecutionPlan
@@ -152,6 +161,8 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
             f"{path}: no {SINGLE} or {INDEX} in this folder; point at a model folder, a .safetensors file, "
             "or a folder of model folders"
         )
+    elif os.path.exists(path):  # a named pipe, a device, a socket
+        raise FormatError(f"{path}: is {file_kind(os.stat(path).st_mode)}; point at a .safetensors file or a folder")
     else:
         raise FormatError(f"{path}: no such file or folder")
     files = tuple(file_info(root, rel) for rel in relpaths)
@@ -194,12 +205,17 @@ def _assemble(
 def _shards_from_index(folder: Path) -> list[str]:
     index_path = folder / INDEX
     try:
-        doc = json.loads(read_small(index_path))
+        doc = json.loads(read_small(index_path), object_pairs_hook=no_duplicate_keys)
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError
     except OSError as e:
         raise FormatError(f"{index_path}: cannot be read ({e.strerror})") from None
+    except DuplicateKey as e:
+        raise FormatError(
+            f"{index_path}: key {e.key!r} appears more than once (JSON readers keep the last one, so tools "
+            "disagree on which shard holds it); regenerate the index"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         raise FormatError(f"{index_path}: not a valid index (expected JSON with a 'weight_map' object)") from None
     if not weight_map:

@@ -270,8 +270,8 @@ def parse_header(read: Callable[[int, int], bytes], path: Path | str, size: int)
         raise FormatError(f"{bad}: header length {n} runs past the end of the {size}-byte file (truncated?)")
     raw = read(n, 8)
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except _DuplicateKey as e:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+    except DuplicateKey as e:
         raise FormatError(
             f"{bad}: key {e.key!r} appears more than once in the header (JSON readers silently keep the last "
             "one, so tools disagree on what this file holds); re-export the checkpoint with one entry per tensor"
@@ -304,17 +304,17 @@ def parse_header(read: Callable[[int, int], bytes], path: Path | str, size: int)
     return Header(path, n, size, hashlib.sha256(raw).hexdigest(), tuple(tensors), dict(metadata))
 
 
-class _DuplicateKey(Exception):
+class DuplicateKey(Exception):
     def __init__(self, key: str) -> None:
         self.key = key
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """json object_pairs_hook: a dict, refusing a key seen twice in one object (at any depth)."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise _DuplicateKey(k)
+            raise DuplicateKey(k)
         out[k] = v
     return out
 

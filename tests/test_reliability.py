@@ -558,3 +558,22 @@ def test_check_output_reads_only_plain_names_the_manifest_lists(registered):
     assert any("run.side_files names '../fam/base/config.json'" in p for p in found), found
     assert any("run.files names '../c.duckdb', not a file in the output's folder" in p for p in found), found
     assert not any("differs from the file" in p for p in found), found
+
+
+def test_an_index_listing_a_tensor_twice_and_a_pipe_given_as_a_checkpoint_are_named(tmp_path):
+    """A model.safetensors.index.json whose weight_map lists a key twice was reported as a tensor
+    'in no shard' (JSON keeps the last entry); a named pipe given as a checkpoint as 'no such file'."""
+    from mergedb.checkpoint import open_checkpoint
+    from mergedb.errors import FormatError
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=2, shard_size=500_000)
+    index = fam / "base" / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    name, shard = next(iter(doc["weight_map"].items()))
+    text = index.read_text().replace('"weight_map": {', f'"weight_map": {{"{name}": "{shard}", ', 1)
+    index.write_text(text)
+    with pytest.raises(FormatError, match=f"key '{name}' appears more than once"):
+        open_checkpoint(fam / "base")
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    with pytest.raises(FormatError, match="pipe.safetensors: is a named pipe; point at"):
+        open_checkpoint(tmp_path / "pipe.safetensors")

@@ -18,8 +18,9 @@ from . import manifest
 from .checkpoint import INDEX, SIDE_FILES, Checkpoint, open_checkpoint
 from .errors import MergeDBError
 from .lora import adapter_fingerprint, is_adapter
+from .plainfile import read_small
 from .sources import Sources
-from .tensorfile import read_header, read_small
+from .tensorfile import read_header
 
 if TYPE_CHECKING:
     from .catalog import Catalog

@@ -25,17 +25,16 @@ from typing import TYPE_CHECKING
 
 from . import remote
 from .errors import ChangedFileError, FormatError
+from .plainfile import file_kind, read_small
 from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
 from .tensorfile import (
     DuplicateKey,
     Header,
     TensorInfo,
-    file_kind,
     no_duplicate_keys,
     parse_header,
     read_header,
-    read_small,
 )
 
 if TYPE_CHECKING:

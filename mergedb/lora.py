@@ -36,8 +36,9 @@ from typing import Any
 
 from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint, is_checkpoint
 from .errors import AlignmentError, FormatError
+from .plainfile import read_small
 from .remote import is_url
-from .tensorfile import FLOAT_DTYPES, TensorInfo, read_small
+from .tensorfile import FLOAT_DTYPES, TensorInfo
 from .units import finite
 
 CONFIG = "adapter_config.json"

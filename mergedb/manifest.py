@@ -25,7 +25,8 @@ from . import greedy, tensorparams
 from .errors import MergeDBError
 from .layout import TensorLayout
 from .methods import validate
-from .tensorfile import DTYPE_BITS, MAX_RANK, read_small  # MAX_RANK: what a registered file may have
+from .plainfile import read_small
+from .tensorfile import DTYPE_BITS, MAX_RANK  # MAX_RANK: what a registered file may have
 
 MANIFEST = "mergedb_manifest.json"
 MASK = "mask.parquet"

@@ -28,7 +28,7 @@ from pathlib import Path
 from .checkpoint import INDEX, SIDE_FILES
 from .errors import MergeDBError
 from .manifest import MANIFEST, MASK
-from .tensorfile import read_small
+from .plainfile import read_small
 
 # Names beside `out` (in its parent folder) that mergedb makes while writing it:
 #   .OUT.mergedb-lock           held (flock) for the whole run: one writer per output at a time

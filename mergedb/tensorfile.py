@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError, MergeDBError
+from .plainfile import file_kind, read_exact
 
 # Upstream's MAX_HEADER_SIZE (safetensors/src/tensor.rs): a header of exactly this many bytes is
 # accepted, one byte more is refused.
@@ -210,51 +211,9 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         if not stat.S_ISREG(mode):
             raise FormatError(f"{path}: is {file_kind(mode)}, not a regular file; expected a .safetensors file")
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return parse_header(lambda n, offset: _read_exact(fd, n, offset), path, os.fstat(fd).st_size)
+        return parse_header(lambda n, offset: read_exact(fd, n, offset), path, os.fstat(fd).st_size)
     finally:
         os.close(fd)
-
-
-SMALL_FILE_LIMIT = 64 << 20  # a JSON file mergedb reads whole (configs, indexes, manifests): far above any real one
-
-
-def file_kind(mode: int) -> str:
-    """What a file that is not a regular one is, for a message."""
-    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
-        if test(mode):
-            return kind
-    return "not a regular file"
-
-
-def read_small(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of a small regular file (a config, an index, a manifest), whole. A named pipe, a
-    device (config.json -> /dev/zero) or a file over SMALL_FILE_LIMIT raises OSError (EINVAL, EFBIG)
-    at once, where reading it would wait forever or fill memory; callers treat it as unreadable."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"it is {file_kind(st.st_mode)}, not a regular file", str(path))
-        if st.st_size > SMALL_FILE_LIMIT:
-            raise OSError(errno.EFBIG, f"{st.st_size} bytes, more than a file of its kind holds", str(path))
-        data = _read_exact(fd, SMALL_FILE_LIMIT + 1, 0)
-        if len(data) > SMALL_FILE_LIMIT:  # it grew while read
-            raise OSError(errno.EFBIG, "more bytes than a file of its kind holds", str(path))
-        return data
-    finally:
-        os.close(fd)
-
-
-def _read_exact(fd: int, n: int, offset: int) -> bytes:
-    chunks, done = [], 0
-    while done < n:
-        b = os.pread(fd, n - done, offset + done)
-        if not b:
-            break
-        chunks.append(b)
-        done += len(b)
-    return b"".join(chunks)
 
 
 def parse_header(read: Callable[[int, int], bytes], path: Path | str, size: int) -> Header:

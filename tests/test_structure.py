@@ -83,7 +83,8 @@ def test_layers_never_reach_upward():
     graph = _imports()
     assert not graph["methods"] - {"errors"}, "methods is pure parameter logic"
     assert not graph["kernels"] - {"methods", "errors"}, "kernels are pure tensor math"
-    assert not graph["tensorfile"] - {"errors"}
+    assert not graph["plainfile"], "plainfile is a leaf: small files read whole"
+    assert not graph["tensorfile"] - {"errors", "plainfile"}
     for m in ("executor", "manifest", "layout", "kernels"):
         assert "catalog" not in graph[m] and "planner" not in graph[m], m
 

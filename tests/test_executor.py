@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -260,18 +261,23 @@ def _assert_whole_or_absent(out, want_hash: str) -> None:
             assert "not a complete mergedb output" in problems[0]
 
 
+def _small_ties_plan(tmp_path) -> tuple[Path, int, Path]:
+    """(catalog, plan id, output path): a full-read TIES plan over a small 3-expert family, long enough
+    to execute that a signal lands while it writes."""
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=6)
+    db = tmp_path / "c.duckdb"
+    cat = Catalog(db)
+    cat.register([fam], base_model="base")
+    return db, cat.plan(PlanRequest("base", None, "ties", "all")).plan_id, tmp_path / "out"
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
 def test_interrupted_or_terminated_execute_leaves_nothing(tmp_path, sig, code):
     """Ctrl-C, or SIGTERM (kill, timeout, docker stop, a scheduler), while the output is written: the
     command cleans up (no output, no temporary folder, no lock) and exits with 128 + the signal (as a
     shell reports it); a second run then writes the output."""
-    fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=6)
-    db = tmp_path / "c.duckdb"
-    cat = Catalog(db)
-    cat.register([fam], base_model="base")
-    plan = cat.plan(PlanRequest("base", None, "ties", "all"))
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "mergedb.cli", "execute", str(plan.plan_id), "--out", str(out), "-c", str(db), "-q"]
+    db, plan_id, out = _small_ties_plan(tmp_path)
+    cmd = [sys.executable, "-m", "mergedb.cli", "execute", str(plan_id), "--out", str(out), "-c", str(db), "-q"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     assert _wait_until_writing(proc, out)
     proc.send_signal(sig)
@@ -288,18 +294,13 @@ def test_an_interrupted_execute_does_not_wait_for_a_stuck_worker(tmp_path, sig, 
     import lock held in the main thread, seen twice in this suite): the interrupted command used to
     wait for it forever, holding its output's lock. Here the kernels' warm-up task blocks for good:
     the command still cleans up and exits 130 / 143."""
-    fam = synth.make_family(tmp_path / "fam", experts=3, size="small", seed=6)
-    db = tmp_path / "c.duckdb"
-    cat = Catalog(db)
-    cat.register([fam], base_model="base")
-    plan = cat.plan(PlanRequest("base", None, "ties", "all"))
-    out = tmp_path / "out"
+    db, plan_id, out = _small_ties_plan(tmp_path)
     stuck = (
         "import sys, threading; from mergedb import kernels, cli; "
         "kernels.warm = lambda *a: threading.Event().wait(); "
         "sys.argv = ['mergedb', *sys.argv[1:]]; cli.entry()"
     )
-    args = ["execute", str(plan.plan_id), "--out", str(out), "-c", str(db), "-q"]
+    args = ["execute", str(plan_id), "--out", str(out), "-c", str(db), "-q"]
     proc = subprocess.Popen([sys.executable, "-c", stuck, *args], stderr=subprocess.PIPE, text=True)
     try:
         assert _wait_until_writing(proc, out)
@@ -444,24 +445,32 @@ def test_untouched_tensors_are_the_bases_bytes_copied_file_to_file(family, tmp_p
     assert sum(copied) == (sum(len(base[n]) for n in untouched) if in_kernel else 0)
 
 
-@pytest.mark.parametrize("shape", [(0, 8), (0,)])
-def test_zero_size_tensors_merge_with_every_unit_path(tmp_path, shape):
-    """A zero-size tensor beside a real one: with another output dtype or with SLERP every block is a
-    unit of the fused pass, the empty one included (it raised a reshape ValueError, unrecorded); the
-    outputs hold the empty tensor and the other's merge, computed here in torch."""
-    import torch
-    from safetensors.torch import load_file, save_file
+def _hand_family(tmp_path, base: dict, expert: dict) -> Catalog:
+    """A catalog of a base and one expert "e0" written here from torch tensors (Llama configs)."""
+    from safetensors.torch import save_file
 
-    g = torch.Generator().manual_seed(0)
-    base = {"model.layers.0.w": torch.randn(8, 8, generator=g), "model.empty": torch.zeros(shape)}
-    delta = 0.3 * torch.randn(8, 8, generator=g)
-    expert = {"model.layers.0.w": base["model.layers.0.w"] + delta, "model.empty": torch.zeros(shape)}
     for name, tensors in (("base", base), ("e0", expert)):
         (tmp_path / "fam" / name).mkdir(parents=True)
         save_file(tensors, str(tmp_path / "fam" / name / "model.safetensors"))
         (tmp_path / "fam" / name / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([tmp_path / "fam"], base_model="base")
+    return cat
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (0,)])
+def test_zero_size_tensors_merge_with_every_unit_path(tmp_path, shape):
+    """A zero-size tensor beside a real one: with another output dtype or with SLERP every block is a
+    unit of the fused pass, the empty one included (it raised a reshape ValueError, unrecorded); the
+    outputs hold the empty tensor and the other's merge, computed here in torch."""
+    import torch
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(0)
+    base = {"model.layers.0.w": torch.randn(8, 8, generator=g), "model.empty": torch.zeros(shape)}
+    delta = 0.3 * torch.randn(8, 8, generator=g)
+    expert = {"model.layers.0.w": base["model.layers.0.w"] + delta, "model.empty": torch.zeros(shape)}
+    cat = _hand_family(tmp_path, base, expert)
     ta = cat.plan(PlanRequest("base", ("e0",), "task_arithmetic", "all", params={"lambda": 0.5}))
     sl = cat.plan(PlanRequest("base", ("e0",), "slerp", "all", params={"t": 0.3}))
     cat.execute(ta.plan_id, tmp_path / "bf16", dtype="bf16")
@@ -486,7 +495,7 @@ def test_ties_off_the_density_grid_keeps_at_least_the_top_k(tmp_path):
     middle, used before, kept nothing of a four-element tensor at 0.237 and fewer at 0.0505 than
     at 0.05."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     g = torch.Generator().manual_seed(3)
     bw = (torch.randn(256, 256, generator=g) * 0.02).to(torch.bfloat16)
@@ -495,12 +504,7 @@ def test_ties_off_the_density_grid_keeps_at_least_the_top_k(tmp_path):
         "model.layers.0.small": torch.ones(4) + torch.tensor([0.297, 0.1, 0.05, 0.01]),
         "model.layers.0.w": (bw.float() + torch.randn(256, 256, generator=g) * 5e-4).to(torch.bfloat16),
     }
-    for name, tensors in (("base", base), ("e0", expert)):
-        (tmp_path / "fam" / name).mkdir(parents=True)
-        save_file(tensors, str(tmp_path / "fam" / name / "model.safetensors"))
-        (tmp_path / "fam" / name / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    cat = Catalog(tmp_path / "c.duckdb")
-    cat.register([tmp_path / "fam"], base_model="base")
+    cat = _hand_family(tmp_path, base, expert)
     kept_before = {}
     for d in (0.05, 0.0505, 0.2, 0.237, 0.25):  # off the grid: 0.0505, 0.237
         plan = cat.plan(PlanRequest("base", ("e0",), "ties", "all", params={"density": d}))
@@ -522,16 +526,12 @@ def test_a_tensor_of_nine_dimensions_merges_checks_and_replays(tmp_path):
     """The header reader took up to 16 dimensions but the manifest's check only 8: a merge of a
     9-dimensional tensor succeeded and then check and replay called its manifest damaged."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     shape = (1,) * 8 + (2, 4)
     base = {"model.w": torch.zeros(shape)}
     expert = {"model.w": torch.arange(8.0).reshape(shape)}
-    for name, tensors in (("base", base), ("e0", expert)):
-        (tmp_path / "fam" / name).mkdir(parents=True)
-        save_file(tensors, str(tmp_path / "fam" / name / "model.safetensors"))
-    cat = Catalog(tmp_path / "c.duckdb")
-    cat.register([tmp_path / "fam"], base_model="base")
+    cat = _hand_family(tmp_path, base, expert)
     plan = cat.plan(PlanRequest("base", ("e0",), "task_arithmetic", "all", params={"lambda": 0.5}))
     cat.execute(plan.plan_id, tmp_path / "out")
     assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["model.w"], 0.5 * expert["model.w"])

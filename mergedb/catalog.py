@@ -333,6 +333,8 @@ class Catalog:
                 return result.to_arrow_table() if result is not None else pa.table({})
             except duckdb.Error as e:
                 raise (faults.diagnose(self.path, e) or usersql.sql_error(e)) from None
+            except MemoryError:  # Arrow's copy of the rows is outside DuckDB's memory limit
+                raise MergeDBError(usersql.TOO_BIG) from None
 
     def checkpoints(self) -> list[CheckpointRow]:
         """Every registered checkpoint, bases first (no catalog at the path: CatalogError, as for

@@ -41,22 +41,66 @@ def check_statement(con: duckdb.DuckDBPyConnection, text: str) -> None:
         raise MergeDBError(
             f"mergedb sql runs exactly one statement; this text has {len(statements)}: run them one at a time"
         )
-    kind = statements[0].type
+    kind = _kind(statements[0])
+    if kind == duckdb.StatementType.EXPLAIN:  # EXPLAIN ANALYZE runs its statement: that one must be a query
+        inner = _explained(con, statements[0].query)
+        if inner not in (duckdb.StatementType.SELECT,):
+            what = f"a {inner.name} statement" if inner is not None else "that statement"
+            raise MergeDBError(f"mergedb sql explains queries only, and {what} is not one; allowed: {ALLOWED}")
     if kind == duckdb.StatementType.MULTI and text.lstrip().upper().startswith("PIVOT"):
         raise MergeDBError(
             "mergedb sql runs PIVOT with its values listed, e.g. PIVOT plans ON method IN ('ties', 'linear') "
             "USING count(*): without IN, DuckDB first creates a type, which the read-only catalog refuses"
         )
     if kind not in STATEMENTS:
-        raise MergeDBError(
-            f"mergedb sql only reads the catalog, and a {kind.name} statement is not a query; allowed: {ALLOWED}"
-        )
+        what = f"a {kind.name} statement" if kind is not None else "that statement"
+        raise MergeDBError(f"mergedb sql only reads the catalog, and {what} is not a query; allowed: {ALLOWED}")
+
+
+def _kind(statement: Any) -> duckdb.StatementType | None:
+    """The statement's type; None for one this DuckDB's Python layer has no name for (UPDATE
+    EXTENSIONS raised ValueError)."""
+    try:
+        return statement.type
+    except ValueError:
+        return None
+
+
+def _explained(con: duckdb.DuckDBPyConnection, text: str) -> duckdb.StatementType | None:
+    """The type of the statement an EXPLAIN [ANALYZE] [(options)] text explains (None: unknown)."""
+    tokens = duckdb.tokenize(text)
+    words = [(at, text[at:end].upper()) for (at, kind), end in zip(tokens, [t[0] for t in tokens[1:]] + [len(text)])
+             if kind != duckdb.token_type.comment]  # fmt: skip
+    i = 1  # after EXPLAIN
+    if i < len(words) and words[i][1].strip() == "ANALYZE":
+        i += 1
+    if i < len(words) and words[i][1].strip().startswith("("):  # (FORMAT json): up to its closing parenthesis
+        start, depth = i, 0
+        while i < len(words):
+            depth += words[i][1].count("(") - words[i][1].count(")")
+            i += 1
+            if depth <= 0:
+                break
+        if i >= len(words):  # nothing after it: the parentheses held the statement, EXPLAIN (SELECT 1)
+            i = start
+    if i >= len(words):
+        return None
+    try:
+        inner = con.extract_statements(text[words[i][0] :])
+    except duckdb.Error:
+        return None
+    return _kind(inner[0]) if len(inner) == 1 else None
+
+
+TOO_BIG = "the query's result does not fit in memory: add a LIMIT, select fewer or shorter columns, or aggregate"
 
 
 def sql_error(e: duckdb.Error) -> MergeDBError:
     hint = ""
     if isinstance(e, duckdb.PermissionException) or "configuration has been locked" in str(e):
         hint = " (mergedb sql reads the catalog only: other files, extensions and settings are off limits)"
+    if "arrow_large_buffer_size" in str(e):  # DuckDB suggests a SET, which the sandbox refuses
+        return MergeDBError(f"SQL error: a column's text adds up to more than 2 GB; {TOO_BIG}")
     return MergeDBError(f"SQL error: {e}{hint}")
 
 
@@ -65,12 +109,15 @@ def table_rows(table: pa.Table) -> list[tuple[Any, ...]]:
     name stay apart). A column Python cannot hold (DuckDB's infinite dates, timestamps past year
     9999) comes back as DuckDB's own text for its values, e.g. 'infinity'."""
     columns = []
-    for col in table.columns:
-        try:
-            columns.append(col.to_pylist())
-        except (OverflowError, ValueError, pa.ArrowException):
-            columns.append(_as_text(col))
-    return list(zip(*columns)) if columns else []
+    try:
+        for col in table.columns:
+            try:
+                columns.append(col.to_pylist())
+            except (OverflowError, ValueError, pa.ArrowException):
+                columns.append(_as_text(col))
+        return list(zip(*columns)) if columns else []
+    except MemoryError:
+        raise MergeDBError(TOO_BIG) from None
 
 
 def distinct_names(names: list[str]) -> list[str]:

@@ -101,6 +101,11 @@ ATTACKS = {
     "call": "CALL pragma_version()",
     "use": "USE memory",
     "empty": "  ",
+    # EXPLAIN ANALYZE runs what it explains; its statement must be a query too
+    "explain_analyze_create": "/* x */ EXPLAIN ANALYZE CREATE TEMP TABLE t AS SELECT 1",
+    "explain_analyze_checkpoint": "EXPLAIN ANALYZE CHECKPOINT",
+    "explain_options_set": "EXPLAIN (FORMAT json) SET VARIABLE x = 1",
+    "update_extensions": "UPDATE EXTENSIONS",  # a type DuckDB's Python layer cannot name (was a ValueError)
 }
 
 
@@ -129,6 +134,10 @@ def test_sql_refusals_say_why(world):
         cat.sql(f"SELECT * FROM read_csv('{side}/table.csv')")
     with pytest.raises(MergeDBError, match=r"runs PIVOT with its values listed, e.g. PIVOT plans ON method IN"):
         cat.sql("PIVOT plans ON method USING count(*)")
+    with pytest.raises(MergeDBError, match="explains queries only, and a CREATE statement is not one"):
+        cat.sql("EXPLAIN ANALYZE CREATE TEMP MACRO m() AS 1")
+    for query in ("EXPLAIN ANALYZE SELECT count(*) FROM plans", "EXPLAIN (FORMAT json) SELECT 1", "EXPLAIN (SELECT 1)"):
+        assert cat.sql(query).num_rows >= 1, query
     got = cat.sql("PIVOT (SELECT strategy, method FROM plans) ON method IN ('ties', 'nothing') USING count(*)")
     want = cat.sql("SELECT strategy, count(*) FILTER (method = 'ties') AS n FROM plans GROUP BY strategy")
     assert want.num_rows and sorted(zip(*got.to_pydict().values())) == sorted(
@@ -429,3 +438,20 @@ def test_resolve_plan_order_id_then_name_then_hash(world, tmp_path):
     assert mine.get_plan(second.plan_hash[:10]).plan_id == second.plan_id
     with pytest.raises(PlanError, match="no plan matching"):
         mine.get_plan("fffffffffffffffffff")
+
+
+def test_results_too_large_for_memory_say_what_to_do():
+    """Arrow's and Python's copies of a result are outside DuckDB's memory limit: running out of
+    memory there raised MemoryError, and DuckDB's 2 GB string limit advised a SET the sandbox refuses."""
+    import duckdb
+
+    from mergedb import usersql
+
+    class Column:
+        def to_pylist(self):
+            raise MemoryError
+
+    with pytest.raises(MergeDBError, match="does not fit in memory: add a LIMIT"):
+        usersql.table_rows(type("Table", (), {"columns": [Column()]})())
+    err = usersql.sql_error(duckdb.InvalidInputException("… exceeds this. * SET arrow_large_buffer_size=true to use …"))
+    assert "SET" not in str(err) and "more than 2 GB" in str(err) and "add a LIMIT" in str(err)

@@ -292,7 +292,9 @@ def register(
 def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> None:
     """Refuse files registered (or being registered) under another name in the same role, for the
     same base: a model named twice would count twice in every plan over all experts."""
-    seen = {(r[2], r[9], r[4]): r[0] for r in existing.values() if r[2] == "base" or r[3] == base_id}
+    mine = [r for r in existing.values() if r[2] == "base" or r[3] == base_id]
+    seen = {(r[2], r[9], r[4]): r[0] for r in mine}
+    at = {(r[2], _where(r[6])): r[0] for r in mine}
     for role, todo in (("base", bases), ("expert", experts)):
         for c in todo:
             other = seen.setdefault((role, str(c.root.resolve()), c.fingerprint), c.name)
@@ -301,6 +303,18 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
                     f"{c.path} holds the files of {role} {other!r}, registered under that name; register a "
                     f"model once (plans over all experts would count it twice): use {other!r}"
                 )
+            other = at.get((role, _where(c.path)), c.name)
+            if other != c.name:  # the same path, its files changed since: a re-scan, not a second model
+                raise CatalogError(
+                    f"{c.path} is registered as {role} {other!r} and its files changed since; re-scan it "
+                    f"under that name (mergedb register {c.path} --refresh --name {other}), not under a new one"
+                )
+
+
+def _where(path: Any) -> str:
+    """A checkpoint's path as a key: resolved when local (a URL as it is)."""
+    text = str(path)
+    return text if "://" in text else str(Path(text).resolve())
 
 
 def _only_times_changed(cat: Catalog, c: Checkpoint, threads: int) -> bool:

@@ -429,6 +429,16 @@ def test_the_same_files_under_a_second_name_are_refused(setup):
         with pytest.raises(CatalogError, match="holds the files of expert 'expert_00', registered under that name"):
             cat.register(paths, base_model="base", **kw)
         assert snapshot(cat) == before
+    # changed in place, then registered under a new name: the old name went stale and no --refresh could
+    # fix the family afterwards (both names pointed at one folder); now the re-scan is what it asks for
+    src = fam / "expert_00" / "model.safetensors"
+    data = bytearray(src.read_bytes())
+    data[-2:] = bytes([data[-2] ^ 1, data[-1]])
+    src.write_bytes(bytes(data))
+    with pytest.raises(CatalogError, match="registered as expert 'expert_00' and its files changed since; re-scan"):
+        cat.register([fam / "expert_00"], base_model="base", name="again")
+    assert snapshot(cat) == before
+    assert cat.register([fam / "expert_00"], base_model="base", refresh=True).registered == ("expert_00",)
     copy = tmp / "copy"
     shutil.copytree(fam / "expert_00", copy)  # a copy elsewhere is another checkpoint: allowed
     assert cat.register([copy], base_model="base").registered == ("copy",)

@@ -110,7 +110,7 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
                         "WHERE eb.checkpoint_id = ?",
                         [base_id, cid],
                     ).fetchall()
-    for cid, name, path, fp, _, _ in ckpts:
+    for cid, name, path, fp, role, _ in ckpts:
         if is_adapter(path):  # a LoRA adapter: its files against the fingerprint (no block rehash yet)
             try:
                 same = adapter_fingerprint(path) == fp
@@ -144,11 +144,11 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
             )
             continue
         if deep:
-            problems += _rehash(ckpt, hashes[cid])
+            problems += _rehash(ckpt, hashes[cid], base=role == "base")
     return problems
 
 
-def _rehash(ckpt: Checkpoint, rows: list[tuple]) -> list[Problem]:
+def _rehash(ckpt: Checkpoint, rows: list[tuple], base: bool = False) -> list[Problem]:
     where = {t.name: (fi, t) for fi, t in ckpt.tensors}
     out = []
     group = Sources()
@@ -163,7 +163,11 @@ def _rehash(ckpt: Checkpoint, rows: list[tuple]) -> list[Problem]:
                     Problem(
                         f"checkpoint {ckpt.name}",
                         f"block {block} of {tensor!r} differs from its registered hash",
-                        "the file was modified in place: restore it or register --refresh",
+                        "the file was modified in place: restore it, or register the new base under a new --name "
+                        "(its experts with it)"
+                        if base
+                        else f"the file was modified in place: restore it or mergedb register {ckpt.path} --refresh "
+                        f"--name {ckpt.name}",
                     )
                 )
     finally:

@@ -167,8 +167,9 @@ def register(
                     retimed.append(c)
                     continue
                 raise ChangedFileError(
-                    f"base {c.name!r} ({c.path}) changed since it was registered (its bytes, not only its files' "
-                    "times); its experts' statistics depend on it. Register the new base under a new --name"
+                    f"base {c.name!r} ({c.path}) changed since it was registered (its files, not only their times: "
+                    "rewritten, re-sharded or edited); its experts' statistics depend on it. Register the new base "
+                    "under a new --name"
                 )
         (todo_bases if role == "base" else todo_experts).append(c)
 

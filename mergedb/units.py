@@ -153,6 +153,8 @@ def check_name(name: str, what: str) -> None:
         why = "contains a comma"
     elif any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
         why = "contains a control character"
+    elif not any(ch.isprintable() and not ch.isspace() for ch in name):  # e.g. a zero-width space alone
+        why = "has no visible character"
     if why:
         raise MergeDBError(f"{what}, {name!r}, {why}, so commands could not refer to it; pass --name NAME")
 

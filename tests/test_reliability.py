@@ -60,6 +60,8 @@ def test_check_clean_then_finds_each_problem(registered):
     _poke_in_place(fam / "expert_01" / "model.safetensors")
     problems = check_catalog(cat, deep=True)
     assert any("expert_01" in p.where and "differs from its registered hash" in p.what for p in problems)
+    assert any(p.fix.endswith("model.safetensors --refresh --name expert_01") or "--refresh --name expert_01" in p.fix
+               for p in problems if "expert_01" in p.where), problems  # fmt: skip
     assert not check_catalog(cat, deep=False)  # size, mtime and header unchanged: only --deep sees it
     (fam / "expert_00" / "model.safetensors").unlink()
     assert any("expert_00" in p.where and "cannot be read" in p.what for p in check_catalog(cat))
@@ -482,9 +484,11 @@ def test_a_base_whose_files_were_only_touched_is_kept_by_refresh(registered):
     assert cat.register([fam / "base"], base=True, refresh=True).registered == ("base",)
     after = executor.execute(cat.execution_plan(plan.plan_id), tmp / "after").manifest["tensor_hashes"]
     assert after == before and check_catalog(cat) == []
-    _poke_in_place(f)
+    _poke_in_place(f)  # its times kept: only check --deep sees it, and advises what works for a base
+    found = [p for p in check_catalog(cat, deep=True) if p.where == "checkpoint base"]
+    assert found and all("register the new base under a new --name" in p.fix for p in found), found
     os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
-    with pytest.raises(ChangedFileError, match="its bytes, not only its files' times"):
+    with pytest.raises(ChangedFileError, match="its files, not only their times: rewritten, re-sharded or edited"):
         cat.register([fam / "base"], base=True, refresh=True)
 
 

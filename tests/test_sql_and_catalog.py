@@ -386,7 +386,9 @@ def test_same_name_from_another_folder_or_base_refused(world, tmp_path):
     assert res.registered == ("other_00",)
 
 
-@pytest.mark.parametrize("bad", ["", "  ", "a,b", " lead", "trail ", "tab\there", "nl\nx", "del\x7f"])
+@pytest.mark.parametrize(
+    "bad", ["", "  ", "a,b", " lead", "trail ", "tab\there", "nl\nx", "del\x7f", "\u200b", "\u200b\u2060"]
+)
 def test_unaddressable_names_refused(tiny_family, tmp_path, bad):
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([tiny_family / "base"], base=True)

@@ -84,6 +84,8 @@ def demo(
     t_start = time.perf_counter()
     if repeats < 1:
         raise MergeDBError(f"--repeats must be at least 1, got {repeats}")
+    if experts < 1:  # before anything is written: a family of no experts has nothing to merge
+        raise MergeDBError(f"--experts must be at least 1 for a demo, got {experts}")
     workdir = Path(workdir)
     prepare_workdir(workdir)
     fam = synth.make_family(workdir / "family", experts=experts, size=size, seed=0)
@@ -189,10 +191,15 @@ def prepare_workdir(workdir: Path) -> None:
             f"demo folder {shown} is not empty and was not created by `mergedb demo` (no {MARKER} in it); "
             "refusing to touch its contents: choose an empty or new --dir, e.g. mergedb demo --dir ./d"
         )
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / MARKER).write_text(
-        "Created by `mergedb demo`. A rerun replaces only: " + ", ".join(OWNED) + "; other files stay.\n"
-    )
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / MARKER).write_text(
+            "Created by `mergedb demo`. A rerun replaces only: " + ", ".join(OWNED) + "; other files stay.\n"
+        )
+    except OSError as e:  # under a file, on a read-only file system, in /proc
+        raise MergeDBError(
+            f"cannot make demo folder {shown}: {e.strerror or e}; choose a --dir in a folder you can write"
+        ) from None
 
 
 def _load(folder: Path) -> dict[str, np.ndarray]:

@@ -124,3 +124,21 @@ def test_demo_loader_matches_safetensors(tmp_path, dtype):
     for k in want:
         assert got[k].dtype == np.float32 and got[k].shape == want[k].shape, k
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_unwritable_places_and_no_experts_are_refused_in_one_line(tmp_path):
+    """demo --dir and synth under a file (or on a read-only file system) raised OSError tracebacks;
+    demo --experts 0 generated and registered a family before failing."""
+    (tmp_path / "afile").write_text("x")
+    for args, words in (
+        (
+            ["demo", "--dir", str(tmp_path / "afile" / "sub"), "--size", "tiny", "--experts", "2"],
+            "cannot make demo folder",
+        ),
+        (["synth", str(tmp_path / "afile" / "fam")], "cannot write"),
+        (["demo", "--dir", str(tmp_path / "none"), "--experts", "0"], "--experts must be at least 1 for a demo"),
+    ):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 1 and words in res.output, (args, res.output)
+        assert res.exception is None or isinstance(res.exception, SystemExit), (args, res.exception)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

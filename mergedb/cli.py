@@ -394,7 +394,7 @@ def plan(
 def _print_plan(summary: Any) -> None:
     for step, sql_text, rows in summary.explain:  # only with --explain
         render.line("", f"[bold]-- {escape(step)}: {rows} rows[/]")
-        render.out().print(sql_text.strip(), highlight=False, markup=False)
+        render.out().print(sql_text.strip(), highlight=False, markup=False, soft_wrap=True)  # SQL as written
     render.print_plan(summary)
 
 

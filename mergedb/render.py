@@ -333,6 +333,7 @@ def print_plan(p: PlanSummary, fmt: str = "table") -> None:
         f"[bold]plan {p.plan_id}[/]{escape(' (' + p.name + ')') if p.name else ''}  "
         f"{escape(p.method)} {escape(str(p.params))}  hash {p.plan_hash[:16]}",
         highlight=False,
+        soft_wrap=True,  # one line, as the other lines: a pipe's 80 columns split the hash off it
     )
     line(
         f"expert bytes: {size(p.selected_bytes)} selected of {size(p.full_bytes)} full read "

@@ -78,3 +78,30 @@ def test_report_lines_are_whole_and_markup_is_text(world, tmp_path):
     checked = run("check", "--output", out, "-c", cat.path)
     assert checked.strip() == "ok: catalog and outputs verified"
     assert "loss = 123456789.123" in run("score", plan.plan_id, "loss", "123456789.123", "-c", cat.path)
+
+
+def test_a_plans_header_and_its_sql_stay_on_their_lines_in_a_pipe(world):
+    """In a pipe (80 columns) the plan's first line was folded, splitting its hash onto a line of its
+    own (README shows it whole; scripts grep it), and --explain folded SQL comments, so that the
+    printed SQL no longer parsed."""
+    root, cat, plan = world
+    text = run("plan", "--base", "base", "--all", "-m", "ties", "-b", "25%", "--explain", "-c", cat.path)
+    header = next(ln for ln in text.splitlines() if ln.startswith("plan "))
+    assert "hash " in header and len(header.split("hash ")[1].strip()) == 16, header
+    import duckdb
+
+    parts, current = [], []
+    for ln in text.splitlines():  # each explained step's SQL, from its '-- step' line to the next
+        if ln.startswith("-- ") and ": " in ln and ln.rstrip().endswith("rows"):
+            if current:
+                parts.append("\n".join(current))
+            current = []
+        elif ln.startswith("plan "):
+            break
+        else:
+            current.append(ln)
+    parts.append("\n".join(current))
+    sql = [p for p in parts if "SELECT" in p.upper()]
+    assert sql
+    for statement in sql:  # each still parses as the SQL it is (a folded comment line would not)
+        duckdb.connect().extract_statements(statement)

@@ -690,7 +690,7 @@ def sweep(
     render.print_sweep(res, fmt)
 
 
-@app.command()
+@app.command(context_settings={"ignore_unknown_options": True})  # VALUE may be negative: -1.5 is not an option
 def score(
     plan_ref: str = typer.Argument(..., metavar="PLAN", help="Plan id, name or hash prefix."),
     metric: str = typer.Argument(..., metavar="METRIC", help="What was measured, e.g. loss."),

@@ -249,6 +249,8 @@ def test_cli_sweep_and_score(fam, tmp_path):
     # a second sweep picks the next free prefix; bad input fails clearly with the catalog unchanged
     r = runner.invoke(app, [*args[:-1], str(tmp_path / "o2"), "--grid", "density=0.2", *c])
     assert r.exit_code == 0 and (tmp_path / "o2").iterdir().__next__().name.startswith("ties-sweep"), r.output
+    r = runner.invoke(app, ["score", names[0], "logp", "-1.5", *c])  # a negative value is not an option
+    assert r.exit_code == 0 and "logp = -1.5" in r.output, r.output
     n = cat.sql("SELECT count(*) AS n FROM scores").to_pylist()
     for bad in (["no-such-plan", "loss", "1"], [names[0], "loss", "nan"], [names[0], " ", "1"]):
         r = runner.invoke(app, ["score", *bad, *c])

@@ -142,6 +142,7 @@ def sweep(
     root = Path(out_dir)
     if root.exists() and not root.is_dir():
         raise MergeDBError(f"--out {root} is a file, not a folder; a sweep writes a folder per plan in it")
+    _check_root(root)
     _check_outs(cat, [_out(root, r.name) for r in requests if isinstance(r, planner.PlanRequest) and r.name])
     summaries, xps = grid.plan_and_load(cat, requests)
     _refuse_adapters(xps)
@@ -252,6 +253,21 @@ def _out(root: Path, name: str) -> Path:
             "(no '/', not '..'); pick another --name"
         )
     return root / name
+
+
+def _check_root(root: Path) -> None:
+    """Refuse, before any plan is stored, a sweep folder that cannot be made or written: under a
+    file, or where the nearest existing folder is read-only (its plans were stored, then the rerun
+    with another --out was refused for their names)."""
+    at = root
+    while not os.path.lexists(at) and at != at.parent:
+        at = at.parent
+    if not at.is_dir():
+        raise MergeDBError(f"--out {root}: {at} is a file, not a folder; choose another --out")
+    if not os.access(at, os.W_OK | os.X_OK):
+        raise MergeDBError(
+            f"--out {root}: {at} cannot be written (read-only); choose an --out in a folder you can write"
+        )
 
 
 def _check_outs(cat: Catalog, outs: list[Path]) -> None:

@@ -437,3 +437,24 @@ def test_a_cancelled_pace_stops_a_waiting_plan():
     pace.cancel()
     t.join(timeout=2)
     assert not t.is_alive() and errors and "stopped" in errors[0]
+
+
+def test_an_out_that_cannot_be_made_is_refused_before_any_plan_is_stored(fam, tmp_path, monkeypatch):
+    """A sweep --out under a file or in a read-only folder failed after its plans were stored, and
+    the rerun with a good --out was refused for those plans' names. Read-only is simulated: tests
+    run as root, whom permissions do not stop."""
+    from mergedb import sweep as sweep_mod
+
+    root, cat = fam
+    before = cat.sql("SELECT count(*) AS n FROM plans").to_pylist()
+    (tmp_path / "afile").write_text("x")
+    args = ["sweep", "--base", "base", "--all", "-m", "ties", "--grid", "density=0.2", "--name", "nowhere"]
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "afile" / "sw"), "-c", str(cat.path)])
+    assert r.exit_code == 1 and "is a file, not a folder" in r.output, r.output
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(sweep_mod.os, "access", lambda p, m: False if Path(p) == ro else real(p, m))
+    r = runner.invoke(app, [*args, "--out", str(ro / "sw"), "-c", str(cat.path)])
+    assert r.exit_code == 1 and "cannot be written (read-only)" in r.output, r.output
+    assert cat.sql("SELECT count(*) AS n FROM plans").to_pylist() == before

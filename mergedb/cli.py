@@ -616,7 +616,7 @@ def check(
 @app.command()
 def sweep(
     config_files: list[Path] | None = typer.Argument(
-        None, metavar="[CONFIG]...", help="With --configs: mergekit YAML configs, one plan each."
+        None, metavar="CONFIG", help="With --configs: mergekit YAML configs, one plan each."
     ),
     configs: bool = typer.Option(
         False, "--configs", help="Plan each CONFIG file (a mergekit config) as a plan named after the file."
@@ -643,8 +643,7 @@ def sweep(
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
 ) -> None:
-    """Plan every point of a parameter grid (or every mergekit config given) and merge them all in one
-    pass over the experts.
+    """Plan a parameter grid (or mergekit configs) and merge every plan in one pass over the experts.
 
     Example: mergedb sweep --base base --all -m ties --grid density=0.1,0.2,0.3 --grid lambda=0.5,1 --out sweeps
 

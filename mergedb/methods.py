@@ -117,7 +117,7 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
     if method == "slerp" and n_experts != 1:
         raise PlanError(f"slerp interpolates between the base and exactly one expert, got {n_experts} experts")
     if method == "slerp" and any(w != 1.0 for w in weights):
-        raise PlanError("slerp takes no weights: t sets the mix of base and expert (e.g. t: 0.5)")
+        raise PlanError("slerp takes no weights: t sets the mix of base and expert (--t 0.5, or t: 0.5 in a config)")
     if len(weights) != n_experts:
         raise PlanError(f"{len(weights)} weights for {n_experts} experts; give one weight per expert, in order")
     for i, w in enumerate(weights):

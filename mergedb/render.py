@@ -397,7 +397,15 @@ def print_demo(res: Any, fmt: str, workdir: str) -> None:
         Col("budget", "budget"),
         Col("expert_bytes", "read", size, "expert bytes the plan reads", right=True),
         Col("physical_bytes", "disk", size, "bytes fetched from storage in the run (base included)", right=True),
-        Col("seconds", "time", _secs, f"median of {res.repeats} whole executions, each from a cold cache", True),
+        Col(
+            "seconds",
+            "time",
+            _secs,
+            f"median of {res.repeats} whole executions, each from a cold cache"
+            if res.repeats != 1
+            else "one whole execution, from a cold cache",
+            True,
+        ),
         Col("speedup", "speed-up", lambda v: f"{v:.2f}×", "the full read's time / this time", right=True),
         Col("rel_to_update", "dev", num, "‖θB−θF‖ / ‖θF−θ0‖: distance to the full merge, per unit of update", True),
         Col("bound_rel", "bound", num, "the plan's bound on dev, known before reading a byte", right=True),
@@ -407,7 +415,7 @@ def print_demo(res: Any, fmt: str, workdir: str) -> None:
         doc = {k: v for k, v in asdict(res).items() if k != "rows"}
         _write_json({**doc, "rows": records})
         return
-    title = f"{res.method}, {res.experts} experts ({res.size} family in {workdir})"
+    title = f"{res.method}, {res.experts} expert{'s' * (res.experts != 1)} ({res.size} family in {workdir})"
     footer = f"demo took {res.seconds:.0f}s; the outputs are in {workdir}/merged-*"
     print_records(cols, records, fmt, title=title, notes=[*res.notes, footer] if fmt == "table" else ())
 
@@ -447,7 +455,8 @@ def print_sweep(res: Any, fmt: str) -> None:
     where = f"outputs: {res.runs[0][1].out.parent}/<plan>/" if res.runs else "no outputs"
     notes = [
         where,
-        f"{len(res.runs)} plans in {_secs(res.seconds)}: expert bytes read {size(res.expert_bytes_read)} "
+        f"{len(res.runs)} plan{'s' * (len(res.runs) != 1)} in {_secs(res.seconds)}: "
+        f"expert bytes read {size(res.expert_bytes_read)} "
         f"(separate runs: {size(res.expert_bytes_served)}), disk {size(res.physical_read_bytes)}, "
         f"peak RSS {size(res.peak_rss)}; {res.fold_groups} fold group(s) (plans that differ only in λ or "
         f"normalize), each block folded in {res.fold_passes} pass(es)",

@@ -127,7 +127,7 @@ def resolve(
         if len(missing):
             raise PlanError(
                 f"slerp needs t for every tensor, and tensor {tensors[missing[0]]!r} has none; give a plan-level t "
-                "(e.g. t: 0.5) or a t row for that tensor in tensor_params"
+                "(--t 0.5, or t: 0.5 in a config) or a t row for that tensor in tensor_params"
             )
     _check(method, full, experts, tensors, merge, bool(params.get("normalize")))
     w = full["weight"]

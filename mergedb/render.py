@@ -54,7 +54,8 @@ def check_format(fmt: str, *extra: str) -> str:
 @contextmanager
 def progress(quiet: bool, label: str) -> Iterator[tuple[Any, Any]]:
     """(advance, set_total) callbacks driving a rich bar in bytes with rate (MB/s) and ETA."""
-    if quiet:
+    console = Console(stderr=True)
+    if quiet or not console.is_terminal:  # not drawn into a pipe or a file (rich left an empty line there)
         yield None, None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
@@ -65,7 +66,7 @@ def progress(quiet: bool, label: str) -> Iterator[tuple[Any, Any]]:
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        console=Console(stderr=True),
+        console=console,
         transient=True,
     ) as bar:
         task = bar.add_task(label, total=None)

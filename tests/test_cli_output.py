@@ -105,3 +105,16 @@ def test_a_plans_header_and_its_sql_stay_on_their_lines_in_a_pipe(world):
     assert sql
     for statement in sql:  # each still parses as the SQL it is (a folded comment line would not)
         duckdb.connect().extract_statements(statement)
+
+
+def test_no_progress_is_drawn_into_a_pipe(world, tmp_path):
+    """A progress bar is for a terminal: into a pipe, rich still wrote an empty line to stderr at the
+    end of every register and execute (and before an error's line)."""
+    import subprocess
+    import sys
+
+    root, cat, plan = world
+    cmd = [sys.executable, "-m", "mergedb.cli", "execute", str(plan.plan_id), "--out", str(tmp_path / "o"), "-c"]
+    res = subprocess.run([*cmd, str(cat.path)], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stderr == "", repr(res.stderr)
+    assert res.stdout.startswith("wrote ")

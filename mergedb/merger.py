@@ -42,6 +42,7 @@ from .errors import ChangedFileError
 from .layout import TensorLayout, block_bytes, output_dtype, row_elems, span_bytes, spans
 from .lora import is_adapter
 from .manifest import ExecutionPlan, Source
+from .remote import is_url
 from .stock import StockTensor
 from .tensorfile import DTYPES, FileRange, normalize_dtype, tensor_nbytes
 from .tensorparams import TensorParams
@@ -126,6 +127,9 @@ class Merger:
         read_block: ReadBlock | None = None,
         fold_block: FoldBlock | None = None,
     ) -> None:
+        # a server may answer a range with other bytes (fsspec does not check Content-Range): blocks
+        # read from a URL are always checked against their registered hashes, as --verify does
+        verify = verify or any(is_url(s.path) for s in (xp.base, *xp.experts))
         self.xp, self.verify = xp, verify
         self.read_block, self.fold_block = read_block, fold_block
         self.dtype = normalize_dtype(dtype)

@@ -55,6 +55,7 @@ class RangeServer:
     def __init__(self, root: Path, versions: bool = True) -> None:
         self.root, self.log, self.lock = root, [], threading.Lock()
         self.fail_data = False  # answer 500 to every read of tensor data (a server failing mid-run)
+        self.shift = 0  # answer a range of tensor data with the bytes this much further on (a lying server)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -86,6 +87,10 @@ class RangeServer:
                     lo, hi, status = int(a), min(int(b) + 1 if b else st.st_size, st.st_size), 206
                     if server.fail_data and rel.endswith(".safetensors") and lo >= _data_start(path):
                         lo, hi, status = 0, 0, 500
+                    elif server.shift and rel.endswith(".safetensors") and lo >= _data_start(path):
+                        n = hi - lo  # same length, other bytes, and an honest Content-Range saying so
+                        lo = min(lo + server.shift, st.st_size - n)
+                        hi = lo + n
                 self.send_response(status)
                 self.send_header("Content-Length", str(hi - lo))
                 self.send_header("Accept-Ranges", "bytes")
@@ -307,6 +312,21 @@ def test_http_changed_file_is_refused_at_execution(sharded_family, http_server, 
     with pytest.raises(ChangedFileError, match="expert_01.*changed since it was registered"):
         executor.execute(xp, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_server_answering_other_bytes_is_caught_by_the_block_hashes(sharded_family, http_server, tmp_path):
+    """A server that answers a range with other bytes of the file (same length, unchanged ETag) made
+    a wrong output that installed and passed check (fsspec does not look at Content-Range): remote
+    merges now check every block they read against its registered hash, as --verify does."""
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([f"{http_server.url}/base/model.safetensors.index.json"], base=True, block_size=BLOCK)
+    cat.register([f"{http_server.url}/expert_01/model.safetensors.index.json"], base_model="base")
+    xp = cat.execution_plan(cat.plan(REQUEST).plan_id)
+    executor.execute(xp, tmp_path / "good")
+    http_server.shift = 512
+    with pytest.raises(ChangedFileError, match="does not match its registered hash"):
+        executor.execute(xp, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
 
 
 def _free_port() -> int:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import duckdb
 import pyarrow as pa
@@ -294,11 +295,11 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
     """Refuse files registered (or being registered) under another name in the same role, for the
     same base: a model named twice would count twice in every plan over all experts."""
     mine = [r for r in existing.values() if r[2] == "base" or r[3] == base_id]
-    seen = {(r[2], r[9], r[4]): r[0] for r in mine}
+    seen = {(r[2], _where(r[9]), r[4]): r[0] for r in mine}
     at = {(r[2], _where(r[6])): r[0] for r in mine}
     for role, todo in (("base", bases), ("expert", experts)):
         for c in todo:
-            other = seen.setdefault((role, str(c.root.resolve()), c.fingerprint), c.name)
+            other = seen.setdefault((role, _where(c.root.resolve()), c.fingerprint), c.name)
             if other != c.name:
                 raise CatalogError(
                     f"{c.path} holds the files of {role} {other!r}, registered under that name; register a "
@@ -313,9 +314,10 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
 
 
 def _where(path: Any) -> str:
-    """A checkpoint's path as a key: resolved when local (a URL as it is)."""
+    """A checkpoint's path as a key: resolved when local, a URL with its escapes decoded (expert%2000
+    and "expert 00" name one object)."""
     text = str(path)
-    return text if "://" in text else str(Path(text).resolve())
+    return unquote(text) if "://" in text else str(Path(text).resolve())
 
 
 def _only_times_changed(cat: Catalog, c: Checkpoint, threads: int) -> bool:

@@ -329,6 +329,17 @@ def test_a_server_answering_other_bytes_is_caught_by_the_block_hashes(sharded_fa
     assert not (tmp_path / "bad").exists()
 
 
+def test_one_object_under_two_spellings_of_its_url_is_one_expert(sharded_family, http_server, tmp_path):
+    """expert_01 and expert%5F01 name the same object; registered under two names it was counted
+    twice by every plan over all experts (the copy check compared the URLs as typed)."""
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([f"{http_server.url}/base/model.safetensors.index.json"], base=True, block_size=BLOCK)
+    cat.register([f"{http_server.url}/expert_01/model.safetensors.index.json"], base_model="base", name="a")
+    with pytest.raises(MergeDBError, match="holds the files of expert 'a'"):
+        cat.register([f"{http_server.url}/expert%5F01/model.safetensors.index.json"], base_model="base", name="b")
+    assert [c.name for c in cat.checkpoints()] == ["base", "a"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -146,6 +146,7 @@ def _shard_task(
     phys0 = physical_read_bytes()
     part = Path(tmp) / f".{name}{PART}{uuid.uuid4().hex[:8]}"
     merger = Merger(xp, dtype, verify, threads)
+    remote = merger.inputs.sources.any_remote  # asked before close(), which forgets the opened files
     try:
         hashes, written = write_shard(merger, xp, group, part, dtype, (lambda _: fault(name)) if fault else None)
         os.replace(part, Path(tmp) / name)
@@ -161,7 +162,7 @@ def _shard_task(
         merger.count.base,
         physical_read_bytes() - phys0,
         peak_rss(),
-        merger.inputs.fetched if merger.inputs.sources.any_remote else None,
+        merger.inputs.fetched if remote else None,
     )
 
 

@@ -269,3 +269,22 @@ def test_readme_ray_example_runs(tmp_path, monkeypatch):
     assert ray.is_initialized()  # the module's session was reused, and left running
     assert len(list((tmp_path / "merged").glob("model-*.safetensors"))) >= 2
     assert Catalog(tmp_path / "catalog.duckdb").sql("SELECT status FROM runs").column(0).to_pylist() == ["ok"]
+
+
+def test_ray_over_http_records_the_bytes_fetched(tmp_path):
+    """Each Ray task asked whether its inputs were remote after closing them (always no), so a Ray run
+    over URLs recorded no run.remote_bytes_fetched; the same run without Ray did."""
+    from tests.test_remote import RangeServer
+
+    folder = synth.make_family(tmp_path / "family", experts=2, size="tiny", seed=21)
+    server = RangeServer(folder)
+    try:
+        cat = Catalog(tmp_path / "c.duckdb")
+        cat.register([f"{server.url}/base"], base=True, block_size="64KiB")
+        cat.register([f"{server.url}/expert_00", f"{server.url}/expert_01"], base_model="base")
+        xp = cat.execution_plan(cat.plan(PlanRequest("base", None, "task_arithmetic", "50%")).plan_id)
+        executor.execute(xp, tmp_path / "ray", max_shard_size=SHARD, write_shards=rayexec.shard_writer())
+    finally:
+        server.close()
+    run = json.loads((tmp_path / "ray" / MANIFEST).read_text())["run"]
+    assert run["remote_bytes_fetched"] >= run["expert_bytes_logical"] + run["base_bytes"] > 0

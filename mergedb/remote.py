@@ -154,7 +154,8 @@ def read_bytes(url: str, start: int | None = None, end: int | None = None) -> by
     except FileNotFoundError as e:
         raise (_unreachable(url, e) or FormatError(f"{url}: no such file")) from None
     except Exception as e:  # network, credentials (botocore's errors are not OSErrors)
-        raise MergeDBError(f"{url}: reading failed ({e}); check the network and the credentials") from None
+        why = str(e) or type(e).__name__  # a timeout's str is empty
+        raise MergeDBError(f"{url}: reading failed ({why}); check the network and the credentials") from None
     if start is not None and end is not None and len(data) != end - start:
         raise FormatError(
             f"{url}: asked for bytes {start}-{end} and got {len(data)} bytes (the server ignores Range "

@@ -340,6 +340,20 @@ def test_one_object_under_two_spellings_of_its_url_is_one_expert(sharded_family,
     assert [c.name for c in cat.checkpoints()] == ["base", "a"]
 
 
+def test_a_failure_without_words_is_named_by_its_kind(monkeypatch):
+    """aiohttp's timeout (after 300 s on a stalled server) has an empty str: the message read
+    'reading failed ()'."""
+    from mergedb import remote
+
+    class Stalled:
+        def cat_file(self, *a, **k):
+            raise TimeoutError()
+
+    monkeypatch.setattr(remote, "filesystem", lambda url: (Stalled(), url))
+    with pytest.raises(MergeDBError, match=r"reading failed \(TimeoutError\)"):
+        remote.read_bytes("http://example.invalid/x.safetensors", 0, 8)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -298,7 +298,7 @@ def test_zero_chunks_skipped_change_nothing(rows, row, fp32, touched, nonfinite_
     for r in np.flatnonzero(rng.random(rows) < touched):  # the rows the fine-tune changed
         expert[r * row : (r + 1) * row] = base[r * row : (r + 1) * row] + rng.normal(0, 1e-3, row).astype(np.float32)
     if nonfinite_base:
-        base[rng.integers(0, n, 2)] = [np.nan, np.inf]
+        base[rng.choice(n, 2, replace=False)] = [np.nan, np.inf]  # two places (two draws could coincide)
         expert[np.isnan(base) | np.isinf(base)] = base[np.isnan(base) | np.isinf(base)]
     if fp32:
         e, b, shift = expert.view(np.uint32), base.view(np.uint32), 0

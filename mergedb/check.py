@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import xxhash
 
-from . import manifest
+from . import manifest, outdir
 from .checkpoint import INDEX, SIDE_FILES, Checkpoint, open_checkpoint
 from .errors import MergeDBError
 from .lora import adapter_fingerprint, is_adapter
@@ -208,8 +208,8 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     # run.files and run.side_files are not under the content hash: only plain names in the folder
     # are looked at (an edited manifest could name ../../anything)
     for name in run.get("files") if isinstance(run, dict) and isinstance(run.get("files"), list) else []:
-        if not _plain_name(name):
-            problems.append(f"{path}: run.files names {name!r}, not a file in the output's folder (edited?)")
+        if not outdir.ours(name):
+            problems.append(f"{path}: run.files names {name!r}, not a file mergedb writes in an output (edited?)")
         elif not (folder / name).is_file():
             problems.append(f"{folder}: {name} is missing (the manifest lists it among the output's files)")
     side = run.get("side_files") if isinstance(run, dict) and isinstance(run.get("side_files"), dict) else {}
@@ -253,7 +253,3 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
         elif seen[name] != want:
             problems.append(f"{folder}: tensor {name!r} differs from the manifest")
     return problems
-
-
-def _plain_name(name: object) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name

@@ -237,12 +237,15 @@ def _listed_files(folder: Path) -> set[str]:
         return set()
     if not isinstance(files, list):
         return set()
-    return {
-        f
-        for f in files
-        if isinstance(f, str)
-        and (f in (INDEX, MASK, MANIFEST, *ADAPTER_FILES) or f in SIDE_FILES or _OUR_NAME.fullmatch(f))
-    }
+    return {f for f in files if ours(f)}
+
+
+def ours(name: object) -> bool:
+    """Whether `name` is one mergedb writes into an output: shards, index, mask, manifest, an
+    adapter's files, the base's side files (never a path: run.files is outside the content hash)."""
+    return isinstance(name, str) and (
+        name in (INDEX, MASK, MANIFEST, *ADAPTER_FILES) or name in SIDE_FILES or bool(_OUR_NAME.fullmatch(name))
+    )
 
 
 def _remove_ours(folder: Path) -> None:

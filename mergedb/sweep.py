@@ -140,8 +140,6 @@ def sweep(
 
     requests, dtypes = _checked(requests, max_parallel, threads, dtype, cache_bytes)
     root = Path(out_dir)
-    if root.exists() and not root.is_dir():
-        raise MergeDBError(f"--out {root} is a file, not a folder; a sweep writes a folder per plan in it")
     _check_root(root)
     _check_outs(cat, [_out(root, r.name) for r in requests if isinstance(r, planner.PlanRequest) and r.name])
     summaries, xps = grid.plan_and_load(cat, requests)
@@ -263,7 +261,8 @@ def _check_root(root: Path) -> None:
     while not os.path.lexists(at) and at != at.parent:
         at = at.parent
     if not at.is_dir():
-        raise MergeDBError(f"--out {root}: {at} is a file, not a folder; choose another --out")
+        where = "" if at == root else f": {at}"
+        raise MergeDBError(f"--out {root}{where} is a file, not a folder; a sweep writes a folder per plan in --out")
     if not os.access(at, os.W_OK | os.X_OK):
         raise MergeDBError(
             f"--out {root}: {at} cannot be written (read-only); choose an --out in a folder you can write"

@@ -560,7 +560,7 @@ def test_check_output_reads_only_plain_names_the_manifest_lists(registered):
     found = check_output(out)
     assert any("run.side_files names '/etc/hostname', not a side file mergedb copies" in p for p in found), found
     assert any("run.side_files names '../fam/base/config.json'" in p for p in found), found
-    assert any("run.files names '../c.duckdb', not a file in the output's folder" in p for p in found), found
+    assert any("run.files names '../c.duckdb', not a file mergedb writes in an output" in p for p in found), found
     assert not any("differs from the file" in p for p in found), found
 
 

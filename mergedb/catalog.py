@@ -327,10 +327,13 @@ class Catalog:
         with self.duckdb_connection(sandbox=True) as con:
             usersql.check_statement(con, text)
             try:
-                result = con.sql(
-                    text, params=(params if isinstance(params, dict) else list(params)) if params else None
-                )
-                return result.to_arrow_table() if result is not None else pa.table({})
+                values = (params if isinstance(params, dict) else list(params)) if params else None
+
+                def run() -> pa.Table:
+                    result = con.sql(text, params=values)
+                    return result.to_arrow_table() if result is not None else pa.table({})
+
+                return usersql.interruptibly(con, run)
             except duckdb.Error as e:
                 raise (faults.diagnose(self.path, e) or usersql.sql_error(e)) from None
             except MemoryError:  # Arrow's copy of the rows is outside DuckDB's memory limit

@@ -11,7 +11,9 @@ RESET or PRAGMA cannot change that because the configuration is locked.
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -27,6 +29,38 @@ SANDBOX = {
 }
 STATEMENTS = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
 ALLOWED = "SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN"
+T = TypeVar("T")
+
+
+def interruptibly(con: duckdb.DuckDBPyConnection, work: Callable[[], T]) -> T:
+    """work() (a statement on `con`) in a thread of its own while this thread waits, so that Ctrl-C
+    or SIGTERM stops a query that runs for minutes: DuckDB looks for a signal only while the calling
+    thread runs one of the query's tasks, and when its worker threads hold every task (a scan of one
+    big range on two cores) the signal went unseen until the query ended (4 of 12 tries here). The
+    wait here is Python's, which a signal ends; the query is then interrupted (`con.interrupt()`)
+    and the signal's exception raised once its thread has stopped."""
+    done: dict[str, Any] = {}
+    finished = threading.Event()  # not Thread.join: one interrupted by a signal (3.11) marks the thread ended
+
+    def run() -> None:
+        try:
+            done["value"] = work()
+        except BaseException as e:  # re-raised in the calling thread
+            done["error"] = e
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name="mergedb-sql", daemon=True).start()
+    try:
+        while not finished.wait(0.1):  # a signal delivered to another thread is seen within 0.1 s
+            pass
+    except BaseException:
+        con.interrupt()
+        finished.wait()
+        raise
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 def check_statement(con: duckdb.DuckDBPyConnection, text: str) -> None:

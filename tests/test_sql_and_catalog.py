@@ -457,3 +457,26 @@ def test_results_too_large_for_memory_say_what_to_do():
         usersql.table_rows(type("Table", (), {"columns": [Column()]})())
     err = usersql.sql_error(duckdb.InvalidInputException("… exceeds this. * SET arrow_large_buffer_size=true to use …"))
     assert "SET" not in str(err) and "more than 2 GB" in str(err) and "add a LIMIT" in str(err)
+
+
+def test_ctrl_c_stops_a_long_query_from_python(tmp_path):
+    """A program calling Catalog.sql gets KeyboardInterrupt soon after Ctrl-C (a SIGINT sent to the
+    main thread 0.5 to 2 s into the query), not when the minute-long join ends; the catalog is
+    closed and answers the next query."""
+    import signal
+    import threading
+    import time
+
+    from mergedb.synth import simulate
+
+    cat = Catalog(tmp_path / "c.duckdb")
+    simulate(cat, 2, 1, 2)
+    main = threading.main_thread().ident
+    for after in (0.5, 1.0, 1.5, 2.0):
+        timer = threading.Timer(after, lambda: signal.pthread_kill(main, signal.SIGINT))
+        start = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            cat.sql("SELECT count(*) FROM range(3000000000) a(x) JOIN range(1000) b(y) ON x % 1000 = y")
+        assert time.monotonic() - start < after + 5, after
+        assert cat.sql("SELECT count(*) AS n FROM checkpoints").column("n").to_pylist() == [3]

@@ -1,11 +1,25 @@
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from mergedb import synth
 from mergedb.catalog import Catalog
+
+# Property tests draw the same examples on every run, so that a CI run cannot fail on a draw no
+# earlier run made; `HYPOTHESIS_PROFILE=explore pytest` draws new ones (and prints how to replay a
+# failure).
+settings.register_profile("repeatable", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
+# A suite started in the background (nohup, `&` without job control) inherits SIGINT ignored, and
+# so would every `mergedb` process a test starts: the Ctrl-C tests need it delivered.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # (dtype, shard_size): bf16 single file, fp16 sharded, fp32 single file with small blocks
 FAMILIES = {

@@ -349,9 +349,23 @@ def test_killed_execute_leaves_no_complete_output(tmp_path):
     assert res.returncode == 0, res.stderr
     _assert_whole_or_absent(out, want)
     assert out.exists() and not list(tmp_path.glob(".out.mergedb-tmp-*"))  # killed runs' temps removed
-    # a kill while replacing a previous output with --force keeps the old one whole
-    assert kill_during_run(["--force"], 0.4)
+    # a kill while replacing a previous output with --force keeps the old one whole (tried earlier
+    # into the write when a run ended before the kill: run_s can include the first run's slow start)
+    assert any(kill_during_run(["--force"], f) for f in (0.4, 0.1, 0.0))
     assert out.exists()
+
+
+def _open_under(folder: Path) -> list[str]:
+    """The files under `folder` this process holds open (other threads' files do not count)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(str(folder) + os.sep):
+            found.append(target)
+    return found
 
 
 def test_changed_input_refused(tmp_path):
@@ -361,10 +375,9 @@ def test_changed_input_refused(tmp_path):
     plan = cat.plan(PlanRequest("base", None, "linear"))
     xp = cat.execution_plan(plan.plan_id)
     os.utime(fam / "expert_00" / "model.safetensors", ns=(5, 5))
-    open_fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(ChangedFileError, match="changed since it was registered"):
         executor.execute(xp, tmp_path / "out")
-    assert len(os.listdir("/proc/self/fd")) == open_fds  # the base's files, opened first, are closed again
+    assert _open_under(tmp_path) == []  # the base's files, opened first, are closed again
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if "mergedb-tmp" in p.name]
 

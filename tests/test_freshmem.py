@@ -40,7 +40,10 @@ def test_prefault_stays_a_window_ahead_of_the_fill():
     rows = 1 << 22
     a = freshmem.empty(rows, np.int64)
     with freshmem.Prefault([a], rows, ahead=1 << 18, chunk=1 << 16) as p:
-        time.sleep(0.5)  # the thread maps (1 << 18) rows, then waits for the fill
+        deadline = time.monotonic() + 30  # the thread maps (1 << 18) rows, then waits for the fill
+        while NEW_KERNEL and p.mapped_rows < 1 << 18 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # and maps no further
     if NEW_KERNEL:
         assert p.mapped_rows == 1 << 18
     else:

@@ -374,14 +374,15 @@ _DIMS = st.lists(st.integers(1, 2**62), min_size=1, max_size=4)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_declared_data_larger_than_file_refused_without_allocating(tmp_path_factory, shape):
     """A header whose shape × dtype (and matching data_offsets) claims more bytes than the file
-    holds is refused, in well under a second and without allocating anything of that size."""
+    holds is refused at once (well under a second here; 10 s allowed for a stalled machine) and
+    without allocating anything of that size."""
     nbytes = 4 * math.prod(shape)
     assume(nbytes > 16)  # the file holds 16 bytes of data: 16 would be a valid file
     p = tmp_path_factory.mktemp("h") / "h.safetensors"
     _write_header_file(p, {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, nbytes]}}, b"\0" * 16)
     t0 = time.perf_counter()
     peak = _peak_python_alloc(lambda: _refused(p, r"runs to byte \d+ .*\(truncated\?\)"))
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 10
     assert peak < 2**20, peak
 
 

@@ -11,7 +11,6 @@ import http.client
 import json
 import os
 import secrets
-import socket
 import struct
 import subprocess
 import sys
@@ -354,12 +353,6 @@ def test_a_failure_without_words_is_named_by_its_kind(monkeypatch):
         remote.read_bytes("http://example.invalid/x.safetensors", 0, 8)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def s3(monkeypatch):
     """A moto S3 server on 127.0.0.1 behind a logging proxy; fsspec's s3 points at the proxy and the
@@ -369,9 +362,11 @@ def s3(monkeypatch):
     import boto3
     import s3fs
 
-    port = _free_port()
-    moto = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # port 0: the system picks a free one (a port probed free first could be taken before moto
+    # binds it, and moto's start() then waits forever)
+    moto = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
+    port = moto.get_host_and_port()[1]
     proxy = LoggingProxy(("127.0.0.1", port))
     secret = "mergedb-test-secret-" + secrets.token_hex(8)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mergedbtestkey")

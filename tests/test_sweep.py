@@ -395,14 +395,26 @@ def test_pace_holds_the_leader_and_never_the_slowest():
 
     t = threading.Thread(target=leader)
     t.start()
-    t.join(timeout=2)
+    _until(lambda: len(steps) >= sweepwave.LEAD)
+    t.join(timeout=0.5)  # the leader would take another step now if it were not held
     assert t.is_alive() and len(steps) == sweepwave.LEAD  # waits once LEAD tensors ahead of plan 1
     pace.step(1)  # the slowest never waits
+    _until(lambda: len(steps) >= sweepwave.LEAD + 1)
     t.join(timeout=0.5)
     assert len(steps) == sweepwave.LEAD + 1
     pace.finish(1)  # a finished plan holds nobody back
-    t.join(timeout=2)
+    t.join(timeout=20)
     assert not t.is_alive() and len(steps) == sweepwave.LEAD + 3
+
+
+def _until(condition, timeout: float = 20) -> None:
+    """Wait for another thread to get somewhere: a stalled machine can take seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_an_abandoned_in_memory_sweep_stops_its_other_plans(fam):
@@ -435,7 +447,7 @@ def test_a_cancelled_pace_stops_a_waiting_plan():
     t.join(timeout=1)
     assert t.is_alive()  # waiting for plan 1
     pace.cancel()
-    t.join(timeout=2)
+    t.join(timeout=20)
     assert not t.is_alive() and errors and "stopped" in errors[0]
 
 

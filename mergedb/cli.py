@@ -639,6 +639,7 @@ def sweep(
     threads: int | None = typer.Option(None, "--threads", help="Merge threads per plan [default: cores / plans]."),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 [default: the base's]."),
     max_shard_size: str | None = typer.Option(None, "--max-shard-size", help="Largest output shard [default: 5GB]."),
+    quiet: bool = QuietOpt,
     fmt: str = FormatOpt,
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
@@ -678,9 +679,18 @@ def sweep(
         requests = grids.grid_requests(template, grids.parse_grid(grid), name or grids.default_prefix(cat, method))
     for attempt in range(5):
         try:
-            res = sw.sweep(
-                cat, requests, out_dir, max_parallel=max_parallel, threads=threads, dtype=dtypes, max_shard_size=shard
-            )
+            with _held_progress(quiet, "sweep") as (advance, on_total):
+                res = sw.sweep(
+                    cat,
+                    requests,
+                    out_dir,
+                    max_parallel=max_parallel,
+                    threads=threads,
+                    dtype=dtypes,
+                    max_shard_size=shard,
+                    progress=advance,
+                    on_total=on_total,
+                )
             break
         except PlanError as e:  # another sweep took the default METHOD-sweepN between the two: take the next
             if name is not None or configs or "exists already" not in str(e) or attempt == 4:

@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,7 +92,7 @@ def _waves(n: int, max_parallel: int) -> Iterator[list[int]]:
 
 
 def _checked(
-    requests: Any, max_parallel: int, threads: int | None, dtype: Any, cache_bytes: Any
+    requests: Any, max_parallel: int, threads: int | None, dtype: Any, cache_bytes: Any, *calls: Any
 ) -> tuple[list, list[str | None]]:
     """A sweep's options checked before anything is planned: (the requests as a list, one dtype per
     request). One plan reference or request alone is one plan."""
@@ -105,6 +105,9 @@ def _checked(
         raise MergeDBError(f"cache_bytes is a whole number of bytes ≥ 0, got {cache_bytes!r}")
     if threads is not None:
         check_threads(threads)
+    for v in calls:  # progress, on_total: not called before the plans are made
+        if v is not None and not callable(v):
+            raise MergeDBError(f"a sweep's progress and on_total are functions or None, got {type(v).__name__}")
     return list(requests), _dtypes(dtype, len(requests))
 
 
@@ -127,6 +130,8 @@ def sweep(
     dtype: str | None | Sequence[str | None] = None,
     max_shard_size: int = 5 * 10**9,
     cache_bytes: int = CACHE_BYTES,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> SweepResult:
     """Plan `requests` (or take stored plans by id or name), then execute them together into
     `out_dir/<plan-name>/` (`plan-<id>` for an unnamed plan), each expert block read once per wave
@@ -135,10 +140,12 @@ def sweep(
     The catalog is open only to plan, to read the execution plans and to record each run. An
     output that exists is refused before anything is planned or run. If a plan fails, the rest of its wave
     finishes, no further wave starts, and MergeDBError names the failed plans (each failure is
-    recorded as a failed run, each success as an ok one)."""
+    recorded as a failed run, each success as an ok one). `on_total(n)` is told the tensor bytes of
+    every output once the plans are made, then `progress(k)` each tensor's bytes as a plan writes it
+    (from the merge threads; for a byte-based progress bar, as in `execute`)."""
     from . import executor  # the merge kernels are heavy to import; planning and the catalog do not need them
 
-    requests, dtypes = _checked(requests, max_parallel, threads, dtype, cache_bytes)
+    requests, dtypes = _checked(requests, max_parallel, threads, dtype, cache_bytes, progress, on_total)
     root = Path(out_dir)
     _check_root(root)
     _check_outs(cat, [_out(root, r.name) for r in requests if isinstance(r, planner.PlanRequest) and r.name])
@@ -146,7 +153,9 @@ def sweep(
     _refuse_adapters(xps)
     outs = [_out(root, s.name or f"plan-{s.plan_id}") for s in summaries]
     _check_outs(cat, outs)
-    _check_space(root, xps, dtypes, summaries)
+    total = _check_space(root, xps, dtypes, summaries)
+    if on_total:
+        on_total(total)
     t0, phys0 = time.perf_counter(), executor.physical_read_bytes()
     results: list[ExecuteResult | None] = [None] * len(xps)
     read = served = reread = peak = groups = shared_folds = passes = base = 0
@@ -158,12 +167,20 @@ def sweep(
             def run(slot: Slot) -> ExecuteResult:
                 kw: dict[str, Any] = {"max_shard_size": max_shard_size, "dtype": dtypes[i]}
                 if slot.feed is not None:  # its set merges together: this plan only writes
-                    return executor.execute(xps[i], outs[i], write_shards=slot.feed.write_shards, **kw)
+                    return executor.execute(
+                        xps[i], outs[i], write_shards=slot.feed.write_shards, progress=progress, **kw
+                    )
+
+                def step(nbytes: int) -> None:
+                    slot.step()
+                    if progress:
+                        progress(nbytes)
+
                 return executor.execute(
                     xps[i],
                     outs[i],
                     threads=slot.threads,
-                    progress=lambda _n: slot.step(),
+                    progress=step,
                     read_block=slot.reader,
                     fold_block=slot.fold,
                     **kw,
@@ -217,9 +234,10 @@ def _refuse_adapters(xps: list[ExecutionPlan]) -> None:
         raise PlanError(f"{src.name!r} is a LoRA adapter; sweeps do not take adapters yet: execute each plan alone")
 
 
-def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None], summaries: list[PlanSummary]) -> None:
+def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None], summaries: list[PlanSummary]) -> int:
     """Refuse, before anything runs, a sweep whose outputs' tensors alone exceed the free space where
-    they go (N outputs of a model's size each: a disk that fills half-way fails the plans late)."""
+    they go (N outputs of a model's size each: a disk that fills half-way fails the plans late).
+    Returns those bytes."""
     from .layout import output_dtype
     from .tensorfile import normalize_dtype, tensor_nbytes
 
@@ -237,6 +255,7 @@ def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None],
             f"{free / 1e9:.2f} GB free; free space, choose another DIR, or sweep fewer plans "
             f"(the plans are stored: {names}; sweep.sweep takes their ids, `mergedb execute PLAN` runs one)"
         )
+    return need
 
 
 RECORD_WAIT = 30.0  # seconds a finished merge waits for the catalog to record its run

@@ -470,3 +470,69 @@ def test_an_out_that_cannot_be_made_is_refused_before_any_plan_is_stored(fam, tm
     r = runner.invoke(app, [*args, "--out", str(ro / "sw"), "-c", str(cat.path)])
     assert r.exit_code == 1 and "cannot be written (read-only)" in r.output, r.output
     assert cat.sql("SELECT count(*) AS n FROM plans").to_pylist() == before
+
+
+def _tensor_bytes(out: Path) -> int:
+    """Σ of an output's tensor sizes, from its shards' safetensors headers."""
+    total = 0
+    for f in out.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def test_progress_counts_every_tensor_byte_the_sweep_writes(fam, tmp_path, monkeypatch):
+    """on_total is told the outputs' tensor bytes once, before any is written; progress calls (from
+    the merge threads, plans merged alone and plans of a fold set alike) add up to it. The
+    reference is the outputs' own safetensors headers."""
+    import threading
+
+    from mergedb import setmerge
+
+    root, cat = fam
+    fed = []
+    real = setmerge.Feed.write_shards
+    monkeypatch.setattr(setmerge.Feed, "write_shards", lambda self, *a: fed.append(1) or real(self, *a))
+    lock, totals, done = threading.Lock(), [], []
+
+    def advance(n: int) -> None:
+        with lock:
+            assert totals, "progress before on_total"
+            done.append(n)
+
+    reqs = grid.grid_requests(
+        PlanRequest("base", None, "ties", "50%"), {"density": [0.2, 0.4], "lambda": [0.5, 1.0]}, "progress"
+    )
+    res = sw.sweep(cat, reqs, tmp_path / "o", max_parallel=4, dtype="fp32", progress=advance, on_total=totals.append)
+    want = sum(_tensor_bytes(tmp_path / "o" / r.name) for r in reqs)
+    assert len(res.runs) == 4 and want > 0
+    assert totals == [want] and sum(done) == want
+    assert fed  # some plans were written from a fold set
+    with pytest.raises(MergeDBError, match="progress and on_total are functions or None"):
+        sw.sweep(cat, reqs, tmp_path / "o2", progress=5)
+    assert not (tmp_path / "o2").exists()
+
+
+def test_cli_sweep_draws_its_progress(fam, tmp_path, monkeypatch):
+    """`mergedb sweep` hands the sweep a progress bar (render.progress; -q: none)."""
+    from contextlib import contextmanager
+
+    from mergedb import render
+
+    root, cat = fam
+    seen: list[tuple[str, bool, str, int]] = []
+
+    @contextmanager
+    def fake(quiet, label):
+        yield (lambda n: seen.append(("advance", quiet, label, n))), (lambda n: seen.append(("total", quiet, label, n)))
+
+    monkeypatch.setattr(render, "progress", fake)
+    for extra, out in (([], "a"), (["-q"], "b")):
+        args = ["sweep", "--base", "base", "--all", "-m", "ties", "--grid", "density=0.2,0.4", "--name", f"bar-{out}"]
+        r = runner.invoke(app, [*args, "--out", str(tmp_path / out), *extra, "-c", str(cat.path)])
+        assert r.exit_code == 0, r.output
+        want = sum(_tensor_bytes(p) for p in (tmp_path / out).iterdir())
+        mine = [(kind, n) for kind, quiet, label, n in seen if label == "sweep" and quiet == bool(extra)]
+        assert mine[0] == ("total", want) and sum(n for kind, n in mine[1:]) == want, mine[:3]

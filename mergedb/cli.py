@@ -541,6 +541,7 @@ def demo(
     experts: int = typer.Option(16, "--experts", "-k", help="Number of experts."),
     size: str = typer.Option("small", "--size", help="tiny | small | bench."),
     repeats: int = typer.Option(3, "--repeats", help="Cold-cache runs per budget; the median is shown."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress line."),
     fmt: str = FormatOpt,
 ) -> None:
     """Generate a family, register it, merge at 100/50/10% budgets from a cold cache, and compare.
@@ -550,7 +551,8 @@ def demo(
     from .demo import demo as run
 
     render.check_format(fmt)
-    res = run(workdir, experts, size, repeats=repeats)
+    with render.status(quiet) as say:
+        res = run(workdir, experts, size, repeats=repeats, progress=say)
     render.print_demo(res, fmt, str(workdir))
 
 

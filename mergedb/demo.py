@@ -16,6 +16,7 @@ import os
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,26 +80,35 @@ def demo(
     size: str = DEFAULT_SIZE,
     method: str = "task_arithmetic",
     repeats: int = DEFAULT_REPEATS,
+    progress: Callable[[str], None] | None = None,
 ) -> DemoResult:
-    """`run_demo` with the notes that explain a surprising row."""
+    """`run_demo` with the notes that explain a surprising row. `progress(step)` is told each step
+    as it starts ("registering the family", "merging at 50%, run 1 of 3", …)."""
     t_start = time.perf_counter()
+    say = progress or (lambda step: None)
     if repeats < 1:
         raise MergeDBError(f"--repeats must be at least 1, got {repeats}")
+    if progress is not None and not callable(progress):
+        raise MergeDBError(f"demo() progress is a function or None, got {type(progress).__name__}")
     if experts < 1:  # before anything is written: a family of no experts has nothing to merge
         raise MergeDBError(f"--experts must be at least 1 for a demo, got {experts}")
     workdir = Path(workdir)
     prepare_workdir(workdir)
+    say(f"generating a base and {experts} {size} expert{'s' if experts != 1 else ''}")
     fam = synth.make_family(workdir / "family", experts=experts, size=size, seed=0)
     inputs = sorted(fam.rglob("*.safetensors"))
     cat = Catalog(workdir / CATALOG)
+    say("registering the family")
     cat.register([fam], base_model="base")
+    say(f"planning at {', '.join(BUDGETS)}")
     plans = {b: cat.plan(PlanRequest("base", None, method, b, params={"lambda": 0.5})) for b in BUDGETS}
     times: dict[str, list[float]] = {b: [] for b in BUDGETS}
     physical: dict[str, list[int]] = {b: [] for b in BUDGETS}
     results = {}
     evicted = True
-    for _ in range(repeats):  # budgets interleaved, so a slow moment of the disk hits all alike
+    for run in range(repeats):  # budgets interleaved, so a slow moment of the disk hits all alike
         for b in BUDGETS:
+            say(f"merging at {b}, run {run + 1} of {repeats}")
             out = workdir / f"merged-{b.rstrip('%')}"
             if out.is_dir() and not out.is_symlink():
                 shutil.rmtree(out)  # this run's own earlier repeat: each repeat writes a fresh folder
@@ -107,6 +117,7 @@ def demo(
             results[b] = cat.execute(plans[b].plan_id, out)
             times[b].append(time.perf_counter() - t0)
             physical[b].append(results[b].physical_bytes)
+    say("comparing the merges")
     full = _load(workdir / "merged-100")  # θ_F: the full merge as written, which the plans' bounds refer to
     base = _load(fam / "base")
     update, model = _norm(full, base), _norm(full, None)

@@ -15,7 +15,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,14 @@ def check_format(fmt: str, *extra: str) -> str:
     if fmt not in FORMATS:
         raise MergeDBError(f"unknown --format {fmt!r}; use {', '.join(FORMATS[:-1] + extra)} or {FORMATS[-1]}")
     return fmt
+
+
+@contextmanager
+def status(quiet: bool) -> Iterator[Any]:
+    """A callback showing the step a command is at (a spinner and its text on stderr), as progress's."""
+    console = Console(stderr=True)
+    with console.status("starting") if not quiet and console.is_terminal else nullcontext() as spinner:
+        yield spinner and (lambda step: spinner.update(escape(step)))
 
 
 @contextmanager
@@ -394,19 +402,12 @@ def print_demo(res: Any, fmt: str, workdir: str) -> None:
     """The demo's table (a demo.DemoResult): one row per budget, a legend, and why a row surprises."""
     from dataclasses import asdict
 
+    runs = f"median of {res.repeats} whole executions, each" if res.repeats != 1 else "one whole execution,"
     cols = (
         Col("budget", "budget"),
         Col("expert_bytes", "read", size, "expert bytes the plan reads", right=True),
         Col("physical_bytes", "disk", size, "bytes fetched from storage in the run (base included)", right=True),
-        Col(
-            "seconds",
-            "time",
-            _secs,
-            f"median of {res.repeats} whole executions, each from a cold cache"
-            if res.repeats != 1
-            else "one whole execution, from a cold cache",
-            True,
-        ),
+        Col("seconds", "time", _secs, f"{runs} from a cold cache", True),
         Col("speedup", "speed-up", lambda v: f"{v:.2f}×", "the full read's time / this time", right=True),
         Col("rel_to_update", "dev", num, "‖θB−θF‖ / ‖θF−θ0‖: distance to the full merge, per unit of update", True),
         Col("bound_rel", "bound", num, "the plan's bound on dev, known before reading a byte", right=True),

@@ -142,3 +142,46 @@ def test_unwritable_places_and_no_experts_are_refused_in_one_line(tmp_path):
         assert res.exit_code == 1 and words in res.output, (args, res.output)
         assert res.exception is None or isinstance(res.exception, SystemExit), (args, res.exception)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_demo_says_each_step_as_it_starts(tmp_path, monkeypatch):
+    """demo() tells progress each step before it runs (the CLI shows it as a status line, -q: none);
+    a progress that is not a function is refused before anything is written."""
+    from contextlib import contextmanager
+
+    from mergedb import demo, render
+
+    steps: list[str] = []
+    seen_out: list[bool] = []
+    real_execute = demo.Catalog.execute
+
+    def execute(self, *a, **k):  # the step is announced before its merge runs
+        seen_out.append(steps[-1].startswith("merging at"))
+        return real_execute(self, *a, **k)
+
+    monkeypatch.setattr(demo.Catalog, "execute", execute)
+    demo.demo(tmp_path / "d", repeats=2, progress=steps.append, **TINY)
+    assert steps == [
+        "generating a base and 2 tiny experts",
+        "registering the family",
+        "planning at 100%, 50%, 10%",
+        *(f"merging at {b}, run {r} of 2" for r in (1, 2) for b in ("100%", "50%", "10%")),
+        "comparing the merges",
+    ]
+    assert seen_out == [True] * 6
+    with pytest.raises(MergeDBError, match="progress is a function or None"):
+        demo.demo(tmp_path / "e", progress="yes", **TINY)
+    assert not (tmp_path / "e").exists()
+
+    shown: list[tuple[bool, str]] = []
+
+    @contextmanager
+    def status(quiet):
+        yield None if quiet else (lambda step: shown.append((quiet, step)))
+
+    monkeypatch.setattr(render, "status", status)
+    for extra, d in (([], "f"), (["-q"], "g")):
+        res = CliRunner().invoke(app, ["demo", "--dir", str(tmp_path / d), "--size", "tiny", "-k", "2", *extra])
+        assert res.exit_code == 0, res.output
+    assert [s for _, s in shown][:2] == ["generating a base and 2 tiny experts", "registering the family"]
+    assert len(shown) == 3 + 9 + 1  # the default 3 runs of 3 budgets; none with -q

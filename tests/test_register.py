@@ -122,3 +122,54 @@ def test_refresh_invalidates_old_plans(tmp_path):
         cat.execution_plan(old.plan_id)
     new = cat.plan(PlanRequest("base", None, "linear"))
     assert cat.execution_plan(new.plan_id).experts[0].name == "expert_00"
+
+
+@pytest.mark.parametrize(
+    "files, words",
+    [
+        (["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], "neither model.safetensors nor"),
+        (["adapter_model.safetensors"], "no adapter_config.json"),
+        (["pytorch_model.bin", "config.json"], "pytorch_model.bin, weights mergedb does not read"),
+        (["pytorch_model-00001-of-00002.bin"], "weights mergedb does not read"),
+        (["model.gguf"], "weights mergedb does not read"),
+    ],
+)
+def test_a_folder_of_checkpoints_refuses_weights_it_would_skip(tmp_path, files, words):
+    """An expert folder among the others whose weights mergedb would not register (shards without
+    their index, an adapter without its config, pickled or GGUF weights) was skipped without a word:
+    the family registered one expert short. Now refused, naming the folder; the catalog keeps what
+    it held. Folders without weights (logs, hidden ones) are still left alone."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=16)
+    (fam / "logs").mkdir()
+    (fam / "logs" / "events.txt").write_text("step 1\n")
+    (fam / "logs" / "training_args.bin").write_bytes(b"\0")  # not weights
+    (fam / ".cache").mkdir()
+    (fam / ".cache" / "x.safetensors").write_bytes(b"\0")
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")  # logs and .cache: nothing to say
+    before = snapshot(cat)
+    odd = fam / "expert_07"
+    odd.mkdir()
+    for f in files:
+        (odd / f).write_bytes(b"\0" * 8)
+    with pytest.raises(MergeDBError, match=words) as e:
+        cat.register([fam], base_model="base")
+    assert str(odd) in str(e.value) and "move the folder out" in str(e.value)
+    assert snapshot(cat) == before
+
+
+def test_a_folder_that_cannot_be_listed_is_refused(tmp_path, monkeypatch):
+    """(As root every folder can be listed: os.listdir is made to fail for one.)"""
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=17)
+    (fam / "locked").mkdir()
+    real = os.listdir
+
+    def listdir(p="."):
+        if os.fspath(p) == str(fam / "locked"):
+            raise PermissionError(13, "Permission denied")
+        return real(p)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    with pytest.raises(MergeDBError, match=r"locked: cannot be read \(Permission denied\)"):
+        Catalog(tmp_path / "c.duckdb").register([fam], base_model="base")
+    assert not (tmp_path / "c.duckdb").exists()

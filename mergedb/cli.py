@@ -101,6 +101,12 @@ CatalogOpt = typer.Option(
     None, "--catalog", "-c", envvar="MERGEDB_CATALOG", metavar="FILE", help="Catalog file (default: ./mergedb.duckdb)."
 )
 WaitOpt = typer.Option(0.0, "--wait", help="Seconds to wait for a catalog locked by another process.")
+# per-method defaults for plan's help, written out (importing methods would load numpy for --help;
+# test_help checks them against methods.METHODS)
+DENSITY_DEFAULTS = (
+    "[default: ties 0.2; dare_linear, dare_ties 0.5; della, della_linear 0.7; breadcrumbs, breadcrumbs_ties 0.9]"
+)
+NORMALIZE_DEFAULTS = "[default: on for linear, ties, dare_ties, breadcrumbs_ties, della]"
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 
 
@@ -299,12 +305,18 @@ def plan(
     ),
     budget: str = typer.Option("all", "--budget", "-b", help="Expert bytes to read: 500MB, 2GiB, 25%, all, 0."),
     weights: str | None = typer.Option(None, "--weights", help="Comma-separated weights, one per expert."),
-    density: float | None = typer.Option(None, "--density", help="Fraction of each delta kept (trimming/DARE)."),
-    lam: float | None = typer.Option(None, "--lambda", help="Scale of the merged delta."),
-    gamma: float | None = typer.Option(None, "--gamma", help="Breadcrumbs: fraction of largest deltas dropped."),
-    epsilon: float | None = typer.Option(None, "--epsilon", help="DELLA: spread of keep probabilities."),
+    density: float | None = typer.Option(None, "--density", help=f"Fraction of each delta kept. {DENSITY_DEFAULTS}"),
+    lam: float | None = typer.Option(None, "--lambda", help="Scale of the merged delta. [default: 1]"),
+    gamma: float | None = typer.Option(
+        None, "--gamma", help="Breadcrumbs: fraction of largest deltas dropped. [default: 0.01]"
+    ),
+    epsilon: float | None = typer.Option(
+        None, "--epsilon", help="DELLA: spread of keep probabilities. [default: 0.15]"
+    ),
     t: float | None = typer.Option(None, "--t", help="SLERP: 0 gives the base, 1 the expert."),
-    normalize: bool | None = typer.Option(None, "--normalize/--no-normalize", help="Divide by the weights' sum."),
+    normalize: bool | None = typer.Option(
+        None, "--normalize/--no-normalize", help=f"Divide by the weights' sum. {NORMALIZE_DEFAULTS}"
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the random drops (DARE, DELLA)."),
     name: str | None = typer.Option(None, "--name", help="A name to refer to the plan by."),
     allow_nonfinite: bool = typer.Option(
@@ -561,8 +573,8 @@ def frontier(
     base: str = typer.Option(..., "--base", help="Name of the registered base."),
     method: str = typer.Option(..., "--method", "-m", help="Merge method, as for `mergedb plan`."),
     experts: str | None = typer.Option(None, "--experts", help="Comma-separated expert names (default: all)."),
-    lam: float | None = typer.Option(None, "--lambda", help="Scale of the merged delta."),
-    density: float | None = typer.Option(None, "--density", help="Fraction of each delta kept (trimming/DARE)."),
+    lam: float | None = typer.Option(None, "--lambda", help="Scale of the merged delta. [default: 1]"),
+    density: float | None = typer.Option(None, "--density", help=f"Fraction of each delta kept. {DENSITY_DEFAULTS}"),
     out_png: Path | None = typer.Option(None, "--out", "-o", metavar="FILE", help="Also draw it into a PNG."),
     keep: bool = typer.Option(False, "--keep", help="Store the plans (named NAME@BUDGET with --name)."),
     name: str | None = typer.Option(None, "--name", help="Base name of kept plans."),

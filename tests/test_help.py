@@ -109,3 +109,31 @@ def test_every_command_help_is_plain_and_has_an_example(name):
 def test_top_level_help_lists_frontier():
     res = runner.invoke(app, ["--help"])
     assert res.exit_code == 0 and "frontier" in res.output
+
+
+def test_plan_help_states_each_methods_defaults():
+    """plan's (and frontier's) --density, --lambda, --gamma, --epsilon and --normalize help state the
+    per-method defaults, written out in cli.py; they must say what methods.METHODS does."""
+    import inspect
+
+    from mergedb import cli
+    from mergedb.methods import METHODS
+
+    said = {}  # "[default: ties 0.2; dare_linear, dare_ties 0.5; …]" -> {"ties": "0.2", …}
+    for group in re.fullmatch(r"\[default: (.*)\]", cli.DENSITY_DEFAULTS).group(1).split("; "):
+        names, value = group.rsplit(" ", 1)
+        said |= {name: value for name in names.split(", ")}
+    assert said == {m.name: f"{m.defaults['density']:g}" for m in METHODS.values() if "density" in m.defaults}
+    normalized = [m.name for m in METHODS.values() if m.defaults.get("normalize")]
+    assert cli.NORMALIZE_DEFAULTS == f"[default: on for {', '.join(normalized)}]"
+    helps: dict[str, set[str]] = {}
+    for c in app.registered_commands:
+        if c.callback.__name__ in ("plan", "frontier"):
+            for p in inspect.signature(c.callback).parameters.values():
+                for decl in p.default.param_decls:
+                    helps.setdefault(decl, set()).add(p.default.help)
+    for key in ("lambda", "gamma", "epsilon"):
+        (value,) = {m.defaults[key] for m in METHODS.values() if key in m.defaults}  # one for every method
+        (text,) = helps[f"--{key}"]  # the same words in both commands
+        assert text.endswith(f"[default: {value:g}]"), text
+    assert helps["--density"] == {f"Fraction of each delta kept. {cli.DENSITY_DEFAULTS}"}

@@ -575,6 +575,7 @@ def frontier(
     experts: str | None = typer.Option(None, "--experts", help="Comma-separated expert names (default: all)."),
     lam: float | None = typer.Option(None, "--lambda", help="Scale of the merged delta. [default: 1]"),
     density: float | None = typer.Option(None, "--density", help=f"Fraction of each delta kept. {DENSITY_DEFAULTS}"),
+    t: float | None = typer.Option(None, "--t", help="SLERP: 0 gives the base, 1 the expert."),
     out_png: Path | None = typer.Option(None, "--out", "-o", metavar="FILE", help="Also draw it into a PNG."),
     keep: bool = typer.Option(False, "--keep", help="Store the plans (named NAME@BUDGET with --name)."),
     name: str | None = typer.Option(None, "--name", help="Base name of kept plans."),
@@ -591,7 +592,7 @@ def frontier(
 
     render.check_format(fmt)
     names = tuple(e.strip() for e in experts.split(",") if e.strip()) if experts else None
-    params = {k: v for k, v in {"lambda": lam, "density": density}.items() if v is not None}
+    params = {k: v for k, v in {"lambda": lam, "density": density, "t": t}.items() if v is not None}
     if out_png is not None:
         fr.check_plot_path(out_png)  # before --keep stores anything
     summaries = _catalog(catalog, wait).frontier(PlanRequest(base, names, method, params=params, name=name), keep=keep)

@@ -113,3 +113,19 @@ def test_candidates_read_beside_other_readers(catalog):
         reader.kill()
         reader.wait()
     assert got.equals(want)
+
+
+def test_cli_frontier_of_slerp_takes_t(catalog):
+    """SLERP needs t, and frontier's refusal advised --t, which frontier did not take. With --t the
+    rows are those of plans made with that t (and differ from another t's)."""
+    args = ["frontier", "--base", "base", "-m", "slerp", "--experts", "expert_00", "-c", str(catalog.path)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 1 and "--t 0.5" in res.output, res.output
+    rows = {}
+    for t in ("0.3", "0.9"):
+        res = runner.invoke(app, [*args, "--t", t, "--format", "json"])
+        assert res.exit_code == 0, res.output
+        rows[t] = json.loads(res.output)
+        want = catalog.frontier(PlanRequest("base", ("expert_00",), "slerp", params={"t": float(t)}))
+        assert [(r["budget"], r["bound"]) for r in rows[t]] == [(p.budget_spec, p.bound_rounded) for p in want]
+    assert rows["0.3"] != rows["0.9"]

@@ -37,30 +37,56 @@ def interruptibly(con: duckdb.DuckDBPyConnection, work: Callable[[], T]) -> T:
     or SIGTERM stops a query that runs for minutes: DuckDB looks for a signal only while the calling
     thread runs one of the query's tasks, and when its worker threads hold every task (a scan of one
     big range on two cores) the signal went unseen until the query ended (4 of 12 tries here). The
-    wait here is Python's, which a signal ends; the query is then interrupted (`con.interrupt()`)
-    and the signal's exception raised once its thread has stopped."""
+    wait here is Python's, which a signal ends; the query is then stopped (`_stop`) and the signal's
+    exception raised once its thread has ended, whenever the signal came: before the thread ran the
+    statement (it then never does), or while DuckDB was still preparing it."""
     done: dict[str, Any] = {}
     finished = threading.Event()  # not Thread.join: one interrupted by a signal (3.11) marks the thread ended
+    phase = ["new"]  # new -> running, or new -> cancelled (the statement is then never run)
+    lock = threading.Lock()
 
     def run() -> None:
         try:
+            with lock:
+                if phase[0] == "cancelled":
+                    return
+                phase[0] = "running"
             done["value"] = work()
         except BaseException as e:  # re-raised in the calling thread
             done["error"] = e
         finally:
             finished.set()
 
-    threading.Thread(target=run, name="mergedb-sql", daemon=True).start()
+    thread = threading.Thread(target=run, name="mergedb-sql", daemon=True)
     try:
+        thread.start()
         while not finished.wait(0.1):  # a signal delivered to another thread is seen within 0.1 s
             pass
     except BaseException:
-        con.interrupt()
-        finished.wait()
+        _stop(con, finished, lock, phase)
         raise
     if "error" in done:
         raise done["error"]
     return done["value"]
+
+
+def _stop(con: duckdb.DuckDBPyConnection, finished: threading.Event, lock: Any, phase: list[str]) -> None:
+    """Cancel interruptibly's statement if its thread has not begun it, else interrupt it until the
+    thread ends: DuckDB forgets an interrupt that comes before the query executes (the first ~1.5 ms
+    of a statement), so it is repeated. A second Ctrl-C meanwhile does not cut this short: the
+    connection can only be closed once the thread has let go of it."""
+    while True:
+        try:
+            with lock:
+                if phase[0] == "new":
+                    phase[0] = "cancelled"
+            if phase[0] == "cancelled":
+                return
+            con.interrupt()
+            if finished.wait(0.01):
+                return
+        except KeyboardInterrupt:
+            continue
 
 
 def check_statement(con: duckdb.DuckDBPyConnection, text: str) -> None:

@@ -480,3 +480,92 @@ def test_ctrl_c_stops_a_long_query_from_python(tmp_path):
             cat.sql("SELECT count(*) FROM range(3000000000) a(x) JOIN range(1000) b(y) ON x % 1000 = y")
         assert time.monotonic() - start < after + 5, after
         assert cat.sql("SELECT count(*) AS n FROM checkpoints").column("n").to_pylist() == [3]
+
+
+JOIN = "SELECT count(*) FROM range(3000000000) a(x) JOIN range(1000) b(y) ON x % 1000 = y"  # ~30-60 s
+
+
+def _sigint_main_in(seconds: float) -> None:
+    import signal
+    import threading
+
+    main = threading.main_thread().ident
+    threading.Timer(seconds, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+
+
+@pytest.mark.parametrize("after_start", [False, True])
+def test_ctrl_c_as_the_query_thread_starts_leaves_a_closable_catalog(tmp_path, monkeypatch, after_start):
+    """Ctrl-C while the query's thread is being started (here: raised by Thread.start, before or
+    after the thread exists): the query was left running on a connection then closed under it
+    (ResourceInUseException, or an abort). Now the statement never runs or is interrupted, and the
+    catalog answers the next query at once."""
+    import threading
+    import time
+
+    from mergedb import usersql
+    from mergedb.synth import simulate
+
+    cat = Catalog(tmp_path / "c.duckdb")
+    simulate(cat, 2, 1, 2)
+
+    class Interrupted(threading.Thread):
+        def start(self):
+            if after_start:
+                super().start()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(usersql.threading, "Thread", Interrupted)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cat.sql(JOIN)
+    monkeypatch.undo()
+    assert cat.sql("SELECT count(*) AS n FROM checkpoints").column("n").to_pylist() == [3]
+    assert time.monotonic() - start < 10
+
+
+def test_ctrl_c_before_duckdb_runs_the_statement_is_not_forgotten(tmp_path):
+    """DuckDB forgets an interrupt that comes before its query executes; a Ctrl-C in that window (here
+    widened to 0.3 s by a sleep before the statement) went unseen until the minute-long join ended.
+    The interrupt is now repeated until the statement's thread ends."""
+    import time
+
+    import duckdb
+
+    from mergedb import usersql
+
+    con = duckdb.connect()
+
+    def work():
+        time.sleep(0.3)
+        return con.sql(JOIN).to_arrow_table()
+
+    _sigint_main_in(0.1)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        usersql.interruptibly(con, work)
+    assert time.monotonic() - start < 5
+    con.close()  # not busy: the statement's thread has let go of it
+
+
+def test_a_second_ctrl_c_while_stopping_gives_no_traceback(tmp_path):
+    """Two Ctrl-C a fraction of a millisecond apart: the second one cut the wait for the query's
+    thread short, and closing the still-busy connection raised ResourceInUseException. Now one
+    KeyboardInterrupt and a catalog that answers."""
+    import time
+
+    from mergedb.synth import simulate
+
+    cat = Catalog(tmp_path / "c.duckdb")
+    simulate(cat, 2, 1, 2)
+    for first in (0.5, 1.0):
+        _sigint_main_in(first)
+        _sigint_main_in(first + 0.0002)
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            cat.sql(JOIN)
+        assert time.monotonic() - start < first + 5
+        try:
+            time.sleep(0.2)  # a second signal that came after the first was raised lands here
+        except KeyboardInterrupt:
+            pass
+        assert cat.sql("SELECT count(*) AS n FROM checkpoints").column("n").to_pylist() == [3]

@@ -28,6 +28,7 @@ from .errors import ChangedFileError, FormatError
 from .plainfile import file_kind, read_small
 from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
+from .stray import refuse_stray_weights
 from .tensorfile import (
     DuplicateKey,
     Header,
@@ -285,7 +286,7 @@ def discover(paths: list[str | os.PathLike[str]]) -> list[Path | RemotePath]:
         elif p.is_dir():
             subs = sorted(c for c in p.iterdir() if is_checkpoint(c))
             for c in sorted(p.iterdir()):
-                _refuse_unreadable_weights(c)
+                refuse_stray_weights(c)  # weights it would skip, silently before
             if not subs:
                 raise FormatError(
                     f"{p}: holds no checkpoint ({SINGLE}, {INDEX} or .safetensors files in it or its subfolders)"
@@ -294,32 +295,6 @@ def discover(paths: list[str | os.PathLike[str]]) -> list[Path | RemotePath]:
         else:
             raise FormatError(f"{p}: no such file or folder")
     return found
-
-
-_PICKLED = ("pytorch_model", "consolidated.", "model.ckpt", "model.gguf", "ggml-model")  # weights' usual names
-
-
-def _refuse_unreadable_weights(folder: Path) -> None:
-    """Refuse a subfolder of a folder of checkpoints that holds weights mergedb would skip (shards
-    without an index, pickles, …): skipped silently, the family was registered an expert short."""
-    if folder.name.startswith(".") or is_checkpoint(folder) or not folder.is_dir():
-        return
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError as e:
-        raise FormatError(f"{folder}: cannot be read ({e.strerror}); fix its permissions or move it out") from None
-    shards = [n for n in names if n.endswith(".safetensors")]
-    pickled = [n for n in names if n.startswith(_PICKLED) and n.endswith((".bin", ".json", ".pth", ".ckpt", ".gguf"))]
-    if "adapter_config.json" in names or not (shards or pickled):
-        return  # a LoRA adapter (lora.split_paths takes it), or no weights
-    if "adapter_model.safetensors" in shards:
-        why = "adapter_model.safetensors but no adapter_config.json: a PEFT LoRA adapter needs both; copy it"
-    elif shards:
-        more, one = " and more" if len(shards) > 1 else "", f"mergedb register {folder / shards[0]}"
-        why = f"{shards[0]}{more} but neither {SINGLE} nor {INDEX}: register a file by its path ({one}), add an index"
-    else:  # pickles run code when loaded; GGUF is quantized
-        why = f"{pickled[0]}, weights mergedb does not read: save them as safetensors (save_pretrained)"
-    raise FormatError(f"{folder} holds {why}, or move the folder out")
 
 
 def side_files(root: Path) -> list[str]:

@@ -38,6 +38,7 @@ from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint, is_checkpo
 from .errors import AlignmentError, FormatError
 from .plainfile import read_small
 from .remote import is_url
+from .stray import refuse_stray_weights
 from .tensorfile import FLOAT_DTYPES, TensorInfo
 from .units import finite
 
@@ -398,7 +399,10 @@ def split_paths(paths: Iterable[str | os.PathLike[str]], base: bool = False) -> 
         subs = sorted(c for c in p.iterdir() if is_adapter(c)) if p.is_dir() and not is_checkpoint(p) else []
         adapters.extend(subs)
         if not subs or any(is_checkpoint(c) for c in p.iterdir()):
-            ckpts.append(p)
+            ckpts.append(p)  # checkpoint.discover looks at the rest
+        else:
+            for c in sorted(p.iterdir()):
+                refuse_stray_weights(c)
     if adapters and base:
         raise FormatError(f"{adapters[0]} is a LoRA adapter, not a base model; register it with --base-model NAME")
     return ckpts, adapters

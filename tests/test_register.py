@@ -127,11 +127,14 @@ def test_refresh_invalidates_old_plans(tmp_path):
 @pytest.mark.parametrize(
     "files, words",
     [
-        (["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], "neither model.safetensors nor"),
+        (["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], "but no model.safetensors.index"),
+        (["weights.safetensors"], "but no model.safetensors: register a model file by its path"),
         (["adapter_model.safetensors"], "no adapter_config.json"),
+        (["adapter_config.json", "adapter_model.bin"], "adapter_model.bin, a pickled adapter"),
         (["pytorch_model.bin", "config.json"], "pytorch_model.bin, weights mergedb does not read"),
         (["pytorch_model-00001-of-00002.bin"], "weights mergedb does not read"),
-        (["model.gguf"], "weights mergedb does not read"),
+        (["llama-3-8b.Q4_K_M.gguf"], "weights mergedb does not read"),
+        (["model.safetensors/"], "model.safetensors, which is not a file"),  # a folder of that name
     ],
 )
 def test_a_folder_of_checkpoints_refuses_weights_it_would_skip(tmp_path, files, words):
@@ -151,7 +154,10 @@ def test_a_folder_of_checkpoints_refuses_weights_it_would_skip(tmp_path, files, 
     odd = fam / "expert_07"
     odd.mkdir()
     for f in files:
-        (odd / f).write_bytes(b"\0" * 8)
+        if f.endswith("/"):
+            (odd / f).mkdir()
+        else:
+            (odd / f).write_bytes(b"\0" * 8)
     with pytest.raises(MergeDBError, match=words) as e:
         cat.register([fam], base_model="base")
     assert str(odd) in str(e.value) and "move the folder out" in str(e.value)
@@ -173,3 +179,29 @@ def test_a_folder_that_cannot_be_listed_is_refused(tmp_path, monkeypatch):
     with pytest.raises(MergeDBError, match=r"locked: cannot be read \(Permission denied\)"):
         Catalog(tmp_path / "c.duckdb").register([fam], base_model="base")
     assert not (tmp_path / "c.duckdb").exists()
+
+
+def test_a_broken_link_as_model_file_and_a_folder_of_adapters_are_checked_too(tmp_path):
+    """A model.safetensors that is a dangling link (a Hugging Face cache whose blob was deleted) was
+    skipped; so was any odd subfolder of a folder holding only LoRA adapters (that folder never
+    reached the check). Both refused now."""
+    pytest.importorskip("peft")
+    from tests import lora_fixtures as lf
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=18)
+    (fam / "expert_05").mkdir()
+    (fam / "expert_05" / "model.safetensors").symlink_to(tmp_path / "deleted-blob")
+    with pytest.raises(MergeDBError, match="model.safetensors, which is not a file"):
+        Catalog(tmp_path / "c.duckdb").register([fam], base_model="base")
+
+    base = lf.make_base(tmp_path / "lbase")
+    adapters = tmp_path / "adapters"
+    lf.make_adapter(base, adapters / "a1")
+    cat = Catalog(tmp_path / "l.duckdb")
+    cat.register([base], base=True)
+    (adapters / "a2").mkdir()
+    (adapters / "a2" / "adapter_model.safetensors").write_bytes(b"\0" * 8)
+    with pytest.raises(MergeDBError, match="a2 holds adapter_model.safetensors but no adapter_config.json"):
+        cat.register([adapters], base_model="lbase")
+    (adapters / "a2" / "adapter_model.safetensors").unlink()
+    assert cat.register([adapters], base_model="lbase").registered == ("a1",)

@@ -84,6 +84,7 @@ def test_layers_never_reach_upward():
     assert not graph["methods"] - {"errors"}, "methods is pure parameter logic"
     assert not graph["kernels"] - {"methods", "errors"}, "kernels are pure tensor math"
     assert not graph["plainfile"], "plainfile is a leaf: small files read whole"
+    assert not graph["stray"] - {"errors"}, "stray only looks at names in a folder"
     assert not graph["tensorfile"] - {"errors", "plainfile"}
     for m in ("executor", "manifest", "layout", "kernels"):
         assert "catalog" not in graph[m] and "planner" not in graph[m], m

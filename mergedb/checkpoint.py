@@ -132,9 +132,12 @@ def file_info(root: Path | RemotePath, relpath: str) -> FileInfo:
 
 
 def is_checkpoint(path: Path) -> bool:
-    if path.is_file():
-        return path.suffix == ".safetensors"
-    return (path / INDEX).is_file() or (path / SINGLE).is_file()
+    try:
+        if path.is_file():
+            return path.suffix == ".safetensors"
+        return (path / INDEX).is_file() or (path / SINGLE).is_file()
+    except PermissionError:  # a folder this user cannot look into: stray.py says so (or skips lost+found)
+        return False
 
 
 def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Checkpoint:

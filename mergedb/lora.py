@@ -131,7 +131,10 @@ class Adapter:
 def is_adapter(path: str | os.PathLike[str]) -> bool:
     """A folder holding adapter_config.json and adapter_model.safetensors (or its shard index)."""
     p = Path(path)
-    return p.is_dir() and (p / CONFIG).is_file() and ((p / SINGLE).is_file() or (p / INDEX).is_file())
+    try:
+        return p.is_dir() and (p / CONFIG).is_file() and ((p / SINGLE).is_file() or (p / INDEX).is_file())
+    except PermissionError:  # a folder this user cannot look into (stray.py)
+        return False
 
 
 def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | None = None) -> Adapter:

@@ -5,8 +5,8 @@ index) or a LoRA adapter (adapter_config.json beside adapter_model.safetensors o
 subfolder holding weights in another shape was skipped without a word, so the family was registered
 an expert short: shards without their index, a lone file under another name, an adapter missing
 its config or saved as a pickle, pickled or GGUF model weights, a model file that is a broken link.
-Folders without weights (logs, runs, training state such as optimizer.pt or training_args.bin) and
-hidden folders are left alone.
+Folders without weights (logs, runs, training state such as optimizer.pt or training_args.bin),
+hidden folders and lost+found are left alone.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ SHARD = re.compile(r".+-\d+-of-\d+\.safetensors")
 def refuse_stray_weights(folder: Path) -> None:
     """Raise FormatError when `folder` (a subfolder of a folder of checkpoints) holds weights that
     would be skipped; return when it is a checkpoint, an adapter, or holds no weights."""
-    if folder.name.startswith(".") or not folder.is_dir():
-        return
+    if folder.name.startswith(".") or folder.name == "lost+found" or not folder.is_dir():
+        return  # hidden, or a file system's own (root's, unreadable to others, never weights)
     try:
         names = sorted(os.listdir(folder))
     except OSError as e:

@@ -165,20 +165,40 @@ def test_a_folder_of_checkpoints_refuses_weights_it_would_skip(tmp_path, files, 
 
 
 def test_a_folder_that_cannot_be_listed_is_refused(tmp_path, monkeypatch):
-    """(As root every folder can be listed: os.listdir is made to fail for one.)"""
+    """A subfolder this user cannot look into (mode 700, another owner): refused in one line, where
+    checking it for model files raised PermissionError with a traceback; a file system's lost+found
+    (root's, unreadable to others) is skipped. As root every folder can be read, so looking inside
+    these two is made to fail as it does for another user."""
+    from pathlib import Path
+
     fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=17)
-    (fam / "locked").mkdir()
-    real = os.listdir
+    locked = [fam / "locked", fam / "lost+found"]
+    for d in locked:
+        d.mkdir()
+
+    def inside(p) -> bool:
+        return any(os.fspath(p).startswith(str(d) + os.sep) or os.fspath(p) == str(d) for d in locked)
+
+    real_listdir, real_is_file = os.listdir, Path.is_file
 
     def listdir(p="."):
-        if os.fspath(p) == str(fam / "locked"):
+        if inside(p):
             raise PermissionError(13, "Permission denied")
-        return real(p)
+        return real_listdir(p)
+
+    def is_file(self, *a, **k):
+        if inside(self.parent):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_is_file(self, *a, **k)
 
     monkeypatch.setattr(os, "listdir", listdir)
-    with pytest.raises(MergeDBError, match=r"locked: cannot be read \(Permission denied\)"):
+    monkeypatch.setattr(Path, "is_file", is_file)
+    with pytest.raises(MergeDBError, match=r"fam/locked: cannot be read \(Permission denied\)"):
         Catalog(tmp_path / "c.duckdb").register([fam], base_model="base")
     assert not (tmp_path / "c.duckdb").exists()
+    (fam / "locked").rmdir()
+    locked.remove(fam / "locked")
+    assert Catalog(tmp_path / "c.duckdb").register([fam], base_model="base").registered == ("base", "expert_00")
 
 
 def test_a_broken_link_as_model_file_and_a_folder_of_adapters_are_checked_too(tmp_path):

@@ -28,7 +28,7 @@ from .errors import ChangedFileError, FormatError
 from .plainfile import file_kind, read_small
 from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
-from .stray import refuse_stray_weights
+from .stray import refuse_stray_names, refuse_stray_weights
 from .tensorfile import (
     DuplicateKey,
     Header,
@@ -385,6 +385,9 @@ def _discover_remote(url: str) -> list[RemotePath]:
             ".safetensors file or the index URL"
         )
     subs = [folder / n for n in names if remote.locate((folder / n).url, SINGLE, INDEX) is not None]
+    for n in remote.listdir(folder.url, folders=True) or []:  # weights it would skip, silently before
+        if folder / n not in subs:
+            refuse_stray_names(folder / n, remote.listdir((folder / n).url) or [])
     if not subs:
         raise FormatError(
             f"{url}: holds no checkpoint ({SINGLE}, {INDEX} or .safetensors files in it or its subfolders)"

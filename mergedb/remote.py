@@ -174,18 +174,22 @@ def read_small(url: str) -> bytes | None:
     return read_bytes(url, 0, st.size) if st.size else b""
 
 
-def listdir(url: str) -> list[str] | None:
-    """Names of the entries directly under the folder `url`; None where the filesystem cannot list."""
+def listdir(url: str, folders: bool = False) -> list[str] | None:
+    """Names of the entries directly under the folder `url` (`folders`: only its subfolders); None
+    where the filesystem cannot list."""
     fs, path = filesystem(url)
     if any(p in _UNLISTABLE for p in _protocols(fs)):
         return None
     try:
-        entries = fs.ls(path, detail=False)
+        entries = fs.ls(path, detail=True)
     except (FileNotFoundError, NotADirectoryError):
         return []
     except Exception as e:  # network, credentials (botocore's errors are not OSErrors)
         raise MergeDBError(f"{url}: cannot be listed ({e}); check the URL, the network and the credentials") from None
-    return sorted({posixpath.basename(str(e).rstrip("/")) for e in entries} - {""})
+    names = {
+        posixpath.basename(str(e["name"]).rstrip("/")) for e in entries if not folders or e.get("type") == "directory"
+    }
+    return sorted(names - {""})
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from .errors import FormatError
 
@@ -40,12 +41,26 @@ def refuse_stray_weights(folder: Path) -> None:
         return  # a checkpoint
     if ADAPTER_CONFIG in names and ((folder / ADAPTER).is_file() or (folder / ADAPTER_INDEX).is_file()):
         return  # a LoRA adapter
+    _refuse(folder, names)
+
+
+def refuse_stray_names(folder: Any, names: list[str]) -> None:
+    """refuse_stray_weights for a folder given by the names in it (a remote one, whose files are not
+    looked at one by one): `folder` is neither a checkpoint nor an adapter."""
+    if folder.name.startswith(".") or folder.name == "lost+found":
+        return
+    if ADAPTER_CONFIG in names and (ADAPTER in names or ADAPTER_INDEX in names):  # an adapter
+        return
+    _refuse(folder, names)
+
+
+def _refuse(folder: Any, names: list[str]) -> None:
     why = _why(folder, names)
     if why:
         raise FormatError(f"{folder} holds {why}, or move the folder out")
 
 
-def _why(folder: Path, names: list[str]) -> str | None:
+def _why(folder: Any, names: list[str]) -> str | None:
     tensors = [n for n in names if n.endswith(".safetensors")]
     pickled = [n for n in names if n.startswith(PICKLED) and n.endswith((".bin", ".json", ".pth", ".ckpt"))]
     gguf = [n for n in names if n.endswith(".gguf")]

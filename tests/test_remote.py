@@ -570,3 +570,20 @@ def test_server_failing_mid_run_leaves_no_output(sharded_family, http_server, tm
     with pytest.raises(MergeDBError, match="reading failed.*check the network"):
         executor.execute(xp, tmp_path / "out")
     assert not [p.name for p in tmp_path.iterdir() if "out" in p.name]  # no output, no temporary folder, no lock
+
+
+def test_a_listed_remote_folder_refuses_weights_it_would_skip(tmp_path):
+    """A folder URL of checkpoints (file:// here, listed as S3 or GCS are) skipped a subfolder of
+    shards without their index, as the local folder did: the family was registered an expert short.
+    Refused now, naming the subfolder; plain files and folders without weights are still ignored."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=9)
+    (fam / "notes.txt").write_text("hello\n")
+    (fam / "logs").mkdir()
+    (fam / "logs" / "training_args.bin").write_bytes(b"\0")
+    (fam / "expert_01" / "model.safetensors").rename(fam / "expert_01" / "model-00001-of-00001.safetensors")
+    cat = Catalog(tmp_path / "c.duckdb")
+    with pytest.raises(MergeDBError, match=r"expert_01 holds shards \(model-00001-of-00001.safetensors, …\)"):
+        cat.register([f"file://{fam}"], base_model="base")
+    assert not cat.path.exists()
+    (fam / "expert_01" / "model-00001-of-00001.safetensors").unlink()
+    assert cat.register([f"file://{fam}"], base_model="base").registered == ("base", "expert_00")

@@ -287,9 +287,12 @@ def discover(paths: list[str | os.PathLike[str]]) -> list[Path | RemotePath]:
         if is_checkpoint(p):
             found.append(p)
         elif p.is_dir():
-            subs = sorted(c for c in p.iterdir() if is_checkpoint(c))
+            subs = []
             for c in sorted(p.iterdir()):
-                refuse_stray_weights(c)  # weights it would skip, silently before
+                if is_checkpoint(c):
+                    subs.append(c)
+                else:
+                    refuse_stray_weights(c)  # weights it would skip, silently before
             if not subs:
                 raise FormatError(
                     f"{p}: holds no checkpoint ({SINGLE}, {INDEX} or .safetensors files in it or its subfolders)"

@@ -85,13 +85,13 @@ def demo(
     """`run_demo` with the notes that explain a surprising row. `progress(step)` is told each step
     as it starts ("registering the family", "merging at 50%, run 1 of 3", …)."""
     t_start = time.perf_counter()
-    say = progress or (lambda step: None)
     if repeats < 1:
         raise MergeDBError(f"--repeats must be at least 1, got {repeats}")
     if progress is not None and not callable(progress):
         raise MergeDBError(f"demo() progress is a function or None, got {type(progress).__name__}")
     if experts < 1:  # before anything is written: a family of no experts has nothing to merge
         raise MergeDBError(f"--experts must be at least 1 for a demo, got {experts}")
+    say = progress or (lambda step: None)
     workdir = Path(workdir)
     prepare_workdir(workdir)
     say(f"generating a base and {experts} {size} expert{'s' if experts != 1 else ''}")

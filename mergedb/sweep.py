@@ -244,9 +244,7 @@ def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None],
     need = sum(
         tensor_nbytes(output_dtype(t, normalize_dtype(dt)), t.shape) for xp, dt in zip(xps, dtypes) for t in xp.tensors
     )
-    where = root
-    while not where.exists() and where != where.parent:
-        where = where.parent
+    where = _nearest(root)
     free = shutil.disk_usage(where).free
     if need > free:
         names = ", ".join(str(s.name or s.plan_id) for s in summaries[:3]) + (", ..." if len(summaries) > 3 else "")
@@ -276,9 +274,7 @@ def _check_root(root: Path) -> None:
     """Refuse, before any plan is stored, a sweep folder that cannot be made or written: under a
     file, or where the nearest existing folder is read-only (its plans were stored, then the rerun
     with another --out was refused for their names)."""
-    at = root
-    while not os.path.lexists(at) and at != at.parent:
-        at = at.parent
+    at = _nearest(root)
     if not at.is_dir():
         where = "" if at == root else f": {at}"
         raise MergeDBError(f"--out {root}{where} is a file, not a folder; a sweep writes a folder per plan in --out")
@@ -286,6 +282,13 @@ def _check_root(root: Path) -> None:
         raise MergeDBError(
             f"--out {root}: {at} cannot be written (read-only); choose an --out in a folder you can write"
         )
+
+
+def _nearest(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (a link counts, dangling or not)."""
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _check_outs(cat: Catalog, outs: list[Path]) -> None:

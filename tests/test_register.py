@@ -225,3 +225,12 @@ def test_a_broken_link_as_model_file_and_a_folder_of_adapters_are_checked_too(tm
         cat.register([adapters], base_model="lbase")
     (adapters / "a2" / "adapter_model.safetensors").unlink()
     assert cat.register([adapters], base_model="lbase").registered == ("a1",)
+
+
+def test_stray_knows_the_file_names_checkpoint_and_lora_read():
+    """stray.py is a leaf (it cannot import checkpoint or lora), so it writes their file names again;
+    they must stay the same, or a real checkpoint would be refused as stray weights."""
+    from mergedb import checkpoint, lora, stray
+
+    assert (stray.MODEL, stray.MODEL_INDEX) == (checkpoint.SINGLE, checkpoint.INDEX)
+    assert (stray.ADAPTER_CONFIG, stray.ADAPTER, stray.ADAPTER_INDEX) == (lora.CONFIG, lora.SINGLE, lora.INDEX)

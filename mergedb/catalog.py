@@ -508,6 +508,7 @@ class Catalog:
         with self.duckdb_connection() as con:  # one connection (~30 ms each) for the plan and the paths
             xp = plans.execution_plan(con, plans.resolve_plan(con, plan))
             registered = con.execute("SELECT path, root FROM checkpoints").fetchall()
+        plans.refuse_gone(xp)
         with outdir.named("--as-lora" if as_lora else "--out"):  # the option its messages name
             outdir.check_clear_of(Path(out), [p for row in registered for p in row], "a registered checkpoint")
         if self.path.exists() and not os.access(self.path, os.W_OK):

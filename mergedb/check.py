@@ -130,7 +130,11 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
             ckpt = open_checkpoint(path, name=name)
         except MergeDBError as e:
             problems.append(
-                Problem(f"checkpoint {name}", f"cannot be read: {e}", "restore the file, or register it anew")
+                Problem(
+                    f"checkpoint {name}",
+                    f"cannot be read: {e}",
+                    "restore it, or if it moved, register it where it is now under the same name",
+                )
             )
             continue
         if ckpt.fingerprint != fp:

@@ -204,8 +204,9 @@ def register(
         )
     if not quiet:
         rate = r.bytes_read / r.seconds / 1e6 if r.seconds else 0.0
+        moved = f" (moved here: {', '.join(r.moved)})" if r.moved else ""
         render.line(
-            f"registered {len(r.registered)} ({', '.join(r.registered) or '-'}), unchanged {len(r.unchanged)}; "
+            f"registered {len(r.registered)} ({', '.join(r.registered) or '-'}), unchanged {len(r.unchanged)}{moved}; "
             f"read {format_size(r.bytes_read)} in {r.seconds:.2f}s ({rate:.0f} MB/s)"
         )
 

@@ -4,6 +4,7 @@ value the executor runs. Only reads; plans are made by planner.py."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +150,19 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
         est_kind=p[23],
         strategy=p[24],
     )
+
+
+def refuse_gone(xp: ExecutionPlan) -> None:
+    """Refuse a plan whose base or expert is no longer at the local path it was registered from,
+    saying how to keep the catalog's rows and plans when it was only moved."""
+    for role, src in [("base", xp.base)] + [("expert", e) for e in xp.experts]:
+        if "://" not in src.path and not os.path.lexists(src.path):
+            how = "--base" if role == "base" else f"--base-model {xp.base.name}"
+            raise ChangedFileError(
+                f"{role} {src.name!r} of plan {xp.plan_id} was registered from {src.path}, which is gone; restore "
+                f"it there or, if it moved, register it where it is now under the same name (mergedb register "
+                f"NEW_PATH {how}): the catalog keeps its statistics and plans (nothing was merged)"
+            )
 
 
 def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:

@@ -41,6 +41,7 @@ class RegisterResult:
     unchanged: tuple[str, ...]
     bytes_read: int
     seconds: float
+    moved: tuple[str, ...] = ()  # registered checkpoints found at a new path (the old one gone): path updated
 
 
 def register(
@@ -135,18 +136,20 @@ def register(
     if dupes:
         raise MergeDBError(f"two checkpoints would be named {dupes[0]!r}; register them separately with --name")
 
-    todo_bases, todo_experts, unchanged, retimed = [], [], [], []
+    todo_bases, todo_experts, unchanged, retimed, moved = [], [], [], [], []
     for c in bases + experts:
         role = "base" if c in bases else "expert"
         row = existing.get(c.name)
         if row is not None:
             if row[2] != role:
                 raise CatalogError(f"{c.name!r} is already registered as a {row[2]}, not a {role}")
-            if row[6] != str(c.path.resolve()):  # names are unique: another folder is another checkpoint
-                raise CatalogError(
-                    f"{c.name!r} is already registered from {row[6]}; {c.path} is another checkpoint: "
-                    "register it under another name with --name NEW"
-                )
+            if row[6] != str(c.path.resolve()):  # names are unique: another folder is another checkpoint,
+                if not _moved(row[6], c):  # unless the registered one is gone: then it moved here
+                    raise CatalogError(
+                        f"{c.name!r} is already registered from {row[6]}; {c.path} is another checkpoint: "
+                        "register it under another name with --name NEW"
+                    )
+                moved.append(c)  # its path is updated with the rows; the checks below apply as ever
             if role == "expert" and row[3] != existing.get(base_ckpt_name or "", (0, -1))[1]:
                 old_base = next((n for n, r in existing.items() if r[1] == row[3]), "?")
                 raise CatalogError(
@@ -206,7 +209,9 @@ def register(
     if todo_experts or todo_adapters:  # one pool over every (expert, tensor): all cores busy to the end
         assert base_ckpt_name is not None
         if base_ckpt_name not in families:
-            families[base_ckpt_name] = _load_family(cat, base_ckpt_name)
+            here = next((c for c in bases if c.name == base_ckpt_name), None)  # maybe moved, or only retimed
+            retimed_base = any(c is here for c in retimed)  # its blocks were just hashed as registered
+            families[base_ckpt_name] = _load_family(cat, base_ckpt_name, not retimed_base, here)
         b, fam, hashes = families[base_ckpt_name]
         if fused is not None:
             hashes, expert_stats = scan.scan_family(b, todo_experts, fam, dim, threads, tick)
@@ -231,10 +236,19 @@ def register(
                 r[0]: r
                 for r in con.execute(
                     "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, vocab_block_size, "
-                    "vocab_block_rows FROM checkpoints"
+                    "vocab_block_rows, path FROM checkpoints"
                 ).fetchall()
             }
             ids = {}
+            for (
+                c
+            ) in moved:  # the same checkpoint, where it is now: its rows and plans hold (a re-scan below rewrites it)
+                if now[c.name][8] != existing[c.name][6]:
+                    raise CatalogError(f"{c.name!r} was registered again by another process meanwhile; run again")
+                con.execute(
+                    "UPDATE checkpoints SET path = ?, root = ? WHERE checkpoint_id = ?",
+                    [str(c.path.resolve()), str(c.root.resolve()), now[c.name][1]],
+                )
             for b in retimed:  # its stored fingerprint and file times only: its rows and its experts' hold
                 if now[b.name][4] != existing[b.name][4]:
                     raise CatalogError(f"base {b.name!r} was registered again by another process meanwhile; run again")
@@ -288,7 +302,7 @@ def register(
             if new:
                 cat.discard_if_empty(con)
             raise
-    return RegisterResult(tuple(done), tuple(unchanged), read, time.perf_counter() - t0)
+    return RegisterResult(tuple(done), tuple(unchanged), read, time.perf_counter() - t0, tuple(c.name for c in moved))
 
 
 def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> None:
@@ -313,6 +327,12 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
                 )
 
 
+def _moved(registered: str, c: Checkpoint | lora.Adapter) -> bool:
+    """Whether `c`, found under a registered checkpoint's name at another path, is that checkpoint
+    moved: the registered path is gone (local paths only; a remote object is never taken as moved)."""
+    return "://" not in registered and "://" not in str(c.path) and not os.path.lexists(registered)
+
+
 def _where(path: Any) -> str:
     """A checkpoint's path as a key: resolved when local, a URL with its escapes decoded (expert%2000
     and "expert 00" name one object)."""
@@ -323,7 +343,7 @@ def _where(path: Any) -> str:
 def _only_times_changed(cat: Catalog, c: Checkpoint, threads: int) -> bool:
     """Whether the registered base `c`, whose fingerprint changed, differs only in its files' times:
     the same relative paths, sizes and headers, and every block hashing as registered (read in full)."""
-    _, fam, hashes = _load_family(cat, c.name, checked=False)
+    _, fam, hashes = _load_family(cat, c.name, checked=False, ckpt=c)
     with cat.duckdb_connection() as con:
         files = con.execute(
             "SELECT f.relpath, f.bytes, f.header_sha256 FROM files f JOIN checkpoints c USING (checkpoint_id) "
@@ -336,10 +356,11 @@ def _only_times_changed(cat: Catalog, c: Checkpoint, threads: int) -> bool:
 
 
 def _load_family(
-    cat: Catalog, base_name: str, checked: bool = True
+    cat: Catalog, base_name: str, checked: bool = True, ckpt: Checkpoint | None = None
 ) -> tuple[Checkpoint, list[FamilyTensor], list[str]]:
     """A registered base's checkpoint, layout and block hashes, after checking its files are unchanged
-    (`checked`)."""
+    (`checked`). `ckpt`: the base as found among the paths being registered (where it may have moved
+    to), else it is opened where it was registered."""
     with cat.duckdb_connection() as con:
         row = _one(con, "SELECT checkpoint_id, path, fingerprint FROM checkpoints WHERE name = ?", [base_name])
         cid, path, fp = row
@@ -353,7 +374,7 @@ def _load_family(
             "FROM blocks WHERE base_id = ? ORDER BY tensor_idx, block_idx",
             [cid],
         ).fetchall()
-    ckpt = open_checkpoint(path, name=base_name)
+    ckpt = ckpt or open_checkpoint(path, name=base_name)
     if checked and ckpt.fingerprint != fp:
         raise ChangedFileError(
             f"base {base_name!r} ({path}) changed since it was registered; if only its files' times changed (a "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,12 @@ def test_no_progress_is_drawn_into_a_pipe(world, tmp_path):
     res = subprocess.run([*cmd, str(cat.path)], capture_output=True, text=True)
     assert res.returncode == 0 and res.stderr == "", repr(res.stderr)
     assert res.stdout.startswith("wrote ")
+
+
+def test_register_says_which_checkpoints_moved(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=2)
+    db = tmp_path / "c.duckdb"
+    run("register", fam, "--base-model", "base", "-c", db)
+    shutil.move(fam, tmp_path / "moved")
+    out = run("register", tmp_path / "moved", "--base-model", "base", "-c", db)
+    assert "registered 0 (-), unchanged 2 (moved here: base, expert_00); read 0 B" in out, out

@@ -234,3 +234,53 @@ def test_stray_knows_the_file_names_checkpoint_and_lora_read():
 
     assert (stray.MODEL, stray.MODEL_INDEX) == (checkpoint.SINGLE, checkpoint.INDEX)
     assert (stray.ADAPTER_CONFIG, stray.ADAPTER, stray.ADAPTER_INDEX) == (lora.CONFIG, lora.SINGLE, lora.INDEX)
+
+
+def test_a_moved_family_keeps_its_rows_and_plans(tmp_path):
+    """Registering a family where it is now, under the same names, after its folder moved: the paths
+    are updated, nothing is read again, and a plan made before the move merges the same bytes."""
+    from mergedb.errors import CatalogError
+    from mergedb.planner import PlanRequest
+
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="tiny", seed=21)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base", fam / "expert_00", fam / "expert_01"], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic", params={"lambda": 0.7}))
+    cat.execute(plan.plan_id, tmp_path / "before")
+    moved = tmp_path / "elsewhere" / "family"
+    moved.parent.mkdir()
+    shutil.move(fam, moved)
+    before = snapshot(cat)
+    with pytest.raises(
+        ChangedFileError, match=r"base 'base' of plan \d+ was registered from .*fam/base, which is gone"
+    ):
+        cat.execute(plan.plan_id, tmp_path / "gone")
+    assert snapshot(cat) == before and not (tmp_path / "gone").exists()
+
+    r = cat.register([moved], base_model="base")  # expert_02 is new: scanned against the moved base
+    assert r.moved == ("base", "expert_00", "expert_01")
+    assert r.registered == ("expert_02",) and set(r.unchanged) == {"base", "expert_00", "expert_01"}
+    assert {c.name: c.path for c in cat.checkpoints()} == {
+        n: str((moved / n).resolve()) for n in ("base", "expert_00", "expert_01", "expert_02")
+    }
+    cat.execute(plan.plan_id, tmp_path / "after")
+    name = "model.safetensors"
+    assert (tmp_path / "after" / name).read_bytes() == (tmp_path / "before" / name).read_bytes()
+
+    copy = tmp_path / "copy"  # the registered folder still there: a copy is another checkpoint, as ever
+    shutil.copytree(moved, copy)
+    with pytest.raises(CatalogError, match="is another checkpoint"):
+        cat.register([copy], base_model="base")
+
+
+def test_a_base_whose_times_changed_takes_a_new_expert_with_refresh(tmp_path):
+    """`touch` on the base, then --refresh with a new expert in the same call: the base's blocks are
+    hashed as registered (its times taken), and the new expert is scanned against it (this used to be
+    refused with advice to run what had just been run)."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=22)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base", fam / "expert_00"], base_model="base")
+    os.utime(fam / "base" / "model.safetensors", ns=(1, 1))
+    r = cat.register([fam], base_model="base", refresh=True)
+    assert set(r.registered) == {"base", "expert_01"} and r.unchanged == ("expert_00",)
+    assert cat.register([fam], base_model="base").registered == ()  # now unchanged, times included

@@ -16,9 +16,11 @@ the runs between them; otherwise it scans the whole block.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
-from numba.cpython.unsafe.numbers import trailing_zeros
+
+from .jitload import numba  # imported with Ctrl-C held
+
+trailing_zeros = numba.cpython.unsafe.numbers.trailing_zeros
 
 CHUNK = 512  # elements a zero chunk spans: a multiple of 64, so lanes and exception masks line up
 SAMPLE_STEP = 16  # chunks: the first look at a block checks one chunk in this many

@@ -24,7 +24,7 @@ def _bf16_round(bits, out):  # pragma: no cover - compiled by _bf16_kernel
 @functools.cache
 def _bf16_kernel() -> Any:
     """_bf16_round compiled on first use: numba is loaded by what writes bf16, never by `mergedb plan`."""
-    import numba
+    from .jitload import numba  # imported with Ctrl-C held
 
     return numba.njit(nogil=True, cache=True)(_bf16_round)
 

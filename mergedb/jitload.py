@@ -1,19 +1,50 @@
-"""How the merge kernels' compiled code is loaded: the first call of each cached numba kernel of a
-process, without numba's full target refresh (light_cache_loads).
+"""How numba and the merge kernels' compiled code are loaded: numba imported with Ctrl-C held (every
+module of mergedb that uses numba takes it from here), and the first call of each cached kernel of a
+process without numba's full target refresh (light_cache_loads).
 """
 
 from __future__ import annotations
 
 import functools
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+
+@contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold SIGINT (Ctrl-C) while the body runs on the main thread, then act on it as the handler
+    in place would have: a KeyboardInterrupt, by default. Other threads never see the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[Any] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if got and callable(before):
+            before(signal.SIGINT, got[0])
+        elif got and before == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
+
+
+# A Ctrl-C that lands while numba imports itself (~0.15 s, once a process, often on the main thread
+# inside a user's first execute or register call) leaves numba's modules half-initialised in
+# sys.modules, and every later merge of the process fails with an AttributeError from numba until the
+# interpreter restarts. Held, it arrives once numba is whole; a retry then works.
+with _interrupts_held():
+    import numba
+    import numba.cpython.unsafe.numbers  # noqa: F401  (deltapass's trailing_zeros)
 
 TESTED_NUMBA = ((0, 68),)  # numba (major, minor) whose private cache API this was checked against
 
 
 def tested_numba() -> bool:
     """Whether the installed numba is one whose Cache internals light_cache_loads was checked on."""
-    import numba
-
     try:
         return tuple(int(x) for x in numba.__version__.split(".")[:2]) in TESTED_NUMBA
     except ValueError:  # a version string of another shape (a source build's "0+unknown")

@@ -16,9 +16,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-import numba
 import numpy as np
 
+from .jitload import numba  # imported with Ctrl-C held
 from .methods import Method
 
 RNG = "threefry2x32-20"  # the stream's name: recorded in manifests of DARE/DELLA outputs

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 
-import numba
 import numpy as np
 
+from .jitload import numba  # imported with Ctrl-C held
 from .lora import Adapter, LoraFactor
 from .tensorfile import DTYPES, TensorInfo, as_float32, pread_into
 

@@ -12,9 +12,9 @@ the CPU time of four `fold_group` calls.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
+from .jitload import numba  # imported with Ctrl-C held
 from .kernels import CHUNK, _decode_chunk
 
 

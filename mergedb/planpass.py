@@ -11,8 +11,9 @@ imported only for plans this large (its import and cache load cost ~0.3 s).
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from .jitload import numba  # imported with Ctrl-C held
 
 BUCKET_SHIFT = 40  # greedy._BUCKET_SHIFT: sign, exponent and 12 mantissa bits of the score
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from .deltapass import abs_pass as _abs_pass
 from .deltapass import block_hist, delta_pass, equal_chunked
 from .deltapass import decode as _decode
+from .jitload import numba  # imported with Ctrl-C held
 from .summary import (  # re-exported: stats.X names what registration computes
     DEFAULT_SKETCH_DIM,
     DENSITY_GRID,

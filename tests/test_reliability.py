@@ -595,3 +595,47 @@ def test_an_index_listing_a_tensor_twice_and_a_pipe_given_as_a_checkpoint_are_na
     os.mkfifo(tmp_path / "pipe.safetensors")
     with pytest.raises(FormatError, match="pipe.safetensors: is a named pipe; point at"):
         open_checkpoint(tmp_path / "pipe.safetensors")
+
+
+CTRL_C_WHILE_NUMBA_IMPORTS = """
+import os, shutil, signal, sys
+from pathlib import Path
+import mergedb
+
+class CtrlC:  # a real SIGINT, sent while numba's modules are being imported on the main thread
+    def find_spec(self, name, path, target=None):
+        if name == "numba.core.debuginfo":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+cat = mergedb.connect(sys.argv[1])
+for attempt in range(2):
+    out = Path(sys.argv[3])
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        cat.execute(int(sys.argv[2]), out)
+        print(attempt, "ok")
+    except KeyboardInterrupt:
+        print(attempt, "interrupted", out.exists())
+"""
+
+
+def test_ctrl_c_while_numba_imports_leaves_the_process_able_to_merge(registered):
+    """A Ctrl-C during a process's first merge can land while numba imports itself; it used to leave
+    numba half-initialised, and every later merge in that process (a notebook's kernel) failed with an
+    AttributeError from numba. Held until numba is whole, it interrupts that call only."""
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "ties", params={"density": 0.5}))
+    res = subprocess.run(
+        [sys.executable, "-c", CTRL_C_WHILE_NUMBA_IMPORTS, str(cat.path), str(plan.plan_id), str(tmp / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[:2] == ["0 interrupted False", "1 ok"], res.stdout + res.stderr
+    cat.execute(plan.plan_id, tmp / "reference")  # this process: numba imported without a signal
+    name = "model.safetensors"
+    assert (tmp / "o" / name).read_bytes() == (tmp / "reference" / name).read_bytes()

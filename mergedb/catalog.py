@@ -94,6 +94,8 @@ def _check_execute_args(out: Any, max_shard_size: Any, flags: dict[str, Any], ca
     as "no" would be taken as true, a non-callable progress would fail mid-merge)."""
     if not isinstance(out, (str, os.PathLike)):
         raise MergeDBError(f"execute() writes into a folder path (str or Path), got {type(out).__name__}")
+    if isinstance(out, str) and not out.strip():  # Path("") is the current folder
+        raise MergeDBError("execute() writes into a folder path, got an empty one; name the output folder")
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 0:
         raise MergeDBError(f"max_shard_size is a whole number of bytes ≥ 0, got {shown(max_shard_size)}")
     for k, v in flags.items():
@@ -439,8 +441,8 @@ class Catalog:
         """Plan `request` at each budget from the catalog alone (no weights read): bytes against bounds.
 
         All plans are made in one transaction, rolled back unless `keep`, so by default nothing is
-        stored. Kept plans of a named request are named `NAME@BUDGET`. `budgets` default:
-        frontier.BUDGETS."""
+        stored (their summaries' plan_id is None). Kept plans of a named request are named
+        `NAME@BUDGET`. `budgets` default: frontier.BUDGETS."""
         from . import frontier
 
         return frontier.make_plans(self, request, frontier.BUDGETS if budgets is None else budgets, keep=keep)
@@ -451,19 +453,19 @@ class Catalog:
             ids = [r[0] for r in con.execute("SELECT plan_id FROM plans ORDER BY plan_id").fetchall()]
             return [plans.load_plan(con, i) for i in ids]
 
-    def get_plan(self, plan: int | str) -> plans.PlanSummary:
+    def get_plan(self, plan: int | str | plans.PlanSummary) -> plans.PlanSummary:
         """A stored plan by id, name, or plan-hash prefix (at least 6 characters)."""
         with self.duckdb_connection() as con:
             return plans.load_plan(con, plans.resolve_plan(con, plan))
 
-    def execution_plan(self, plan: int | str) -> ExecutionPlan:
+    def execution_plan(self, plan: int | str | plans.PlanSummary) -> ExecutionPlan:
         """Everything the executor needs for a stored plan, read in one short connection."""
         with self.duckdb_connection() as con:
             return plans.execution_plan(con, plans.resolve_plan(con, plan))
 
     def execute(
         self,
-        plan: int | str,
+        plan: int | str | plans.PlanSummary,
         out: str | os.PathLike[str],
         *,
         max_shard_size: int = 5 * 10**9,

@@ -33,7 +33,8 @@ def make_plans(
     """Plan `request` at each budget from the catalog alone (no weights read): bytes against bounds.
 
     All plans are made in one transaction, rolled back unless `keep`, so by default nothing is
-    stored. Kept plans of a named request are named `NAME@BUDGET`."""
+    stored, and the summaries have no plan_id (None: the ids they had are given to the next plans
+    stored). Kept plans of a named request are named `NAME@BUDGET`."""
     planner.check_request(request)
     budgets = [budgets] if isinstance(budgets, str) else budgets  # one budget, not its letters
     reqs = [replace(request, budget=b, name=f"{request.name}@{b}" if keep and request.name else None) for b in budgets]
@@ -45,7 +46,7 @@ def make_plans(
         except BaseException:
             faults.rollback(con)
             raise
-    return out
+    return out if keep else [replace(p, plan_id=None) for p in out]
 
 
 def candidates(cat: Catalog, request: planner.PlanRequest) -> pa.Table:

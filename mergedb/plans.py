@@ -37,7 +37,7 @@ class ExpertSummary:
 class PlanSummary:
     """A stored plan, as `mergedb plan` and `mergedb show-plan` report it."""
 
-    plan_id: int
+    plan_id: int | None  # None: a plan made and not stored (frontier.make_plans without keep)
     plan_hash: str
     name: str | None
     method: str
@@ -85,9 +85,16 @@ def validate_plan_name(name: str) -> None:
         raise PlanError(f"plan name {name!r} {why}; pick a name with a letter outside a-f, e.g. --name ties-25pct")
 
 
-def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str) -> int:
+def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str | PlanSummary) -> int:
     """The plan_id of a plan given by id, name or plan-hash prefix (at least 6 characters), tried
-    in that order: an exact id wins over a name, an exact name over a hash prefix."""
+    in that order: an exact id wins over a name, an exact name over a hash prefix; or by its summary."""
+    if isinstance(plan, PlanSummary):
+        plan = plan.plan_id
+    if plan is None:
+        raise PlanError(
+            "no plan given (None): a frontier's plans are not stored unless it keeps them "
+            "(frontier(..., keep=True), `mergedb frontier --keep`); pass a stored plan's id, name or hash"
+        )
     text = str(plan).strip()
     if text.isascii() and text.isdigit():  # not "²": int() refuses other digits
         rows = con.execute("SELECT plan_id FROM plans WHERE plan_id = ?", [int(text)]).fetchall()

@@ -75,6 +75,12 @@ def register(
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths  # one path, not its letters
     if not isinstance(paths, (list, tuple)) or not all(isinstance(p, (str, os.PathLike)) for p in paths):
         raise MergeDBError(f"register() takes a list of paths (str or Path), got {shown(paths)}")
+    for k, v in (("base", base), ("refresh", refresh)):  # a str such as "no" would be taken as true
+        if not isinstance(v, bool):
+            raise MergeDBError(f"register() {k} is True or False, got {shown(v)}")
+    for k, v in (("progress", progress), ("on_total", on_total), ("scanner", scanner)):
+        if v is not None and not callable(v):  # it would fail mid-scan
+            raise MergeDBError(f"register() {k} is a function or None, got {type(v).__name__}")
     threads = check_threads(os.cpu_count() or 1 if threads is None else threads)
     asked = block_size is not None or vocab_block_size is not None  # else: a new base gets the default
     rule = block_sizes(DEFAULT_LAYOUT if block_size is None else block_size, vocab_block_size)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 MAX_METRIC = 200  # characters in a metric name
 
 
-def record(cat: Catalog, plan: int | str, metric: str, value: float) -> int:
+def record(cat: Catalog, plan: int | str | plans.PlanSummary, metric: str, value: float) -> int:
     """Store `value` of `metric` for a stored plan (by id, name or hash prefix); the new score_id.
 
     The metric is free text (`loss`, `mmlu`, `distance`); the value a finite number."""

@@ -77,6 +77,7 @@ def test_execute_sql_score_register_and_connect_arguments(cat, tmp_path):
         ({"verify": "no"}, "verify is True or False"),
         ({"force": "yes"}, "force is True or False"),
         ({"progress": 5}, "progress is a function or None"),
+        ({"out": ""}, "got an empty one"),
     ):
         with pytest.raises(MergeDBError, match=words):
             cat.execute(1, **{"out": tmp_path / "o", **kw})
@@ -88,11 +89,20 @@ def test_execute_sql_score_register_and_connect_arguments(cat, tmp_path):
     assert cat.sql("SELECT $a AS a", {"a": 7}).column("a")[0].as_py() == 7
     with pytest.raises(MergeDBError, match="not finite"):
         cat.record_score(1, "loss", 10**400)
-    for paths, kw, words in ((None, {}, "takes a list of paths"), ([1], {}, "takes a list of paths")):
+    for paths, kw, words in (
+        (None, {}, "takes a list of paths"),
+        ([1], {}, "takes a list of paths"),
+        ([tmp_path], {"refresh": "no"}, "refresh is True or False"),
+        ([tmp_path], {"progress": 5}, "progress is a function or None"),
+        ([tmp_path], {"on_total": "x"}, "on_total is a function or None"),
+        ([tmp_path], {"scanner": 5}, "scanner is a function or None"),
+    ):
         with pytest.raises(MergeDBError, match=words):
             cat.register(paths, base_model="base", **kw)
     with pytest.raises(MergeDBError, match="is not a str"):
         cat.register([tmp_path], base_model="base", name=5)
+    with pytest.raises(MergeDBError, match="base is True or False"):
+        cat.register([tmp_path], base="yes")
     with pytest.raises(CatalogError, match="a catalog path is a str or a path"):
         mergedb.connect(5)
     assert _plans(cat) == before

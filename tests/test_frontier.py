@@ -129,3 +129,26 @@ def test_cli_frontier_of_slerp_takes_t(catalog):
         want = catalog.frontier(PlanRequest("base", ("expert_00",), "slerp", params={"t": float(t)}))
         assert [(r["budget"], r["bound"]) for r in rows[t]] == [(p.budget_spec, p.bound_rounded) for p in want]
     assert rows["0.3"] != rows["0.9"]
+
+
+def test_plans_not_kept_have_no_id_to_run_by_mistake(catalog, tmp_path):
+    """An unkept frontier's plans were rolled back, so the ids they carried went to the next plans
+    stored: executing or scoring `frontier(...)[0].plan_id` ran another plan. They carry None now,
+    which every plan lookup refuses; a kept plan's summary can be passed as it is."""
+    from mergedb.errors import PlanError
+
+    got = catalog.frontier(PlanRequest("base", None, "ties", params={"density": 0.5}), ["10%", "50%"])
+    assert [p.plan_id for p in got] == [None, None]
+    other = catalog.plan(PlanRequest("base", None, "linear"))
+    for call in (
+        lambda: catalog.execute(got[0].plan_id, tmp_path / "o"),
+        lambda: catalog.execute(got[0], tmp_path / "o"),
+        lambda: catalog.record_score(got[1], "loss", 1.0),
+        lambda: catalog.get_plan(None),
+    ):
+        with pytest.raises(PlanError, match=r"no plan given \(None\).*keep=True"):
+            call()
+    assert not (tmp_path / "o").exists()
+    assert catalog.get_plan(other) == other  # a stored plan's summary names it
+    kept = catalog.frontier(PlanRequest("base", None, "linear"), ["all"], keep=True)[0]
+    assert kept.plan_id is not None and catalog.get_plan(kept).plan_hash == other.plan_hash

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import grid, outdir, planner
-from .errors import MergeDBError, PlanError
+from .errors import MergeDBError, PlanError, RunNotRecordedError
 from .lora import is_adapter
 from .manifest import ExecutionPlan
 from .sweepwave import Slot, Wave, Work
@@ -160,6 +160,19 @@ def sweep(
     results: list[ExecuteResult | None] = [None] * len(xps)
     read = served = reread = peak = groups = shared_folds = passes = base = 0
     failed: list[str] = []
+    unrecorded: list[str] = []  # complete outputs whose runs the catalog could not record
+    why: list[MergeDBError] = []  # the first recording's failure: later runs are not tried (each waits)
+
+    def record(i: int, res: ExecuteResult | None, error: str | None = None) -> None:
+        if not why:
+            try:
+                cat.record_run(xps[i].plan_id, outs[i], res, error=error, wait=RECORD_WAIT)
+                return
+            except MergeDBError as rec:
+                why.append(rec)
+        if res is not None:
+            unrecorded.append(str(outs[i]))
+
     for idx in _waves(len(xps), max_parallel):
         wave = Wave(xps, idx, cache_bytes, threads, dtypes)
 
@@ -194,12 +207,12 @@ def sweep(
                     res = f.result()
                 except MergeDBError as e:
                     failed.append(f"{summaries[i].name or summaries[i].plan_id}: {e}")
-                    cat.record_run(xps[i].plan_id, outs[i], error=str(e), wait=RECORD_WAIT)
+                    record(i, None, str(e))
                     continue
                 results[i] = res
                 served += res.expert_bytes
                 base += 0 if j in wave.feeds else res.base_bytes
-                cat.record_run(xps[i].plan_id, outs[i], res, wait=RECORD_WAIT)
+                record(i, res)
         read, reread = read + wave.shared.read_bytes, reread + wave.shared.reread_bytes
         peak = max(peak, wave.shared.peak)
         groups, shared_folds = groups + len(wave.groups), shared_folds + wave.folds_shared
@@ -210,8 +223,14 @@ def sweep(
             raise MergeDBError(
                 f"{len(failed)} plan(s) of the sweep failed: {'; '.join(failed)}. Outputs complete: "
                 f"{', '.join(str(n) for n in done) or 'none'}; fix the cause and sweep the rest "
-                "(mergedb execute PLAN runs one)"
+                f"(mergedb execute PLAN runs one){_unrecorded(unrecorded, why)}"
             )
+    if why:
+        raise RunNotRecordedError(
+            f"every merge of the sweep is complete and good{_unrecorded(unrecorded, why)}"
+            if unrecorded
+            else f"the sweep's runs could not be recorded in the catalog: {why[0]}"
+        )
     return SweepResult(
         tuple((s, r) for s, r in zip(summaries, results) if r is not None),
         time.perf_counter() - t0,
@@ -268,6 +287,16 @@ def _out(root: Path, name: str) -> Path:
             "(no '/', not '..'); pick another --name"
         )
     return root / name
+
+
+def _unrecorded(outs: list[str], why: list[MergeDBError]) -> str:
+    """What a sweep's message adds for the complete outputs whose runs were not recorded."""
+    if not why:
+        return ""
+    return (
+        f"; the runs of {', '.join(outs) or 'none'} could not be recorded in the catalog (their outputs are "
+        f"complete: `mergedb check --output DIR` verifies one): {why[0]}"
+    )
 
 
 def _check_root(root: Path) -> None:

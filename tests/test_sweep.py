@@ -536,3 +536,32 @@ def test_cli_sweep_draws_its_progress(fam, tmp_path, monkeypatch):
         want = sum(_tensor_bytes(p) for p in (tmp_path / out).iterdir())
         mine = [(kind, n) for kind, quiet, label, n in seen if label == "sweep" and quiet == bool(extra)]
         assert mine[0] == ("total", want) and sum(n for kind, n in mine[1:]) == want, mine[:3]
+
+
+def test_runs_the_catalog_cannot_record_leave_the_outputs_said_complete(tmp_path, monkeypatch):
+    """A sweep whose runs cannot be recorded (the catalog locked by another process past the wait)
+    raised the bare lock error although every output was complete, as `execute` does not: it now
+    says which outputs are complete, and waits for the catalog once, not once a plan."""
+    from mergedb.errors import CatalogError, RunNotRecordedError
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=9)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plans = grid.plan_all(cat, grid.grid_requests(PlanRequest("base", None, "ties"), {"density": [0.2, 0.4, 0.6]}, "r"))
+    tries = []
+
+    def locked(self, *a, **kw):
+        tries.append(a)
+        raise CatalogError(f"catalog {self.path} is locked by process 4242")
+
+    monkeypatch.setattr(Catalog, "record_run", locked)
+    with pytest.raises(RunNotRecordedError, match="every merge of the sweep is complete and good; the runs of") as e:
+        sw.sweep(cat, [p.plan_id for p in plans], tmp_path / "out", max_parallel=2)
+    outs = [tmp_path / "out" / p.name for p in plans]
+    assert all(str(o) in str(e.value) for o in outs) and "locked by process 4242" in str(e.value)
+    assert len(tries) == 1
+    monkeypatch.undo()
+    for p, o in zip(plans, outs):
+        assert check_output(o) == [], o
+        assert json.loads((o / MANIFEST).read_text())["plan_hash"] == p.plan_hash
+    assert cat.sql("SELECT count(*) AS n FROM runs").column("n")[0].as_py() == 0

@@ -93,6 +93,15 @@ def output_shards(xp: ExecutionPlan, max_shard_size: int, dtype: str | None = No
     return shard_groups(sizes, max_shard_size)
 
 
+def _check_plan(xp: Any, fn: str) -> None:
+    """Refuse what is not an ExecutionPlan, naming what to pass (a plan id fails deep inside otherwise)."""
+    if not isinstance(xp, ExecutionPlan):
+        raise MergeDBError(
+            f"executor.{fn}() takes an ExecutionPlan (Catalog.execution_plan(PLAN)), got {type(xp).__name__}; "
+            "Catalog.execute(PLAN, OUT) runs a plan by its id or name"
+        )
+
+
 def merge_to_dict(
     xp: ExecutionPlan,
     dtype: str | None = None,
@@ -105,6 +114,7 @@ def merge_to_dict(
     dtypes such as F4 as their raw uint8 bytes). For embedding. `read_block`: see merger.ReadBlock;
     `on_tensor` is called after each tensor (a sweep paces its plans with it); `fold_block`: see
     merger.FoldBlock."""
+    _check_plan(xp, "merge_to_dict")
     from .merger import Merger
 
     m = Merger(xp, dtype, threads=threads, read_block=read_block, fold_block=fold_block)
@@ -159,6 +169,9 @@ def execute(
     `fold_block` their folded sums (merger.FoldBlock; a sweep's shared folds).
     `write_shards` writes the shards elsewhere than in this process (rayexec.py; see WriteShards):
     `threads`, `unit_order_seed`, `read_block` and `fold_block` are then its business, not this function's."""
+    _check_plan(xp, "execute")
+    if not isinstance(out, (str, os.PathLike)) or (isinstance(out, str) and not out.strip()):
+        raise MergeDBError(f"executor.execute() writes into a folder path (str or Path), got {type(out).__name__}")
     if threads is not None:
         check_threads(threads)
     shown = Path(out)

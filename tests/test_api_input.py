@@ -124,3 +124,23 @@ def test_in_memory_sweep_checks_its_options_before_planning(cat):
     assert _plans(cat) == before
     (plan, state), *rest = list(cat.sweep(req, dtype=["fp32"]))  # one request alone; a dtype per plan
     assert plan.name == "s1" and not rest and {a.dtype.name for a in state.values()} >= {"float32"}
+
+
+def test_executor_functions_name_what_they_take(cat, tmp_path):
+    """executor.execute and merge_to_dict given a plan id or summary failed deep inside with an
+    AttributeError ('int' object has no attribute 'base'), and a bad folder with a TypeError."""
+    from mergedb import executor
+
+    pid = cat.plans()[0].plan_id if cat.plans() else cat.plan(mergedb.PlanRequest("base", None, "linear")).plan_id
+    for call in (
+        lambda: executor.execute(pid, tmp_path / "o"),
+        lambda: executor.execute(cat.get_plan(pid), tmp_path / "o"),
+        lambda: executor.merge_to_dict(pid),
+    ):
+        with pytest.raises(MergeDBError, match=r"takes an ExecutionPlan \(Catalog.execution_plan\(PLAN\)\)"):
+            call()
+    xp = cat.execution_plan(pid)
+    for out in (None, 5, ""):
+        with pytest.raises(MergeDBError, match="writes into a folder path"):
+            executor.execute(xp, out)
+    assert not (tmp_path / "o").exists()

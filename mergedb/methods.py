@@ -93,6 +93,8 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
             if not isinstance(v, bool):
                 raise PlanError(f"normalize must be true or false, got {v!r}")
             continue
+        if isinstance(v, (bool, str, bytes)):  # float() takes True and "0.3": a number was meant, or not
+            raise PlanError(f"{k} must be a number, got {v!r}; e.g. --{k} 0.5")
         try:
             v = float(v)
         except (TypeError, ValueError):

@@ -144,3 +144,15 @@ def test_executor_functions_name_what_they_take(cat, tmp_path):
         with pytest.raises(MergeDBError, match="writes into a folder path"):
             executor.execute(xp, out)
     assert not (tmp_path / "o").exists()
+
+
+def test_method_parameters_are_numbers_not_bools_or_text(cat):
+    """float() took True as 1.0 and "0.3" as 0.3, while normalize refused "false": a number is asked
+    for, and anything else refused before a plan is stored."""
+    before = _plans(cat)
+    for value in (True, "0.3", b"0.3"):
+        with pytest.raises(PlanError, match=r"density must be a number, got"):
+            cat.plan(mergedb.PlanRequest("base", None, "ties", params={"density": value}))
+    assert _plans(cat) == before
+    numpy_number = mergedb.PlanRequest("base", None, "ties", params={"density": np.float32(0.5)})
+    assert cat.plan(numpy_number).params["density"] == 0.5

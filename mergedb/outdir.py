@@ -149,8 +149,11 @@ def output_lock(out: Path) -> Iterator[None]:
             break
         os.close(fd)  # its holder removed that file as we opened it: lock the current one
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:  # a full disk: the lock file could be made, its one line not written
+            raise MergeDBError(f"cannot write {out}: {os_advice(e, out)}") from None
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -164,8 +167,10 @@ def output_lock(out: Path) -> Iterator[None]:
 def os_advice(e: OSError, out: Path) -> str:
     """An OSError's reason and what fixes it."""
     why = e.strerror or str(e)
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"{why}; nothing was left behind, free space and retry"
+    if e.errno == errno.EFBIG:  # a file size limit (ulimit -f), or a file system's largest file
+        return f"{why}; nothing was left behind, free space or raise the file size limit (ulimit -f) and retry"
     if e.errno == errno.ENAMETOOLONG:
         return (
             f"{why}: mergedb first writes it beside, as .NAME{TMP}PID-XXXXXXXX (about 30 characters "

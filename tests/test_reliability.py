@@ -198,6 +198,27 @@ def test_disk_full_midway_removes_temp_and_records_failure(registered, monkeypat
     assert runs and runs[-1]["status"] == "failed" and "No space left" in runs[-1]["error"]
 
 
+def test_a_disk_with_no_byte_left_fails_at_the_lock_file_cleanly(registered, monkeypatch):
+    """On a disk with 0 bytes free the output's lock file can be made but its one line not written;
+    that OSError escaped as a traceback (execute, --as-lora, replay) and no failed run was recorded."""
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic"))
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".mergedb-lock"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    res = CliRunner().invoke(app, ["execute", str(plan.plan_id), "--out", str(tmp / "out"), "-c", str(cat.path)])
+    assert res.exit_code == 1 and not isinstance(res.exception, OSError), res.output
+    assert f"cannot write {tmp / 'out'}: No space left on device; nothing was left behind" in res.output
+    assert sorted(p.name for p in tmp.iterdir()) == ["c.duckdb", "fam"]  # no lock file, no temp folder
+    runs = cat.sql("SELECT status, error FROM runs").to_pylist()
+    assert [r["status"] for r in runs] == ["failed"] and "No space left" in runs[-1]["error"]
+
+
 def test_file_size_limit_in_subprocess(registered):
     fam, cat, tmp = registered
     plan = cat.plan(PlanRequest("base", None, "task_arithmetic"))

@@ -170,7 +170,7 @@ def _merge(s: np.ndarray, n_pos: np.ndarray, d_pos: np.ndarray, n_neg: np.ndarra
     if not norm:
         return num
     den = np.where(up, d_pos, d_neg)
-    return num / np.where(np.abs(den) < 1e-8, 1.0, den)
+    return num / np.where(den == 0, 1.0, den)  # mergekit's: only a zero divisor is 1
 
 
 def _parts(x: np.ndarray, w: np.ndarray, pos: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -192,7 +192,7 @@ class Accumulator:
         num = np.where(up, self.pos, self.neg)
         if self.params.get("normalize", True):
             den = np.where(up, self.pos_w, self.neg_w)
-            den = np.where(np.abs(den) < 1e-8, np.float32(1), den)
+            den = np.where(den == 0, np.float32(1), den)  # mergekit's: only a zero divisor is 1
             num = num / den
         return np.float32(self.params.get("lambda", 1.0)) * num
 
@@ -347,7 +347,6 @@ def finish(base, kind, acc, normalize, lam, res, bf16, scale=1.0):  # pragma: no
     consensus = acc.shape[0] == 5
     lam32 = np.float32(lam)
     s32 = np.float32(scale)
-    eps = np.float32(1e-8)
     one = np.float32(1.0)
     zero = np.float32(0.0)
     to_bf16 = bf16.shape[0] > 0
@@ -369,7 +368,7 @@ def finish(base, kind, acc, normalize, lam, res, bf16, scale=1.0):  # pragma: no
                 for i in range(m):
                     a, b = pos_w[i], neg_w[i]
                     den = a if tot[i] >= zero else b
-                    rf[i] = rf[i] / (one if abs(den) < eps else den)
+                    rf[i] = rf[i] / (one if den == zero else den)  # mergekit's: only a zero divisor is 1
             for i in range(m):
                 rf[i] = s32 * bf[i] + lam32 * rf[i]
         else:

@@ -80,7 +80,6 @@ def finish_many(base, kind, acc, group, normalize, lam, scale, res, bf16, stride
     plans = group.shape[0]
     consensus = acc.shape[1] == 5
     s32 = np.float32(scale)
-    eps = np.float32(1e-8)
     one = np.float32(1.0)
     zero = np.float32(0.0)
     to_bf16 = bf16.shape[0] > 0
@@ -106,7 +105,7 @@ def finish_many(base, kind, acc, group, normalize, lam, scale, res, bf16, stride
                     for i in range(m):
                         a, b = pos_w[i], neg_w[i]
                         den = a if tot[i] >= zero else b
-                        rf[i] = rf[i] / (one if abs(den) < eps else den)
+                        rf[i] = rf[i] / (one if den == zero else den)  # mergekit's: only a zero divisor is 1
                 for i in range(m):
                     rf[i] = s32 * bf[i] + lam32 * rf[i]
             else:

@@ -186,7 +186,7 @@ def ref_merge(
         num += torch.where(agree, wk * d, torch.zeros_like(d))
         den += torch.where(agree, wk.expand_as(d), torch.zeros_like(d))
     if params.get("normalize", True):
-        den = torch.where(den.abs() < 1e-8, torch.ones_like(den), den)
+        den = torch.where(den == 0, torch.ones_like(den), den)  # mergekit: divisor[divisor == 0] = 1
         num = num / den
     return (b + torch.tensor(params.get("lambda", 1.0), dtype=torch.float32) * num).numpy().reshape(base.shape)
 

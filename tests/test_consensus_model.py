@@ -41,7 +41,7 @@ def _ties(tau: np.ndarray, w: np.ndarray, normalize: bool) -> float:
     agree = tau > 0 if up else tau < 0
     num = float(np.sum((w * tau)[agree]))
     den = float(np.sum(w[agree]))
-    return num / (den if abs(den) >= 1e-8 else 1.0) if normalize else num
+    return num / (den if den != 0 else 1.0) if normalize else num  # mergekit: divisor[divisor == 0] = 1
 
 
 def ref_deviation(m: consensus.Model, read: np.ndarray) -> float:

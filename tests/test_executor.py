@@ -553,3 +553,34 @@ def test_a_tensor_of_nine_dimensions_merges_checks_and_replays(tmp_path):
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (
         tmp_path / "out" / "model.safetensors"
     ).read_bytes()
+
+
+@pytest.mark.parametrize("method", ["ties", "dare_ties"])
+def test_a_disjoint_mean_divides_by_tiny_agreeing_weights(tmp_path, method):
+    """TIES's disjoint mean divides by the sum of the agreeing weights; only a zero sum counts as 1
+    (mergekit: divisor[divisor == 0] = 1). Sums under 1e-8 were taken as 1, so an element backed by an
+    expert of weight 5e-9 alone was scaled by 5e-9, and weights (1e-9, 1e-9) merged nearly nothing,
+    although the normalised mean does not depend on the weights' scale. Expected values by hand."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    rows = {"base": [0, 0, 0, 0], "e0": [0.5, 0, 0.5, 0], "e1": [0, 0.25, 0.5, 0]}
+    for name, row in rows.items():
+        (tmp_path / "fam" / name).mkdir(parents=True)
+        tensors = {"model.layers.0.w": torch.tensor([row], dtype=torch.float32)}
+        save_file(tensors, str(tmp_path / "fam" / name / "model.safetensors"))
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([tmp_path / "fam"], base_model="base")
+    want = np.array([[0.5, 0.25, 0.5, 0.0]], np.float32)
+    plans = [
+        cat.plan(PlanRequest("base", ("e0", "e1"), method, "all", params={"density": 1.0}, weights=w))
+        for w in ((1.0, 5e-9), (1e-9, 1e-9), (1.0, 1.0))
+    ]
+    for plan in plans:
+        cat.execute(plan.plan_id, tmp_path / f"out-{plan.plan_id}")
+        got = load_file(str(tmp_path / f"out-{plan.plan_id}" / "model.safetensors"))["model.layers.0.w"].numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=str(plan.plan_id))
+    swept = list(cat.sweep([p.plan_id for p in plans]))  # the plans merged together (multifold's finish)
+    assert [s.plan_id for s, _ in swept] == [p.plan_id for p in plans]
+    for _, state in swept:
+        np.testing.assert_allclose(state["model.layers.0.w"], want, rtol=1e-6)

@@ -163,7 +163,7 @@ def test_a_sweep_larger_than_the_free_disk_is_refused_before_anything_runs(fam, 
 
 def _ties_finish_reference(base_bits, sums, normalize, lam, scale):
     """The TIES finish in numpy float32, textbook order: elected sign's sum (tot ≥ 0: positive),
-    divided by its weight when normalizing (1 below 1e-8), scale·base + λ·that; weighted sums
+    divided by its weight when normalizing (a zero weight by 1, as mergekit), scale·base + λ·that; weighted sums
     (one row): scale·base + total."""
     f32 = np.float32
     base = (base_bits.astype(np.uint32) << 16).view(np.float32)
@@ -173,7 +173,7 @@ def _ties_finish_reference(base_bits, sums, normalize, lam, scale):
     el = np.where(tot >= 0, pos, neg)
     if normalize:
         den = np.where(tot >= 0, pos_w, neg_w)
-        el = el / np.where(np.abs(den) < f32(1e-8), f32(1.0), den)
+        el = el / np.where(den == 0, f32(1.0), den)
     return f32(scale) * base + f32(lam) * el
 
 
@@ -196,7 +196,8 @@ def test_finish_many_is_the_finish_formula_for_every_plan(rows):
     sums = rng.standard_normal((3, rows, n)).astype(np.float32)
     sums[:, 0, :40] = 0.0  # tot = 0 elects the positive sign
     if rows == 5:
-        sums[:, 3:, 40:80] = 1e-9  # weights below 1e-8 divide by 1
+        sums[:, 3:, 40:60] = 1e-9  # tiny weights divide as they are
+        sums[:, 3:, 60:80] = 0.0  # zero weights divide by 1
     sums[1, 0, 90] = np.nan
     base = rng.integers(0, 1 << 16, n, dtype=np.uint16)
     base[(base & 0x7F80) == 0x7F80] = 0x3F80  # finite base values

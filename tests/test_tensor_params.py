@@ -102,7 +102,7 @@ def ref_tensor(method, params, w, dens, lam, base, experts, names, tensor, seed)
         agree = torch.where(up, d > 0, d < 0)
         num += torch.where(agree, wk * d, torch.zeros_like(d))
         den += torch.where(agree, wk.expand_as(d), torch.zeros_like(d))
-    num = num / torch.where(den.abs() < 1e-8, torch.ones_like(den), den)
+    num = num / torch.where(den == 0, torch.ones_like(den), den)  # mergekit: divisor[divisor == 0] = 1
     return (b + torch.tensor(lam, dtype=torch.float32) * num).numpy().reshape(base.shape)
 
 

@@ -220,7 +220,8 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
     if bad and not req.allow_nonfinite:
         e, t, n = bad[0]
         raise PlanError(
-            f"expert {e!r} has {n} NaN/Inf values in tensor {t!r}; fix or drop that checkpoint, or pass "
+            f"expert {e!r} has {n} NaN/Inf values in tensor {t!r} (in its file, or differences from the base "
+            "beyond float32's range); fix or drop that checkpoint, or pass "
             "--allow-nonfinite to leave its non-finite blocks out of the merge"
         )
     return _Inputs(

@@ -592,3 +592,21 @@ def test_full_read_plans_skip_values_and_store_the_same_plan(registered, monkeyp
     percent = cat.plan(replace(req, budget="100%"))
     assert fast.n_selected == fast.n_candidates - fast.free_blocks > 0 and fast.est_error == 0
     assert _stored(cat, fast.plan_id) == _stored(cat, sized.plan_id) == _stored(cat, percent.plan_id)
+
+
+def test_a_delta_beyond_float32_is_named_as_such(tmp_path):
+    """Two finite values whose difference overflows float32 make a non-finite delta: refused as
+    NaN/Inf values, which the expert's file does not hold; the message says which it can be."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    for name, v in (("base", -3e38), ("e0", 3e38)):
+        (tmp_path / "fam" / name).mkdir(parents=True)
+        save_file({"model.w": torch.tensor([[v, 1.0]])}, str(tmp_path / "fam" / name / "model.safetensors"))
+        (tmp_path / "fam" / name / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([tmp_path / "fam"], base_model="base")
+    with pytest.raises(PlanError, match=r"'e0' has 1 NaN/Inf values in tensor 'model.w' \(in its file, or differences"):
+        cat.plan(PlanRequest("base", None, "task_arithmetic"))

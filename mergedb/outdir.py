@@ -218,6 +218,25 @@ def remove_stale(out: Path) -> None:
         _remove_ours(tmp)
 
 
+_LEFT = re.compile(rf"\.(.+)(?:{re.escape(TMP)}|{re.escape(OLD)})\d+-[0-9a-f]+")
+
+
+def remove_stale_in(folder: Path) -> None:
+    """Finish what killed runs left for every output in `folder` (a sweep's --out: a rerun writes
+    outputs of new names, so no run into the old names would ever clean their temporary folders up).
+    Each output is cleaned under its own lock; one that another run holds is live and left alone."""
+    try:
+        names = sorted({m.group(1) for p in folder.iterdir() if (m := _LEFT.fullmatch(p.name))})
+    except OSError:  # not made yet, or not a folder: nothing was left there
+        return
+    for name in names:
+        try:
+            with output_lock(folder / name):
+                remove_stale(folder / name)
+        except MergeDBError:  # another mergedb writes it now (or it cannot be locked): not ours to touch
+            continue
+
+
 def _undo_swap(out: Path, old: Path, tmp: Path) -> None:
     """Finish or undo a --force swap between `out`, its old files in `old` and the new ones in `tmp`:
     cut before the new manifest was in place, the old output comes back whole; then `old` goes."""

@@ -148,6 +148,7 @@ def sweep(
     requests, dtypes = _checked(requests, max_parallel, threads, dtype, cache_bytes, progress, on_total)
     root = Path(out_dir)
     _check_root(root)
+    outdir.remove_stale_in(root)  # a killed sweep's temporary folders, before the space is counted
     _check_outs(cat, [_out(root, r.name) for r in requests if isinstance(r, planner.PlanRequest) and r.name])
     summaries, xps = grid.plan_and_load(cat, requests)
     _refuse_adapters(xps)

@@ -565,3 +565,29 @@ def test_runs_the_catalog_cannot_record_leave_the_outputs_said_complete(tmp_path
         assert check_output(o) == [], o
         assert json.loads((o / MANIFEST).read_text())["plan_hash"] == p.plan_hash
     assert cat.sql("SELECT count(*) AS n FROM runs").column("n")[0].as_py() == 0
+
+
+def test_a_killed_sweeps_temporary_folders_are_removed_by_the_next_sweep(fam, tmp_path):
+    """A sweep killed mid-merge leaves `.NAME.mergedb-tmp-PID-XXXX` folders of partial models; its rerun
+    writes outputs of new names, so nothing removed them, and they counted against its space check.
+    The next sweep into that --out removes them, each under its output's lock: one a live run holds
+    is left alone, and so is everything else in the folder."""
+    from mergedb import outdir
+
+    root, cat = fam
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = [out / ".s1-density=0.2.mergedb-tmp-4242-0badf00d", out / ".s1-density=0.4.mergedb-old-4242-0badf00d"]
+    for folder in stale:
+        folder.mkdir()
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
+    live = out / ".busy.mergedb-tmp-4343-0badf00d"
+    live.mkdir()
+    (live / "model.safetensors").write_bytes(b"\0" * 10)
+    (out / "notes.txt").write_text("mine")
+    plans = grid.plan_all(cat, grid.grid_requests(PlanRequest("base", None, "ties"), {"density": [0.3]}, "s2"))
+    with outdir.output_lock(out / "busy"):  # another run writing `busy` now
+        sw.sweep(cat, [p.plan_id for p in plans], out)
+    assert not any(p.exists() for p in stale)
+    assert (live / "model.safetensors").exists() and (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == sorted([live.name, "notes.txt", "s2-density=0.3"])

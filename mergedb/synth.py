@@ -9,8 +9,11 @@ subset of rows. Everything is deterministic for a seed.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -158,7 +161,9 @@ def make_family(
     shard_size: int = 5 * 10**9,
     nonfloat_buffer: bool = True,
 ) -> Path:
-    """Write `out/base` and `out/expert_00` … `out/expert_{K-1}`; returns `out`."""
+    """Write `out/base` and `out/expert_00` … `out/expert_{K-1}`; returns `out`. A failed write (a full
+    disk) raises MergeDBError and removes the model folders this call made, so no partial checkpoint
+    is left to look like one."""
     if size not in SIZES:
         raise MergeDBError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     if dtype not in DTYPE_NAMES:
@@ -166,6 +171,36 @@ def make_family(
     if experts < 0:
         raise MergeDBError(f"--experts must be ≥ 0, got {experts}")
     out = Path(out)
+    models = [out / "base", *(out / f"expert_{k:02d}" for k in range(experts))]
+    made, new_out = [p for p in models if not p.exists()], not out.exists()  # removed if the write fails
+    try:
+        _write_family(out, experts, size, dtype, seed, shard_size, nonfloat_buffer)
+    except BaseException as e:
+        for folder in made:  # only what this call made: a model that was there stays
+            shutil.rmtree(folder, ignore_errors=True)
+        if new_out:  # empty now, unless something else was written into it meanwhile
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        if isinstance(e, OSError):
+            raise MergeDBError(
+                f"cannot write {e.filename or out}: {e.strerror or e}; nothing was left behind, {_fix(e)}"
+            ) from None
+        raise
+    return out
+
+
+def _fix(e: OSError) -> str:
+    """What to do about a failed write."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space and retry"
+    if e.errno == errno.EFBIG:
+        return "free space or raise the file size limit (ulimit -f) and retry"
+    return "choose a folder you can write"
+
+
+def _write_family(
+    out: Path, experts: int, size: str, dtype: str, seed: int, shard_size: int, nonfloat_buffer: bool
+) -> None:
     dims, dt = SIZES[size], DTYPE_NAMES[dtype]
     specs = tensor_specs(dims, nonfloat_buffer)
     base: list[tuple[str, np.ndarray, str]] = []
@@ -194,7 +229,6 @@ def make_family(
             scale = _KIND_SCALE[kind] * layer_scale[layer + 1] * math.exp(0.8 * trng.standard_normal())
             tensors.append((name, b + _delta(trng, shape, kind, scale), bdt))
         _write_model(out / f"expert_{k:02d}", tensors, shard_size, dims, dt)
-    return out
 
 
 def simulate(

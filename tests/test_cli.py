@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
@@ -132,3 +133,28 @@ def test_execute_process_ends_with_its_output_status_and_atexit_handlers(tmp_pat
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("HOST GOT") == 3 and res.stdout.rstrip().endswith("HOST CONTINUES"), res.stdout
     assert (tmp_path / "h" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("command", ["synth", "demo"])
+def test_synth_and_demo_on_a_disk_that_fills_leave_no_partial_checkpoint(tmp_path, command):
+    """A write cut short (here a file size limit, as a full disk cuts it) left a truncated
+    model.safetensors that looked like a checkpoint and blocked a rerun, with advice to choose
+    another folder (synth) or a traceback (demo). Now: a message saying what to free, nothing left."""
+    import resource
+
+    exe = shutil.which("mergedb", path=os.path.dirname(sys.executable))
+
+    def limit():  # the base (1.8 MB) fits; the expert after it does not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+    args = (
+        ["synth", str(tmp_path / "f"), "--experts", "2"]
+        if command == "synth"
+        else ["demo", "--dir", str(tmp_path / "f"), "--size", "tiny", "--experts", "2"]
+    )
+    res = subprocess.run([exe, *args], capture_output=True, text=True, preexec_fn=limit)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "File too large; nothing was left behind, free space or raise the file size limit" in res.stderr
+    assert not list(tmp_path.rglob("*.safetensors"))
+    again = subprocess.run([exe, *args], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -99,9 +99,13 @@ def plan_all(cat: Catalog, items: Sequence[planner.PlanRequest | int | str]) -> 
 
 
 def plan_and_load(
-    cat: Catalog, items: Sequence[planner.PlanRequest | int | str], load: bool = True
+    cat: Catalog,
+    items: Sequence[planner.PlanRequest | int | str],
+    load: bool = True,
+    check: Callable[[list[PlanSummary], list[ExecutionPlan]], None] | None = None,
 ) -> tuple[list[PlanSummary], list[ExecutionPlan]]:
-    """`plan_all`, and with `load` each plan's ExecutionPlan, read in the same short connection."""
+    """`plan_all`, and with `load` each plan's ExecutionPlan, read in the same short connection.
+    `check` sees them before the plans are committed: what it raises stores none of them."""
     if not items:
         raise PlanError("a sweep needs at least one plan request")
     with cat.duckdb_connection(write=True) as con:
@@ -111,9 +115,12 @@ def plan_and_load(
                 planner.make_plan(con, it)[0] if isinstance(it, planner.PlanRequest) else plans.resolve_plan(con, it)
                 for it in items
             ]
+            summaries = [plans.load_plan(con, i) for i in ids]
+            xps = [plans.execution_plan(con, i) for i in ids] if load else []
+            if check is not None:
+                check(summaries, xps)
             con.execute("COMMIT")
         except BaseException:
             faults.rollback(con)
             raise
-        summaries = [plans.load_plan(con, i) for i in ids]
-        return summaries, [plans.execution_plan(con, i) for i in ids] if load else []
+        return summaries, xps

@@ -44,7 +44,7 @@ from .errors import MergeDBError, PlanError, RunNotRecordedError
 from .lora import is_adapter
 from .manifest import ExecutionPlan
 from .sweepwave import Slot, Wave, Work
-from .units import check_threads
+from .units import check_threads, format_size
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -149,12 +149,18 @@ def sweep(
     root = Path(out_dir)
     _check_root(root)
     outdir.remove_stale_in(root)  # a killed sweep's temporary folders, before the space is counted
-    _check_outs(cat, [_out(root, r.name) for r in requests if isinstance(r, planner.PlanRequest) and r.name])
-    summaries, xps = grid.plan_and_load(cat, requests)
-    _refuse_adapters(xps)
-    outs = [_out(root, s.name or f"plan-{s.plan_id}") for s in summaries]
-    _check_outs(cat, outs)
-    total = _check_space(root, xps, dtypes, summaries)
+    registered = [p for row in cat.sql("SELECT path, root FROM checkpoints").to_pylist() for p in row.values()]
+    _check_outs(registered, [_out(root, r.name) for r in requests if isinstance(r, planner.PlanRequest) and r.name])
+    outs: list[Path] = []
+
+    def refuse(summaries: list[PlanSummary], xps: list[ExecutionPlan]) -> None:  # before the plans are stored
+        _refuse_adapters(xps)
+        outs[:] = [_out(root, s.name or f"plan-{s.plan_id}") for s in summaries]
+        _check_outs(registered, outs)
+        _check_space(root, xps, dtypes)
+
+    summaries, xps = grid.plan_and_load(cat, requests, check=refuse)
+    total = _check_space(root, xps, dtypes)
     if on_total:
         on_total(total)
     t0, phys0 = time.perf_counter(), executor.physical_read_bytes()
@@ -254,7 +260,7 @@ def _refuse_adapters(xps: list[ExecutionPlan]) -> None:
         raise PlanError(f"{src.name!r} is a LoRA adapter; sweeps do not take adapters yet: execute each plan alone")
 
 
-def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None], summaries: list[PlanSummary]) -> int:
+def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None]) -> int:
     """Refuse, before anything runs, a sweep whose outputs' tensors alone exceed the free space where
     they go (N outputs of a model's size each: a disk that fills half-way fails the plans late).
     Returns those bytes."""
@@ -267,11 +273,10 @@ def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None],
     where = _nearest(root)
     free = shutil.disk_usage(where).free
     if need > free:
-        names = ", ".join(str(s.name or s.plan_id) for s in summaries[:3]) + (", ..." if len(summaries) > 3 else "")
         raise MergeDBError(
-            f"the sweep's {len(xps)} outputs need {need / 1e9:.2f} GB under {root} but its disk has "
-            f"{free / 1e9:.2f} GB free; free space, choose another DIR, or sweep fewer plans "
-            f"(the plans are stored: {names}; sweep.sweep takes their ids, `mergedb execute PLAN` runs one)"
+            f"the sweep's {len(xps)} outputs need {format_size(need)} ({need:,} bytes) under {root} but its disk has "
+            f"{format_size(free)} ({free:,} bytes) free; free space, choose another DIR, or sweep fewer plans "
+            "(nothing was stored)"
         )
     return need
 
@@ -321,12 +326,11 @@ def _nearest(path: Path) -> Path:
     return path
 
 
-def _check_outs(cat: Catalog, outs: list[Path]) -> None:
+def _check_outs(registered: list[str], outs: list[Path]) -> None:
     """Refuse, before anything runs, outputs that clash, exist, or overlap a registered checkpoint."""
     dup = [o for o, c in Counter(outs).items() if c > 1]
     if dup:
         raise MergeDBError(f"two plans of the sweep would write {dup[0]}; give each plan its own name")
-    registered = [p for row in cat.sql("SELECT path, root FROM checkpoints").to_pylist() for p in row.values()]
     for o in outs:
         outdir.check_clear_of(o, registered, "a registered checkpoint")
         outdir.check_out(outdir.resolve_out(o), force=False)
@@ -358,8 +362,7 @@ def in_memory(
     requests, dtypes = _checked(requests, max_parallel, threads, dtype, cache_bytes)
     if into is not None and not callable(getattr(into, "state_dict", None)):
         raise MergeDBError(f"into= takes a torch module (it has a state_dict), got {type(into).__name__}")
-    summaries, xps = grid.plan_and_load(cat, requests)
-    _refuse_adapters(xps)
+    summaries, xps = grid.plan_and_load(cat, requests, check=lambda _, xps: _refuse_adapters(xps))
     for idx in _waves(len(xps), max_parallel):
         wave = Wave(xps, idx, cache_bytes, threads, dtypes)
 

@@ -591,3 +591,20 @@ def test_a_killed_sweeps_temporary_folders_are_removed_by_the_next_sweep(fam, tm
     assert not any(p.exists() for p in stale)
     assert (live / "model.safetensors").exists() and (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == sorted([live.name, "notes.txt", "s2-density=0.3"])
+
+
+def test_a_sweep_that_would_not_fit_stores_no_plan(fam, tmp_path, monkeypatch):
+    """Refused for space, a sweep used to store its plans all the same, so each retry of the same
+    command stored another set under a new default prefix; now nothing is stored until it can run."""
+    import shutil as sh
+
+    root, cat = fam
+    n = cat.sql("SELECT count(*) AS n FROM plans").column("n")[0].as_py()
+    real = sh.disk_usage
+    monkeypatch.setattr(sw.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
+    req = grid.grid_requests(PlanRequest("base", None, "ties"), {"density": [0.2, 0.4]}, "fit")
+    with pytest.raises(MergeDBError, match=r"its disk has 9.8 KiB \(10,000 bytes\) free; .*\(nothing was stored\)"):
+        sw.sweep(cat, req, tmp_path / "out")
+    assert cat.sql("SELECT count(*) AS n FROM plans").column("n")[0].as_py() == n
+    monkeypatch.undo()
+    assert len(sw.sweep(cat, req, tmp_path / "out").runs) == 2  # the same names: none was taken

@@ -149,16 +149,12 @@ def test_a_sweep_larger_than_the_free_disk_is_refused_before_anything_runs(fam, 
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * need, 0, need - 1))
     reqs = grid.grid_requests(PlanRequest("base", None, "ties", "all"), {"lambda": [0.5, 1.0, 2.0]}, "set-disk")
     runs = cat.sql("SELECT count(*) AS n FROM runs").to_pylist()[0]["n"]
-    with pytest.raises(MergeDBError, match=rf"need {need / 1e9:.2f} GB under .* has {(need - 1) / 1e9:.2f} GB free"):
+    with pytest.raises(MergeDBError, match=rf"\({need:,} bytes\) under .* has .* \({need - 1:,} bytes\) free"):
         sw.sweep(cat, reqs, tmp_path / "s", dtype="fp32")
     assert not (tmp_path / "s").exists()
     assert cat.sql("SELECT count(*) AS n FROM runs").to_pylist()[0]["n"] == runs
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * need, 0, need))
-    ids = [
-        p["plan_id"]
-        for p in cat.sql("SELECT plan_id FROM plans WHERE name LIKE 'set-disk-%' ORDER BY plan_id").to_pylist()
-    ]
-    assert len(sw.sweep(cat, ids, tmp_path / "s", dtype="fp32").runs) == 3  # exactly enough: it runs
+    assert len(sw.sweep(cat, reqs, tmp_path / "s", dtype="fp32").runs) == 3  # exactly enough: it runs
 
 
 def _ties_finish_reference(base_bits, sums, normalize, lam, scale):

@@ -149,7 +149,7 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
         if path.suffix != ".safetensors":
             raise FormatError(f"{path}: expected a .safetensors file or a model folder")
         root, relpaths = path.parent, [path.name]
-        default_name = path.stem
+        default_name = path.parent.name if path.name == SINGLE and path.parent.name else path.stem  # its model's
     elif (path / SINGLE).is_file():
         # With both model.safetensors and an index present, transformers loads model.safetensors and
         # never reads the index (modeling_utils._get_resolved_checkpoint_files tests SAFE_WEIGHTS_NAME

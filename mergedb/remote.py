@@ -215,7 +215,8 @@ def locate(url: str, single: str, index: str) -> Location | None:
     if path.suffix == ".safetensors":
         if stat(path.url) is None:
             raise FormatError(f"{path}: no such file")
-        return Location(path, path.parent, (path.name,), path.stem, None)
+        name = path.parent.name if path.name == single and path.parent.name else path.stem  # as its folder
+        return Location(path, path.parent, (path.name,), name, None)
     if path.name.endswith(".index.json"):
         return _sharded(path, path.parent)
     if stat((path / single).url) is not None:  # as a local folder: model.safetensors wins over an index

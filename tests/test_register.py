@@ -284,3 +284,16 @@ def test_a_base_whose_times_changed_takes_a_new_expert_with_refresh(tmp_path):
     r = cat.register([fam], base_model="base", refresh=True)
     assert set(r.registered) == {"base", "expert_01"} and r.unchanged == ("expert_00",)
     assert cat.register([fam], base_model="base").registered == ()  # now unchanged, times included
+
+
+def test_a_model_file_named_model_safetensors_takes_its_folders_name(tmp_path):
+    """Registered by its file, fam/base/model.safetensors was named 'model' (the file's stem), so a
+    base and its experts registered that way collided; it is named after its folder, as the folder
+    would be. Other file names keep their stem."""
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=17)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base" / "model.safetensors"], base=True)
+    cat.register([fam / "expert_00" / "model.safetensors"], base_model="base")
+    shutil.copy(fam / "expert_00" / "model.safetensors", tmp_path / "e.safetensors")
+    assert cat.register([tmp_path / "e.safetensors"], base_model="base").registered == ("e",)
+    assert [c.name for c in cat.checkpoints()] == ["base", "e", "expert_00"]

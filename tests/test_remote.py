@@ -509,7 +509,7 @@ def test_cli_registers_a_url_and_lists_it(tmp_path):
     paths = Catalog(db).sql("SELECT name, path FROM checkpoints ORDER BY name").to_pylist()
     assert paths == [
         {"name": "base", "path": f"file://{fam}/base"},
-        {"name": "model", "path": f"file://{fam}/expert_00/model.safetensors"},
+        {"name": "expert_00", "path": f"file://{fam}/expert_00/model.safetensors"},
     ]
 
 

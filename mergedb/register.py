@@ -75,6 +75,8 @@ def register(
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths  # one path, not its letters
     if not isinstance(paths, (list, tuple)) or not all(isinstance(p, (str, os.PathLike)) for p in paths):
         raise MergeDBError(f"register() takes a list of paths (str or Path), got {shown(paths)}")
+    if not paths:
+        raise MergeDBError("register() needs a path: a model folder, a .safetensors file, or a folder of them")
     for k, v in (("base", base), ("refresh", refresh)):  # a str such as "no" would be taken as true
         if not isinstance(v, bool):
             raise MergeDBError(f"register() {k} is True or False, got {shown(v)}")

@@ -92,6 +92,7 @@ def test_execute_sql_score_register_and_connect_arguments(cat, tmp_path):
     for paths, kw, words in (
         (None, {}, "takes a list of paths"),
         ([1], {}, "takes a list of paths"),
+        ([], {}, "needs a path"),
         ([tmp_path], {"refresh": "no"}, "refresh is True or False"),
         ([tmp_path], {"progress": 5}, "progress is a function or None"),
         ([tmp_path], {"on_total": "x"}, "on_total is a function or None"),

@@ -214,7 +214,8 @@ def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | Non
             )
         if target in dense:
             raise FormatError(f"{root}: {target!r} is both LoRA-adapted and saved whole; save the adapter again")
-        factors[target] = _factor(root, module, p[need[0]], p[need[1]], emb, cfg, base_t[target])
+        conv1d = _conv1d(base.architecture, module)
+        factors[target] = _factor(root, module, p[need[0]], p[need[1]], emb, cfg, base_t[target], conv1d)
     for target, (_, t) in dense.items():
         bt = base_t[target]
         if t.shape != bt.shape:
@@ -266,7 +267,12 @@ def _factor(
     embedding: bool,
     cfg: dict[str, Any],
     base: TensorInfo,
+    conv1d: bool = False,
 ) -> LoraFactor:
+    """One module's factors, checked against its base tensor. The layout follows the module's type,
+    as peft's does: a Conv1D (GPT-2's c_attn, c_proj, c_fc) is fan_in_fan_out, a Linear never is,
+    whatever `fan_in_fan_out` the config says (peft sets it per module and warns); a module whose
+    factors fit its base tensor only transposed is a Conv1D of an architecture not listed here."""
     ta, tb = a[1], b[1]
     for t in (ta, tb):
         if t.dtype not in FLOAT_DTYPES:
@@ -286,19 +292,43 @@ def _factor(
         )
     r = int(pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", 8)))
     alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", 8)))
-    fifo = bool(cfg.get("fan_in_fan_out", False)) and not embedding
     rank, cols = ta.shape  # A: (r, in) for a Linear, (r, num_embeddings) for an Embedding
     out, rank_b = tb.shape  # B: (out, r) / (dim, r)
+    if rank != rank_b:
+        raise FormatError(
+            f"{root}: module {module!r}: lora_A {list(ta.shape)} has {rank} rows but lora_B {list(tb.shape)} "
+            f"{rank_b} columns; the adapter file is damaged or mixes adapters: save it again"
+        )
+    if rank != r:
+        raise FormatError(
+            f"{root}: module {module!r}: its factors have rank {rank} but {CONFIG} says r = {r} (r, rank_pattern; "
+            f"8 when absent), which sets the scaling alpha/r; correct r in {CONFIG}"
+        )
+    fifo = not embedding and (conv1d or ((cols, out) == base.shape and (out, cols) != base.shape))
     want = (cols, out) if (fifo or embedding) else (out, cols)
-    if rank != rank_b or rank != r or want != base.shape:
+    if want != base.shape:
         raise AlignmentError(
-            f"{root}: module {module!r}: lora_A {list(ta.shape)} and lora_B {list(tb.shape)} (rank {r} in the "
-            f"config) do not make a delta of base tensor {base.name!r} {list(base.shape)}"
-            + (" (fan_in_fan_out)" if fifo else "")
+            f"{root}: module {module!r}: lora_A {list(ta.shape)} and lora_B {list(tb.shape)} do not make a delta "
+            f"of base tensor {base.name!r} {list(base.shape)}"
+            + (" (a Conv1D: fan_in_fan_out)" if fifo else "")
             + "; register the adapter against the base it was trained on (--base-model NAME)"
         )
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return LoraFactor(a, b, r, scale, fifo, embedding)
+
+
+# transformers' models whose attention and MLP use Conv1D (weights stored (in, out)), and its modules
+CONV1D_ARCHITECTURES = ("GPT2", "OpenAIGPT", "ImageGPT", "DecisionTransformer")
+CONV1D_MODULES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
+
+
+def _conv1d(architecture: str | None, module: str) -> bool:
+    """Whether `module` of a model of `architecture` (config.json's) is a Conv1D."""
+    return (
+        bool(architecture)
+        and str(architecture).startswith(CONV1D_ARCHITECTURES)
+        and (module.rsplit(".", 1)[-1] in CONV1D_MODULES)
+    )
 
 
 def _dense_target(rest: str, base_t: dict[str, TensorInfo]) -> str | None:
@@ -324,6 +354,13 @@ def _read_config(root: Path) -> tuple[dict[str, Any], bytes]:
         raise FormatError(f"{path}: peft_type {peft_type!r} is not supported; mergedb merges LORA adapters only")
     if cfg.get("use_dora"):
         raise FormatError(f"{path}: use_dora is true; DoRA adapters are not supported (train a plain LoRA)")
+    init = str(cfg.get("init_lora_weights", "")).lower()
+    if init.startswith(("pissa", "olora", "corda", "loftq")):  # trained against a changed base
+        raise FormatError(
+            f"{path}: init_lora_weights is {cfg['init_lora_weights']!r}: the adapter is a delta of a base that "
+            "initialisation changed, not of the registered one; save it again with peft's "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=...), which makes it a plain LoRA"
+        )
     if cfg.get("target_parameters"):
         raise FormatError(
             f"{path}: target_parameters {cfg['target_parameters']!r} is not supported; "

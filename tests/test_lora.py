@@ -142,6 +142,51 @@ def test_fan_in_fan_out_on_gpt2_conv1d(tmp_path):
     assert len(ad.factors) == 4
 
 
+def test_fan_in_fan_out_follows_the_module_type_as_peft_does(base_dir, tmp_path):
+    """peft sets fan_in_fan_out per module: False on a Linear, True on a Conv1D, whatever the config
+    says (it warns). mergedb trusted the flag, so a Llama adapter saying true merged (B@A)ᵀ into its
+    square projections (18% of a weight's largest value off). Against peft's merge_and_unload."""
+    import peft
+    import transformers
+
+    ad_dir = lf.make_adapter(base_dir, tmp_path / "llama", seed=3)
+    cfg = json.loads((ad_dir / "adapter_config.json").read_text())
+    (ad_dir / "adapter_config.json").write_text(json.dumps({**cfg, "fan_in_fan_out": True}))
+    assert not any(f.fan_in_fan_out for f in open_adapter(ad_dir, open_checkpoint(base_dir)).factors.values())
+    _check_against_peft(base_dir, ad_dir)
+
+    torch.manual_seed(0)  # a GPT-2 adapter saved saying false: its Conv1D modules (c_proj is square) are fan-in-fan-out
+    gcfg = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=32)
+    transformers.GPT2LMHeadModel(gcfg).save_pretrained(tmp_path / "gpt2", safe_serialization=True)
+    pm = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2"),
+        peft.LoraConfig(r=3, lora_alpha=6, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True),
+    )
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.1 * torch.randn_like(p))
+    pm.save_pretrained(tmp_path / "gad", safe_serialization=True)
+    cfg = json.loads((tmp_path / "gad" / "adapter_config.json").read_text())
+    (tmp_path / "gad" / "adapter_config.json").write_text(json.dumps({**cfg, "fan_in_fan_out": False}))
+    ad = open_adapter(tmp_path / "gad", open_checkpoint(tmp_path / "gpt2"))
+    merged = (
+        peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2"), tmp_path / "gad"
+        )
+        .merge_and_unload()
+        .state_dict()
+    )
+    orig = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2").state_dict()
+    assert "transformer.h.0.attn.c_proj.weight" in ad.factors and tuple(
+        orig["transformer.h.0.attn.c_proj.weight"].shape
+    ) == (32, 32)
+    for name in ad.factors:
+        ref = (merged[name].double() - orig[name].double()).numpy()
+        assert ad.factors[name].fan_in_fan_out
+        assert np.linalg.norm(full_delta(ad, name) - ref) <= 1e-6 * np.linalg.norm(ref), name
+
+
 # -- refusals: hand-written adapters, one line each ---------------------------------------------------
 
 
@@ -167,8 +212,10 @@ def _ok_pair(rank: int = 4, cols: int = lf.HIDDEN, rows: int = lf.HIDDEN) -> dic
         ({**_ok_pair(), f"{Q}.lora_magnitude_vector": torch.ones(lf.HIDDEN)}, {}, FormatError, "DoRA magnitude"),
         (_ok_pair(), {"target_parameters": ["experts.gate_up_proj"]}, FormatError, "target_parameters"),
         (_ok_pair(), {"peft_type": "IA3"}, FormatError, "peft_type 'IA3'"),
+        (_ok_pair(), {"init_lora_weights": "pissa_niter_4"}, FormatError, "init_lora_weights is 'pissa_niter_4'"),
+        (_ok_pair(), {"init_lora_weights": "olora"}, FormatError, "path_initial_model_for_weight_conversion"),
         (_ok_pair(cols=lf.HIDDEN + 1), {}, AlignmentError, "[4, 65]"),
-        (_ok_pair(rank=3), {}, AlignmentError, "rank 4 in the config"),
+        (_ok_pair(rank=3), {}, FormatError, "its factors have rank 3 but adapter_config.json says r = 4"),
         ({f"{Q}.lora_A.weight": torch.ones(4, lf.HIDDEN)}, {}, FormatError, "expected ['lora_A', 'lora_B']"),
         (
             {k.replace("layers.0", "layers.7"): v for k, v in _ok_pair().items()},

@@ -131,6 +131,20 @@ def file_info(root: Path | RemotePath, relpath: str) -> FileInfo:
     return FileInfo(relpath, header, os.stat(path).st_mtime_ns)
 
 
+def gone(path: str | os.PathLike[str]) -> bool:
+    """Whether nothing of a checkpoint registered at the local `path` is left: no such path, or a folder
+    without safetensors files (moved out file by file). One that cannot be looked at may come back."""
+    try:
+        if not stat.S_ISDIR(os.stat(path).st_mode):
+            return False
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:  # permissions, a stale network mount
+        return False
+    return not any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names)
+
+
 def is_checkpoint(path: Path) -> bool:
     try:
         if path.is_file():

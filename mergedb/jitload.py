@@ -17,11 +17,16 @@ from typing import Any
 def _interrupts_held() -> Iterator[None]:
     """Hold SIGINT (Ctrl-C) while the body runs on the main thread, then act on it as the handler
     in place would have: a KeyboardInterrupt, by default. Other threads never see the signal."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    before = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or before is None:
+        yield  # another thread, or a handler Python did not install (an embedding host's): left alone
         return
     got: list[Any] = []
-    before = signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    try:
+        signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    except ValueError:  # not the main interpreter (a subinterpreter)
+        yield
+        return
     try:
         yield
     finally:

@@ -129,6 +129,12 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
                 f"-{MAX_SCALE:g} and {MAX_SCALE:g} (the experts' weights, in order: --weights 1,0.5, or weight: in a "
                 "config's models)"
             )
+    tiny = [i for i, w in enumerate(weights) if w != 0 and abs(w) < np.finfo(np.float32).tiny]
+    if tiny:  # the merge sums weights in float32: below its normal range they lose their ratios, then vanish
+        raise PlanError(
+            f"weight {tiny[0] + 1} of {n_experts} is {weights[tiny[0]]!r}, below float32's normal range "
+            f"({np.finfo(np.float32).tiny:.3g}), where the merge's float32 sums lose it; give 0 or scale the weights up"
+        )
     if m.consensus and any(w < 0 for w in weights):
         i = next(i for i, w in enumerate(weights) if w < 0)
         raise PlanError(f"weight {i + 1} of {n_experts} is {weights[i]:g}: {NEGATIVE_CONSENSUS.format(method=method)}")

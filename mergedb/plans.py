@@ -4,7 +4,6 @@ value the executor runs. Only reads; plans are made by planner.py."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +11,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from .checkpoint import gone
 from .errors import CatalogError, ChangedFileError, PlanError
 from .layout import TensorLayout
 from .manifest import ExecutionPlan, Source
@@ -89,6 +89,13 @@ def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str | PlanSummary) 
     """The plan_id of a plan given by id, name or plan-hash prefix (at least 6 characters), tried
     in that order: an exact id wins over a name, an exact name over a hash prefix; or by its summary."""
     if isinstance(plan, PlanSummary):
+        if plan.plan_id is not None:
+            got = con.execute("SELECT plan_hash FROM plans WHERE plan_id = ?", [plan.plan_id]).fetchall()
+            if got != [(plan.plan_hash,)]:
+                raise PlanError(
+                    f"plan {plan.plan_id} of this catalog is not the plan summarised ({plan.plan_hash[:12]}…): was "
+                    "it made in another catalog? pass its id, name or hash to the catalog that holds it"
+                )
         plan = plan.plan_id
     if plan is None:
         raise PlanError(
@@ -160,16 +167,27 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
 
 
 def refuse_gone(xp: ExecutionPlan) -> None:
-    """Refuse a plan whose base or expert is no longer at the local path it was registered from,
-    saying how to keep the catalog's rows and plans when it was only moved."""
-    for role, src in [("base", xp.base)] + [("expert", e) for e in xp.experts]:
-        if "://" not in src.path and not os.path.lexists(src.path):
-            how = "--base" if role == "base" else f"--base-model {xp.base.name}"
-            raise ChangedFileError(
-                f"{role} {src.name!r} of plan {xp.plan_id} was registered from {src.path}, which is gone; restore "
-                f"it there or, if it moved, register it where it is now under the same name (mergedb register "
-                f"NEW_PATH {how}): the catalog keeps its statistics and plans (nothing was merged)"
-            )
+    """Refuse a plan whose base or experts are no longer at the local paths they were registered
+    from, naming every one and how to keep the catalog's rows and plans when they only moved."""
+    missing = [
+        (role, src)
+        for role, src in [("base", xp.base)] + [("expert", e) for e in xp.experts]
+        if "://" not in src.path and gone(src.path)
+    ]
+    if not missing:
+        return
+    what = ", ".join(f"{role} {src.name!r} ({src.path})" for role, src in missing)
+    how = "; ".join(
+        f"mergedb register NEW_PATH --name {src.name} "
+        + ("--base" if role == "base" else f"--base-model {xp.base.name}")
+        for role, src in missing[:3]
+    )
+    raise ChangedFileError(
+        f"plan {xp.plan_id} reads checkpoints that are gone from where they were registered: {what}. Restore them, "
+        f"or if they moved, register each where it is now under its name ({how}{'; …' if len(missing) > 3 else ''}; "
+        f"a moved family folder: mergedb register NEW_FOLDER --base-model {xp.base.name}): the catalog keeps "
+        "their statistics and plans (nothing was merged)"
+    )
 
 
 def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:

@@ -23,7 +23,7 @@ import duckdb
 import pyarrow as pa
 
 from . import lora, lorascan, scan
-from .checkpoint import Checkpoint, discover, open_checkpoint
+from .checkpoint import Checkpoint, discover, gone, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback
 from .layout import Block, FamilyTensor, vocab_size
@@ -128,6 +128,13 @@ def register(
             bases, experts = in_paths, [c for c in found if c.name != base_ckpt_name]
         elif base_ckpt_name in existing and existing[base_ckpt_name][2] == "base":
             bases, experts = [], found
+            at = existing[base_ckpt_name][6]
+            if "://" not in at and gone(at):  # its experts are read against it
+                raise ChangedFileError(
+                    f"base {base_ckpt_name!r} is gone from {at}, where it was registered; if it moved, register it "
+                    f"where it is now first (mergedb register NEW_PATH --name {base_ckpt_name} --base), or pass its "
+                    "new folder along with the experts"
+                )
         else:
             known = ", ".join(sorted(base_names.values())) or "none"
             raise CatalogError(
@@ -185,7 +192,10 @@ def register(
                 )
         (todo_bases if role == "base" else todo_experts).append(c)
 
-    _refuse_copies(todo_bases, todo_experts, existing, existing.get(base_ckpt_name or "", (0, None))[1])
+    moved_bases = [c for c in moved if any(c is b for b in bases)]  # a move is checked as a new path is
+    moved_experts = [c for c in moved if all(c is not b for b in bases)]
+    base_id = existing.get(base_ckpt_name or "", (0, None))[1]
+    _refuse_copies(todo_bases + moved_bases, todo_experts + moved_experts, existing, base_id)
     if asked:  # a layout asked for must be the one the bases involved get or already have
         involved = [c.name for c in bases] + ([base_ckpt_name] if experts and base_ckpt_name else [])
         owned = {c.name for c in todo_bases}
@@ -244,7 +254,7 @@ def register(
                 r[0]: r
                 for r in con.execute(
                     "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, vocab_block_size, "
-                    "vocab_block_rows, path FROM checkpoints"
+                    "vocab_block_rows, path, content_hash FROM checkpoints"
                 ).fetchall()
             }
             ids = {}
@@ -298,6 +308,12 @@ def register(
                             f"{e.name!r} was registered by another process meanwhile with other contents; "
                             "nothing was written: run the command again"
                         )
+                    if any(e is c for c in moved) and st.content_hash != row[9]:  # not the same model, moved
+                        raise CatalogError(
+                            f"{e.name!r} is registered from {existing[e.name][6]}, which is gone, but {e.path} holds "
+                            "other weights: it is another checkpoint, not that one moved; register it under another "
+                            "name with --name NEW (nothing was written)"
+                        )
                     _delete_checkpoint(con, row[1])  # --refresh: same id, so old plans see the change
                 cid = _insert_checkpoint(
                     con, e, "expert", base_id, st.content_hash, None, now[e.name][1] if e.name in now else None
@@ -325,7 +341,7 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
             if other != c.name:
                 raise CatalogError(
                     f"{c.path} holds the files of {role} {other!r}, registered under that name; register a "
-                    f"model once (plans over all experts would count it twice): use {other!r}"
+                    f"model once (plans over all experts would count it twice): use {other!r} (--name {other})"
                 )
             other = at.get((role, _where(c.path)), c.name)
             if other != c.name:  # the same path, its files changed since: a re-scan, not a second model
@@ -337,8 +353,9 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
 
 def _moved(registered: str, c: Checkpoint | lora.Adapter) -> bool:
     """Whether `c`, found under a registered checkpoint's name at another path, is that checkpoint
-    moved: the registered path is gone (local paths only; a remote object is never taken as moved)."""
-    return "://" not in registered and "://" not in str(c.path) and not os.path.lexists(registered)
+    moved: nothing of it is left at the registered path (checkpoint.gone; local paths only, a remote
+    object is never taken as moved)."""
+    return "://" not in registered and "://" not in str(c.path) and gone(registered)
 
 
 def _where(path: Any) -> str:

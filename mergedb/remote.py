@@ -215,7 +215,10 @@ def locate(url: str, single: str, index: str) -> Location | None:
     if path.suffix == ".safetensors":
         if stat(path.url) is None:
             raise FormatError(f"{path}: no such file")
-        name = path.parent.name if path.name == single and path.parent.name else path.stem  # as its folder
+        # model.safetensors is named as its folder, as the folder would be; not over HTTP, where the
+        # folder is often a revision (…/resolve/main/model.safetensors)
+        folder = path.name == single and path.parent.name and not url.startswith(("http://", "https://"))
+        name = path.parent.name if folder else path.stem
         return Location(path, path.parent, (path.name,), name, None)
     if path.name.endswith(".index.json"):
         return _sharded(path, path.parent)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import grid, outdir, planner
+from . import grid, outdir, planner, plans
 from .errors import MergeDBError, PlanError, RunNotRecordedError
 from .lora import is_adapter
 from .manifest import ExecutionPlan
@@ -97,7 +97,7 @@ def _checked(
     """A sweep's options checked before anything is planned: (the requests as a list, one dtype per
     request). One plan reference or request alone is one plan."""
     _check_parallel(max_parallel)
-    if isinstance(requests, (str, int, planner.PlanRequest)):
+    if isinstance(requests, (str, int, planner.PlanRequest, plans.PlanSummary)):
         requests = [requests]
     if not isinstance(requests, (list, tuple)):
         raise MergeDBError(f"a sweep takes a list of PlanRequests or plan references, got {type(requests).__name__}")
@@ -154,7 +154,7 @@ def sweep(
     outs: list[Path] = []
 
     def refuse(summaries: list[PlanSummary], xps: list[ExecutionPlan]) -> None:  # before the plans are stored
-        _refuse_adapters(xps)
+        _refuse(xps)
         outs[:] = [_out(root, s.name or f"plan-{s.plan_id}") for s in summaries]
         _check_outs(registered, outs)
         _check_space(root, xps, dtypes)
@@ -254,8 +254,11 @@ def sweep(
     )
 
 
-def _refuse_adapters(xps: list[ExecutionPlan]) -> None:
-    """Adapters read their factors outside the shared reads (loramerge.py): a sweep could not count them."""
+def _refuse(xps: list[ExecutionPlan]) -> None:
+    """Refuse plans whose inputs moved away (plans.refuse_gone), and adapters: they read their factors
+    outside the shared reads (loramerge.py), which a sweep could not count."""
+    for xp in xps:
+        plans.refuse_gone(xp)
     for src in (s for xp in xps for s in xp.experts if is_adapter(s.path)):
         raise PlanError(f"{src.name!r} is a LoRA adapter; sweeps do not take adapters yet: execute each plan alone")
 
@@ -362,7 +365,7 @@ def in_memory(
     requests, dtypes = _checked(requests, max_parallel, threads, dtype, cache_bytes)
     if into is not None and not callable(getattr(into, "state_dict", None)):
         raise MergeDBError(f"into= takes a torch module (it has a state_dict), got {type(into).__name__}")
-    summaries, xps = grid.plan_and_load(cat, requests, check=lambda _, xps: _refuse_adapters(xps))
+    summaries, xps = grid.plan_and_load(cat, requests, check=lambda _, xps: _refuse(xps))
     for idx in _waves(len(xps), max_parallel):
         wave = Wave(xps, idx, cache_bytes, threads, dtypes)
 

@@ -172,15 +172,16 @@ def make_family(
         raise MergeDBError(f"--experts must be ≥ 0, got {experts}")
     out = Path(out)
     models = [out / "base", *(out / f"expert_{k:02d}" for k in range(experts))]
-    made, new_out = [p for p in models if not p.exists()], not out.exists()  # removed if the write fails
+    made = [p for p in models if not p.exists()]  # removed again if the write fails, with the new
+    parents = [p for p in (out, *out.parents) if not p.exists()]  # folders holding them (deepest first)
     try:
         _write_family(out, experts, size, dtype, seed, shard_size, nonfloat_buffer)
     except BaseException as e:
         for folder in made:  # only what this call made: a model that was there stays
             shutil.rmtree(folder, ignore_errors=True)
-        if new_out:  # empty now, unless something else was written into it meanwhile
+        for folder in parents:  # empty now, unless something else was written into them meanwhile
             with contextlib.suppress(OSError):
-                out.rmdir()
+                folder.rmdir()
         if isinstance(e, OSError):
             raise MergeDBError(
                 f"cannot write {e.filename or out}: {e.strerror or e}; nothing was left behind, {_fix(e)}"

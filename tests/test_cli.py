@@ -144,11 +144,11 @@ def test_synth_and_demo_on_a_disk_that_fills_leave_no_partial_checkpoint(tmp_pat
 
     exe = shutil.which("mergedb", path=os.path.dirname(sys.executable))
 
-    def limit():  # the base (1.8 MB) fits; the expert after it does not
+    def limit():  # below a model file's 1.8 MB: the first model written is cut short
         resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
 
     args = (
-        ["synth", str(tmp_path / "f"), "--experts", "2"]
+        ["synth", str(tmp_path / "a" / "b" / "f"), "--experts", "2"]  # folders it makes, removed again
         if command == "synth"
         else ["demo", "--dir", str(tmp_path / "f"), "--size", "tiny", "--experts", "2"]
     )
@@ -156,5 +156,6 @@ def test_synth_and_demo_on_a_disk_that_fills_leave_no_partial_checkpoint(tmp_pat
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     assert "File too large; nothing was left behind, free space or raise the file size limit" in res.stderr
     assert not list(tmp_path.rglob("*.safetensors"))
+    assert command == "demo" or not (tmp_path / "a").exists()
     again = subprocess.run([exe, *args], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr

@@ -152,3 +152,18 @@ def test_plans_not_kept_have_no_id_to_run_by_mistake(catalog, tmp_path):
     assert catalog.get_plan(other) == other  # a stored plan's summary names it
     kept = catalog.frontier(PlanRequest("base", None, "linear"), ["all"], keep=True)[0]
     assert kept.plan_id is not None and catalog.get_plan(kept).plan_hash == other.plan_hash
+
+
+def test_a_summary_from_another_catalog_is_not_taken_for_a_plan_of_this_one(catalog, tmp_path):
+    """A PlanSummary names its plan by id, which another catalog may give to another plan: the hash
+    must agree, or the lookup is refused."""
+    from mergedb.errors import PlanError
+
+    other = Catalog(tmp_path / "other.duckdb")
+    other.path.write_bytes(catalog.path.read_bytes())
+    mine = catalog.plan(PlanRequest("base", None, "ties", "50%", params={"density": 0.5}))
+    theirs = other.plan(PlanRequest("base", None, "task_arithmetic", "50%"))
+    assert mine.plan_id == theirs.plan_id and mine.plan_hash != theirs.plan_hash
+    with pytest.raises(PlanError, match=rf"plan {mine.plan_id} of this catalog is not the plan summarised"):
+        other.get_plan(mine)
+    assert other.get_plan(theirs) == theirs

@@ -252,9 +252,11 @@ def test_a_moved_family_keeps_its_rows_and_plans(tmp_path):
     shutil.move(fam, moved)
     before = snapshot(cat)
     with pytest.raises(
-        ChangedFileError, match=r"base 'base' of plan \d+ was registered from .*fam/base, which is gone"
-    ):
+        ChangedFileError, match=r"gone from where they were registered: base 'base' \(.*fam/base\)"
+    ) as e:
         cat.execute(plan.plan_id, tmp_path / "gone")
+    assert "expert 'expert_01' (" in str(e.value)
+    assert "mergedb register NEW_PATH --name expert_00 --base-model base" in str(e.value)
     assert snapshot(cat) == before and not (tmp_path / "gone").exists()
 
     r = cat.register([moved], base_model="base")  # expert_02 is new: scanned against the moved base
@@ -297,3 +299,54 @@ def test_a_model_file_named_model_safetensors_takes_its_folders_name(tmp_path):
     shutil.copy(fam / "expert_00" / "model.safetensors", tmp_path / "e.safetensors")
     assert cat.register([tmp_path / "e.safetensors"], base_model="base").registered == ("e",)
     assert [c.name for c in cat.checkpoints()] == ["base", "e", "expert_00"]
+
+
+def test_moves_are_checked_as_new_paths_are(tmp_path):
+    """What a move may not do (a review helper's cases): give one folder a second name, take another
+    model's name, or be taken for gone while it only cannot be read. A folder emptied file by file
+    (rsync --remove-source-files) is gone; a new expert while the base is gone is told to move it."""
+    from mergedb.errors import CatalogError
+
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="tiny", seed=23)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base", fam / "expert_00", fam / "expert_01"], base_model="base")
+    shutil.move(fam / "expert_00", fam / "e0")
+    cat.register([fam / "e0"], base_model="base")  # a new name: allowed (the old path is gone)
+    before = snapshot(cat)
+    with pytest.raises(CatalogError, match=r"holds the files of expert 'e0', registered under that name.*--name e0"):
+        cat.register([fam / "e0"], base_model="base", name="expert_00")  # the same folder under two names
+    assert snapshot(cat) == before
+
+    shutil.copytree(fam / "expert_02", tmp_path / "other")  # other weights where expert_01 was registered
+    shutil.rmtree(fam / "expert_01")
+    with pytest.raises(
+        CatalogError, match=r"'expert_01' is registered from .*, which is gone, but .* holds other weights"
+    ):
+        cat.register([tmp_path / "other"], base_model="base", name="expert_01", refresh=True)
+    assert snapshot(cat) == before
+
+    emptied = tmp_path / "emptied"  # expert e0's files moved out one by one: its folder is left empty
+    emptied.mkdir()
+    for f in (fam / "e0").iterdir():
+        shutil.move(f, emptied / f.name)
+    assert cat.register([emptied], base_model="base", name="e0").moved == ("e0",)
+
+    shutil.move(fam / "base", tmp_path / "base-moved")
+    with pytest.raises(ChangedFileError, match=r"base 'base' is gone from .*register it where it is now first"):
+        cat.register([fam / "expert_02"], base_model="base")
+
+
+def test_weights_below_float32s_normal_range_are_refused(tmp_path):
+    """The merge sums weights in float32: a weight of 1e-40 loses its ratio to the others, 1e-50
+    vanishes (the merge became the base); refused, where 0 and 1e-9 plan as before."""
+    from mergedb.errors import PlanError
+    from mergedb.planner import PlanRequest
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=24)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    for w in (1e-40, 1e-50, -1e-39):
+        with pytest.raises(PlanError, match=r"weight 2 of 2 is .*below float32's normal range"):
+            cat.plan(PlanRequest("base", None, "task_arithmetic", weights=(1.0, w)))
+    for w in (0.0, 1e-9):
+        cat.plan(PlanRequest("base", None, "ties", params={"density": 0.5}, weights=(1.0, w)))

@@ -660,3 +660,26 @@ def test_ctrl_c_while_numba_imports_leaves_the_process_able_to_merge(registered)
     cat.execute(plan.plan_id, tmp / "reference")  # this process: numba imported without a signal
     name = "model.safetensors"
     assert (tmp / "o" / name).read_bytes() == (tmp / "reference" / name).read_bytes()
+
+
+def test_holding_ctrl_c_leaves_handlers_python_did_not_install_alone(monkeypatch):
+    """An embedding host that installed its own SIGINT handler (getsignal() is None) made
+    `signal.signal(SIGINT, None)` raise a TypeError on restoring it: every import of numba's modules
+    failed. Such a handler is left alone; Python's own is held and its signal delivered afterwards."""
+    import signal
+
+    from mergedb import jitload
+
+    calls = []
+    monkeypatch.setattr(signal, "getsignal", lambda s: None)
+    monkeypatch.setattr(signal, "signal", lambda *a: calls.append(a))
+    with jitload._interrupts_held():
+        pass
+    assert calls == []
+    monkeypatch.undo()
+    with pytest.raises(KeyboardInterrupt):  # the default handler: held, then raised
+        with jitload._interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the signal is handled here, by the holding handler
+            held = True
+    assert held and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -587,3 +587,18 @@ def test_a_listed_remote_folder_refuses_weights_it_would_skip(tmp_path):
     assert not cat.path.exists()
     (fam / "expert_01" / "model-00001-of-00001.safetensors").unlink()
     assert cat.register([f"file://{fam}"], base_model="base").registered == ("base", "expert_00")
+
+
+def test_a_model_file_takes_its_folders_name_except_over_http(tmp_path):
+    """file:// and object stores name …/expert_00/model.safetensors 'expert_00', as the folder would
+    be named; over HTTP the folder is often a revision (…/resolve/main/model.safetensors), so the
+    file's stem stays the name there."""
+    from mergedb.checkpoint import open_checkpoint
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=4)
+    assert open_checkpoint(f"file://{fam}/expert_00/model.safetensors").name == "expert_00"
+    srv = RangeServer(fam)
+    try:
+        assert open_checkpoint(f"{srv.url}/expert_00/model.safetensors").name == "model"
+    finally:
+        srv.close()

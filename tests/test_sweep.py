@@ -608,3 +608,27 @@ def test_a_sweep_that_would_not_fit_stores_no_plan(fam, tmp_path, monkeypatch):
     assert cat.sql("SELECT count(*) AS n FROM plans").column("n")[0].as_py() == n
     monkeypatch.undo()
     assert len(sw.sweep(cat, req, tmp_path / "out").runs) == 2  # the same names: none was taken
+
+
+def test_a_sweep_over_moved_inputs_says_so_and_stores_nothing(tmp_path):
+    """Sweeps now check, as execute does, that a plan's checkpoints are still where they were
+    registered (a bare 'no such file' before, and each retry stored another set of plans); and one
+    PlanSummary alone is one plan."""
+    import shutil
+
+    from mergedb.errors import ChangedFileError
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=9)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    n = cat.sql("SELECT count(*) AS n FROM plans").column("n")[0].as_py()
+    shutil.move(fam, tmp_path / "moved")
+    req = grid.grid_requests(PlanRequest("base", None, "ties"), {"density": [0.2, 0.4]}, "mv")
+    with pytest.raises(ChangedFileError, match=r"gone from where they were registered: base 'base'"):
+        sw.sweep(cat, req, tmp_path / "out")
+    with pytest.raises(ChangedFileError, match=r"gone from where they were registered"):
+        list(sw.in_memory(cat, req))
+    assert cat.sql("SELECT count(*) AS n FROM plans").column("n")[0].as_py() == n
+    cat.register([tmp_path / "moved"], base_model="base")
+    plan = cat.plan(req[0])
+    assert [s.plan_id for s, _ in sw.sweep(cat, plan, tmp_path / "out").runs] == [plan.plan_id]

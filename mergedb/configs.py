@@ -325,6 +325,7 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
     a registered name. Linear without base_model gets the experts' base.
     """
     from .checkpoint import is_checkpoint, open_checkpoint
+    from .lora import is_adapter
 
     here = Path(cwd) if cwd is not None else Path.cwd()
     by_name = {r.name: r for r in rows}
@@ -332,6 +333,16 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
     def find(ref: str, base_hint: str | None) -> Any:
         p = Path(ref).expanduser()
         p = p if p.is_absolute() else here / p
+        if "+" in ref and not p.exists():  # mergekit's MODEL+LORA: the adapter, registered against MODEL
+            left, right = ref.split("+", 1)
+            b, a = find(left, None), find(right, base_hint or left)
+            if a.role != "expert" or a.base != b.name or not is_adapter(a.path):
+                raise ConfigError(
+                    f"model {ref!r} applies {right!r} to {left!r}, but {a.name!r} is not a LoRA adapter registered "
+                    f"against base {b.name!r}; register it with: mergedb register {shlex.quote(right)} --base-model "
+                    f"{shlex.quote(b.name)}"
+                )
+            return a
         if not p.exists():
             if ref in by_name:
                 return by_name[ref]
@@ -355,11 +366,6 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
         )  # fmt: skip
         if p.exists():
             raise ConfigError(f"model {ref!r} is not registered in the catalog; run: {how}")
-        if "+" in ref:  # mergekit's model+lora
-            raise ConfigError(
-                f"model {ref!r} applies a LoRA (model+lora), which mergedb does not read from a config: register "
-                "the adapter as an expert (mergedb register ADAPTER --base-model BASE) and list it as a model"
-            )
         if "@" in ref:
             raise ConfigError(f"model {ref!r} names a hub revision; download it and name the local folder")
         if ref.startswith((".", "/", "~")) or "\\" in ref or ref.count("/") > 1:

@@ -22,6 +22,7 @@ import pyarrow as pa
 from . import methods
 from .configs import SCHEMA, MergeConfig, bind_models, parse_config, plan_resolution, to_mergekit_yaml
 from .errors import ConfigError, MergeDBError
+from .lora import is_adapter
 from .mkresolve import most_common
 from .planner import PlanRequest
 from .resources import query
@@ -149,7 +150,9 @@ def plan_to_mergekit(cat: Catalog, plan: int | str) -> str:
     res = replace(plan_resolution(summary, rows), params=params)
     ckpts = cat.checkpoints()
     base_dtype = next((r.dtype for r in ckpts if r.name == summary.base), None)
-    text = to_mergekit_yaml(res, {r.name: r.path for r in ckpts}, [t.name for t in xp.tensors], base_dtype)
+    adapters = {e.name for e in xp.experts if is_adapter(e.path)}  # mergekit: BASE+ADAPTER, the base with it applied
+    paths = {r.name: f"{xp.base.path}+{r.path}" if r.name in adapters else r.path for r in ckpts}
+    text = to_mergekit_yaml(res, paths, [t.name for t in xp.tensors], base_dtype)
     notes = []  # what mergekit cannot express: it reads every block, and draws DARE's drops from its own seed
     if summary.selected_bytes < summary.full_bytes:
         notes.append(

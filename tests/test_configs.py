@@ -347,7 +347,8 @@ def test_unregistered_and_misfiled_models_say_what_to_run(registered, tmp_path):
         bind_models(hub, rows)
     # mergekit's model+lora and model@revision when no such path exists; a relative path that is missing
     for ref, words in (
-        ("a+lora", "applies a LoRA .model.lora., which mergedb does not read from a config: register the adapter"),
+        ("a+lora", "model 'a' is neither a folder here nor a registered name"),
+        ("base+expert_00", "applies 'expert_00' to 'base', but 'expert_00' is not a LoRA adapter registered against"),
         ("org/a@main", "names a hub revision"),
         ("../family/base", r"there is no .*family/base \(a relative path is read from"),
     ):

@@ -499,3 +499,19 @@ def test_budgeted_adapter_plans_read_within_their_pages(tmp_path):
                 break
         if physical[-1]:  # this filesystem reports read_bytes
             assert plan.selected_bytes * 0.9 <= min(physical) <= allowed, (budget, physical, allowed, total)
+
+
+def test_a_plan_of_adapters_exports_as_mergekit_writes_adapters_and_reads_back(fam, tmp_path):
+    """mergekit applies a LoRA to a model written MODEL+ADAPTER; the export wrote adapter folders as
+    plain models, which mergekit cannot load (no weights, no config.json). It writes BASE+ADAPTER now,
+    and mergedb reads that back as the registered adapter: the same plan."""
+    from mergedb.mkplan import plan_from_config, plan_to_mergekit
+
+    root, lora, _ = fam
+    plan = lora.plan(PlanRequest("base", ("ad1", "other", "ad3"), "ties", params={"density": 0.5}))
+    text = plan_to_mergekit(lora, plan.plan_id)
+    base = str((root / "base").resolve())
+    assert f"model: {base}+{(root / 'adapters' / 'ad1').resolve()}" in text
+    assert f"model: {(root / 'other' / 'other').resolve()}\n" in text  # a full expert stays a plain model
+    again = plan_from_config(lora, text)
+    assert again.plan_hash == plan.plan_hash

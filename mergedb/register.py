@@ -158,6 +158,10 @@ def register(
         if row is not None:
             if row[2] != role:
                 raise CatalogError(f"{c.name!r} is already registered as a {row[2]}, not a {role}")
+            same_files = _where(row[9]) == _where(c.root.resolve()) and row[4] == c.fingerprint
+            if row[6] != str(c.path.resolve()) and same_files:  # its folder, named by its file: the same
+                unchanged.append(c.name)
+                continue
             if row[6] != str(c.path.resolve()):  # names are unique: another folder is another checkpoint,
                 if not _moved(row[6], c):  # unless the registered one is gone: then it moved here
                     raise CatalogError(

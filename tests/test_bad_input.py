@@ -425,10 +425,16 @@ def test_the_same_files_under_a_second_name_are_refused(setup):
     fam, cat, tmp = setup
     cat.register([fam / "expert_00"], base_model="base")
     before = snapshot(cat)
-    for paths, kw in (([fam / "expert_00" / "model.safetensors"], {}), ([fam / "expert_00"], {"name": "again"})):
+    for paths, kw in (
+        ([fam / "expert_00" / "model.safetensors"], {"name": "again"}),
+        ([fam / "expert_00"], {"name": "again"}),
+    ):
         with pytest.raises(CatalogError, match="holds the files of expert 'expert_00', registered under that name"):
             cat.register(paths, base_model="base", **kw)
         assert snapshot(cat) == before
+    # its file alone is named after its folder (model.safetensors): the same checkpoint, unchanged
+    assert cat.register([fam / "expert_00" / "model.safetensors"], base_model="base").unchanged == ("expert_00",)
+    assert snapshot(cat) == before
     # changed in place, then registered under a new name: the old name went stale and no --refresh could
     # fix the family afterwards (both names pointed at one folder); now the re-scan is what it asks for
     src = fam / "expert_00" / "model.safetensors"

@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import xxhash
 
-from . import manifest, outdir
+from . import manifest, outdir, plans
 from .checkpoint import INDEX, SIDE_FILES, Checkpoint, open_checkpoint
-from .errors import MergeDBError
+from .errors import CatalogError, MergeDBError
 from .lora import adapter_fingerprint, is_adapter
 from .plainfile import read_small
 from .sources import Sources
@@ -63,7 +63,8 @@ _KEYS = [
 
 def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
     """Verify the catalog against itself and the files: orphaned or missing rows, missing or
-    changed files, and with `deep` every block's bytes against its registered hash."""
+    changed files, and with `deep` every block's bytes against its registered hash and every plan's
+    rows against its hash."""
     problems: list[Problem] = []
     with cat.duckdb_connection() as con:
         for table, cond in _ORPHANS:
@@ -76,6 +77,14 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
                 problems.append(
                     Problem(f"table {table}", f"{n} ({key}) keys on more than one row", "plan the affected plans again")
                 )
+        pids = con.execute("SELECT plan_id FROM plans ORDER BY plan_id").fetchall() if deep else []
+        for (pid,) in pids:  # ~20 ms a plan: its rows against its hash (plans.refuse_altered), its blocks
+            try:
+                plans.execution_plan(con, pid)
+            except CatalogError as e:
+                problems.append(Problem(f"plan {pid}", str(e), "make the plan again"))
+            except MergeDBError:  # an expert re-registered since: a stale plan, not a damaged one
+                continue
         short = con.execute(
             "SELECT c.name, count(eb.block_idx), (SELECT count(*) FROM blocks bl JOIN family_tensors ft "
             "USING (base_id, tensor_idx) WHERE bl.base_id = c.base_id AND ft.mergeable) "

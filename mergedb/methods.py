@@ -123,7 +123,8 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
     if len(weights) != n_experts:
         raise PlanError(f"{len(weights)} weights for {n_experts} experts; give one weight per expert, in order")
     for i, w in enumerate(weights):
-        if not (isinstance(w, (int, float, np.floating)) and math.isfinite(w) and abs(w) <= MAX_SCALE):
+        number = isinstance(w, (int, float, np.floating, np.integer)) and not isinstance(w, (bool, np.bool_))
+        if not (number and math.isfinite(w) and abs(w) <= MAX_SCALE):
             raise PlanError(
                 f"weight {i + 1} of {n_experts} is {w!r}: weights must be finite numbers between "
                 f"-{MAX_SCALE:g} and {MAX_SCALE:g} (the experts' weights, in order: --weights 1,0.5, or weight: in a "

@@ -7,7 +7,6 @@ bounds are the SQL files in `queries/` (see each file's header). plans.py reads 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -18,7 +17,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import accessrules, bounds, candidates, consensus, deviation, greedy, methods, planstats, tensorparams
+from . import accessrules, bounds, candidates, consensus, deviation, greedy, methods, plans, planstats, tensorparams
 from .arrowcols import column
 from .errors import PlanError
 from .plans import validate_plan_name
@@ -195,6 +194,7 @@ def _resolve(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> _Inputs:
             raise PlanError(f"expert {n!r} was registered against another base, not {req.base!r}")
     weights = list(req.weights) if req.weights is not None else [1.0] * len(names)
     params = methods.validate(req.method, req.params, weights, len(names))
+    weights = [float(w) for w in weights]  # numbers of any kind: 2, 2.0 and numpy's 2.0 are one plan
     ids = [by_name[n][1] for n in names]
     tensors = sorted(  # by tensor_idx
         _rows(
@@ -377,23 +377,18 @@ def _store(
         "SELECT $1, checkpoint_id, tensor_idx, CAST(bits AS BIT) FROM _plan_bits WHERE present",
         [plan_id],
     )
-    description = {
-        "method": req.method,
-        "params": inp.params,
-        "seed": req.seed,
-        "budget_bytes": sel.budget,
-        "strategy": req.strategy,
-        "base": {"fingerprint": inp.base_fingerprint, "content": inp.base_content},
-        "experts": [
-            {"fingerprint": fp, "content": ch, "weight": w}
-            for fp, ch, w in zip(inp.fingerprints, inp.contents, inp.weights)
-        ],
-        "thresholds": hashlib.sha256(_canonical_table(sel.trims)).hexdigest(),
-        "mask": sel.mask_digest(),  # the digest thread has run beside the inserts above
-    }
-    if per_tensor is not None:  # plans with per-expert values keep the hash they always had
-        description["tensor_params"] = hashlib.sha256(_canonical_table(per_tensor)).hexdigest()
-    plan_hash = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+    plan_hash = plans.plan_hash(
+        req.method,
+        inp.params,
+        req.seed,
+        sel.budget,
+        req.strategy,
+        (inp.base_fingerprint, inp.base_content),
+        list(zip(inp.fingerprints, inp.contents, inp.weights)),
+        sel.trims,
+        sel.mask_digest(),  # the digest thread has run beside the inserts above
+        per_tensor,
+    )
     n_candidates = int(sel.cands.score.size)
     _insert(  # last, so that planning_seconds counts every step
         con,
@@ -434,7 +429,3 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict[str, Any]) -> 
     """INSERT one row, naming its columns (never positional)."""
     cols = ", ".join(row)
     con.execute(f"INSERT INTO {table} ({cols}) VALUES ({', '.join('?' * len(row))})", list(row.values()))
-
-
-def _canonical_table(t: pa.Table) -> bytes:
-    return json.dumps(t.to_pylist(), sort_keys=True, default=str).encode()

@@ -3,6 +3,7 @@ value the executor runs. Only reads; plans are made by planner.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -13,8 +14,8 @@ import pyarrow as pa
 
 from .checkpoint import gone
 from .errors import CatalogError, ChangedFileError, PlanError
-from .layout import TensorLayout
-from .manifest import ExecutionPlan, Source
+from .layout import TensorLayout, n_rows
+from .manifest import ExecutionPlan, Source, mask_digest
 from .tensorparams import COLUMNS as TENSOR_PARAM_COLUMNS
 
 
@@ -166,6 +167,87 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
     )
 
 
+def plan_hash(
+    method: str,
+    params: dict[str, Any],
+    seed: int,
+    budget_bytes: int,
+    strategy: str,
+    base: tuple[str, str],
+    experts: list[tuple[str, str, float]],
+    trims: pa.Table,
+    mask: str,
+    tensor_params: pa.Table | None,
+) -> str:
+    """A plan's identity: sha256 of what it merges and how. Its method, parameters, seed, budget and
+    strategy; the base's and each expert's (fingerprint, content) as planned, with the weights; its
+    thresholds (checkpoint_id, tensor_idx, t_lo, t_hi, exact, by checkpoint and tensor); its mask
+    (manifest.mask_digest); per-tensor values where it has them. The planner makes it, and
+    `refuse_altered` makes it again from the stored rows before a plan is executed."""
+    description = {
+        "method": method,
+        "params": params,
+        "seed": seed,
+        "budget_bytes": budget_bytes,
+        "strategy": strategy,
+        "base": {"fingerprint": base[0], "content": base[1]},
+        "experts": [{"fingerprint": fp, "content": ch, "weight": w} for fp, ch, w in experts],
+        "thresholds": hashlib.sha256(_canonical_table(trims)).hexdigest(),
+        "mask": mask,
+    }
+    if tensor_params is not None:  # plans with per-expert values keep the hash they always had
+        description["tensor_params"] = hashlib.sha256(_canonical_table(tensor_params)).hexdigest()
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+
+def _canonical_table(t: pa.Table) -> bytes:
+    return json.dumps(t.to_pylist(), sort_keys=True, default=str).encode()
+
+
+def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
+    """Refuse a plan whose stored rows no longer give its hash: a catalog edited or damaged since it
+    was planned, which would merge another model than the plan's, even past its budget (its mask)."""
+    pid = xp.plan_id
+    base_fp, base_content, strategy = con.execute(
+        "SELECT base_fingerprint, base_content, strategy FROM plans WHERE plan_id = ?", [pid]
+    ).fetchall()[0]
+    experts = con.execute(
+        "SELECT fingerprint, content_hash, weight FROM plan_experts WHERE plan_id = ? ORDER BY position", [pid]
+    ).fetchall()
+    trims = con.sql(
+        "SELECT checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM plan_thresholds WHERE plan_id = $1 "
+        "ORDER BY checkpoint_id, tensor_idx",
+        params=[pid],
+    ).to_arrow_table()
+    tensor_params = xp.tensor_params
+    if tensor_params is not None:  # as the planner made it: its columns, in its order
+        tensor_params = tensor_params.select(list(TENSOR_PARAM_COLUMNS))
+    mask = mask_digest(xp.mask)
+    args = (xp.method, xp.params, xp.seed, xp.budget_bytes, strategy, (base_fp, base_content))
+    weighed = [list(experts)]
+    if any(float(w).is_integer() for _, _, w in experts):  # plans made before weights were floats: 1, not 1.0
+        weighed.append([(fp, ch, int(w) if float(w).is_integer() else w) for fp, ch, w in experts])
+    if all(plan_hash(*args, ws, trims, mask, tensor_params) != xp.plan_hash for ws in weighed):
+        raise CatalogError(
+            f"plan {pid}'s rows in the catalog no longer give its hash ({xp.plan_hash[:12]}…): the catalog was "
+            "edited or damaged since it was planned, and would merge another model; make the plan again "
+            "(`mergedb check --deep` lists the plans so altered)"
+        )
+
+
+def _refuse_broken_layout(con: duckdb.DuckDBPyConnection, base_id: int, tensors: list[tuple]) -> None:
+    """Refuse a base whose block rows no longer tile each tensor's rows (rows deleted or edited): the
+    merge would index blocks that are not there."""
+    n = con.execute("SELECT count(*) FROM family_tensors WHERE base_id = ?", [base_id]).fetchall()[0][0]
+    broken = [t[1] for t in tensors if t[5][0] != 0 or t[6][-1] != n_rows(tuple(t[3])) or t[6][:-1] != t[5][1:]]
+    if broken or len(tensors) != n:
+        what = f"tensor {broken[0]!r}" if broken else f"{n - len(tensors)} tensor(s)"
+        raise CatalogError(
+            f"the catalog is damaged: the block rows of {what} of this plan's base no longer cover it; "
+            "`mergedb check` lists the damage (register the family into a new catalog to repair it)"
+        )
+
+
 def refuse_gone(xp: ExecutionPlan) -> None:
     """Refuse a plan whose base or experts are no longer at the local paths they were registered
     from, naming every one and how to keep the catalog's rows and plans when they only moved."""
@@ -219,6 +301,7 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         "GROUP BY ALL ORDER BY ft.tensor_idx",
         [p[9]],
     ).fetchall()
+    _refuse_broken_layout(con, p[9], tensors)
     mask = con.sql(  # the selected blocks, expanded from the plan's bit strings (schema/010)
         "SELECT pe.position, m.tensor_idx, eb.block_idx, eb.content_hash FROM plan_mask_bits m "
         "JOIN plan_experts pe ON pe.plan_id = m.plan_id AND pe.checkpoint_id = m.checkpoint_id "
@@ -249,7 +332,7 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         "ORDER BY position, tensor_idx",
         params=[pid],
     ).to_arrow_table()
-    return ExecutionPlan(
+    xp = ExecutionPlan(
         plan_id=pid,
         plan_hash=p[0],
         method=p[1],
@@ -266,6 +349,8 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         stock=stock,
         tensor_params=per_tensor if per_tensor.num_rows else None,
     )
+    refuse_altered(con, xp)
+    return xp
 
 
 def _stock_dots(con: duckdb.DuckDBPyConnection, pid: int, k: int) -> pa.Table:

@@ -683,3 +683,78 @@ def test_holding_ctrl_c_leaves_handlers_python_did_not_install_alone(monkeypatch
             time.sleep(0.05)  # the signal is handled here, by the holding handler
             held = True
     assert held and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (  # every block selected: another model, read past the budget
+            "UPDATE plan_mask_bits SET selected = CAST(repeat('1', length(selected)::INTEGER) AS BIT) "
+            "WHERE plan_id = {pid}",
+            "rows in the catalog no longer give its hash",
+        ),
+        ("UPDATE plan_thresholds SET t_lo = t_lo * 2 WHERE plan_id = {pid}", "no longer give its hash"),
+        (
+            "UPDATE plan_experts SET weight = weight + 1 WHERE plan_id = {pid} AND position = 0",
+            "no longer give its hash",
+        ),
+        (
+            "DELETE FROM blocks WHERE (tensor_idx, block_idx) = (SELECT (tensor_idx, max(block_idx)) FROM blocks "
+            "GROUP BY tensor_idx ORDER BY count(*) DESC, tensor_idx LIMIT 1)",
+            "block rows of tensor",
+        ),
+    ],
+)
+def test_a_plan_whose_rows_were_altered_is_refused_not_merged(registered, edit, words):
+    """A plan's stored rows edited or damaged after planning (a write from another tool, a broken
+    file) made execute merge another model, past the budget when the mask was widened, under the plan's
+    hash; or (a block row gone) crash with an IndexError. The rows are checked against the plan's hash
+    and the base's blocks against its layout before anything is read; `check --deep` lists them."""
+    import duckdb
+
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "ties", "50%", params={"density": 0.4}))
+    cat.execute(plan.plan_id, tmp / "good")
+    con = duckdb.connect(str(cat.path))
+    con.execute(edit.format(pid=plan.plan_id))
+    con.close()
+    with pytest.raises(MergeDBError, match=words):
+        cat.execute(plan.plan_id, tmp / "bad")
+    assert not (tmp / "bad").exists()
+    assert any(p.where == f"plan {plan.plan_id}" and words in p.what for p in check_catalog(cat, deep=True))
+
+
+def test_plans_hashed_with_whole_number_weights_still_execute(registered):
+    """Plans made before weights became floats in the plan's hash (weights=(1, 2) hashed as 1, 2):
+    their stored hash is accepted as made."""
+    import duckdb
+
+    from mergedb import plans as P
+
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic", weights=(1.0, 2.0)))
+    xp = cat.execution_plan(plan.plan_id)
+    con = duckdb.connect(str(cat.path))
+    base_fp, base_content, strategy = con.execute(
+        "SELECT base_fingerprint, base_content, strategy FROM plans WHERE plan_id = ?", [plan.plan_id]
+    ).fetchall()[0]
+    trims = con.sql(
+        "SELECT checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM plan_thresholds WHERE false"
+    ).to_arrow_table()
+    experts = [(e.fingerprint, e.content_hash, int(e.weight)) for e in xp.experts]
+    old = P.plan_hash(
+        xp.method,
+        xp.params,
+        xp.seed,
+        xp.budget_bytes,
+        strategy,
+        (base_fp, base_content),
+        experts,
+        trims,
+        P.mask_digest(xp.mask),
+        None,
+    )
+    assert old != plan.plan_hash
+    con.execute("UPDATE plans SET plan_hash = ? WHERE plan_id = ?", [old, plan.plan_id])
+    con.close()
+    assert cat.execute(plan.plan_id, tmp / "out").manifest["plan_hash"] == old

@@ -157,3 +157,16 @@ def test_method_parameters_are_numbers_not_bools_or_text(cat):
     assert _plans(cat) == before
     numpy_number = mergedb.PlanRequest("base", None, "ties", params={"density": np.float32(0.5)})
     assert cat.plan(numpy_number).params["density"] == 0.5
+
+
+def test_weights_of_any_number_type_make_one_plan(cat):
+    """numpy float32 weights raised a TypeError from json while hashing the plan, and (1, 2) hashed
+    apart from (1.0, 2.0); a bool weight was taken as 1."""
+    n = len(cat.checkpoints()) - 1
+    hashes = {
+        cat.plan(mergedb.PlanRequest("base", None, "task_arithmetic", weights=w)).plan_hash
+        for w in ((1,) * n, (1.0,) * n, tuple(np.float32(1) for _ in range(n)), np.ones(n, np.int64))
+    }
+    assert len(hashes) == 1
+    with pytest.raises(PlanError, match="weight 1 of .* is True"):
+        cat.plan(mergedb.PlanRequest("base", None, "task_arithmetic", weights=(True,) + (1.0,) * (n - 1)))

@@ -188,6 +188,9 @@ def _rehash(ckpt: Checkpoint, rows: list[tuple], base: bool = False) -> list[Pro
     return out
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".index.json")  # what loaders read
+
+
 def check_output(folder: str | os.PathLike[str]) -> list[str]:
     """Problems of a merged output against its manifest (empty when it is intact)."""
     folder = Path(folder)
@@ -196,14 +199,17 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
         return [f"{folder}: no {manifest.MANIFEST}: not a complete mergedb output"]
     try:
         doc = json.loads(read_small(path))
+        hashed = manifest.content_hash(doc) if isinstance(doc, dict) else None
     except OSError as e:
         return [f"{path}: cannot be read ({e.strerror})"]
     except ValueError as e:
         return [f"{path}: not valid JSON ({e})"]
+    except RecursionError:
+        return [f"{path}: its JSON nests too deeply; not a manifest mergedb wrote"]
     if not isinstance(doc, dict):
         return [f"{path}: not a mergedb manifest"]
     problems = []
-    if manifest.content_hash(doc) != doc.get("content_hash"):
+    if hashed != doc.get("content_hash"):
         problems.append(f"{path}: content_hash does not match the manifest's contents (edited?)")
     mask = None
     try:
@@ -233,7 +239,17 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
         f = folder / name
         if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() != want:
             problems.append(f"{f}: differs from the file the output was written with")
-    for f in sorted(folder.glob("*.safetensors")):
+    listed = run.get("files") if isinstance(run, dict) and isinstance(run.get("files"), list) else None
+    weights = sorted(p for p in folder.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES))  # a pipe too: named
+    if listed is not None:  # only the output's own files are what it serves; others are named
+        for p in weights:
+            if p.name not in listed:
+                problems.append(
+                    f"{p}: weights that are not part of this output (its manifest does not list them); a loader "
+                    "could read them instead of the output's: move them out"
+                )
+        weights = [p for p in weights if p.name in listed]
+    for f in (p for p in weights if p.name.endswith(".safetensors")):
         try:
             h = read_header(f)
         except MergeDBError as e:
@@ -259,6 +275,13 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
         if not isinstance(wmap, dict) or {n: wmap.get(n) for n in where} != where:
             problems.append(f"{index}: missing, or its weight_map does not say which shard holds each tensor")
     lora = doc.get("lora")  # an --as-lora output (loraout.py): its adapter keys are hashed there
+    if isinstance(lora, dict) and isinstance(lora.get("config"), dict):  # its scaling lives in the config
+        try:
+            written = json.loads(read_small(folder / "adapter_config.json"))
+        except (OSError, ValueError):
+            written = None
+        if written != lora["config"]:
+            problems.append(f"{folder / 'adapter_config.json'}: missing, or not the config the manifest records")
     want_hashes = lora["key_hashes"] if isinstance(lora, dict) and isinstance(lora.get("key_hashes"), dict) else None
     for name, want in (want_hashes or doc.get("tensor_hashes", {})).items():
         if name not in seen:

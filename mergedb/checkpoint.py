@@ -3,11 +3,9 @@
 A checkpoint is a set of safetensors files plus side files (config, tokenizer) that are copied
 through. The fingerprint (sizes, mtimes, header hashes) detects a file changed since it was seen.
 A checkpoint may also be a URL (remote.py): its files are read through `sources`, and a remote
-file's fingerprint uses its version (ETag or Last-Modified) where a local one uses its mtime.
-
-A folder holding both model.safetensors and model.safetensors.index.json is read as
-model.safetensors, the file transformers loads (see `open_checkpoint`). A checkpoint without a
-single tensor is refused.
+file's fingerprint uses its version (ETag or Last-Modified) where a local one uses its mtime. A
+folder holding both model.safetensors and its index is read as model.safetensors, the file
+transformers loads (see `open_checkpoint`). A checkpoint without a single tensor is refused.
 """
 
 from __future__ import annotations
@@ -132,8 +130,8 @@ def file_info(root: Path | RemotePath, relpath: str) -> FileInfo:
 
 
 def gone(path: str | os.PathLike[str]) -> bool:
-    """Whether nothing of a checkpoint registered at the local `path` is left: no such path, or a folder
-    without safetensors files (moved out file by file). One that cannot be looked at may come back."""
+    """Whether nothing of a checkpoint is left at local `path`: no such path, or a folder without
+    safetensors files (moved out one by one). One that cannot be looked at may come back: not gone."""
     try:
         if not stat.S_ISDIR(os.stat(path).st_mode):
             return False
@@ -439,11 +437,16 @@ class PlanInputs:
             if i - 1 in self.skip:
                 self.where.append({})
                 continue
+            if not remote.is_url(src.path) and gone(src.path):  # replay and stale plans alike
+                raise ChangedFileError(
+                    f"{src.name} is gone from {src.path}, where its plan or manifest found it: restore it there"
+                )
             ckpt = open_checkpoint(src.path, name=src.name)
             if ckpt.fingerprint != src.fingerprint:
                 raise ChangedFileError(
-                    f"{src.name} ({src.path}) changed since it was registered; re-register it with "
-                    "`mergedb register --refresh` and plan again"
+                    f"{src.name} ({src.path}) changed since it was registered (its files' sizes, times or headers); "
+                    "re-register it with `mergedb register --refresh` and plan again (a replay needs the files as "
+                    "they were: a copy keeps their times with cp -p)"
                 )
             # experts: no kernel readahead past the ranges we ask for
             srcs = [self.sources.open(ckpt.root / f.relpath, random=i > 0) for f in ckpt.files]

@@ -217,9 +217,15 @@ def read_manifest(manifest_path: str | os.PathLike[str]) -> tuple[dict[str, Any]
         mask = pq.read_table(path.parent / MASK)
     except (OSError, ValueError) as e:
         raise MergeDBError(f"cannot read {path} or its {MASK}: {e}") from None
+    except RecursionError:  # JSON nested deeper than Python's stack (a manifest mergedb never writes)
+        raise MergeDBError(f"{path}: its JSON nests too deeply; not a manifest mergedb wrote") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise MergeDBError(f"{path}: not a {FORMAT} manifest")
-    if content_hash(doc) != doc.get("content_hash"):
+    try:
+        hashed = content_hash(doc)
+    except RecursionError:
+        raise MergeDBError(f"{path}: its JSON nests too deeply; not a manifest mergedb wrote") from None
+    if hashed != doc.get("content_hash"):
         raise MergeDBError(
             f"{path}: content_hash does not match the manifest's contents (edited?); re-execute the plan"
         )
@@ -282,6 +288,8 @@ def _problems(doc: dict[str, Any], mask: pa.Table | None) -> list[str]:
         for key, kind in _SOURCE_FIELDS.items():
             if not _is(src[key], kind):
                 return [f"{where}.{key} is not a {kind.__name__} (got {src[key]!r:.60})"]
+        if "\0" in src["path"] or not src["path"]:
+            return [f"{where}.path is not a path (got {src['path']!r:.60})"]
     k = len(doc["experts"])
     try:
         validate(doc["method"], doc["params"], [e["weight"] for e in doc["experts"]], k)

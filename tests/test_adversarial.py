@@ -397,7 +397,11 @@ def _edits():
     def hashes_list(d):
         d["tensor_hashes"] = list(d["tensor_hashes"])
 
+    def nul_path(d):  # a ValueError ("embedded null byte") traceback from the file system call
+        d["base"]["path"] += "\0x"
+
     return [
+        nul_path,
         rows_huge,
         shape_huge,
         drop_key,
@@ -429,6 +433,23 @@ def test_edited_manifests_fail_cleanly(setup, tmp_path):
         assert not (tmp_path / "again").exists() and _leftovers(tmp_path / "again") == []
         code, text = _cli("check", "--output", copy, "-c", db)
         assert code == 1 and "problem:" in text, (edit, text)
+
+
+def test_a_manifest_nested_too_deeply_and_an_output_checked_alone(setup, tmp_path, monkeypatch):
+    """JSON nested deeper than Python's stack (in the unhashed `run`, so no re-hash is needed) gave a
+    RecursionError traceback from replay and check --output; and check --output refused to run on a
+    machine without the catalog ('no catalog at mergedb.duckdb'), where an output is verified alone."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    monkeypatch.chdir(tmp_path)  # no catalog here, and none named
+    assert _cli("check", "--output", out) == (0, "ok: outputs verified\n")
+    text = (out / manifest.MANIFEST).read_text()
+    (out / manifest.MANIFEST).write_text(text.rstrip()[:-1] + ', "zz": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    code, said = _cli("replay", out / manifest.MANIFEST, "--out", tmp_path / "again")
+    assert code == 1 and "nests too deeply" in said and "Traceback" not in said, said
+    code, said = _cli("check", "--output", out)
+    assert code == 1 and "nests too deeply" in said, said
 
 
 def test_edited_mask_fails_cleanly(setup, tmp_path):
@@ -508,3 +529,18 @@ def test_a_read_only_catalog_is_refused_before_merging_with_the_fix_that_works(s
     with pytest.raises(MergeDBError, match=words):
         Catalog(db).execute(plan["all"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_replay_of_moved_or_retimed_inputs_says_what_to_do(setup, tmp_path):
+    """Replay reads its inputs where the manifest recorded them: moved, it said a bare 'no such file or
+    folder'; copied without their times, it advised re-registering, which replay does not read."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    shutil.move(fam, tmp_path / "moved")
+    code, said = _cli("replay", out / manifest.MANIFEST, "--out", tmp_path / "again")
+    assert code == 1 and "is gone from" in said and "where its plan or manifest found it" in said, said
+    shutil.copytree(tmp_path / "moved", fam, copy_function=shutil.copyfile)  # back, with new times
+    code, said = _cli("replay", out / manifest.MANIFEST, "--out", tmp_path / "again")
+    assert code == 1 and "a replay needs the files as" in said.replace("\n", " "), said
+    assert not (tmp_path / "again").exists()

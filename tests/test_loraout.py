@@ -169,6 +169,10 @@ def test_exact_output_gives_the_full_merge_logits(fam, tmp_path, method, weights
     assert res.expert_bytes == size and res.base_bytes == 0
     assert res.manifest["lora"]["exact"] and res.manifest["lora"]["max_rel_error"] == 0
     assert check_output(tmp_path / "out") == []
+    cfg_path = tmp_path / "out" / "adapter_config.json"  # its scaling: doubled, every delta doubles
+    edited = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps({**edited, "lora_alpha": 2 * edited["lora_alpha"]}))
+    assert any("adapter_config.json: missing, or not the config" in p for p in check_output(tmp_path / "out"))
 
 
 @pytest.mark.parametrize("rank", [1, 3, 5])

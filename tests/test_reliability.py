@@ -80,8 +80,14 @@ def test_check_output_against_manifest(registered):
     plan = cat.plan(PlanRequest("base", None, "ties", "50%"))
     executor.execute(cat.execution_plan(plan.plan_id), tmp / "out")
     assert check_output(tmp / "out") == []
+    import shutil as sh  # a good copy beside the output's damaged file hid the damage (the last read won)
+
+    sh.copy(tmp / "out" / "model.safetensors", tmp / "out" / "model_backup.safetensors")
+    (tmp / "out" / "pytorch_model.bin").write_bytes(b"\0")
     _poke_in_place(tmp / "out" / "model.safetensors", 100)
-    assert any("differs from the manifest" in p for p in check_output(tmp / "out"))
+    found = check_output(tmp / "out")
+    assert any("model.safetensors" not in p and "differs from the manifest" in p for p in found), found
+    assert sum("weights that are not part of this output" in p for p in found) == 2, found
     (tmp / "half").mkdir()
     assert "not a complete mergedb output" in check_output(tmp / "half")[0]
     # what a tensor hash cannot see: a header relabelled to another dtype of the same width, a file of
@@ -578,7 +584,7 @@ def test_named_pipes_and_devices_are_refused_not_waited_on(tmp_path):
     assert run("check").returncode == 0
     os.mkfifo(tmp_path / "out" / "extra.safetensors")
     r = run("check", "--output", str(tmp_path / "out"))
-    assert r.returncode == 1 and "extra.safetensors: is a named pipe, not a regular file" in r.stdout + r.stderr
+    assert r.returncode == 1 and "extra.safetensors: weights that are not part of this output" in r.stdout + r.stderr
 
 
 def test_check_output_reads_only_plain_names_the_manifest_lists(registered):

@@ -238,13 +238,14 @@ def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
 def _refuse_broken_layout(con: duckdb.DuckDBPyConnection, base_id: int, tensors: list[tuple]) -> None:
     """Refuse a base whose block rows no longer tile each tensor's rows (rows deleted or edited): the
     merge would index blocks that are not there."""
-    rows = {  # each tensor's layout rows: its bytes over its row's bytes (n_rows of its shape when empty)
-        t: nb // rb if rb else n_rows(tuple(shape))
+    rows = {  # each tensor's layout rows: n_rows of its shape; a simulated catalog's (synth.simulate) lays
+        # 1-D tensors out in rows of row_bytes: its bytes over those
+        t: {n_rows(tuple(shape)), nb // rb if rb else n_rows(tuple(shape))}
         for t, nb, rb, shape in con.execute(
             "SELECT tensor_idx, nbytes, row_bytes, shape FROM family_tensors WHERE base_id = ?", [base_id]
         ).fetchall()
     }
-    broken = [t[1] for t in tensors if t[5][0] != 0 or t[6][-1] != rows.get(t[0]) or t[6][:-1] != t[5][1:]]
+    broken = [t[1] for t in tensors if t[5][0] != 0 or t[6][-1] not in rows.get(t[0], ()) or t[6][:-1] != t[5][1:]]
     n = len(rows)
     if broken or len(tensors) != n:
         what = f"tensor {broken[0]!r}" if broken else f"{n - len(tensors)} tensor(s)"

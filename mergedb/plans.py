@@ -219,15 +219,12 @@ def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
         "ORDER BY checkpoint_id, tensor_idx",
         params=[pid],
     ).to_arrow_table()
-    tensor_params = xp.tensor_params
-    if tensor_params is not None:  # as the planner made it: its columns, in its order
-        tensor_params = tensor_params.select(list(TENSOR_PARAM_COLUMNS))
     mask = mask_digest(xp.mask)
     args = (xp.method, xp.params, xp.seed, xp.budget_bytes, strategy, (base_fp, base_content))
     weighed = [list(experts)]
     if any(float(w).is_integer() for _, _, w in experts):  # plans made before weights were floats: 1, not 1.0
         weighed.append([(fp, ch, int(w) if float(w).is_integer() else w) for fp, ch, w in experts])
-    if all(plan_hash(*args, ws, trims, mask, tensor_params) != xp.plan_hash for ws in weighed):
+    if all(plan_hash(*args, ws, trims, mask, xp.tensor_params) != xp.plan_hash for ws in weighed):
         raise CatalogError(
             f"plan {pid}'s rows in the catalog no longer give its hash ({xp.plan_hash[:12]}…): the catalog was "
             "edited or damaged since it was planned, and would merge another model; make the plan again "

@@ -92,10 +92,9 @@ class _Elsewhere:
 def _check_execute_args(out: Any, max_shard_size: Any, flags: dict[str, Any], calls: dict[str, Any]) -> None:
     """Refuse, before anything is read, an execute() argument of the wrong type (a str flag such
     as "no" would be taken as true, a non-callable progress would fail mid-merge)."""
-    if not isinstance(out, (str, os.PathLike)):
-        raise MergeDBError(f"execute() writes into a folder path (str or Path), got {type(out).__name__}")
-    if isinstance(out, str) and not out.strip():  # Path("") is the current folder
-        raise MergeDBError("execute() writes into a folder path, got an empty one; name the output folder")
+    from . import outdir  # imported by execute() already
+
+    outdir.check_out_arg(out, "execute()")
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 0:
         raise MergeDBError(f"max_shard_size is a whole number of bytes ≥ 0, got {shown(max_shard_size)}")
     for k, v in flags.items():

@@ -170,8 +170,7 @@ def execute(
     `write_shards` writes the shards elsewhere than in this process (rayexec.py; see WriteShards):
     `threads`, `unit_order_seed`, `read_block` and `fold_block` are then its business, not this function's."""
     _check_plan(xp, "execute")
-    if not isinstance(out, (str, os.PathLike)) or (isinstance(out, str) and not out.strip()):
-        raise MergeDBError(f"executor.execute() writes into a folder path (str or Path), got {type(out).__name__}")
+    outdir.check_out_arg(out, "executor.execute()")
     if threads is not None:
         check_threads(threads)
     shown = Path(out)

@@ -51,6 +51,14 @@ def named(flag: str) -> Iterator[None]:
         _FLAG.reset(token)
 
 
+def check_out_arg(out: object, who: str) -> None:
+    """Refuse, before anything is read, an output folder argument that is not a path (`who` calls it)."""
+    if not isinstance(out, (str, os.PathLike)):
+        raise MergeDBError(f"{who} writes into a folder path (str or Path), got {type(out).__name__}")
+    if isinstance(out, str) and not out.strip():  # Path("") is the current folder
+        raise MergeDBError(f"{who} writes into a folder path, got an empty one; name the output folder")
+
+
 def _shown(p: Path | str) -> str:
     """A path for a message: names that are not valid UTF-8 are shown with \\x escapes."""
     return os.fsencode(p).decode("utf-8", "backslashreplace")

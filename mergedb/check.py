@@ -17,6 +17,7 @@ import xxhash
 from . import manifest, outdir, plans
 from .checkpoint import INDEX, SIDE_FILES, Checkpoint, open_checkpoint
 from .errors import CatalogError, MergeDBError
+from .lora import CONFIG as ADAPTER_CONFIG
 from .lora import adapter_fingerprint, is_adapter
 from .plainfile import read_small
 from .sources import Sources
@@ -277,11 +278,11 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     lora = doc.get("lora")  # an --as-lora output (loraout.py): its adapter keys are hashed there
     if isinstance(lora, dict) and isinstance(lora.get("config"), dict):  # its scaling lives in the config
         try:
-            written = json.loads(read_small(folder / "adapter_config.json"))
+            written = json.loads(read_small(folder / ADAPTER_CONFIG))
         except (OSError, ValueError):
             written = None
         if written != lora["config"]:
-            problems.append(f"{folder / 'adapter_config.json'}: missing, or not the config the manifest records")
+            problems.append(f"{folder / ADAPTER_CONFIG}: missing, or not the config the manifest records")
     want_hashes = lora["key_hashes"] if isinstance(lora, dict) and isinstance(lora.get("key_hashes"), dict) else None
     for name, want in (want_hashes or doc.get("tensor_hashes", {})).items():
         if name not in seen:

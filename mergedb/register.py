@@ -262,9 +262,8 @@ def register(
                 ).fetchall()
             }
             ids = {}
-            for (
-                c
-            ) in moved:  # the same checkpoint, where it is now: its rows and plans hold (a re-scan below rewrites it)
+            # a moved checkpoint is the same one where it is now: its rows and plans hold (a re-scan below rewrites it)
+            for c in moved:
                 if now[c.name][8] != existing[c.name][6]:
                     raise CatalogError(f"{c.name!r} was registered again by another process meanwhile; run again")
                 con.execute(

@@ -152,15 +152,16 @@ def sweep(
     registered = [p for row in cat.sql("SELECT path, root FROM checkpoints").to_pylist() for p in row.values()]
     _check_outs(registered, [_out(root, r.name) for r in requests if isinstance(r, planner.PlanRequest) and r.name])
     outs: list[Path] = []
+    need: list[int] = []
 
     def refuse(summaries: list[PlanSummary], xps: list[ExecutionPlan]) -> None:  # before the plans are stored
         _refuse(xps)
         outs[:] = [_out(root, s.name or f"plan-{s.plan_id}") for s in summaries]
         _check_outs(registered, outs)
-        _check_space(root, xps, dtypes)
+        need.append(_check_space(root, xps, dtypes))
 
     summaries, xps = grid.plan_and_load(cat, requests, check=refuse)
-    total = _check_space(root, xps, dtypes)
+    total = need[0]
     if on_total:
         on_total(total)
     t0, phys0 = time.perf_counter(), executor.physical_read_bytes()

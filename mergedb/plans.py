@@ -172,7 +172,7 @@ def plan_hash(
     params: dict[str, Any],
     seed: int,
     budget_bytes: int,
-    strategy: str,
+    strategy: str | None,
     base: tuple[str, str],
     experts: list[tuple[str, str, float]],
     trims: pa.Table,
@@ -180,16 +180,17 @@ def plan_hash(
     tensor_params: pa.Table | None,
 ) -> str:
     """A plan's identity: sha256 of what it merges and how. Its method, parameters, seed, budget and
-    strategy; the base's and each expert's (fingerprint, content) as planned, with the weights; its
-    thresholds (checkpoint_id, tensor_idx, t_lo, t_hi, exact, by checkpoint and tensor); its mask
-    (manifest.mask_digest); per-tensor values where it has them. The planner makes it, and
-    `refuse_altered` makes it again from the stored rows before a plan is executed."""
+    strategy (None: left out, as plans made before schema 004 were hashed); the base's and each
+    expert's (fingerprint, content) as planned, with the weights; its thresholds (checkpoint_id,
+    tensor_idx, t_lo, t_hi, exact, by checkpoint and tensor); its mask (manifest.mask_digest);
+    per-tensor values where it has them. The planner makes it, and `refuse_altered` makes it again
+    from the stored rows before a plan is executed."""
     description = {
         "method": method,
         "params": params,
         "seed": seed,
         "budget_bytes": budget_bytes,
-        "strategy": strategy,
+        **({"strategy": strategy} if strategy is not None else {}),
         "base": {"fingerprint": base[0], "content": base[1]},
         "experts": [{"fingerprint": fp, "content": ch, "weight": w} for fp, ch, w in experts],
         "thresholds": hashlib.sha256(_canonical_table(trims)).hexdigest(),
@@ -220,11 +221,18 @@ def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
         params=[pid],
     ).to_arrow_table()
     mask = mask_digest(xp.mask)
-    args = (xp.method, xp.params, xp.seed, xp.budget_bytes, strategy, (base_fp, base_content))
     weighed = [list(experts)]
     if any(float(w).is_integer() for _, _, w in experts):  # plans made before weights were floats: 1, not 1.0
         weighed.append([(fp, ch, int(w) if float(w).is_integer() else w) for fp, ch, w in experts])
-    if all(plan_hash(*args, ws, trims, mask, xp.tensor_params) != xp.plan_hash for ws in weighed):
+    # plans made before schema 004 (every one 'ranked', its default) did not hash their strategy
+    strategies = [strategy, None] if strategy == "ranked" else [strategy]
+    base = (base_fp, base_content)
+    if not any(  # lazily: the first (today's) description is the usual match
+        plan_hash(xp.method, xp.params, xp.seed, xp.budget_bytes, s, base, ws, trims, mask, xp.tensor_params)
+        == xp.plan_hash
+        for ws in weighed
+        for s in strategies
+    ):
         raise CatalogError(
             f"plan {pid}'s rows in the catalog no longer give its hash ({xp.plan_hash[:12]}…): the catalog was "
             "edited or damaged since it was planned, and would merge another model; make the plan again "

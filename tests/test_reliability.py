@@ -764,3 +764,51 @@ def test_plans_hashed_with_whole_number_weights_still_execute(registered):
     con.execute("UPDATE plans SET plan_hash = ? WHERE plan_id = ?", [old, plan.plan_id])
     con.close()
     assert cat.execute(plan.plan_id, tmp / "out").manifest["plan_hash"] == old
+
+
+def test_plans_made_before_schema_004_execute_with_their_hash(registered):
+    """Plans made before schema 004 (plans.strategy) hashed no strategy: the planner of 3502332
+    described a plan as below. Such a plan was refused as 'edited or damaged' by every execute. The
+    description here is written out as that planner wrote it, not made by plans.plan_hash."""
+    import hashlib
+    import json
+
+    import duckdb
+
+    from mergedb.manifest import mask_digest
+
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "ties", "50%", params={"density": 0.4}, weights=(1.0, 0.5)))
+    xp = cat.execution_plan(plan.plan_id)
+    con = duckdb.connect(str(cat.path))
+    base_fp, base_content = con.execute(
+        "SELECT base_fingerprint, base_content FROM plans WHERE plan_id = ?", [plan.plan_id]
+    ).fetchall()[0]
+    trims = con.execute(
+        "SELECT checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM plan_thresholds WHERE plan_id = ? "
+        "ORDER BY checkpoint_id, tensor_idx",
+        [plan.plan_id],
+    ).fetchall()
+    cols = ("checkpoint_id", "tensor_idx", "t_lo", "t_hi", "exact")
+    canonical = json.dumps([dict(zip(cols, r)) for r in trims], sort_keys=True, default=str).encode()
+    description = {
+        "method": "ties",
+        "params": xp.params,
+        "seed": xp.seed,
+        "budget_bytes": xp.budget_bytes,
+        "base": {"fingerprint": base_fp, "content": base_content},
+        "experts": [{"fingerprint": e.fingerprint, "content": e.content_hash, "weight": e.weight} for e in xp.experts],
+        "thresholds": hashlib.sha256(canonical).hexdigest(),
+        "mask": mask_digest(xp.mask),
+    }
+    old = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+    assert old != plan.plan_hash
+    con.execute("UPDATE plans SET plan_hash = ? WHERE plan_id = ?", [old, plan.plan_id])
+    con.close()
+    assert cat.execute(plan.plan_id, tmp / "out").manifest["plan_hash"] == old
+    assert not [p for p in check_catalog(cat, deep=True) if p.where == f"plan {plan.plan_id}"]
+    con = duckdb.connect(str(cat.path))  # the hash without strategy is accepted only for the default, 'ranked'
+    con.execute("UPDATE plans SET strategy = 'random' WHERE plan_id = ?", [plan.plan_id])
+    con.close()
+    with pytest.raises(MergeDBError, match="no longer give its hash"):
+        cat.execute(plan.plan_id, tmp / "out2")

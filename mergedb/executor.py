@@ -379,23 +379,19 @@ def _write(
 def _with_rng(xp: ExecutionPlan, doc: dict[str, Any]) -> dict[str, Any]:
     """The manifest of a DARE/DELLA output names its random stream (`rng`, deterministic part), so a
     replay by a mergedb that draws differently refuses instead of writing other bytes."""
-    from . import kernels
-
-    if methods.get_method(xp.method).sparsify not in kernels.RANDOM:
+    if not methods.get_method(xp.method).draws:
         return doc
-    doc = {**doc, "rng": kernels.RNG}
+    doc = {**doc, "rng": methods.RNG}
     doc["content_hash"] = content_hash(doc)
     return doc
 
 
 def _check_rng(path: str | os.PathLike[str], xp: ExecutionPlan, doc: dict[str, Any]) -> None:
-    from . import kernels
-
-    if methods.get_method(xp.method).sparsify in kernels.RANDOM and doc.get("rng") != kernels.RNG:
+    if methods.get_method(xp.method).draws and doc.get("rng") != methods.RNG:
         wrote = doc.get("rng") or "splitmix64 (mergedb before manifests named their stream)"
         raise MergeDBError(
             f"{path}: this {xp.method} output's random draws come from the stream {wrote!r}, but this "
-            f"mergedb draws from {kernels.RNG!r}, so a replay would write other bytes; replay it with the "
+            f"mergedb draws from {methods.RNG!r}, so a replay would write other bytes; replay it with the "
             "mergedb version that wrote it, or execute the plan again to get a new, replayable output"
         )
 

@@ -67,7 +67,7 @@ def fold_key(xp: ExecutionPlan, dtype: str | None = None) -> FoldKey | None:
     m = methods.get_method(xp.method)
     if m.sparsify not in kernels.MODE or xp.method == "model_stock":
         return None
-    random = m.sparsify in kernels.RANDOM
+    random = m.draws
     values, defaults = xp.tensor_values(), [xp.default_values(p) for p in range(len(xp.experts))]
     pairs = sorted(set(zip(xp.mask.column("position").to_pylist(), xp.mask.column("tensor_idx").to_pylist())))
     folded = []

@@ -21,8 +21,7 @@ import numpy as np
 from .jitload import numba  # imported with Ctrl-C held
 from .methods import Method
 
-RNG = "threefry2x32-20"  # the stream's name: recorded in manifests of DARE/DELLA outputs
-RANDOM = frozenset({"random", "della"})  # sparsify modes that draw from it
+# the random stream below (Threefry-2x32-20) is named by methods.RNG, which plans and manifests record
 _PARITY = 0x1BD11BDA  # Threefry's key-schedule parity constant (Skein)
 _ROT = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32 rotation constants, rounds mod 8
 

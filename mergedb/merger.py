@@ -411,7 +411,7 @@ class Merger:
         t = self.xp.tensors[ti]
         kind = kernels.IN_KIND[t.dtype]
         mode = kernels.MODE[self.method.sparsify]
-        draws = self.method.sparsify in kernels.RANDOM
+        draws = self.method.draws
         srcs = [self.xp.experts[pos] for pos, _ in grp]
         vals = [self._values(pos, ti) for pos, _ in grp]
         trims = [self._trim(pos, ti, t, src) for (pos, _), src in zip(grp, srcs)]

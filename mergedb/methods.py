@@ -16,6 +16,8 @@ import numpy as np
 from .errors import PlanError
 
 MAX_SCALE = 1e6  # |λ|, |weight| and |coefficient| limit: keeps c_k·Δ finite in float32 for |Δ| < 3e32
+RNG = "threefry2x32-20"  # the random stream DARE/DELLA draw from (kernels.py); plans and their manifests name it
+RANDOM = frozenset({"random", "della"})  # the sparsify modes that draw from it
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,11 @@ class Method:
     score: str  # planner value of a block: "norm" = |c|·‖Δ‖ ; "trimmed" = |c|·‖Δ surviving the trim‖
     linear: bool  # merged update = Σ c_k Δ_k with fixed c_k: the omitted-norm bound and estimate hold
     defaults: dict[str, Any]
+
+    @property
+    def draws(self) -> bool:
+        """Whether the merge draws random masks (from the stream RNG names)."""
+        return self.sparsify in RANDOM
 
 
 METHODS: dict[str, Method] = {

@@ -421,6 +421,7 @@ def _store(
             "value_model": req.value_model,
             "min_coverage": req.min_coverage,
             "est_kind": deviation.kind(inp.method) if sel.est_error is not None else None,
+            "rng": methods.RNG,  # schema/014: the stream a DARE/DELLA merge of this plan draws from
         },
     )
 

@@ -12,6 +12,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from . import methods
 from .checkpoint import gone
 from .errors import CatalogError, ChangedFileError, PlanError
 from .layout import TensorLayout, n_rows
@@ -240,6 +241,26 @@ def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
         )
 
 
+def _refuse_other_stream(pid: int, method: str, rng: str | None, name: str | None) -> None:
+    """Refuse a DARE/DELLA plan made for another random stream than the one this mergedb draws from
+    (schema/014): its merge would write other bytes than the plan's, under the plan's hash."""
+    if rng == methods.RNG or methods.METHODS.get(method) is None or not methods.METHODS[method].draws:
+        return
+    stream = (
+        f"the stream {rng!r}"
+        if rng
+        else "a stream it does not record (it was made before this catalog's schema 009, by a mergedb that "
+        "may have drawn from splitmix64)"
+    )
+    again = f"make it again under another --name than {name!r}" if name else "make it again"
+    raise PlanError(
+        f"plan {pid} ({method}) draws its random masks from {stream}, but this mergedb draws from "
+        f"{methods.RNG!r}: executing it would write other bytes than the plan's, under its hash; {again} "
+        "(the same options and --seed then draw from this stream; its older outputs replay with the mergedb "
+        "that wrote them)"
+    )
+
+
 def _refuse_broken_layout(con: duckdb.DuckDBPyConnection, base_id: int, tensors: list[tuple]) -> None:
     """Refuse a base whose block rows no longer tile each tensor's rows (rows deleted or edited): the
     merge would index blocks that are not there."""
@@ -288,10 +309,11 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
     """Everything the executor needs for plan `pid`: a plain value, no connection inside."""
     p = con.execute(
         "SELECT p.plan_hash, p.method, p.params, p.seed, p.budget_bytes, b.name, b.path, b.fingerprint, "
-        "b.content_hash, p.base_id FROM plans p JOIN checkpoints b ON b.checkpoint_id = p.base_id "
+        "b.content_hash, p.base_id, p.rng, p.name FROM plans p JOIN checkpoints b ON b.checkpoint_id = p.base_id "
         "WHERE p.plan_id = ?",
         [pid],
     ).fetchall()[0]
+    _refuse_other_stream(pid, p[1], p[10], p[11])
     experts = con.execute(
         "SELECT c.name, c.path, pe.fingerprint, pe.content_hash, pe.weight, pe.coef, c.fingerprint, c.content_hash "
         "FROM plan_experts pe LEFT JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? "

@@ -17,6 +17,7 @@ import pytest
 
 from mergedb import synth
 from mergedb.catalog import Catalog
+from mergedb.errors import PlanError
 from mergedb.planner import PlanRequest
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schema"
@@ -86,9 +87,12 @@ _OLD_MASK = "plan_id, checkpoint_id, tensor_idx, block_idx, selected, free, 0.5,
 MASK_BITS_SINCE = 10
 
 
-def _old_catalog(path: Path, version: int, source: Path) -> dict[str, tuple[list[str], list[tuple]]]:
+def _old_catalog(
+    path: Path, version: int, source: Path, every_table: bool = True
+) -> dict[str, tuple[list[str], list[tuple]]]:
     """A catalog at schema `version`, as mergedb's migration code writes it, holding the source's
-    rows in every table that version had. Returns table -> (that version's columns, its rows)."""
+    rows in every table that version had (each with a row, unless not `every_table`). Returns
+    table -> (that version's columns, its rows)."""
     con = duckdb.connect(str(path))
     try:
         con.execute("BEGIN")
@@ -115,16 +119,16 @@ def _old_catalog(path: Path, version: int, source: Path) -> dict[str, tuple[list
             for table in _tables(con):
                 if "plan_id" in _columns(con, table):
                     con.execute(f"DELETE FROM {table} WHERE plan_id = 3")
-        if "runs" in _tables(con):  # a run, so that every table of the version holds a row
+        if "runs" in _tables(con) and every_table:  # a run, so that every table of the version holds a row
             con.execute(
                 "INSERT INTO runs (run_id, plan_id, out, status, error) VALUES (1, 1, '/nowhere', 'failed', 'killed')"
             )
-        if "scores" in _tables(con):  # and a score
+        if "scores" in _tables(con) and every_table:  # and a score
             con.execute("INSERT INTO scores (score_id, plan_id, metric, value) VALUES (1, 1, 'loss', 1.5)")
         rows = {t: _rows(con, t, _columns(con, t)) for t in _tables(con) if t != "schema_version"}
     finally:
         con.close()
-    assert all(data for _, data in rows.values()), [t for t, (_, data) in rows.items() if not data]
+    assert not every_table or all(data for _, data in rows.values()), [t for t, (_, d) in rows.items() if not d]
     return rows
 
 
@@ -189,3 +193,61 @@ def test_old_catalog_upgrades_keeps_rows_and_plans(source, tmp_path, version, op
     assert [p.plan_hash for p in again] == [p.plan_hash for p in src_plans]  # the name is not hashed
     assert [p.selected_bytes for p in again] == [p.selected_bytes for p in src_plans]
     assert Catalog(path).sql("SELECT max(version) AS v FROM schema_version").to_pylist() == [{"v": LATEST}]
+
+
+@pytest.fixture(scope="module")
+def dare_source(tmp_path_factory):
+    """A latest-version catalog holding one DARE-TIES plan, and that plan's output."""
+    root = tmp_path_factory.mktemp("mig-dare")
+    fam = synth.make_family(root / "fam", experts=2, size="tiny", seed=22)
+    cat = Catalog(root / "source.duckdb")
+    cat.register([fam], base_model="base", block_size="32KiB")
+    plan = cat.plan(PlanRequest("base", None, "dare_ties", "all", params={"density": 0.5}, seed=5, name="dare"))
+    cat.execute(plan.plan_id, root / "out")
+    return root / "source.duckdb", plan, (root / "out" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("version, after_009", [(8, False), (9, True), (13, True), (13, False)])
+def test_a_plan_that_draws_names_its_stream_after_an_upgrade(dare_source, tmp_path, version, after_009):
+    """014: DARE/DELLA drew from splitmix64 before b3b45c5, from Threefry since, and a plan's hash
+    does not say which: an old DARE plan executed to other bytes under its hash, silently. A plan
+    made since its catalog reached 009 (only Threefry mergedbs know 009) executes as before; one made
+    earlier has an unknown stream and is refused, with the way out."""
+    src, plan, bytes_then = dare_source
+    path = tmp_path / "old.duckdb"
+    _old_catalog(path, version, src, every_table=False)
+    if after_009:  # the plan was made once the catalog was at 009
+        con = duckdb.connect(str(path))
+        nine = "(SELECT applied_at FROM schema_version WHERE version = 9)"
+        con.execute(f"UPDATE plans SET created = {nine} + INTERVAL 1 SECOND")
+        con.close()
+    cat = Catalog(path)
+    assert cat.sql("SELECT rng FROM plans").to_pylist() == [{"rng": "threefry2x32-20" if after_009 else None}]
+    if after_009:
+        cat.execute("dare", tmp_path / "out")
+        assert (tmp_path / "out" / "model.safetensors").read_bytes() == bytes_then
+        return
+    with pytest.raises(PlanError, match=r"stream it does not record .* another --name than 'dare'"):
+        cat.execute("dare", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    again = cat.plan(PlanRequest("base", None, "dare_ties", "all", params={"density": 0.5}, seed=5, name="again"))
+    assert again.plan_hash == plan.plan_hash  # the same request: the same plan, now with its stream
+    cat.execute("again", tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == bytes_then
+
+
+def test_new_plans_record_their_stream_and_another_stream_is_refused(dare_source, tmp_path):
+    """Every plan records the stream it was made for; a drawing plan made for another is refused by
+    execute (its name in the message), a plan that draws nothing is not."""
+    src, plan, _ = dare_source
+    path = tmp_path / "c.duckdb"
+    path.write_bytes(src.read_bytes())
+    cat = Catalog(path)
+    ta = cat.plan(PlanRequest("base", None, "task_arithmetic", "all"))
+    assert cat.sql("SELECT rng FROM plans ORDER BY plan_id").to_pylist() == [{"rng": "threefry2x32-20"}] * 2
+    con = duckdb.connect(str(path))
+    con.execute("UPDATE plans SET rng = 'splitmix64'")
+    con.close()
+    with pytest.raises(PlanError, match="from the stream 'splitmix64', but this mergedb draws from 'threefry2x32-20'"):
+        cat.execute(plan.plan_id, tmp_path / "out")
+    cat.execute(ta.plan_id, tmp_path / "out")  # task arithmetic draws nothing

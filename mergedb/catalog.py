@@ -156,10 +156,10 @@ class Catalog:
             raise
         version = -1
         try:
-            version, dim = schemaversion.read(con, self.path, create=write and create)
+            version, dim, missing = schemaversion.read(con, self.path, create=write and create)
             if write:
-                self._migrate(con, version, dim)
-            elif version < migrations()[-1][0]:
+                self._migrate(con, version, dim, missing)
+            elif version < migrations()[-1][0] or missing:
                 con.close()  # an older catalog: upgrade it once, briefly read-write, then read
                 with self.duckdb_connection(write=True):
                     pass
@@ -272,9 +272,12 @@ class Catalog:
     def _not_opened(self, e: duckdb.Error) -> CatalogError:
         return faults.diagnose(self.path, e) or CatalogError(f"cannot open catalog {self.path}: {e}")
 
-    def _migrate(self, con: duckdb.DuckDBPyConnection, current: int, dim: int | None = None) -> None:
-        """Apply the pending migrations; check the sketch dimension (`dim`: already read, if known)."""
-        pending = [m for m in migrations() if m[0] > current]
+    def _migrate(
+        self, con: duckdb.DuckDBPyConnection, current: int, dim: int | None = None, missing: tuple[int, ...] = ()
+    ) -> None:
+        """Apply the pending migrations (those above `current`, and `missing` ones below it, in
+        order); check the sketch dimension (`dim`: already read, if known)."""
+        pending = [m for m in migrations() if m[0] > current or m[0] in missing]
         if pending:
             con.execute("BEGIN")
             try:

@@ -15,9 +15,11 @@ from .errors import CatalogError
 from .resources import migrations
 
 
-def read(con: duckdb.DuckDBPyConnection, path: Path, create: bool) -> tuple[int, int | None]:
-    """The catalog's schema version (0: a new, empty database that `create` allows to become one)
-    and, when read on the way, its sketch dimension (settings).
+def read(con: duckdb.DuckDBPyConnection, path: Path, create: bool) -> tuple[int, int | None, tuple[int, ...]]:
+    """The catalog's schema version (0: a new, empty database that `create` allows to become one),
+    its sketch dimension when read on the way (settings), and the versions below it that were never
+    applied (a catalog made by code of a branch that lacked a migration, e.g. 010 before 009 existed
+    there: they are applied when the catalog is next opened for writing).
 
     A mergedb catalog is recognised by its `schema_version` table, whose first row is mergedb's
     first migration; any other DuckDB file is refused, never migrated. One statement answers
@@ -26,14 +28,20 @@ def read(con: duckdb.DuckDBPyConnection, path: Path, create: bool) -> tuple[int,
     latest, first = migrations()[-1][0], migrations()[0][1]
     try:  # one statement for the usual case (each costs ~2–5 ms of a small plan)
         row = con.execute(
-            "SELECT min(version), arg_min(name, version), max(version), "
+            "SELECT min(version), arg_min(name, version), max(version), count(*), "
             "(SELECT max(value) FROM settings WHERE key = 'sketch_dim') FROM schema_version"
         ).fetchall()[0]
     except duckdb.Error:
         row = None
     if row is not None and row[0] == 1 and row[1] == first and row[2] <= latest:
-        return int(row[2]), int(row[3]) if row[3] is not None else None
-    return _checked(con, path, create, latest, first), None
+        missing = () if row[3] == row[2] else _missing(con, int(row[2]))
+        return int(row[2]), int(row[4]) if row[4] is not None else None, missing
+    return _checked(con, path, create, latest, first), None, ()
+
+
+def _missing(con: duckdb.DuckDBPyConnection, current: int) -> tuple[int, ...]:
+    applied = {r[0] for r in con.execute("SELECT version FROM schema_version").fetchall()}
+    return tuple(v for v in range(1, current) if v not in applied)
 
 
 def _checked(con: duckdb.DuckDBPyConnection, path: Path, create: bool, latest: int, first: str) -> int:

@@ -251,3 +251,80 @@ def test_new_plans_record_their_stream_and_another_stream_is_refused(dare_source
     with pytest.raises(PlanError, match="from the stream 'splitmix64', but this mergedb draws from 'threefry2x32-20'"):
         cat.execute(plan.plan_id, tmp_path / "out")
     cat.execute(ta.plan_id, tmp_path / "out")  # task arithmetic draws nothing
+
+
+# expert_costs as 001 defined it and plan_mask as 010 first did (5998f66): neither knows 009's columns
+_OLD_COSTS = (
+    "CREATE OR REPLACE VIEW expert_costs AS SELECT c.name AS expert, b.name AS base, "
+    "CAST(sum(bl.nbytes) AS BIGINT) AS total_bytes, "
+    "CAST(sum(bl.nbytes) FILTER (WHERE NOT eb.identical) AS BIGINT) AS changed_bytes, "
+    "sqrt(sum(eb.delta_norm * eb.delta_norm)) AS delta_norm, CAST(sum(eb.nnz) AS BIGINT) AS nnz, "
+    "CAST(sum(eb.nonfinite) AS BIGINT) AS nonfinite FROM expert_blocks eb "
+    "JOIN checkpoints c ON c.checkpoint_id = eb.checkpoint_id JOIN checkpoints b ON b.checkpoint_id = c.base_id "
+    "JOIN blocks bl ON bl.base_id = c.base_id AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx "
+    "GROUP BY c.name, b.name"
+)
+_OLD_PLAN_MASK = (
+    "CREATE OR REPLACE VIEW plan_mask AS SELECT m.plan_id, m.checkpoint_id, m.tensor_idx, eb.block_idx, "
+    "get_bit(m.selected, eb.block_idx) = 1 AS selected, eb.identical AS free, bl.nbytes FROM plan_mask_bits m "
+    "JOIN plans p ON p.plan_id = m.plan_id "
+    "JOIN expert_blocks eb ON eb.checkpoint_id = m.checkpoint_id AND eb.tensor_idx = m.tensor_idx "
+    "JOIN blocks bl ON bl.base_id = p.base_id AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx "
+    "WHERE eb.nonfinite = 0 OR get_bit(m.selected, eb.block_idx) = 1"
+)
+
+
+def _views(path: Path) -> dict[str, str]:
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        return dict(con.execute("SELECT view_name, sql FROM duckdb_views() WHERE NOT internal").fetchall())
+    finally:
+        con.close()
+
+
+def _columns_by_name(path: Path) -> set[tuple]:
+    """_layout without the column positions (a migration applied late adds its columns last)."""
+    return {(t, name, *rest) for t, _, name, *rest in _layout(path)}
+
+
+def test_a_migration_a_catalog_never_had_is_applied(source, tmp_path):
+    """A catalog made by code of a branch that lacked a migration (5998f66..78854fa had 010 but no
+    009) was taken as being at its highest version: 009 was never applied, so its columns and
+    views were missing for good. A version missing below the highest is applied when the catalog
+    is next opened, in order; the catalog then has every column a new one has, and plans."""
+    fam, src_path, src_plans = source
+    path = tmp_path / "gap.duckdb"
+    _old_catalog(path, 10, src_path)
+    con = duckdb.connect(str(path))  # undo 009 as that branch never did it
+    con.execute(_OLD_COSTS)
+    con.execute(_OLD_PLAN_MASK)
+    for table_column in ("checkpoints adapter", "expert_blocks read_bytes", "expert_tensors fixed_bytes"):
+        con.execute("ALTER TABLE {} DROP COLUMN {}".format(*table_column.split()))
+    con.execute("DELETE FROM schema_version WHERE version = 9")
+    con.close()
+    cat = Catalog(path)
+    assert [c.name for c in cat.checkpoints()] == ["base", "expert_00", "expert_01"]
+    versions = cat.sql("SELECT version FROM schema_version ORDER BY version").column("version").to_pylist()
+    assert versions == list(range(1, LATEST + 1))
+    assert _columns_by_name(path) == _columns_by_name(src_path)
+    assert _views(path) == _views(src_path)
+    assert [p.plan_hash for p in cat.plans()] == [p.plan_hash for p in src_plans]
+    for p in src_plans:
+        assert cat.execution_plan(p.plan_id).plan_hash == p.plan_hash
+    assert cat.plan(TIES).plan_hash == src_plans[0].plan_hash
+
+
+def test_views_a_migration_defined_before_it_was_edited_are_made_again(source, tmp_path):
+    """009 and 010 were edited after they first landed; a catalog migrated in between kept their
+    older expert_costs and plan_mask (an adapter's blocks at their dense bytes). 015 makes them
+    again as today's catalogs have them."""
+    fam, src_path, _ = source
+    path = tmp_path / "views.duckdb"
+    _old_catalog(path, 14, src_path)
+    con = duckdb.connect(str(path))
+    con.execute(_OLD_COSTS)
+    con.execute(_OLD_PLAN_MASK)
+    con.close()
+    assert _views(path) != _views(src_path)
+    assert [c.name for c in Catalog(path).checkpoints()] == ["base", "expert_00", "expert_01"]
+    assert _views(path) == _views(src_path)

@@ -15,11 +15,12 @@ import pyarrow.parquet as pq
 import xxhash
 
 from . import manifest, outdir, plans
-from .checkpoint import INDEX, SIDE_FILES, Checkpoint, open_checkpoint
+from .checkpoint import INDEX, Checkpoint, open_checkpoint
 from .errors import CatalogError, MergeDBError
 from .lora import CONFIG as ADAPTER_CONFIG
 from .lora import adapter_fingerprint, is_adapter
 from .plainfile import read_small
+from .sidefiles import TEMPLATES, is_side_name
 from .sources import Sources
 from .tensorfile import read_header
 
@@ -230,11 +231,11 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     for name in run.get("files") if isinstance(run, dict) and isinstance(run.get("files"), list) else []:
         if not outdir.ours(name):
             problems.append(f"{path}: run.files names {name!r}, not a file mergedb writes in an output (edited?)")
-        elif not (folder / name).is_file():
+        elif not ((folder / name).is_dir() if name == TEMPLATES else (folder / name).is_file()):
             problems.append(f"{folder}: {name} is missing (the manifest lists it among the output's files)")
     side = run.get("side_files") if isinstance(run, dict) and isinstance(run.get("side_files"), dict) else {}
     for name, want in side.items():  # config, tokenizer: sha256 as written (outputs since run.side_files)
-        if name not in SIDE_FILES:
+        if not is_side_name(name):
             problems.append(f"{path}: run.side_files names {name!r}, not a side file mergedb copies (edited?)")
             continue
         f = folder / name

@@ -1,7 +1,7 @@
 """Finding checkpoints on disk: a Hugging-Face folder, a single file, or a folder of folders.
 
 A checkpoint is a set of safetensors files plus side files (config, tokenizer) that are copied
-through. The fingerprint (sizes, mtimes, header hashes) detects a file changed since it was seen.
+through (sidefiles.py). The fingerprint (sizes, mtimes, header hashes) detects a file changed since it was seen.
 A checkpoint may also be a URL (remote.py): its files are read through `sources`, and a remote
 file's fingerprint uses its version (ETag or Last-Modified) where a local one uses its mtime. A
 folder holding both model.safetensors and its index is read as model.safetensors, the file
@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import stat
 from collections import Counter
 from concurrent.futures import Executor
@@ -43,28 +42,6 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # floating-point dtypes, for the `Checkpoint.dtype` label (what mergedb merges is tensorfile.FLOAT_DTYPES)
 _FLOATING = frozenset("F16 BF16 F32 F64 F4 F6_E2M3 F6_E3M2 F8_E4M3 F8_E5M2 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ".split())
-
-# Side files copied from the base into a merged model (see `side_files`).
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "preprocessor_config.json",
-    "LICENSE",
-    "LICENSE.txt",
-    "LICENSE.md",
-)
 
 
 @dataclass(frozen=True)
@@ -313,58 +290,6 @@ def discover(paths: list[str | os.PathLike[str]]) -> list[Path | RemotePath]:
         else:
             raise FormatError(f"{p}: no such file or folder")
     return found
-
-
-def side_files(root: Path) -> list[str]:
-    """Names of the files in `root` to copy into a merged model: those of SIDE_FILES present there.
-
-    An explicit allow-list (config, generation config, tokenizer, chat template, preprocessor config,
-    license), never "whatever lies beside the weights": a single-file base may sit in a folder of
-    unrelated things (keys, notes, other models), and pickled weights (.bin, .pt, .ckpt, .pkl) run
-    code when loaded. The base's README.md is left out on purpose: it is the card of a different
-    model (the merge's provenance is in mergedb_manifest.json). Only regular files count; a symlink
-    counts only when it resolves to a regular file inside `root` (so a config.json -> /etc/... link
-    is skipped, and so are Hugging Face cache snapshots, whose files link to ../../blobs).
-    """
-    real_root = root.resolve()
-    found = []
-    for name in SIDE_FILES:
-        p = root / name
-        try:
-            target = p.resolve(strict=True)
-            mode = os.stat(target).st_mode
-        except (OSError, RuntimeError):  # missing, dangling link, symlink loop
-            continue
-        if stat.S_ISREG(mode) and target.is_relative_to(real_root):
-            found.append(name)
-    return sorted(found)
-
-
-_TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # safetensors dtype -> config.json's
-
-
-def copy_side_files(root: Path | RemotePath, dest: Path, dtype: str | None = None) -> None:
-    """Copy the side files of the checkpoint folder `root` (see `side_files`) into `dest`. With
-    `dtype` (the output's, a safetensors name), config.json's `torch_dtype` and `dtype` say it
-    where they are present, so that transformers' dtype="auto" loads the weights as written."""
-    if not isinstance(root, RemotePath):
-        for f in side_files(root):
-            shutil.copyfile(root / f, dest / f)
-    else:
-        for f in remote.side_names(root, SIDE_FILES):
-            data = remote.read_small((root / f).url)
-            if data is not None:
-                (dest / f).write_bytes(data)
-    config = dest / "config.json"
-    if dtype is None or not config.is_file():
-        return
-    try:
-        doc = json.loads(read_small(config))
-    except (OSError, ValueError):  # the base's own config, unreadable: copied as it is
-        return
-    if isinstance(doc, dict) and any(k in doc for k in ("torch_dtype", "dtype")):
-        doc.update({k: _TORCH_DTYPES[dtype] for k in ("torch_dtype", "dtype") if k in doc})
-        config.write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def remote_file_info(root: RemotePath, relpath: str) -> FileInfo:

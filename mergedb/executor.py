@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from . import fetchplan, methods, outdir, remote
-from .checkpoint import INDEX, SIDE_FILES, copy_side_files, open_checkpoint
+from .checkpoint import INDEX, open_checkpoint
 from .errors import MergeDBError
 from .layout import output_dtype, shard_groups, shard_names
 from .manifest import (
@@ -43,6 +43,7 @@ from .manifest import (
     plan_from_manifest,
     write_json,
 )
+from .sidefiles import copy_side_files, side_files
 from .tensorfile import DTYPES, FileRange, SafetensorsWriter, normalize_dtype, tensor_nbytes
 from .units import check_threads
 
@@ -178,6 +179,8 @@ def execute(
     out_dt = normalize_dtype(dtype)
     local = [p for p in (xp.base.path, *(e.path for e in xp.experts)) if not remote.is_url(p)]
     outdir.check_clear_of(out, local, "an input of this plan")
+    if not remote.is_url(xp.base.path):  # a base's custom code missing: refused before the merge, not after
+        side_files(open_checkpoint(xp.base.path).root)
     if not force:
         outdir.check_out(out, force)  # early; with --force only after a killed run's swap is undone
     with outdir.output_lock(out):
@@ -348,8 +351,8 @@ def _write(
     hashes, weight_map, written = shards.hashes, shards.weight_map, shards.written
     if len(groups) > 1:
         write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
-    copy_side_files(open_checkpoint(xp.base.path).root, tmp, out_dt)
-    side = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp.iterdir()) if p.name in SIDE_FILES}
+    copied = copy_side_files(open_checkpoint(xp.base.path).root, tmp, out_dt)
+    side = {f: hashlib.sha256((tmp / f).read_bytes()).hexdigest() for f in copied}
     if expect_side is not None and side != expect_side:
         bad = sorted(n for n in side.keys() | expect_side.keys() if side.get(n) != expect_side.get(n))
         raise MergeDBError(

@@ -25,10 +25,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .checkpoint import INDEX, SIDE_FILES
+from .checkpoint import INDEX
 from .errors import MergeDBError
 from .manifest import MANIFEST, MASK
 from .plainfile import read_small
+from .sidefiles import TEMPLATES, is_side_name
 
 # Names beside `out` (in its parent folder) that mergedb makes while writing it:
 #   .OUT.mergedb-lock           held (flock) for the whole run: one writer per output at a time
@@ -252,9 +253,14 @@ def _undo_swap(out: Path, old: Path, tmp: Path) -> None:
         kept = {p.name for p in old.iterdir()}
         for name in _listed_files(tmp) - kept - {MANIFEST}:
             if not (tmp / name).exists():  # it had moved in, and the old output has no such file
+                if _templates(out / name):
+                    _remove_ours(out / name)
+                    continue
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(out / name)
         for name in sorted(kept - {MANIFEST}):
+            if _templates(out / name):  # the new output's, moved in: a rename does not replace a full folder
+                _remove_ours(out / name)
             os.replace(old / name, out / name)
         os.replace(old / MANIFEST, out / MANIFEST)
     _remove_ours(old)
@@ -274,18 +280,28 @@ def _listed_files(folder: Path) -> set[str]:
 
 def ours(name: object) -> bool:
     """Whether `name` is one mergedb writes into an output: shards, index, mask, manifest, an
-    adapter's files, the base's side files (never a path: run.files is outside the content hash)."""
+    adapter's files, the base's side files and its folder of chat templates (never a path: run.files is
+    outside the content hash)."""
     return isinstance(name, str) and (
-        name in (INDEX, MASK, MANIFEST, *ADAPTER_FILES) or name in SIDE_FILES or bool(_OUR_NAME.fullmatch(name))
+        name in (INDEX, MASK, MANIFEST, *ADAPTER_FILES, TEMPLATES)
+        or ("/" not in name and is_side_name(name))
+        or bool(_OUR_NAME.fullmatch(name))
     )
 
 
+def _templates(p: Path) -> bool:
+    """Whether `p` is an output's folder of named chat templates (a real folder, not a link to one)."""
+    return p.name == TEMPLATES and p.is_dir() and not p.is_symlink()
+
+
 def _remove_ours(folder: Path) -> None:
-    """Delete a temporary or old folder mergedb made (only its regular files; a folder found holding
-    anything else is left alone)."""
+    """Delete a temporary or old folder mergedb made (only its regular files and its chat templates'
+    folder; a folder found holding anything else is left alone)."""
     with contextlib.suppress(FileNotFoundError):
         for p in folder.iterdir():
-            if p.is_file() and not p.is_symlink():
+            if _templates(p):
+                _remove_ours(p)
+            elif p.is_file() and not p.is_symlink():
                 p.unlink()
         with contextlib.suppress(OSError):
             folder.rmdir()
@@ -337,7 +353,8 @@ def install(tmp: Path, out: Path, force: bool = False) -> None:
             f"nothing was installed and its files are untouched: choose another {_FLAG.get()}, or empty it and retry"
         )
     ours = _listed_files(out) | {MANIFEST}
-    ours = {n for n in ours if (out / n).is_file() and not (out / n).is_symlink()}
+    ours = {n for n in ours if ((out / n).is_dir() if n == TEMPLATES else (out / n).is_file())}
+    ours = {n for n in ours if not (out / n).is_symlink()}
     new = sorted(p.name for p in tmp.iterdir())
     clash = sorted(n for n in new if n not in ours and os.path.lexists(out / n))
     if clash:
@@ -365,7 +382,9 @@ def install(tmp: Path, out: Path, force: bool = False) -> None:
 
 def fsync_dir(d: Path, files: bool = True) -> None:
     for p in d.iterdir() if files else ():
-        if p.is_file():
+        if _templates(p):
+            fsync_dir(p)
+        elif p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     fd = os.open(d, os.O_RDONLY)

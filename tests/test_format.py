@@ -16,9 +16,10 @@ from safetensors import safe_open
 
 from mergedb import executor
 from mergedb.catalog import Catalog
-from mergedb.checkpoint import open_checkpoint, side_files
+from mergedb.checkpoint import open_checkpoint
 from mergedb.errors import FormatError, MergeDBError
 from mergedb.planner import PlanRequest
+from mergedb.sidefiles import side_files
 from mergedb.tensorfile import DTYPE_BITS, MAX_HEADER_BYTES, SafetensorsWriter, read_header, tensor_nbytes
 
 # Bits per element, written out for the test from the safetensors specification (not from mergedb).
@@ -392,3 +393,41 @@ def test_hf_cache_style_links_are_not_followed_out(tmp_path):
     _tiny(snap / "model.safetensors")
     os.symlink(blobs / "abc", snap / "config.json")
     assert side_files(snap) == []
+
+
+def test_hub_cache_snapshot_links_into_its_own_blobs_only(tmp_path):
+    """In the hub cache's layout (models--ORG--NAME/snapshots/REV/* -> ../../blobs/SHA) a side file may
+    link into its own repository's blobs/, not into another repository's, nor out of the cache."""
+    repo, other = tmp_path / "models--org--m", tmp_path / "models--org--other"
+    for r in (repo, other):
+        (r / "blobs").mkdir(parents=True)
+        (r / "blobs" / "sha1").write_text("{}")
+    snap = repo / "snapshots" / "rev1"
+    snap.mkdir(parents=True)
+    _tiny(snap / "model.safetensors")
+    (snap / "config.json").symlink_to("../../blobs/sha1")
+    (snap / "tokenizer.json").symlink_to(other / "blobs" / "sha1")
+    (snap / "generation_config.json").symlink_to("/etc/hostname")
+    assert side_files(snap) == ["config.json"]
+
+
+def test_tokenizer_and_processor_files_reach_the_output(tmp_path):
+    """Tokenizer and processor files real models ship beyond the classic names (Mistral's tekken.json
+    and tokenizer.model.v3, Qwen's qwen.tiktoken, Kimi's tiktoken.model, DeBERTa's spm.model, Marian's
+    source.spm/target.spm, Whisper's normalizer.json, multimodal processor configs) are copied; other
+    files beside them are not."""
+    fam = tmp_path / "fam"
+    _model(fam / "base", 1)
+    _model(fam / "expert", 2)
+    names = ["tekken.json", "tokenizer.model.v3", "tokenizer.model.v7", "qwen.tiktoken", "tiktoken.model", "spm.model",
+             "source.spm", "target.spm", "normalizer.json", "processor_config.json",
+             "video_preprocessor_config.json"]  # fmt: skip
+    for n in names + ["tokenizer.model.bak", "notes.py", "optimizer.pt", "tokenizer.model.v3.lock"]:
+        (fam / "base" / n).write_text("{}")
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic", "all"))
+    out = tmp_path / "out"
+    executor.execute(cat.execution_plan(plan.plan_id), out)
+    copied = {p.name for p in out.iterdir()} - {"model.safetensors", "mergedb_manifest.json", "mask.parquet"}
+    assert copied == {"config.json", *names}

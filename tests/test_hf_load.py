@@ -9,7 +9,9 @@ tensors read with the safetensors library. Once as one file, once sharded with a
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -113,3 +115,183 @@ def test_output_loads_with_from_pretrained_and_matches_the_reference_forward(mer
     np.testing.assert_allclose(got, want, rtol=0, atol=tol)
     # the comparison can fail: the merge moves the logits far beyond the tolerance
     assert np.abs(want - base).max() > 100 * tol
+
+
+# --- what an output carries from the base besides weights, loaded by transformers -------------------------------
+
+_CONFIG_PY = """from transformers import LlamaConfig
+
+
+class MyConfig(LlamaConfig):
+    model_type = "my"
+"""
+_MODELING_PY = """from transformers import LlamaForCausalLM
+
+from .configuration_my import MyConfig
+from .my_helpers import SCALE
+
+
+class MyForCausalLM(LlamaForCausalLM):
+    config_class = MyConfig
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * SCALE
+        return out
+"""
+
+
+def _tiny_pair(root, custom_code: bool = False, chat_templates: bool = False):
+    """(base, expert) folders saved by transformers' own save_pretrained: a 1-layer Llama, the expert
+    its weights plus noise; with `custom_code` a trust_remote_code model (auto_map, configuration_my.py,
+    modeling_my.py importing my_helpers.py); with `chat_templates` a tokenizer with a default and a
+    named `tool_use` chat template."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    folders = []
+    for name in ("base", "expert"):
+        if name == "expert":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+        folder = root / name
+        model.save_pretrained(folder)
+        if custom_code:
+            (folder / "configuration_my.py").write_text(_CONFIG_PY)
+            (folder / "modeling_my.py").write_text(_MODELING_PY)
+            (folder / "my_helpers.py").write_text("SCALE = 2.0\n")
+            (folder / "train_notes.py").write_text("raise SystemExit('not part of the model')\n")
+            doc = json.loads((folder / "config.json").read_text())
+            doc["model_type"] = "my"
+            doc["auto_map"] = {
+                "AutoConfig": "configuration_my.MyConfig",
+                "AutoModelForCausalLM": "modeling_my.MyForCausalLM",
+                "AutoTokenizer": [None, "other/repo--tokenization_other.OtherTokenizerFast"],  # another repo's
+            }
+            (folder / "config.json").write_text(json.dumps(doc))
+        if chat_templates:
+            vocab = {f"t{i}": i for i in range(64)} | {"<unk>": 0}
+            tok = transformers.PreTrainedTokenizerFast(
+                tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>"
+            )
+            tok.chat_template = {"default": "{{ messages[0]['content'] }}", "tool_use": "TOOLS {{ tools }}"}
+            tok.save_pretrained(folder)
+        folders.append(folder)
+    return folders
+
+
+def _merge_cli(root, base, expert, *extra) -> tuple[str, object]:
+    """Register base and expert, plan task arithmetic with weight 1 and λ 1 (the output is the expert's
+    weights, to rounding); (catalog, CliRunner result of the execute into root/out)."""
+    db = str(root / "c.duckdb")
+    for args in (
+        ["register", str(base), "--base", "--name", "base"],
+        ["register", str(expert), "--name", "expert", "--base-model", "base"],
+    ):
+        res = runner.invoke(app, [*args, "-c", db, "-q"])
+        assert res.exit_code == 0, res.output
+    plan = ["plan", "--base", "base", "--experts", "expert", "--method", "task_arithmetic", "--weights", "1"]
+    res = runner.invoke(app, [*plan, "--lambda", "1", "--budget", "all", "--name", "p", "-c", db])
+    assert res.exit_code == 0, res.output
+    return db, runner.invoke(app, ["execute", "p", "--out", str(root / "out"), "-c", db, "-q", *extra])
+
+
+@pytest.fixture
+def modules_cache(tmp_path, monkeypatch):
+    """transformers copies remote code into its modules cache: here a fresh one under tmp_path."""
+    from transformers import dynamic_module_utils
+
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    monkeypatch.syspath_prepend(str(tmp_path / "hf_modules"))
+
+
+def test_custom_code_model_output_loads_with_trust_remote_code(tmp_path, modules_cache):
+    """The code files the base's auto_map names (and what they import relatively) are copied, nothing
+    else: transformers loads the output as the custom class and computes the expert's logits."""
+    import transformers
+
+    base, expert = _tiny_pair(tmp_path, custom_code=True)
+    _, res = _merge_cli(tmp_path, base, expert)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "out"
+    assert {"configuration_my.py", "modeling_my.py", "my_helpers.py"} <= {p.name for p in out.iterdir()}
+    assert not (out / "train_notes.py").exists()  # a .py the auto_map does not reach
+    kw = {"trust_remote_code": True, "dtype": torch.float32, "attn_implementation": "eager"}
+    got = transformers.AutoModelForCausalLM.from_pretrained(out, **kw)
+    want = transformers.AutoModelForCausalLM.from_pretrained(expert, **kw)
+    assert type(got).__name__ == "MyForCausalLM"
+    tokens = torch.tensor([[1, 5, 17, 30, 2]])
+    with torch.no_grad():
+        a, b = got(tokens).logits.numpy(), want(tokens).logits.numpy()
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * np.abs(b).max())
+    assert res.exit_code == 0 and runner.invoke(app, ["check", "--output", str(out)]).exit_code == 0
+
+
+def test_custom_code_file_missing_from_the_base_is_refused_before_the_merge(tmp_path):
+    base, expert = _tiny_pair(tmp_path, custom_code=True)
+    (base / "my_helpers.py").unlink()  # modeling_my.py imports it: transformers would fail on the output
+    _, res = _merge_cli(tmp_path, base, expert)
+    assert res.exit_code == 1
+    assert "auto_map (custom code, trust_remote_code) needs my_helpers.py, which the folder lacks" in res.output
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.mergedb-*"))
+
+
+def test_named_chat_templates_are_carried_and_survive_a_force_rewrite(tmp_path):
+    """transformers saves a tokenizer's named templates in additional_chat_templates/: the output's
+    tokenizer has the base's templates (as transformers loads them from the base), also after
+    `execute --force` over it; check --output verifies their hashes."""
+    import transformers
+
+    base, expert = _tiny_pair(tmp_path, chat_templates=True)
+    assert (base / "additional_chat_templates" / "tool_use.jinja").is_file()
+    db, res = _merge_cli(tmp_path, base, expert)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "out"
+    want = transformers.AutoTokenizer.from_pretrained(base).chat_template
+    assert isinstance(want, dict) and set(want) == {"default", "tool_use"}
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template == want
+    res = runner.invoke(app, ["execute", "p", "--out", str(out), "-c", db, "-q", "--force"])
+    assert res.exit_code == 0, res.output
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template == want
+    assert not [p.name for p in tmp_path.iterdir() if ".mergedb-" in p.name]
+    res = runner.invoke(app, ["check", "--output", str(out)])
+    assert res.exit_code == 0, res.output
+    (out / "additional_chat_templates" / "tool_use.jinja").write_text("edited")
+    res = runner.invoke(app, ["check", "--output", str(out)])
+    assert res.exit_code != 0 and "tool_use.jinja: differs from the file the output was written with" in res.output
+
+
+def test_output_of_a_hugging_face_cache_snapshot_loads(tmp_path):
+    """A base and expert read from the hub cache's layout (snapshots/REV/* -> ../../blobs/SHA): the
+    output has their config and tokenizer, as regular files, and transformers loads it."""
+    import transformers
+
+    saved = _tiny_pair(tmp_path / "saved", chat_templates=True)
+    snaps = []
+    for folder, repo in zip(saved, ("models--org--base", "models--org--expert")):
+        blobs, snap = tmp_path / "hub" / repo / "blobs", tmp_path / "hub" / repo / "snapshots" / "0123abcd"
+        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+            rel = f.relative_to(folder)
+            sha = hashlib.sha256(f.read_bytes()).hexdigest()
+            blobs.mkdir(parents=True, exist_ok=True)
+            (blobs / sha).write_bytes(f.read_bytes())
+            (snap / rel).parent.mkdir(parents=True, exist_ok=True)
+            (snap / rel).symlink_to(os.path.relpath(blobs / sha, (snap / rel).parent))
+        snaps.append(snap)
+    _, res = _merge_cli(tmp_path, *snaps)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "out"
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "additional_chat_templates/tool_use.jinja"):  # fmt: skip
+        assert (out / name).is_file() and not (out / name).is_symlink(), name
+        assert (out / name).read_bytes() == (saved[0] / name).read_bytes(), name
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert transformers.AutoTokenizer.from_pretrained(out).chat_template["tool_use"] == "TOOLS {{ tools }}"

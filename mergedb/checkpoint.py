@@ -69,6 +69,7 @@ class Checkpoint:
     tensors: tuple[tuple[int, TensorInfo], ...]  # (file index, tensor) in file order
     architecture: str | None
     vocab_size: int | None = None  # config.json's vocab_size (or text_config's), when it has one
+    tied: bool | None = None  # config.json's tie_word_embeddings (or text_config's), when it says
 
     @property
     def bytes(self) -> int:
@@ -243,9 +244,9 @@ def _check_index_covers(index: str, weight_map: dict[str, str], files: tuple[Fil
         raise FormatError(f"{index}: tensors {missing[:5]} are in weight_map but in no shard")
 
 
-def _config(root: Path | RemotePath) -> tuple[str | None, int | None]:
-    """The architecture and vocabulary size that config.json beside the weights names (None, None
-    without one; either None when it does not say)."""
+def _config(root: Path | RemotePath) -> tuple[str | None, int | None, bool | None]:
+    """The architecture, vocabulary size and tie_word_embeddings that config.json beside the weights
+    names (all None without one; each None when it does not say)."""
     try:
         if isinstance(root, RemotePath):
             raw = remote.read_small((root / "config.json").url)
@@ -254,15 +255,17 @@ def _config(root: Path | RemotePath) -> tuple[str | None, int | None]:
             text = read_small(root / "config.json").decode()
         cfg = json.loads(text)
         if not isinstance(cfg, dict):
-            return None, None
+            return None, None, None
     except (OSError, ValueError):
-        return None, None
+        return None, None, None
     archs = cfg.get("architectures")
     arch = str(archs[0]) if isinstance(archs, list) and archs else None
-    vocab = cfg.get("vocab_size")
-    if vocab is None and isinstance(cfg.get("text_config"), dict):  # multimodal configs nest the LM's
-        vocab = cfg["text_config"].get("vocab_size")
-    return arch, vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+    vocab, tied = cfg.get("vocab_size"), cfg.get("tie_word_embeddings")
+    if isinstance(cfg.get("text_config"), dict):  # multimodal configs nest the LM's
+        vocab = cfg["text_config"].get("vocab_size") if vocab is None else vocab
+        tied = cfg["text_config"].get("tie_word_embeddings") if tied is None else tied
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+    return arch, vocab, tied if isinstance(tied, bool) else None
 
 
 def discover(paths: list[str | os.PathLike[str]]) -> list[Path | RemotePath]:

@@ -89,8 +89,40 @@ def check_aligned(base: Checkpoint, expert: Checkpoint) -> None:
             f"expert {expert.name!r} ({expert.path}) does not align with base {base.name!r}: "
             + "; ".join(problems[:5])
             + more
-            + ". Register it against the base it was fine-tuned from (--base-model NAME)."
+            + (_TIED_HINT if _tied_apart(base, expert) else _BASE_HINT)
         )
+
+
+_BASE_HINT = ". Register it against the base it was fine-tuned from (--base-model NAME)."
+_TIED_HINT = (
+    ": the two were saved with different tie_word_embeddings (one stores its output head, the other ties it to "
+    "its input embeddings and leaves it out). Save both the same way, then register again: load each in "
+    "transformers and give both the same config.tie_word_embeddings (tied: model.tie_weights(); untied: copy the "
+    "input embeddings into the output head first), then model.save_pretrained."
+)
+_HEADS = ("lm_head.weight", "embed_out.weight")  # output heads (Llama-style, GPT-NeoX)
+_EMBEDS = ("embed_tokens.weight", "embed_in.weight", "wte.weight", "word_embeddings.weight")
+
+
+def _named(n: str, names: tuple[str, ...]) -> bool:
+    return any(n == m or n.endswith("." + m) for m in names)
+
+
+def _tied_apart(base: Checkpoint, expert: Checkpoint) -> bool:
+    """Whether base and expert differ only in an output head that one of them stores and the other
+    ties to its input embeddings (its config says tie_word_embeddings, or it holds those embeddings)."""
+    b = {t.name: t for _, t in base.tensors}
+    e = {t.name: t for _, t in expert.tensors}
+    apart = b.keys() ^ e.keys()
+    if not apart or not all(_named(n, _HEADS) for n in apart):
+        return False
+    if any(e[n].shape != t.shape or e[n].dtype != t.dtype for n, t in b.items() if n in e):
+        return False
+    for n in apart:
+        lacks, has = (expert, e) if n in b else (base, b)
+        if lacks.tied is not True and not any(_named(m, _EMBEDS) for m in has):
+            return False
+    return True
 
 
 @dataclass

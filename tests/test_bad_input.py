@@ -234,6 +234,36 @@ def test_expert_missing_tensor(setup):
     register_fails(cat, d, AlignmentError, "missing tensor 'lm_head.weight'")
 
 
+@pytest.mark.parametrize("tied", ["expert", "base"])
+def test_tied_and_untied_output_heads_are_named_as_such(tmp_path, tied):
+    """A fine-tune that transformers saved with tie_word_embeddings=True stores no lm_head.weight: the
+    refusal names the different tying and how to save both alike, not a wrong base."""
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    folders = {}
+    for name in ("base", "expert"):
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, tie_word_embeddings=name == tied,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / name)
+        folders[name] = tmp_path / name
+    with safe_open(folders[tied] / "model.safetensors", "pt") as f:  # transformers' own file lacks the head
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([folders["base"]], base=True, name="base")
+    msg = register_fails(cat, folders["expert"], AlignmentError, "lm_head.weight", "different tie_word_embeddings")
+    assert "model.save_pretrained" in msg and "fine-tuned from" not in msg
+    # without the config's word for it, an output head beside the shared input embeddings says the same
+    doc = json.loads((folders[tied] / "config.json").read_text())
+    (folders[tied] / "config.json").write_text(json.dumps({**doc, "tie_word_embeddings": None}))
+    if tied == "expert":
+        register_fails(cat, folders["expert"], AlignmentError, "different tie_word_embeddings")
+
+
 def test_nonfinite_expert_recorded(setup):
     import torch
 

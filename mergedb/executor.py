@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from . import fetchplan, methods, outdir, remote
-from .checkpoint import INDEX, open_checkpoint
+from .checkpoint import INDEX, gone, open_checkpoint
 from .errors import MergeDBError
 from .layout import output_dtype, shard_groups, shard_names
 from .manifest import (
@@ -179,8 +179,8 @@ def execute(
     out_dt = normalize_dtype(dtype)
     local = [p for p in (xp.base.path, *(e.path for e in xp.experts)) if not remote.is_url(p)]
     outdir.check_clear_of(out, local, "an input of this plan")
-    if not remote.is_url(xp.base.path):  # a base's custom code missing: refused before the merge, not after
-        side_files(open_checkpoint(xp.base.path).root)
+    if not remote.is_url(xp.base.path) and not gone(xp.base.path):  # a base's custom code missing: refused
+        side_files(open_checkpoint(xp.base.path).root)  # before the merge (a base gone is said when it opens)
     if not force:
         outdir.check_out(out, force)  # early; with --force only after a killed run's swap is undone
     with outdir.output_lock(out):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import faults, planner, plans
 from .errors import PlanError
+from .methods import METHODS
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 GRID_SPECIAL = ("budget", "seed")  # grid keys that are request fields, not method parameters
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+# parameters that are true or false (TIES' normalize), not numbers
+_BOOLEAN = frozenset(k for m in METHODS.values() for k, v in m.defaults.items() if isinstance(v, bool))
 
 
 def parse_grid(specs: Sequence[str]) -> dict[str, list[Any]]:
@@ -49,6 +52,8 @@ def _grid_value(key: str, v: str, spec: str) -> Any:
         return int(v)
     if v.lower() in ("true", "false"):
         return v.lower() == "true"
+    if key in _BOOLEAN:
+        raise PlanError(f"--grid {spec!r}: {key} is true or false, got {v!r}; e.g. --grid {key}=true,false")
     if not _NUMBER.match(v):
         raise PlanError(f"--grid {spec!r}: {v!r} is not a number; e.g. --grid {key}=0.1,0.2")
     return float(v)
@@ -58,28 +63,50 @@ def grid_requests(
     template: planner.PlanRequest, grid: dict[str, Sequence[Any]], prefix: str
 ) -> list[planner.PlanRequest]:
     """One request per point of the grid (the product of its value lists, in the order given), each
-    `template` with those parameters and named `PREFIX-k1=v1-k2=v2` so a person can find it."""
+    `template` with those parameters and named `PREFIX-k1=v1-k2=v2` so a person can find it.
+    A value listed twice for a key is refused (its two plans would be one)."""
     if not grid:
         return [replace(template, name=prefix)]
     keys = list(grid)
+    shown = {k: _labels(k, grid[k]) for k in keys}
     out = []
-    for point in itertools.product(*(grid[k] for k in keys)):
+    for point in itertools.product(*(range(len(grid[k])) for k in keys)):
         params = dict(template.params)
         fields: dict[str, Any] = {}
-        for k, v in zip(keys, point):
+        for k, j in zip(keys, point):
             if k in GRID_SPECIAL:
-                fields[k] = v
+                fields[k] = grid[k][j]
             else:
-                params[k] = v
-        name = prefix + "".join(f"-{k}={_shown(v)}" for k, v in zip(keys, point))
+                params[k] = grid[k][j]
+        name = prefix + "".join(f"-{k}={shown[k][j]}" for k, j in zip(keys, point))
         out.append(replace(template, params=params, name=name, **fields))
     return out
 
 
-def _shown(v: Any) -> str:
+def _labels(key: str, values: Sequence[Any]) -> list[str]:
+    """How each value of `key` appears in plan names: numbers in %g's short form (the names sweeps
+    have always had), or, where that shows two values alike (0.1 and 0.1000001), with the fewest
+    digits that tell every value of the key apart (repr's shortest exact form, at worst)."""
+    seen: set[str] = set()
+    for v in values:
+        if repr(v) in seen:  # repr: the value itself (1 and 1.0 alike; 0.0 and -0.0 not)
+            once = ",".join(dict.fromkeys(_label(u, 6) for u in values))
+            raise PlanError(f"--grid {key} lists {_label(v, 6)} twice; give each value once: --grid {key}={once}")
+        seen.add(repr(v))
+    for digits in (*range(6, 17), None):
+        labels = [_label(v, digits) for v in values]
+        if len(set(labels)) == len(labels):
+            return labels
+    raise AssertionError(f"unreachable: distinct values {values!r} with alike labels")
+
+
+def _label(v: Any, digits: int | None) -> str:
+    """`v` in a plan name: floats to `digits` significant digits (None: repr, exact)."""
     if isinstance(v, bool):
         return str(v).lower()
-    return f"{v:g}" if isinstance(v, float) else str(v)
+    if isinstance(v, float):
+        return repr(v) if digits is None else f"{v:.{digits}g}"
+    return str(v)
 
 
 def default_prefix(cat: Catalog, method: str) -> str:

@@ -191,6 +191,60 @@ def test_grid_names_and_bad_grids():
             grid.parse_grid(bad)
 
 
+def test_names_of_grids_that_never_collided_stay_as_they_were():
+    """Output folders and plan names of existing sweeps depend on these names: the short %g form."""
+    cases = [
+        (["density=0.1,0.25", "lambda=0.5,1"], ["density=0.1-lambda=0.5", "density=0.1-lambda=1"]),
+        (["density=0.123456789,0.3333333"], ["density=0.123457", "density=0.333333"]),
+        (["lambda=1000000,0.00001,2.0"], ["lambda=1e+06", "lambda=1e-05", "lambda=2"]),
+        (["seed=0,7", "normalize=true,false"], ["seed=0-normalize=true", "seed=0-normalize=false"]),
+        (["budget=25%,1GiB"], ["budget=25%", "budget=1GiB"]),
+    ]
+    for specs, first in cases:
+        names = [r.name for r in grid.grid_requests(PlanRequest("base", None, "ties"), grid.parse_grid(specs), "p")]
+        assert names[: len(first)] == [f"p-{n}" for n in first], specs
+
+
+def test_distinct_grid_values_get_distinct_names_and_repeated_ones_are_named(fam, tmp_path):
+    """`--grid density=0.1,0.1000001` made two plans named `…-density=0.1` (%g keeps 6 digits), refused
+    as 'two plans would write …; give each plan its own name', which no option of sweep can do. Values
+    that %g cannot tell apart are shown with as many digits as they need; a value given twice is
+    refused by key and value."""
+    for spec, shown in [
+        ("density=0.1,0.1000001,0.5", ["0.1", "0.1000001", "0.5"]),
+        ("lambda=100000,100000.1", ["100000", "100000.1"]),
+        ("lambda=0.1,0.10000000000000002", ["0.1", "0.10000000000000002"]),
+    ]:
+        key = spec.split("=")[0]
+        reqs = grid.grid_requests(PlanRequest("base", None, "ties"), grid.parse_grid([spec]), "p")
+        assert [r.name for r in reqs] == [f"p-{key}={v}" for v in shown]
+        assert [r.params[key] for r in reqs] == [float(v) for v in shown]
+    for specs, words in [
+        (["density=0.1,0.1"], "--grid density lists 0.1 twice; give each value once: --grid density=0.1$"),
+        (["density=0.2", "lambda=1,0.5,1.0"], "--grid lambda lists 1 twice; .*--grid lambda=1,0.5$"),
+        (["seed=1,01"], "--grid seed lists 1 twice"),
+        (["budget=25%,25%"], "--grid budget lists 25% twice"),
+        (["normalize=true,TRUE"], "--grid normalize lists true twice"),
+    ]:
+        with pytest.raises(PlanError, match=words):
+            grid.grid_requests(PlanRequest("base", None, "ties"), grid.parse_grid(specs), "p")
+    root, cat = fam
+    args = ["sweep", "--base", "base", "--all", "-m", "ties", "-b", "30%", "--name", "near", "-c", str(cat.path)]
+    r = runner.invoke(app, [*args, "--grid", "density=0.1,0.1", "-o", str(tmp_path / "a")])
+    assert r.exit_code == 1 and "--grid density lists 0.1 twice" in r.output, r.output
+    r = runner.invoke(app, [*args, "--grid", "density=0.1,0.1000001", "-o", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["near-density=0.1", "near-density=0.1000001"]
+
+
+def test_a_boolean_grid_key_shows_true_false():
+    with pytest.raises(PlanError, match=r"normalize is true or false, got 'yes'; e\.g\. --grid normalize=true,false"):
+        grid.parse_grid(["normalize=yes"])
+    with pytest.raises(PlanError, match=r"normalize is true or false, got '1'"):
+        grid.parse_grid(["normalize=1,0"])
+    assert grid.parse_grid(["normalize=True,false"]) == {"normalize": [True, False]}
+
+
 def test_bad_sweeps_store_nothing(fam, tmp_path):
     root, cat = fam
     before = cat.sql("SELECT count(*) AS n FROM plans").to_pylist()

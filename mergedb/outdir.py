@@ -307,7 +307,10 @@ def _remove_ours(folder: Path) -> None:
             folder.rmdir()
 
 
-def check_out(out: Path, force: bool) -> None:
+def check_out(out: Path, force: bool, advice: str | None = None) -> None:
+    """Refuse an output folder that a merge cannot be installed into: a mount point, a file, or a
+    folder that holds something (unless `force` and it is a mergedb output). `advice` replaces the
+    fix that a refused non-empty folder is given (a sweep has no --force)."""
     if out.is_dir() and os.path.ismount(out):  # before the merge: `install` renames a folder into place
         raise MergeDBError(
             f"{_FLAG.get()} {out} is a mount point, which a finished output cannot be renamed over; pass a new "
@@ -318,8 +321,8 @@ def check_out(out: Path, force: bool) -> None:
     if out.exists() and any(out.iterdir()):
         if not force:
             raise MergeDBError(
-                f"{out} exists and is not empty; choose another {_FLAG.get()} or pass --force to replace a "
-                "previous mergedb output"
+                f"{out} exists and is not empty; "
+                + (advice or f"choose another {_FLAG.get()} or pass --force to replace a previous mergedb output")
             )
         if not (out / MANIFEST).is_file():
             raise MergeDBError(

@@ -337,7 +337,8 @@ def _check_outs(registered: list[str], outs: list[Path]) -> None:
         raise MergeDBError(f"two plans of the sweep would write {dup[0]}; give each plan its own name")
     for o in outs:
         outdir.check_clear_of(o, registered, "a registered checkpoint")
-        outdir.check_out(outdir.resolve_out(o), force=False)
+        # a sweep never replaces an output (no --force): the folder's name comes from --out and --name
+        outdir.check_out(outdir.resolve_out(o), False, "choose another --out or --name, or move that folder away")
 
 
 # -- in memory ----------------------------------------------------------------------------------

@@ -686,3 +686,21 @@ def test_a_sweep_over_moved_inputs_says_so_and_stores_nothing(tmp_path):
     cat.register([tmp_path / "moved"], base_model="base")
     plan = cat.plan(req[0])
     assert [s.plan_id for s, _ in sw.sweep(cat, plan, tmp_path / "out").runs] == [plan.plan_id]
+
+
+def _plan_count(cat: Catalog) -> int:
+    return cat.sql("SELECT count(*) AS n FROM plans").column("n")[0].as_py()
+
+
+def test_an_output_in_the_way_gets_advice_a_sweep_can_follow(fam, tmp_path):
+    """`sweep` has no --force, which the refusal of an existing output advised."""
+    root, cat = fam
+    (tmp_path / "o" / "w-density=0.2").mkdir(parents=True)
+    (tmp_path / "o" / "w-density=0.2" / "notes.txt").write_text("mine")
+    n = _plan_count(cat)
+    args = ["sweep", "--base", "base", "--all", "-m", "ties", "--name", "w", "--grid", "density=0.2"]
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "o"), "-c", str(cat.path)])
+    msg = " ".join(r.output.split())
+    assert r.exit_code == 1 and "--force" not in msg, msg
+    assert f"{tmp_path}/o/w-density=0.2 exists and is not empty; choose another --out or --name" in msg, msg
+    assert "or move that folder away" in msg and _plan_count(cat) == n

@@ -22,7 +22,7 @@ from rich.markup import escape
 from typer.core import TyperArgument, TyperGroup
 
 from . import cliparse, render
-from .errors import MergeDBError, PlanError
+from .errors import MergeDBError, PlanExistsError
 from .units import block_sizes, check_threads, format_size
 
 if TYPE_CHECKING:
@@ -705,8 +705,8 @@ def sweep(
                     on_total=on_total,
                 )
             break
-        except PlanError as e:  # another sweep took the default METHOD-sweepN between the two: take the next
-            if name is not None or configs or "exists already" not in str(e) or attempt == 4:
+        except PlanExistsError:  # another sweep took the default METHOD-sweepN between the two: take the next
+            if name is not None or configs or attempt == 4:
                 raise
             requests = grids.grid_requests(template, grids.parse_grid(grid), grids.default_prefix(cat, method))
     render.print_sweep(res, fmt)

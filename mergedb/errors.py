@@ -31,3 +31,7 @@ class RunNotRecordedError(MergeDBError):
 
 class ConfigError(MergeDBError):
     """A mergekit-style YAML config uses a key, value or model that mergedb cannot honour exactly."""
+
+
+class PlanExistsError(PlanError):
+    """A plan of the requested name is stored already."""

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from . import accessrules, bounds, candidates, consensus, deviation, greedy, methods, plans, planstats, tensorparams
 from .arrowcols import column
-from .errors import PlanError
+from .errors import PlanError, PlanExistsError
 from .plans import validate_plan_name
 from .units import parse_budget, reads_everything, shown
 
@@ -148,7 +148,7 @@ def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[int, li
     # `name = NULL` for an unnamed plan, is NULL)
     plan_id, taken = _rows(con, "SELECT coalesce(max(plan_id), 0) + 1, bool_or(name = ?) FROM plans", [req.name])[0]
     if taken:
-        raise PlanError(f"a plan named {req.name!r} exists already; choose another --name")
+        raise PlanExistsError(f"a plan named {req.name!r} exists already; choose another --name")
     req = replace(req, value_model=accessrules.value_model(req.value_model, req.strategy))
     inputs = _resolve(con, req)
     accessrules.check(req.value_model, req.min_coverage, inputs.method, req.strategy)

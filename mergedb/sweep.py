@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import grid, outdir, planner, plans
+from . import grid, outdir, planner, plans, rerun
 from .errors import MergeDBError, PlanError, RunNotRecordedError
 from .lora import is_adapter
 from .manifest import ExecutionPlan
@@ -138,7 +138,8 @@ def sweep(
     and folded once per fold group (foldshare.py). `dtype`: one output dtype, or one per request.
 
     The catalog is open only to plan, to read the execution plans and to record each run. An
-    output that exists is refused before anything is planned or run. If a plan fails, the rest of its wave
+    output that exists is refused before anything is planned or run; so are named plans an earlier run of
+    this sweep stored, with the commands that finish it (rerun.py). If a plan fails, the rest of its wave
     finishes, no further wave starts, and MergeDBError names the failed plans (each failure is
     recorded as a failed run, each success as an ok one). `on_total(n)` is told the tensor bytes of
     every output once the plans are made, then `progress(k)` each tensor's bytes as a plan writes it
@@ -149,6 +150,7 @@ def sweep(
     root = Path(out_dir)
     _check_root(root)
     outdir.remove_stale_in(root)  # a killed sweep's temporary folders, before the space is counted
+    rerun.check(cat, requests, root, dtypes, max_shard_size)  # an interrupted sweep run again: how to finish it
     registered = [p for row in cat.sql("SELECT path, root FROM checkpoints").to_pylist() for p in row.values()]
     _check_outs(registered, [_out(root, r.name) for r in requests if isinstance(r, planner.PlanRequest) and r.name])
     outs: list[Path] = []

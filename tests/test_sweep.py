@@ -692,6 +692,64 @@ def _plan_count(cat: Catalog) -> int:
     return cat.sql("SELECT count(*) AS n FROM plans").column("n")[0].as_py()
 
 
+def test_a_rerun_of_an_interrupted_sweep_says_how_to_finish_it(tmp_path):
+    """Interrupted after planning, a sweep has its plans stored and some outputs missing; the same
+    command again said 'a plan named … exists already; choose another --name' (planning it all again),
+    or, with an output complete, '… exists and is not empty; … pass --force' (sweep has no --force).
+    It now says these plans are its earlier run's, which outputs are complete and the commands that
+    finish the rest; following them finishes the sweep with no plan added and no output replaced."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=9)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    c = ["-c", str(cat.path)]
+    out = tmp_path / "rp"
+    cmd = ["sweep", "--base", "base", "--all", "-m", "ties", "-b", "30%", "--name", "kk", "--out", str(out), *c]
+    stored = grid.plan_all(
+        cat, grid.grid_requests(PlanRequest("base", None, "ties", "30%"), {"density": [0.2, 0.3, 0.4]}, "kk")
+    )
+    sw.sweep(cat, [stored[0].plan_id], out)  # the one output the interrupted sweep finished
+    done = _files(out / "kk-density=0.2")
+    n = _plan_count(cat)
+    r = runner.invoke(app, [*cmd, "--grid", "density=0.2,0.3,0.4"])
+    assert r.exit_code == 1, r.output
+    msg = " ".join(r.output.split())
+    assert "3 plans of this sweep are stored already by an earlier run of it" in msg, msg
+    assert "1 complete (kk-density=0.2), 2 missing" in msg, msg
+    assert "--force" not in msg and "choose another --name" not in msg
+    commands = [f"mergedb execute kk-density={d} --out {out}/kk-density={d}" for d in ("0.3", "0.4")]
+    assert all(f"`{x}`" in msg for x in commands), msg
+    assert _plan_count(cat) == n and _files(out / "kk-density=0.2") == done
+    for x in commands:
+        r = runner.invoke(app, [*x.split()[1:], *c])
+        assert r.exit_code == 0, r.output
+    assert all(check_output(out / f"kk-density={d}") == [] for d in ("0.2", "0.3", "0.4"))
+    r = runner.invoke(app, [*cmd, "--grid", "density=0.2,0.3,0.4"])
+    assert r.exit_code == 1 and "all 3 outputs are complete" in " ".join(r.output.split()), r.output
+    # a new value beside stored ones: the stored ones are named, the new one can be swept alone
+    r = runner.invoke(app, [*cmd, "--grid", "density=0.4,0.5"])
+    msg = " ".join(r.output.split())
+    assert r.exit_code == 1 and "1 of the 2 plans of this sweep is stored already" in msg, msg
+    assert "kk-density=0.5 is not stored: sweep it alone" in msg, msg
+    # a stored plan of that name that this sweep would not make: another --name, as before
+    other = [*cmd[:6], "-b", "40%", "--name", "kk", "--out", str(tmp_path / "o2"), *c, "--grid", "density=0.2"]
+    r = runner.invoke(app, other)
+    assert r.exit_code == 1 and "a plan named 'kk-density=0.2' exists already; choose another --name" in r.output
+    assert _plan_count(cat) == n and _files(out / "kk-density=0.2") == done
+
+
+def test_a_rerun_with_many_outputs_missing_gets_one_loop(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=9)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    req = grid.grid_requests(PlanRequest("base", None, "ties"), {"density": [0.1, 0.2, 0.3, 0.4]}, "m")
+    grid.plan_all(cat, req)
+    with pytest.raises(MergeDBError) as e:
+        sw.sweep(cat, req, tmp_path / "o", dtype="fp16")
+    names = " ".join(r.name for r in req)
+    assert f'`for p in {names}; do mergedb execute "$p" --out {tmp_path}/o/"$p" --dtype fp16; done`' in str(e.value)
+    assert "0 complete, 4 missing" in str(e.value)
+
+
 def test_an_output_in_the_way_gets_advice_a_sweep_can_follow(fam, tmp_path):
     """`sweep` has no --force, which the refusal of an existing output advised."""
     root, cat = fam

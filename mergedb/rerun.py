@@ -1,0 +1,124 @@
+"""A sweep run again: what an earlier run of the same command stored and wrote, and how to finish it.
+
+A sweep stores all its plans first, then writes the outputs; interrupted in between (Ctrl-C, a
+killed job, a full disk), it leaves every plan stored and some outputs missing. The same command
+again cannot plan them under their names, and must not plan them again under new ones: this says
+which plans are the earlier run's, which of their outputs are complete, and the `mergedb execute`
+commands that write the rest (each the plan's output exactly, as the sweep would have written it).
+
+It does not run them itself: that the stored plan is the one the rerun would make is judged from
+the request (method, base, experts, weights, budget, seed, parameters), not proved by planning it
+again (the name is taken, and a second plan under another name is what must not happen)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import plans
+from .errors import PlanExistsError
+from .manifest import MANIFEST
+from .plainfile import read_small
+from .planner import PlanRequest
+
+if TYPE_CHECKING:
+    from .catalog import Catalog
+    from .plans import PlanSummary
+
+SHARD_DEFAULT = 5 * 10**9  # sweep's and execute's max_shard_size: a command needs it only when it differs
+
+
+def check(
+    cat: Catalog, requests: Sequence[object], root: Path, dtypes: Sequence[str | None], max_shard_size: int
+) -> None:
+    """Refuse, before anything is planned, a sweep whose named plans an earlier run of it stored,
+    saying how to finish it. Names stored by plans this sweep would not make are left to the
+    planner's refusal (another --name)."""
+    named = {r.name: (r, dt) for r, dt in zip(requests, dtypes) if isinstance(r, PlanRequest) and r.name}
+    if not named:
+        return
+    rows = cat.sql("SELECT plan_id, name FROM plans WHERE list_contains(?, name)", [list(named)]).to_pylist()
+    if not rows:
+        return
+    with cat.duckdb_connection() as con:
+        stored = {r["name"]: plans.load_plan(con, r["plan_id"]) for r in rows}
+    if not all(_same(s, named[n][0]) for n, s in stored.items()):
+        return
+    order = [n for n in named if n in stored]  # the sweep's order
+    state = {n: _output_state(root / n, stored[n]) for n in order}
+    complete = [n for n in order if state[n] == "complete"]
+    todo = [n for n in order if state[n] != "complete"]
+    in_way = [n for n in order if state[n] == "in the way"]
+    new = [n for n in named if n not in stored]
+    k = len(order)
+    head = f"{k} of the {len(named)} plans" if new else f"the {k} plan{'s' * (k != 1)}"
+    msg = (
+        f"{head} of this sweep {'are' if k != 1 else 'is'} stored already by an earlier run of it (same names, "
+        "method, base, experts, weights, budget, seed and parameters)"
+    )
+    if not todo:
+        msg += f": {'its output is' if k == 1 else f'all {k} outputs are'} complete under {root}"
+    else:
+        msg += f"; under {root}: {len(complete)} complete{_few(complete)}, {len(todo) - len(in_way)} missing"
+        if in_way:
+            msg += f", {len(in_way)} in the way{_few(in_way)}: a folder that holds no output of its plan, move it away"
+        msg += f". Write the missing outputs with {_commands(todo, root, [named[n][1] for n in todo], max_shard_size)}"
+    if new:
+        msg += (
+            f"; {_names(new)} {'is' if len(new) == 1 else 'are'} not stored: sweep "
+            f"{'it' if len(new) == 1 else 'them'} alone (a --grid of only the new values)"
+        )
+    raise PlanExistsError(msg + "; another --name plans the whole sweep again")
+
+
+def _same(s: PlanSummary, r: PlanRequest) -> bool:
+    """Whether stored plan `s` is what request `r` asks for (its parameters as given; the stored
+    ones also hold the method's defaults). Per-tensor values are not compared: such a request is
+    never taken for an earlier run's."""
+    return (
+        r.tensor_params is None
+        and (s.method, s.base, s.seed, s.budget_spec, s.strategy)
+        == (r.method, r.base, r.seed, str(r.budget), r.strategy)
+        and all(s.params.get(k) == v for k, v in r.params.items() if v is not None)
+        and (r.experts is None or [e.name for e in s.experts] == list(r.experts))
+        and (r.weights is None or [e.weight for e in s.experts] == list(r.weights))
+    )
+
+
+def _output_state(out: Path, s: PlanSummary) -> str:
+    """'complete' (its manifest is this plan's: installed whole, manifest last), 'missing' (no folder,
+    or an empty one), or 'in the way' (anything else)."""
+    try:
+        if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+            return "missing"
+        doc = json.loads(read_small(out / MANIFEST))
+    except (OSError, ValueError):
+        return "in the way"
+    return "complete" if isinstance(doc, dict) and doc.get("plan_hash") == s.plan_hash else "in the way"
+
+
+def _few(names: list[str]) -> str:
+    return f" ({_names(names)})" if names else ""
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _commands(names: list[str], root: Path, dtypes: list[str | None], max_shard_size: int) -> str:
+    """`mergedb execute NAME --out ROOT/NAME …` for each, or one shell loop for more than three."""
+    shard = f" --max-shard-size {max_shard_size}" if max_shard_size != SHARD_DEFAULT else ""
+
+    def opts(dt: str | None) -> str:
+        return (f" --dtype {shlex.quote(dt)}" if dt else "") + shard
+
+    if len(names) > 3 and len(set(dtypes)) == 1:
+        each = " ".join(shlex.quote(n) for n in names)
+        return f'`for p in {each}; do mergedb execute "$p" --out {shlex.quote(str(root))}/"$p"{opts(dtypes[0])}; done`'
+    return ", ".join(
+        f"`mergedb execute {shlex.quote(n)} --out {shlex.quote(str(root / n))}{opts(dt)}`"
+        for n, dt in zip(names, dtypes)
+    )

@@ -452,8 +452,7 @@ class Catalog:
     def plans(self) -> list[plans.PlanSummary]:
         """Every stored plan, oldest first."""
         with self.duckdb_connection() as con:
-            ids = [r[0] for r in con.execute("SELECT plan_id FROM plans ORDER BY plan_id").fetchall()]
-            return [plans.load_plan(con, i) for i in ids]
+            return plans.load_plans(con)
 
     def get_plan(self, plan: int | str | plans.PlanSummary) -> plans.PlanSummary:
         """A stored plan by id, name, or plan-hash prefix (at least 6 characters)."""

@@ -122,22 +122,33 @@ def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str | PlanSummary) 
 
 def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
     """A stored plan's summary."""
-    p = con.execute(
+    return load_plans(con, plan_id)[0]
+
+
+def load_plans(con: duckdb.DuckDBPyConnection, plan_id: int | None = None) -> list[PlanSummary]:
+    """Stored plans' summaries by plan_id: every plan, or the one `plan_id`. Two statements whatever
+    their number (a statement per plan took `mergedb plans` 5.7 ms a plan: 6 s for 1,000)."""
+    where, params = ("", []) if plan_id is None else ("WHERE p.plan_id = ?", [plan_id])
+    rows = con.execute(
         "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
         "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
         "p.bound_blockwise, p.est_error, p.planning_seconds, b.name, p.bound_rounded, p.bound_note, "
         "p.value_model, p.min_coverage, p.est_kind, p.strategy FROM plans p "
-        "JOIN checkpoints b ON b.checkpoint_id = p.base_id WHERE p.plan_id = ?",
-        [plan_id],
-    ).fetchall()[0]
-    experts = tuple(
-        ExpertSummary(*r)
-        for r in con.execute(
-            "SELECT c.name, pe.weight, pe.coef, pe.full_bytes, pe.selected_bytes, pe.bound_sum, pe.bound_blockwise "
-            "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? ORDER BY pe.position",
-            [plan_id],
-        ).fetchall()
-    )
+        f"JOIN checkpoints b ON b.checkpoint_id = p.base_id {where} ORDER BY p.plan_id",
+        params,
+    ).fetchall()
+    experts: dict[int, list[ExpertSummary]] = {}
+    for pid, *r in con.execute(
+        "SELECT pe.plan_id, c.name, pe.weight, pe.coef, pe.full_bytes, pe.selected_bytes, pe.bound_sum, "
+        "pe.bound_blockwise FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) "
+        f"{where.replace('p.plan_id', 'pe.plan_id')} ORDER BY pe.plan_id, pe.position",
+        params,
+    ).fetchall():
+        experts.setdefault(pid, []).append(ExpertSummary(*r))
+    return [_summary(p, tuple(experts.get(p[0], ()))) for p in rows]
+
+
+def _summary(p: tuple, experts: tuple[ExpertSummary, ...]) -> PlanSummary:
     return PlanSummary(
         plan_id=p[0],
         plan_hash=p[1],

@@ -24,6 +24,7 @@ GRID_SPECIAL = ("budget", "seed")  # grid keys that are request fields, not meth
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 # parameters that are true or false (TIES' normalize), not numbers
 _BOOLEAN = frozenset(k for m in METHODS.values() for k, v in m.defaults.items() if isinstance(v, bool))
+_NUMERIC = frozenset(k for m in METHODS.values() for k, v in m.defaults.items() if not isinstance(v, bool))
 
 
 def parse_grid(specs: Sequence[str]) -> dict[str, list[Any]]:
@@ -50,10 +51,10 @@ def _grid_value(key: str, v: str, spec: str) -> Any:
         if not (v.isascii() and v.isdigit()):
             raise PlanError(f"--grid {spec!r}: seeds are whole numbers, e.g. --grid seed=0,1,2")
         return int(v)
-    if v.lower() in ("true", "false"):
-        return v.lower() == "true"
-    if key in _BOOLEAN:
+    if key in _BOOLEAN and v.lower() not in ("true", "false"):
         raise PlanError(f"--grid {spec!r}: {key} is true or false, got {v!r}; e.g. --grid {key}=true,false")
+    if v.lower() in ("true", "false") and key not in _NUMERIC:  # a key no method has: methods.validate says so
+        return v.lower() == "true"
     if not _NUMBER.match(v):
         raise PlanError(f"--grid {spec!r}: {v!r} is not a number; e.g. --grid {key}=0.1,0.2")
     return float(v)

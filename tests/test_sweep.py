@@ -245,6 +245,14 @@ def test_a_boolean_grid_key_shows_true_false():
     assert grid.parse_grid(["normalize=True,false"]) == {"normalize": [True, False]}
 
 
+def test_a_number_grid_key_refuses_true_false_in_its_own_words():
+    """--grid density=true passed parsing as a boolean and failed later with advice about `--density`,
+    an option of `plan`, not of `sweep`. A key no method has keeps the method's own refusal."""
+    with pytest.raises(PlanError, match=r"--grid 'density=true': 'true' is not a number; e\.g\. --grid density=0\.1"):
+        grid.parse_grid(["density=true"])
+    assert grid.parse_grid(["foo=true"]) == {"foo": [True]}  # methods.validate names the unknown key
+
+
 def test_bad_sweeps_store_nothing(fam, tmp_path):
     root, cat = fam
     before = cat.sql("SELECT count(*) AS n FROM plans").to_pylist()

@@ -432,13 +432,7 @@ FRONTIER_COLS = (
         "share of all expert bytes (blocks equal to the base are never read)",
         True,
     ),
-    Col(
-        "est_error",
-        "estimate",
-        num,
-        "estimate of ‖θB−θF‖ of the float32 merge (before rounding), by the method's estimator (– : not estimated)",
-        True,
-    ),
+    Col("est_error", "estimate", num, "estimate of ‖θB−θF‖ of the float32 merge, before rounding (– : none)", True),
     Col("bound", "bound", num, "bound on ‖θB−θF‖ of the output as written (– : method not bounded yet)", True),
 )
 

@@ -289,6 +289,17 @@ def ours(name: object) -> bool:
     )
 
 
+def _our_template(out: Path, name: str) -> bool:
+    """Whether `out`'s additional_chat_templates/`name` is a template its manifest's side files list
+    (a regular file): anything else in that folder is a user's, never moved or deleted."""
+    try:
+        side = json.loads(read_small(out / MANIFEST))["run"]["side_files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    p = out / TEMPLATES / name
+    return isinstance(side, dict) and f"{TEMPLATES}/{name}" in side and p.is_file() and not p.is_symlink()
+
+
 def _templates(p: Path) -> bool:
     """Whether `p` is an output's folder of named chat templates (a real folder, not a link to one)."""
     return p.name == TEMPLATES and p.is_dir() and not p.is_symlink()
@@ -360,10 +371,12 @@ def install(tmp: Path, out: Path, force: bool = False) -> None:
     ours = {n for n in ours if not (out / n).is_symlink()}
     new = sorted(p.name for p in tmp.iterdir())
     clash = sorted(n for n in new if n not in ours and os.path.lexists(out / n))
+    if TEMPLATES in ours:  # the folder moves whole: only if it holds nothing but the templates mergedb wrote
+        clash += [f"{TEMPLATES}/{n}" for n in sorted(os.listdir(out / TEMPLATES)) if not _our_template(out, n)]
     if clash:
         raise MergeDBError(
-            f"{out / clash[0]} was not created by mergedb (its manifest does not list it) but the new output "
-            "has a file of that name; move it away and retry"
+            f"{out / clash[0]} is not a file of the mergedb output there (its manifest does not list it as one) "
+            "and is in the way of the new output; nothing was installed: move it away and retry"
         )
     old = _partner(out, tmp, OLD)
     old.mkdir()

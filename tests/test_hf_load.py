@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -266,6 +267,30 @@ def test_named_chat_templates_are_carried_and_survive_a_force_rewrite(tmp_path):
     (out / "additional_chat_templates" / "tool_use.jinja").write_text("edited")
     res = runner.invoke(app, ["check", "--output", str(out)])
     assert res.exit_code != 0 and "tool_use.jinja: differs from the file the output was written with" in res.output
+
+
+def test_a_users_files_in_the_templates_folder_survive_a_force_rewrite(tmp_path):
+    """The output's additional_chat_templates/ moves whole in a --force swap: a user's own template or
+    folder put in it was deleted, or hidden in a leftover .OUT.mergedb-old-… folder (a review
+    helper's find). Such a rewrite is refused now, before anything moves."""
+    base, expert = _tiny_pair(tmp_path, chat_templates=True)
+    db, res = _merge_cli(tmp_path, base, expert)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "out"
+    (out / "additional_chat_templates" / "my_own.jinja").write_text("mine")
+    (out / "additional_chat_templates" / "notes").mkdir()
+    (out / "additional_chat_templates" / "notes" / "eval.txt").write_text("scores")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    res = runner.invoke(app, ["execute", "p", "--out", str(out), "-c", db, "-q", "--force"])
+    assert res.exit_code == 1 and "my_own.jinja is not a file of the mergedb output there" in res.output, res.output
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not [p.name for p in tmp_path.iterdir() if ".mergedb-" in p.name]
+    (out / "additional_chat_templates" / "my_own.jinja").unlink()
+    res = runner.invoke(app, ["execute", "p", "--out", str(out), "-c", db, "-q", "--force"])
+    assert res.exit_code == 1 and "additional_chat_templates/notes is not a file" in res.output, res.output
+    shutil.rmtree(out / "additional_chat_templates" / "notes")
+    res = runner.invoke(app, ["execute", "p", "--out", str(out), "-c", db, "-q", "--force"])
+    assert res.exit_code == 0, res.output
 
 
 def test_output_of_a_hugging_face_cache_snapshot_loads(tmp_path):

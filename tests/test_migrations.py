@@ -207,23 +207,28 @@ def dare_source(tmp_path_factory):
     return root / "source.duckdb", plan, (root / "out" / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("version, after_009", [(8, False), (9, True), (13, True), (13, False)])
-def test_a_plan_that_draws_names_its_stream_after_an_upgrade(dare_source, tmp_path, version, after_009):
+@pytest.mark.parametrize(
+    "version, hours, known",
+    [(8, 0, False), (8, 40, False), (9, 27, True), (13, 27, True), (13, 2, False), (13, -1, False)],
+)
+def test_a_plan_that_draws_names_its_stream_after_an_upgrade(dare_source, tmp_path, version, hours, known):
     """014: DARE/DELLA drew from splitmix64 before b3b45c5, from Threefry since, and a plan's hash
     does not say which: an old DARE plan executed to other bytes under its hash, silently. A plan
-    made since its catalog reached 009 (only Threefry mergedbs know 009) executes as before; one made
-    earlier has an unknown stream and is refused, with the way out."""
+    made once its catalog was at 009 or later (only Threefry mergedbs know 009) executes as before;
+    one made earlier has an unknown stream and is refused, with the way out. The plan is made
+    `hours` after the catalog first reached 009 (a catalog at 008 reaches it now, in the upgrade);
+    the times are local clocks of two processes, which may sit in zones up to 26 hours apart, so
+    a plan within 26 hours of it counts as unknown (a false refusal, never a wrong merge)."""
     src, plan, bytes_then = dare_source
     path = tmp_path / "old.duckdb"
     _old_catalog(path, version, src, every_table=False)
-    if after_009:  # the plan was made once the catalog was at 009
-        con = duckdb.connect(str(path))
-        nine = "(SELECT applied_at FROM schema_version WHERE version = 9)"
-        con.execute(f"UPDATE plans SET created = {nine} + INTERVAL 1 SECOND")
-        con.close()
+    con = duckdb.connect(str(path))
+    since = "(SELECT applied_at FROM schema_version WHERE version = 9)" if version >= 9 else "current_timestamp"
+    con.execute(f"UPDATE plans SET created = CAST({since} AS TIMESTAMP) + INTERVAL ({hours}) HOUR")
+    con.close()
     cat = Catalog(path)
-    assert cat.sql("SELECT rng FROM plans").to_pylist() == [{"rng": "threefry2x32-20" if after_009 else None}]
-    if after_009:
+    assert cat.sql("SELECT rng FROM plans").to_pylist() == [{"rng": "threefry2x32-20" if known else None}]
+    if known:
         cat.execute("dare", tmp_path / "out")
         assert (tmp_path / "out" / "model.safetensors").read_bytes() == bytes_then
         return
@@ -233,6 +238,28 @@ def test_a_plan_that_draws_names_its_stream_after_an_upgrade(dare_source, tmp_pa
     again = cat.plan(PlanRequest("base", None, "dare_ties", "all", params={"density": 0.5}, seed=5, name="again"))
     assert again.plan_hash == plan.plan_hash  # the same request: the same plan, now with its stream
     cat.execute("again", tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == bytes_then
+
+
+def test_a_catalog_that_skipped_009_names_the_stream_of_plans_made_at_a_later_version(dare_source, tmp_path):
+    """A catalog of the 5998f66 branch (010 without 009) gets 009 in the upgrade; its plans, made at
+    010 by a Threefry mergedb, keep their stream (counted from 010, not from 009 applied now)."""
+    src, plan, bytes_then = dare_source
+    path = tmp_path / "gap.duckdb"
+    _old_catalog(path, 10, src, every_table=False)
+    con = duckdb.connect(str(path))
+    con.execute(_OLD_COSTS)
+    con.execute(_OLD_PLAN_MASK)
+    for table_column in ("checkpoints adapter", "expert_blocks read_bytes", "expert_tensors fixed_bytes"):
+        con.execute("ALTER TABLE {} DROP COLUMN {}".format(*table_column.split()))
+    con.execute("DELETE FROM schema_version WHERE version = 9")
+    con.execute("UPDATE schema_version SET applied_at = applied_at - INTERVAL 100 HOUR")  # made days ago
+    ten = "(SELECT applied_at FROM schema_version WHERE version = 10)"
+    con.execute(f"UPDATE plans SET created = {ten} + INTERVAL 30 HOUR")  # at 010, before the upgrade
+    con.close()
+    cat = Catalog(path)
+    assert cat.sql("SELECT rng FROM plans").to_pylist() == [{"rng": "threefry2x32-20"}]
+    cat.execute("dare", tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == bytes_then
 
 

@@ -459,10 +459,11 @@ class Catalog:
         with self.duckdb_connection() as con:
             return plans.load_plan(con, plans.resolve_plan(con, plan))
 
-    def execution_plan(self, plan: int | str | plans.PlanSummary) -> ExecutionPlan:
-        """Everything the executor needs for a stored plan, read in one short connection."""
+    def execution_plan(self, plan: int | str | plans.PlanSummary, *, merge: bool = True) -> ExecutionPlan:
+        """Everything the executor needs for a stored plan, read in one short connection; `merge`
+        False: read for another use than merging it (its random stream is not checked)."""
         with self.duckdb_connection() as con:
-            return plans.execution_plan(con, plans.resolve_plan(con, plan))
+            return plans.execution_plan(con, plans.resolve_plan(con, plan), merge)
 
     def execute(
         self,

@@ -82,7 +82,7 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
         pids = con.execute("SELECT plan_id FROM plans ORDER BY plan_id").fetchall() if deep else []
         for (pid,) in pids:  # ~20 ms a plan: its rows against its hash (plans.refuse_altered), its blocks
             try:
-                plans.execution_plan(con, pid)
+                plans.execution_plan(con, pid, merge=False)
             except CatalogError as e:
                 problems.append(Problem(f"plan {pid}", str(e), "make the plan again"))
             except MergeDBError:  # an expert re-registered since: a stale plan, not a damaged one

@@ -145,7 +145,7 @@ def overrides(plan: PlanSummary, xp: ExecutionPlan) -> tuple[dict[str, Any], pa.
 def plan_to_mergekit(cat: Catalog, plan: int | str) -> str:
     """A stored plan as an equivalent mergekit YAML config (registered paths, per-tensor values as
     filter lists, `dtype: float32` and `out_dtype` the base's: a plan does not store an output dtype)."""
-    summary, xp = cat.get_plan(plan), cat.execution_plan(plan)
+    summary, xp = cat.get_plan(plan), cat.execution_plan(plan, merge=False)
     params, rows = overrides(summary, xp)
     res = replace(plan_resolution(summary, rows), params=params)
     ckpts = cat.checkpoints()

@@ -316,15 +316,16 @@ def refuse_gone(xp: ExecutionPlan) -> None:
     )
 
 
-def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
-    """Everything the executor needs for plan `pid`: a plain value, no connection inside."""
+def execution_plan(con: duckdb.DuckDBPyConnection, pid: int, merge: bool = True) -> ExecutionPlan:
+    """Everything the executor needs for plan `pid`: a plain value, no connection inside. Its rows
+    are checked against its hash; with `merge` (it is to be merged), its random stream against this
+    mergedb's too (a plan read for anything else, e.g. as a mergekit config, draws nothing here)."""
     p = con.execute(
         "SELECT p.plan_hash, p.method, p.params, p.seed, p.budget_bytes, b.name, b.path, b.fingerprint, "
         "b.content_hash, p.base_id, p.rng, p.name FROM plans p JOIN checkpoints b ON b.checkpoint_id = p.base_id "
         "WHERE p.plan_id = ?",
         [pid],
     ).fetchall()[0]
-    _refuse_other_stream(pid, p[1], p[10], p[11])
     experts = con.execute(
         "SELECT c.name, c.path, pe.fingerprint, pe.content_hash, pe.weight, pe.coef, c.fingerprint, c.content_hash "
         "FROM plan_experts pe LEFT JOIN checkpoints c USING (checkpoint_id) WHERE pe.plan_id = ? "
@@ -395,6 +396,8 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int) -> ExecutionPlan:
         tensor_params=per_tensor if per_tensor.num_rows else None,
     )
     refuse_altered(con, xp)
+    if merge:  # after the hash: `check --deep` reads every plan for its hash, whatever its stream
+        _refuse_other_stream(pid, p[1], p[10], p[11])
     return xp
 
 

@@ -17,7 +17,9 @@ import pytest
 
 from mergedb import synth
 from mergedb.catalog import Catalog
+from mergedb.check import check_catalog
 from mergedb.errors import PlanError
+from mergedb.mkplan import plan_to_mergekit
 from mergedb.planner import PlanRequest
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schema"
@@ -278,6 +280,14 @@ def test_new_plans_record_their_stream_and_another_stream_is_refused(dare_source
     with pytest.raises(PlanError, match="from the stream 'splitmix64', but this mergedb draws from 'threefry2x32-20'"):
         cat.execute(plan.plan_id, tmp_path / "out")
     cat.execute(ta.plan_id, tmp_path / "out")  # task arithmetic draws nothing
+    # reading the plan for another use than merging it is not refused: a mergekit config of it, and
+    # `check --deep`, which still checks its rows against its hash
+    assert "dare_ties" in plan_to_mergekit(cat, plan.plan_id)
+    assert not check_catalog(cat, deep=True)
+    con = duckdb.connect(str(path))
+    con.execute("UPDATE plan_experts SET weight = weight + 1 WHERE plan_id = ?", [plan.plan_id])
+    con.close()
+    assert any("no longer give its hash" in p.what for p in check_catalog(cat, deep=True))
 
 
 # expert_costs as 001 defined it and plan_mask as 010 first did (5998f66): neither knows 009's columns

@@ -13,6 +13,7 @@ the merge's first bytes (the executor's seconds count both).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import mmap
@@ -30,7 +31,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from . import fetchplan, methods, outdir, remote
-from .checkpoint import INDEX, gone, open_checkpoint
+from .checkpoint import INDEX, open_checkpoint
 from .errors import MergeDBError
 from .layout import output_dtype, shard_groups, shard_names
 from .manifest import (
@@ -43,7 +44,7 @@ from .manifest import (
     plan_from_manifest,
     write_json,
 )
-from .sidefiles import copy_side_files, side_files
+from .sidefiles import TEMPLATES, copy_side_files
 from .tensorfile import DTYPES, FileRange, SafetensorsWriter, normalize_dtype, tensor_nbytes
 from .units import check_threads
 
@@ -179,8 +180,6 @@ def execute(
     out_dt = normalize_dtype(dtype)
     local = [p for p in (xp.base.path, *(e.path for e in xp.experts)) if not remote.is_url(p)]
     outdir.check_clear_of(out, local, "an input of this plan")
-    if not remote.is_url(xp.base.path) and not gone(xp.base.path):  # a base's custom code missing: refused
-        side_files(open_checkpoint(xp.base.path).root)  # before the merge (a base gone is said when it opens)
     if not force:
         outdir.check_out(out, force)  # early; with --force only after a killed run's swap is undone
     with outdir.output_lock(out):
@@ -352,6 +351,12 @@ def _write(
     if len(groups) > 1:
         write_json(tmp / INDEX, {"metadata": {"total_size": written}, "weight_map": weight_map})
     copied = copy_side_files(open_checkpoint(xp.base.path).root, tmp, out_dt)
+    if expect_side is not None:  # a replay writes the side files its output had, not those a newer
+        for f in set(copied) - expect_side.keys():  # mergedb copies too (chat templates, custom code)
+            (tmp / f).unlink()
+        with contextlib.suppress(OSError):  # the templates' folder, if that emptied it
+            (tmp / TEMPLATES).rmdir()
+        copied = [f for f in copied if f in expect_side]
     side = {f: hashlib.sha256((tmp / f).read_bytes()).hexdigest() for f in copied}
     if expect_side is not None and side != expect_side:
         bad = sorted(n for n in side.keys() | expect_side.keys() if side.get(n) != expect_side.get(n))

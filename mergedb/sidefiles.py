@@ -6,7 +6,8 @@ unrelated things (keys, notes, other models), and pickled weights (.bin, .pt, .c
 when loaded. Besides the named files: the named chat templates transformers saves in
 `additional_chat_templates/<name>.jinja`, and the Python files a custom-code model's `auto_map`
 (config.json, tokenizer_config.json, the processor configs) names, with the files those import
-relatively: `from_pretrained(..., trust_remote_code=True)` needs each of them. No other *.py.
+relatively: `from_pretrained(..., trust_remote_code=True)` needs each of them. No other *.py. Those the
+base lacks, the output lacks too (a config whose model_type transformers knows loads natively).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import stat
 from pathlib import Path
 
 from . import remote
-from .errors import FormatError
 from .plainfile import read_small
 from .remote import RemotePath
 
@@ -135,8 +135,7 @@ def side_files(root: Path) -> list[str]:
     note). The base's README.md is left out on purpose: it is the card of a different model (the
     merge's provenance is in mergedb_manifest.json). Only regular files count; a symlink counts only
     when it resolves to a regular file inside `root`, or, for a Hugging Face cache snapshot, inside
-    its repository's blobs/ (so a config.json -> /etc/... link is skipped). A custom-code file that
-    an `auto_map` names but the folder lacks raises FormatError: the output could not be loaded."""
+    its repository's blobs/ (so a config.json -> /etc/... link is skipped)."""
     roots = _link_roots(root)
     try:
         listed = sorted(os.listdir(root))
@@ -155,13 +154,8 @@ def side_files(root: Path) -> list[str]:
                 configs[n] = read_small(root / n)
             except OSError:
                 continue
-    code, missing = _with_imports(root, code_names(configs), roots)
-    if missing:
-        raise FormatError(
-            f"{root}: its auto_map (custom code, trust_remote_code) needs {', '.join(missing)}, which the folder "
-            "lacks; a merged model without them could not be loaded: put the base's code files back beside its "
-            "config.json (e.g. download them from the base's repository), then execute again"
-        )
+    code, _ = _with_imports(root, code_names(configs), roots)  # those the base lacks, the output lacks too: a
+    # config whose model_type transformers knows loads without them (Phi-3, Qwen2 downloads of *.json only)
     return sorted(found + code)
 
 
@@ -204,13 +198,7 @@ def _copy_remote(root: RemotePath, dest: Path) -> list[str]:
             names.append(f)
     configs = {n: (dest / n).read_bytes() for n in _AUTO_MAP_IN if n in names}
     code = code_names(configs)
-    missing = [f for f in code if f not in remote.side_names(root, tuple(code))]
-    if missing:
-        raise FormatError(
-            f"{root.url}: its auto_map (custom code, trust_remote_code) needs {', '.join(missing)}, which the "
-            "folder lacks; a merged model without them could not be loaded"
-        )
-    for f in code:
+    for f in remote.side_names(root, tuple(code)):  # those it has, as for a local base
         data = remote.read_small((root / f).url)
         if data is not None:
             (dest / f).write_bytes(data)

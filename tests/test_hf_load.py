@@ -235,13 +235,28 @@ def test_custom_code_model_output_loads_with_trust_remote_code(tmp_path, modules
     assert res.exit_code == 0 and runner.invoke(app, ["check", "--output", str(out)]).exit_code == 0
 
 
-def test_custom_code_file_missing_from_the_base_is_refused_before_the_merge(tmp_path):
+def test_a_base_without_the_code_its_auto_map_names_merges_with_what_it_has(tmp_path):
+    """Many downloads keep a config's auto_map but not its .py files (Phi-3, Qwen2: `*.json
+    *.safetensors` only), and transformers loads them natively by model_type: such a base was
+    refused. The output carries the code files the base has (none missing is invented) and loads as
+    the base does."""
+    import transformers
+
     base, expert = _tiny_pair(tmp_path, custom_code=True)
-    (base / "my_helpers.py").unlink()  # modeling_my.py imports it: transformers would fail on the output
+    for f in ("my_helpers.py", "modeling_my.py"):
+        (base / f).unlink()
     _, res = _merge_cli(tmp_path, base, expert)
-    assert res.exit_code == 1
-    assert "auto_map (custom code, trust_remote_code) needs my_helpers.py, which the folder lacks" in res.output
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.mergedb-*"))
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("*.py")) == ["configuration_my.py"]  # not train_notes.py: auto_map
+    assert (
+        json.loads((out / "config.json").read_text())["auto_map"]
+        == json.loads((base / "config.json").read_text())["auto_map"]
+    )
+    assert (
+        type(transformers.AutoConfig.from_pretrained(out, trust_remote_code=True)).__name__
+        == type(transformers.AutoConfig.from_pretrained(base, trust_remote_code=True)).__name__
+    )
 
 
 def test_named_chat_templates_are_carried_and_survive_a_force_rewrite(tmp_path):
@@ -291,6 +306,28 @@ def test_a_users_files_in_the_templates_folder_survive_a_force_rewrite(tmp_path)
     shutil.rmtree(out / "additional_chat_templates" / "notes")
     res = runner.invoke(app, ["execute", "p", "--out", str(out), "-c", db, "-q", "--force"])
     assert res.exit_code == 0, res.output
+
+
+def test_replay_of_an_output_written_with_fewer_side_files_writes_those(tmp_path):
+    """An output written by a mergedb that copied fewer side files (before additional_chat_templates/,
+    tekken.json, custom code): its replay was refused ('the base's side files … differ … edited
+    since?') though nothing was edited. A replay writes the side files its output had."""
+    base, expert = _tiny_pair(tmp_path, chat_templates=True)
+    db, res = _merge_cli(tmp_path, base, expert)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "out"
+    manifest = out / "mergedb_manifest.json"
+    doc = json.loads(manifest.read_text())  # as an older mergedb wrote it: no templates (run is not hashed)
+    doc["run"]["side_files"] = {k: v for k, v in doc["run"]["side_files"].items() if "/" not in k}
+    doc["run"]["files"] = [f for f in doc["run"]["files"] if f != "additional_chat_templates"]
+    manifest.write_text(json.dumps(doc))
+    shutil.rmtree(out / "additional_chat_templates")
+    res = runner.invoke(app, ["replay", str(manifest), "--out", str(tmp_path / "again")])
+    assert res.exit_code == 0, res.output
+    again = tmp_path / "again"
+    assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in out.iterdir())
+    for f in doc["run"]["side_files"]:
+        assert (again / f).read_bytes() == (out / f).read_bytes()
 
 
 def test_output_of_a_hugging_face_cache_snapshot_loads(tmp_path):

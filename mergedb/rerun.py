@@ -43,9 +43,18 @@ def check(
     rows = cat.sql("SELECT plan_id, name FROM plans WHERE list_contains(?, name)", [list(named)]).to_pylist()
     if not rows:
         return
+    bases = sorted({r.base for r, _ in named.values()})
     with cat.duckdb_connection() as con:
         stored = {r["name"]: plans.load_plan(con, r["plan_id"]) for r in rows}
-    if not all(_same(s, named[n][0]) for n, s in stored.items()):
+        experts = con.execute(
+            "SELECT b.name, e.name FROM checkpoints e JOIN checkpoints b ON b.checkpoint_id = e.base_id "
+            "WHERE e.role = 'expert' AND b.role = 'base' AND list_contains(?, b.name)",
+            [bases],
+        ).fetchall()
+    everyone: dict[str, list[str]] = {b: [] for b in bases}  # each base's experts now, what --all takes,
+    for b, e in sorted(experts, key=lambda r: r[1].encode()):  # in the planner's order (UTF-8 bytes)
+        everyone[b].append(e)
+    if not all(_same(s, named[n][0], everyone[named[n][0].base]) for n, s in stored.items()):
         return
     order = [n for n in named if n in stored]  # the sweep's order
     state = {n: _output_state(root / n, stored[n]) for n in order}
@@ -65,7 +74,8 @@ def check(
         msg += f"; under {root}: {len(complete)} complete{_few(complete)}, {len(todo) - len(in_way)} missing"
         if in_way:
             msg += f", {len(in_way)} in the way{_few(in_way)}: a folder that holds no output of its plan, move it away"
-        msg += f". Write the missing outputs with {_commands(todo, root, [named[n][1] for n in todo], max_shard_size)}"
+        dts = [named[n][1] for n in todo]
+        msg += f". Write the missing outputs with {_commands(todo, root, dts, max_shard_size, cat.path)}"
     if new:
         msg += (
             f"; {_names(new)} {'is' if len(new) == 1 else 'are'} not stored: sweep "
@@ -74,16 +84,16 @@ def check(
     raise PlanExistsError(msg + "; another --name plans the whole sweep again")
 
 
-def _same(s: PlanSummary, r: PlanRequest) -> bool:
+def _same(s: PlanSummary, r: PlanRequest, every_expert: list[str]) -> bool:
     """Whether stored plan `s` is what request `r` asks for (its parameters as given; the stored
-    ones also hold the method's defaults). Per-tensor values are not compared: such a request is
-    never taken for an earlier run's."""
+    ones also hold the method's defaults; `every_expert`: its base's experts now, what --all takes).
+    Per-tensor values are not compared: such a request is never taken for an earlier run's."""
     return (
         r.tensor_params is None
         and (s.method, s.base, s.seed, s.budget_spec, s.strategy)
         == (r.method, r.base, r.seed, str(r.budget), r.strategy)
         and all(s.params.get(k) == v for k, v in r.params.items() if v is not None)
-        and (r.experts is None or [e.name for e in s.experts] == list(r.experts))
+        and [e.name for e in s.experts] == list(every_expert if r.experts is None else r.experts)
         and (r.weights is None or [e.weight for e in s.experts] == list(r.weights))
     )
 
@@ -108,9 +118,12 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _commands(names: list[str], root: Path, dtypes: list[str | None], max_shard_size: int) -> str:
-    """`mergedb execute NAME --out ROOT/NAME …` for each, or one shell loop for more than three."""
-    shard = f" --max-shard-size {max_shard_size}" if max_shard_size != SHARD_DEFAULT else ""
+def _commands(names: list[str], root: Path, dtypes: list[str | None], max_shard_size: int, catalog: Path) -> str:
+    """`mergedb execute NAME --out ROOT/NAME -c CATALOG …` for each, or one shell loop for more than
+    three (the catalog always named: a plan of that name in another catalog is another plan)."""
+    shard = f" -c {shlex.quote(str(catalog))}" + (
+        f" --max-shard-size {max_shard_size}" if max_shard_size != SHARD_DEFAULT else ""
+    )
 
     def opts(dt: str | None) -> str:
         return (f" --dtype {shlex.quote(dt)}" if dt else "") + shard

@@ -724,11 +724,11 @@ def test_a_rerun_of_an_interrupted_sweep_says_how_to_finish_it(tmp_path):
     assert "3 plans of this sweep are stored already by an earlier run of it" in msg, msg
     assert "1 complete (kk-density=0.2), 2 missing" in msg, msg
     assert "--force" not in msg and "choose another --name" not in msg
-    commands = [f"mergedb execute kk-density={d} --out {out}/kk-density={d}" for d in ("0.3", "0.4")]
+    commands = [f"mergedb execute kk-density={d} --out {out}/kk-density={d} -c {cat.path}" for d in ("0.3", "0.4")]
     assert all(f"`{x}`" in msg for x in commands), msg
     assert _plan_count(cat) == n and _files(out / "kk-density=0.2") == done
-    for x in commands:
-        r = runner.invoke(app, [*x.split()[1:], *c])
+    for x in commands:  # the catalog named: a plan of that name in the default catalog is another plan
+        r = runner.invoke(app, x.split()[1:])
         assert r.exit_code == 0, r.output
     assert all(check_output(out / f"kk-density={d}") == [] for d in ("0.2", "0.3", "0.4"))
     r = runner.invoke(app, [*cmd, "--grid", "density=0.2,0.3,0.4"])
@@ -754,8 +754,15 @@ def test_a_rerun_with_many_outputs_missing_gets_one_loop(tmp_path):
     with pytest.raises(MergeDBError) as e:
         sw.sweep(cat, req, tmp_path / "o", dtype="fp16")
     names = " ".join(r.name for r in req)
-    assert f'`for p in {names}; do mergedb execute "$p" --out {tmp_path}/o/"$p" --dtype fp16; done`' in str(e.value)
+    loop = f'`for p in {names}; do mergedb execute "$p" --out {tmp_path}/o/"$p" --dtype fp16 -c {cat.path}; done`'
+    assert loop in str(e.value)
     assert "0 complete, 4 missing" in str(e.value)
+    # an expert registered since: --all now means three experts, so the stored two-expert plans are
+    # not this sweep's earlier run (it named them 'the same experts' and advised executing them)
+    more = synth.make_family(tmp_path / "fam3", experts=3, size="tiny", seed=9)
+    cat.register([more / "expert_02"], base_model="base")
+    with pytest.raises(PlanError, match="a plan named 'm-density=0.1' exists already; choose another --name"):
+        sw.sweep(cat, req, tmp_path / "o", dtype="fp16")
 
 
 def test_an_output_in_the_way_gets_advice_a_sweep_can_follow(fam, tmp_path):

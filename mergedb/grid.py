@@ -94,11 +94,11 @@ def _labels(key: str, values: Sequence[Any]) -> list[str]:
             once = ",".join(dict.fromkeys(_label(u, 6) for u in values))
             raise PlanError(f"--grid {key} lists {_label(v, 6)} twice; give each value once: --grid {key}={once}")
         seen.add(repr(v))
-    for digits in (*range(6, 17), None):
+    for digits in range(6, 17):
         labels = [_label(v, digits) for v in values]
         if len(set(labels)) == len(labels):
             return labels
-    raise AssertionError(f"unreachable: distinct values {values!r} with alike labels")
+    return [_label(v, None) for v in values]  # distinct reprs (checked above): distinct labels
 
 
 def _label(v: Any, digits: int | None) -> str:

@@ -118,9 +118,9 @@ def _tied_apart(base: Checkpoint, expert: Checkpoint) -> bool:
         return False
     if any(e[n].shape != t.shape or e[n].dtype != t.dtype for n, t in b.items() if n in e):
         return False
-    for n in apart:
-        lacks, has = (expert, e) if n in b else (base, b)
-        if lacks.tied is not True and not any(_named(m, _EMBEDS) for m in has):
+    for n in apart:  # the side without head n must tie it: by its config, or holding input embeddings
+        lacking, its_tensors = (expert, e) if n in b else (base, b)
+        if lacking.tied is not True and not any(_named(m, _EMBEDS) for m in its_tensors):
             return False
     return True
 

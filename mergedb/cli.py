@@ -526,6 +526,7 @@ def replay(
     manifest: Path = typer.Argument(..., help="An output's mergedb_manifest.json."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder to re-create the model in."),
     force: bool = typer.Option(False, "--force", help="Replace a previous mergedb output in --out."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Re-execute a merge from its manifest and mask alone, and verify every tensor hash.
 
@@ -533,8 +534,10 @@ def replay(
     """
     from . import loraout
 
-    res = loraout.replay(manifest, out_dir, force=force)  # a model (executor.replay) or an --as-lora adapter
-    render.line(f"replayed into {out_dir}: {len(res.manifest['tensor_hashes'])} tensors identical to the original")
+    with _held_progress(quiet, "replay") as (advance, on_total):  # a model (executor.replay) or an adapter
+        res = loraout.replay(manifest, out_dir, force=force, progress=advance, on_total=on_total)
+    if not quiet:
+        render.line(f"replayed into {out_dir}: {len(res.manifest['tensor_hashes'])} tensors identical to the original")
 
 
 @app.command()

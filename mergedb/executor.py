@@ -404,8 +404,16 @@ def _check_rng(path: str | os.PathLike[str], xp: ExecutionPlan, doc: dict[str, A
         )
 
 
-def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *, force: bool = False) -> ExecuteResult:
-    """Re-execute an output from its manifest and mask, installing it only if every tensor hash matches."""
+def replay(
+    manifest_path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> ExecuteResult:
+    """Re-execute an output from its manifest and mask, installing it only if every tensor hash
+    matches; `progress` and `on_total` as execute's."""
     xp, doc = plan_from_manifest(manifest_path)
     if "lora" in doc:  # an --as-lora output: an adapter folder, not a model
         raise MergeDBError(
@@ -424,4 +432,6 @@ def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *
         expect_hashes=doc["tensor_hashes"],
         max_shard_size=shard if isinstance(shard, int) and not isinstance(shard, bool) and shard >= 0 else 5 * 10**9,
         expect_side=side if isinstance(side, dict) else None,
+        progress=progress,
+        on_total=on_total,
     )

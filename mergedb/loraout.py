@@ -37,7 +37,7 @@ import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -376,12 +376,19 @@ def _term_bytes(xp: ExecutionPlan, m: Module, t: Term) -> int:
     return rows * t.factor.row_bytes() + t.factor.fixed_bytes
 
 
-def replay(manifest_path: str | os.PathLike[str], out: str | os.PathLike[str], *, force: bool = False) -> ExecuteResult:
+def replay(
+    manifest_path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> ExecuteResult:
     """Re-write any mergedb output from its manifest and mask, installing it only if every hash matches:
-    an --as-lora adapter here, a model by executor.replay."""
+    an --as-lora adapter here (no progress: its factors are small), a model by executor.replay."""
     xp, doc = plan_from_manifest(manifest_path)
     if "lora" not in doc:
-        return replay_model(manifest_path, out, force=force)
+        return replay_model(manifest_path, out, force=force, progress=progress, on_total=on_total)
     lo = doc.get("lora")
     if not isinstance(lo, dict) or not (lo.get("rank") is None or isinstance(lo.get("rank"), int)):
         raise MergeDBError(f"{manifest_path}: the manifest's lora section is missing or malformed")

@@ -322,6 +322,10 @@ def test_tampered_replay_installs_nothing(setup, tmp_path):
     os.utime(expert, ns=(st.st_atime_ns, st.st_mtime_ns))
     code, text = _cli("check", "--output", out, "-c", db)
     assert code == 0, text
+    code, text = _cli("replay", out / "mergedb_manifest.json", "--out", tmp_path / "again", "-q")  # as execute -q
+    assert code == 0 and text.strip() == "", text
+    code, text = _cli("replay", out / "mergedb_manifest.json", "--out", tmp_path / "again2")
+    assert code == 0 and "tensors identical to the original" in text, text
 
 
 # -- 14: the run record, unwritable --out folders, names not in UTF-8 --------------------------

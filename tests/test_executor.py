@@ -176,8 +176,19 @@ def test_replay_and_output_format(family, tmp_path):
         assert (out / side).is_file()
     again = executor.execute(xp, tmp_path / "again", max_shard_size=400_000)
     assert again.manifest == res.manifest  # deterministic part identical
-    rep = executor.replay(out / "mergedb_manifest.json", tmp_path / "replayed")
+    told: list[int] = []  # a replay reports progress as execute does: the total, then each tensor's bytes
+    rep = executor.replay(
+        out / "mergedb_manifest.json", tmp_path / "replayed", progress=told.append, on_total=told.append
+    )
     assert rep.manifest["tensor_hashes"] == res.manifest["tensor_hashes"]
+    assert (
+        told[0]
+        == sum(told[1:])
+        == sum(
+            os.path.getsize(out / f) - 8 - read_header(out / f).header_len for f in set(index["weight_map"].values())
+        )
+        > 0
+    )
     for shard in set(index["weight_map"].values()):
         assert (out / shard).read_bytes() == (tmp_path / "again" / shard).read_bytes()
         # the replay writes the same shards (it took the 5 GB default: one file)

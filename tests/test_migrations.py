@@ -250,11 +250,7 @@ def test_a_catalog_that_skipped_009_names_the_stream_of_plans_made_at_a_later_ve
     path = tmp_path / "gap.duckdb"
     _old_catalog(path, 10, src, every_table=False)
     con = duckdb.connect(str(path))
-    con.execute(_OLD_COSTS)
-    con.execute(_OLD_PLAN_MASK)
-    for table_column in ("checkpoints adapter", "expert_blocks read_bytes", "expert_tensors fixed_bytes"):
-        con.execute("ALTER TABLE {} DROP COLUMN {}".format(*table_column.split()))
-    con.execute("DELETE FROM schema_version WHERE version = 9")
+    _without_009(con)
     con.execute("UPDATE schema_version SET applied_at = applied_at - INTERVAL 100 HOUR")  # made days ago
     ten = "(SELECT applied_at FROM schema_version WHERE version = 10)"
     con.execute(f"UPDATE plans SET created = {ten} + INTERVAL 30 HOUR")  # at 010, before the upgrade
@@ -311,6 +307,16 @@ _OLD_PLAN_MASK = (
 )
 
 
+def _without_009(con: duckdb.DuckDBPyConnection) -> None:
+    """A catalog at 010 or later as the 5998f66 branch left it: 009 never applied (its columns and
+    views absent, no schema_version row)."""
+    con.execute(_OLD_COSTS)
+    con.execute(_OLD_PLAN_MASK)
+    for table_column in ("checkpoints adapter", "expert_blocks read_bytes", "expert_tensors fixed_bytes"):
+        con.execute("ALTER TABLE {} DROP COLUMN {}".format(*table_column.split()))
+    con.execute("DELETE FROM schema_version WHERE version = 9")
+
+
 def _views(path: Path) -> dict[str, str]:
     con = duckdb.connect(str(path), read_only=True)
     try:
@@ -332,12 +338,8 @@ def test_a_migration_a_catalog_never_had_is_applied(source, tmp_path):
     fam, src_path, src_plans = source
     path = tmp_path / "gap.duckdb"
     _old_catalog(path, 10, src_path)
-    con = duckdb.connect(str(path))  # undo 009 as that branch never did it
-    con.execute(_OLD_COSTS)
-    con.execute(_OLD_PLAN_MASK)
-    for table_column in ("checkpoints adapter", "expert_blocks read_bytes", "expert_tensors fixed_bytes"):
-        con.execute("ALTER TABLE {} DROP COLUMN {}".format(*table_column.split()))
-    con.execute("DELETE FROM schema_version WHERE version = 9")
+    con = duckdb.connect(str(path))
+    _without_009(con)
     con.close()
     cat = Catalog(path)
     assert [c.name for c in cat.checkpoints()] == ["base", "expert_00", "expert_01"]

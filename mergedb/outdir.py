@@ -289,15 +289,19 @@ def ours(name: object) -> bool:
     )
 
 
-def _our_template(out: Path, name: str) -> bool:
-    """Whether `out`'s additional_chat_templates/`name` is a template its manifest's side files list
-    (a regular file): anything else in that folder is a user's, never moved or deleted."""
+def _not_our_templates(out: Path) -> list[str]:
+    """What `out`'s additional_chat_templates/ holds besides the templates its manifest's side files
+    list (as regular files): a user's, never moved or deleted."""
     try:
         side = json.loads(read_small(out / MANIFEST))["run"]["side_files"]
     except (OSError, ValueError, KeyError, TypeError):
-        return False
-    p = out / TEMPLATES / name
-    return isinstance(side, dict) and f"{TEMPLATES}/{name}" in side and p.is_file() and not p.is_symlink()
+        side = {}
+    listed = side if isinstance(side, dict) else {}
+    return [
+        f"{TEMPLATES}/{n}"
+        for n in sorted(os.listdir(out / TEMPLATES))
+        if f"{TEMPLATES}/{n}" not in listed or not (out / TEMPLATES / n).is_file() or (out / TEMPLATES / n).is_symlink()
+    ]
 
 
 def _templates(p: Path) -> bool:
@@ -372,7 +376,7 @@ def install(tmp: Path, out: Path, force: bool = False) -> None:
     new = sorted(p.name for p in tmp.iterdir())
     clash = sorted(n for n in new if n not in ours and os.path.lexists(out / n))
     if TEMPLATES in ours:  # the folder moves whole: only if it holds nothing but the templates mergedb wrote
-        clash += [f"{TEMPLATES}/{n}" for n in sorted(os.listdir(out / TEMPLATES)) if not _our_template(out, n)]
+        clash += _not_our_templates(out)
     if clash:
         raise MergeDBError(
             f"{out / clash[0]} is not a file of the mergedb output there (its manifest does not list it as one) "

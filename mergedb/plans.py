@@ -128,20 +128,21 @@ def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:
 def load_plans(con: duckdb.DuckDBPyConnection, plan_id: int | None = None) -> list[PlanSummary]:
     """Stored plans' summaries by plan_id: every plan, or the one `plan_id`. Two statements whatever
     their number (a statement per plan took `mergedb plans` 5.7 ms a plan: 6 s for 1,000)."""
-    where, params = ("", []) if plan_id is None else ("WHERE p.plan_id = ?", [plan_id])
+    one = plan_id is not None
+    params = [plan_id] if one else []
     rows = con.execute(
         "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
         "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
         "p.bound_blockwise, p.est_error, p.planning_seconds, b.name, p.bound_rounded, p.bound_note, "
         "p.value_model, p.min_coverage, p.est_kind, p.strategy FROM plans p "
-        f"JOIN checkpoints b ON b.checkpoint_id = p.base_id {where} ORDER BY p.plan_id",
+        f"JOIN checkpoints b ON b.checkpoint_id = p.base_id {'WHERE p.plan_id = ?' if one else ''} ORDER BY p.plan_id",
         params,
     ).fetchall()
     experts: dict[int, list[ExpertSummary]] = {}
     for pid, *r in con.execute(
         "SELECT pe.plan_id, c.name, pe.weight, pe.coef, pe.full_bytes, pe.selected_bytes, pe.bound_sum, "
         "pe.bound_blockwise FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) "
-        f"{where.replace('p.plan_id', 'pe.plan_id')} ORDER BY pe.plan_id, pe.position",
+        f"{'WHERE pe.plan_id = ?' if one else ''} ORDER BY pe.plan_id, pe.position",
         params,
     ).fetchall():
         experts.setdefault(pid, []).append(ExpertSummary(*r))
@@ -260,8 +261,8 @@ def _refuse_other_stream(pid: int, method: str, rng: str | None, name: str | Non
     stream = (
         f"the stream {rng!r}"
         if rng
-        else "a stream it does not record (it was made before this catalog's schema 009, by a mergedb that "
-        "may have drawn from splitmix64)"
+        else "a stream it does not record (made before schema 014, before or within a day of its catalog "
+        "reaching schema 009: by a mergedb that may have drawn from splitmix64)"
     )
     again = f"make it again under another --name than {name!r}" if name else "make it again"
     raise PlanError(

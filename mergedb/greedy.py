@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -68,9 +68,26 @@ class Candidates:
             raise PlanError("internal error: a candidate's score is negative or NaN; nothing was stored")
         return cls(**cols, **derived)
 
+    def without(self, drop: np.ndarray) -> Candidates:
+        """These candidates less the rows where `drop` (N,) bool is set; dependent/carrier pairs
+        follow their rows (a pair loses a dropped dependent; a dropped carrier drops its dependents,
+        which the caller must drop too)."""
+        keep = ~drop
+        new_row = np.cumsum(keep) - 1  # (N,) each kept row's index after the cut
+        pairs = keep[self.dependent]
+        if np.any(pairs & ~keep[self.carrier]):
+            raise PlanError("internal error: a candidate kept without its fixed-cost carrier; nothing was stored")
+        arrays = {f: getattr(self, f)[keep] for f in _ROW_FIELDS}
+        return replace(
+            self, **arrays, dependent=new_row[self.dependent[pairs]], carrier=new_row[self.carrier[pairs]]
+        )
+
     def slot(self, rows: np.ndarray) -> np.ndarray:
         """(len(rows),) int64 position·B + gblock of `rows`: (position, tensor_idx, block_idx) as one key."""
         return self.position[rows].astype(np.int64) * self.n_family_blocks + self.gblock[rows]
+
+
+_ROW_FIELDS = ("position", "tensor_idx", "block_idx", "nbytes", "free", "value", "score", "gblock")
 
 
 def _plan_order(c: Candidates, rows: np.ndarray) -> np.ndarray:

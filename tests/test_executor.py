@@ -77,6 +77,28 @@ def test_full_budget_equals_reference_bit_for_bit(family, loaded, tmp_path, meth
 
 
 @pytest.mark.parametrize("method,params", CASES)
+def test_zero_weight_expert_is_not_read(family, loaded, tmp_path, method, params):
+    """A weight-0 expert (a sweep's weight grid holding 0) adds nothing to any method's merge: a
+    full-budget plan reads none of it, reads what the plan without it reads, and still equals the
+    reference merge with that weight 0."""
+    kind, folder, cat = family
+    weights = (1.0, 0.0, 0.3)
+    plan = cat.plan(PlanRequest("base", tuple(EXPERTS), method, "all", weights, params, seed=5))
+    without = cat.plan(PlanRequest("base", (EXPERTS[0], EXPERTS[2]), method, "all", (1.0, 0.3), params, seed=5))
+    res = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "out")
+    assert res.expert_bytes == plan.selected_bytes == without.selected_bytes > 0
+    got = load_model(tmp_path / "out")
+    for name, b in loaded["base"].items():
+        if b.dtype.kind != "f":
+            continue
+        full = ref_merge(
+            method, params, list(weights), b, [loaded[e][name] for e in EXPERTS],
+            seed=5, expert_names=EXPERTS, tensor=name,
+        )  # fmt: skip
+        assert np.array_equal(got[name], cast_like(full, FAMILIES[kind][0])), (method, name)
+
+
+@pytest.mark.parametrize("method,params", CASES)
 def test_sliced_blocks_equal_reference_bit_for_bit(family, loaded, tmp_path, monkeypatch, method, params):
     """Blocks merged in slices (slicefold.py; slices of 1,000 bytes here, so they cut rows and
     blocks unevenly) give the whole-tensor reference's bytes, every method; and they are sliced."""

@@ -85,6 +85,25 @@ def test_sort_and_bucket_paths_are_the_walk(seed, k, t, b, budget_frac, fixed_co
     assert int(c.nbytes[by_sort].sum()) <= budget
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), k=st.integers(2, 4), t=st.integers(1, 4), budget_frac=st.floats(0.0, 1.1))
+def test_dropping_whole_pairs_keeps_every_carrier_with_its_rows(seed, k, t, budget_frac):
+    """Candidates.without (the planner's idle experts: every row of some (expert, tensor) pairs):
+    the cut selects exactly what the walk over the remaining rows, with their carriers, selects."""
+    c, carrier_of, pair = random_candidates(seed, k, t, 12, fixed_costs=True, random_scores=False)
+    gone = np.random.default_rng(seed).random(k * t) < 0.4  # (K·T,) pairs dropped whole
+    drop = gone[pair]
+    kept = np.flatnonzero(~drop)  # old row of each new row
+    d = c.without(drop)
+    assert np.array_equal(d.score, c.score[kept]) and np.array_equal(d.gblock, c.gblock[kept])
+    assert np.array_equal(kept[d.carrier], [carrier_of[int(pair[kept[r]])] for r in d.dependent])
+    budget = int(budget_frac * d.nbytes[~d.free].sum())
+    sel, _ = greedy.select(d, budget, 256)
+    expect = walk(d, budget, {g: int(np.searchsorted(kept, i)) for g, i in carrier_of.items() if not gone[g]},
+                  pair[kept])  # fmt: skip
+    assert set(np.flatnonzero(sel).tolist()) == expect
+
+
 @pytest.mark.parametrize("zero_share", [0.0, 0.5])
 def test_paths_agree_on_many_distinct_scores(zero_share):
     """Thousands of rows with lognormal scores (the cut falls inside one bucket of many) and a

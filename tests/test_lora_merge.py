@@ -151,6 +151,23 @@ def test_merge_of_adapters_equals_merge_of_merged_models(fam, base_sd, method, p
     assert plan.selected_bytes <= plan.budget_bytes
 
 
+@pytest.mark.parametrize("budget", ["all", "40%"])
+def test_a_zero_weight_adapter_is_not_read(fam, base_sd, budget):
+    """Weight 0 on an adapter: none of its blocks or factors are candidates (no budget spent on
+    them, fixed-cost carriers and their dependents dropped together), and the merge is the one of
+    the dense models with the same weights."""
+    _, lora, dense = fam
+    req = PlanRequest("base", ("ad1", "ad2", "ad3"), "task_arithmetic", budget, weights=(1.0, 0.0, 0.75))
+    got, plan = _merge(lora, req)
+    _, two = _merge(lora, PlanRequest("base", ("ad1", "ad3"), "task_arithmetic", budget, weights=(1.0, 0.75)))
+    stored = lora.sql("SELECT position, selected_bytes FROM plan_experts WHERE plan_id = ?", [plan.plan_id])
+    assert dict(zip(*stored.to_pydict().values()))[1] == 0 and plan.selected_bytes <= plan.budget_bytes
+    if budget == "all":
+        assert plan.selected_bytes == plan.full_bytes == two.selected_bytes
+        ref, _ = _merge(dense, req)
+        assert _rel(got, ref, base_sd) <= 1e-6
+
+
 @pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
 def test_additive_merge_of_adapters_is_the_textbook_formula(fam, base_sd, method):
     root, lora, _ = fam

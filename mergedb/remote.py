@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +32,11 @@ from .errors import FormatError, MergeDBError
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _UNLISTABLE = ("http", "https")  # fsspec's HTTP "listing" scrapes HTML links: never a folder listing
 SMALL_FILE_LIMIT = 256 * 2**20  # config, index, tokenizer: refused above this (a URL that is not one)
+# HTTP(S) requests are tried again after a transient failure (fsspec's HTTP filesystem never does;
+# S3's and GCS's libraries retry on their own, so theirs are not wrapped): 5 tries, 0.5 + 1 + 2 + 4 s
+HTTP_TRIES = 5
+HTTP_BACKOFF = 0.5  # seconds before the second try, doubling after each
+_TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
 def is_url(path: object) -> bool:
@@ -120,12 +127,46 @@ def _unreachable(url: str, e: FileNotFoundError) -> MergeDBError | None:
     return MergeDBError(f"{url}: cannot be reached ({type(cause).__name__}: {cause}); check the URL and the network")
 
 
+def _transient(e: BaseException) -> bool:
+    """A failure worth another try: a 5xx, 408 or 429 answer, a dropped or refused connection, a body
+    cut short, a timeout. fsspec's HTTP filesystem wraps some of them in FileNotFoundError (the real
+    one attached, _unreachable); a 403, a 404 or a 416 is for good."""
+    if isinstance(e, FileNotFoundError):
+        cause = e.__cause__ or e.__context__
+        return cause is not None and not isinstance(cause, FileNotFoundError) and _transient(cause)
+    status = getattr(e, "status", None)
+    if isinstance(status, int):
+        return status in _TRANSIENT_STATUS
+    if isinstance(e, (ConnectionError, TimeoutError)):  # asyncio's TimeoutError is the builtin from 3.11
+        return True
+    try:
+        import aiohttp  # what fsspec's HTTP filesystem runs on; installed with it
+    except ImportError:
+        return False
+    return isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
+
+
+def _tried(fs: Any, call: Callable[[], Any]) -> Any:
+    """call(), tried again after a transient failure of an HTTP(S) request (HTTP_TRIES in all, the
+    waits HTTP_BACKOFF doubling); the last failure is raised as it came."""
+    if not any(p in _UNLISTABLE for p in _protocols(fs)):
+        return call()
+    for attempt in range(HTTP_TRIES - 1):
+        try:
+            return call()
+        except Exception as e:
+            if not _transient(e):
+                raise
+            time.sleep(HTTP_BACKOFF * 2**attempt)
+    return call()  # the last try: its failure is the one raised
+
+
 def stat(url: str) -> RemoteStat | None:
     """The file at `url`, or None when there is none (a folder is not a file)."""
     fs, path = filesystem(url)
     try:
         fs.invalidate_cache(path)  # a listing cached earlier in this process must not hide a change
-        info = fs.info(path)
+        info = _tried(fs, lambda: fs.info(path))
     except FileNotFoundError as e:
         err = _unreachable(url, e)
         if err is not None:
@@ -150,7 +191,7 @@ def read_bytes(url: str, start: int | None = None, end: int | None = None) -> by
     """Bytes [start, end) of the file at `url` (all of it when both are None), checked for length."""
     fs, path = filesystem(url)
     try:
-        data = fs.cat_file(path, start=start, end=end)
+        data = _tried(fs, lambda: fs.cat_file(path, start=start, end=end))
     except FileNotFoundError as e:
         raise (_unreachable(url, e) or FormatError(f"{url}: no such file")) from None
     except Exception as e:  # network, credentials (botocore's errors are not OSErrors)

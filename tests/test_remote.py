@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import secrets
+import socket
 import struct
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from mergedb import executor, synth
+from mergedb import executor, remote, synth
 from mergedb.catalog import Catalog
 from mergedb.errors import ChangedFileError, MergeDBError
 from mergedb.planner import PlanRequest
@@ -55,6 +56,7 @@ class RangeServer:
         self.root, self.log, self.lock = root, [], threading.Lock()
         self.fail_data = False  # answer 500 to every read of tensor data (a server failing mid-run)
         self.shift = 0  # answer a range of tensor data with the bytes this much further on (a lying server)
+        self.flaky: list[int | str] = []  # the next reads of tensor data fail thus, one each: a status, or "drop"
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -84,8 +86,16 @@ class RangeServer:
                 if rng and not head:
                     a, _, b = rng.removeprefix("bytes=").partition("-")
                     lo, hi, status = int(a), min(int(b) + 1 if b else st.st_size, st.st_size), 206
-                    if server.fail_data and rel.endswith(".safetensors") and lo >= _data_start(path):
-                        lo, hi, status = 0, 0, 500
+                    data = rel.endswith(".safetensors") and lo >= _data_start(path)
+                    with server.lock:
+                        fault = server.flaky.pop(0) if data and server.flaky else None
+                    if fault == "drop":  # the connection closed without an answer
+                        server.record(Logged(self.command, rel, lo, hi, 0))
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
+                    if server.fail_data and data or fault is not None:
+                        lo, hi, status = 0, 0, int(fault or 500)
                     elif server.shift and rel.endswith(".safetensors") and lo >= _data_start(path):
                         n = hi - lo  # same length, other bytes, and an honest Content-Range saying so
                         lo = min(lo + server.shift, st.st_size - n)
@@ -100,7 +110,7 @@ class RangeServer:
                     self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{st.st_size}")
                 self.end_headers()
                 body = b""
-                if not head and status != 500:
+                if not head and status < 400:
                     with open(path, "rb") as f:
                         f.seek(lo)
                         body = f.read(hi - lo)
@@ -342,15 +352,18 @@ def test_one_object_under_two_spellings_of_its_url_is_one_expert(sharded_family,
 def test_a_failure_without_words_is_named_by_its_kind(monkeypatch):
     """aiohttp's timeout (after 300 s on a stalled server) has an empty str: the message read
     'reading failed ()'."""
-    from mergedb import remote
-
     class Stalled:
+        protocol = ("http", "https")
+        calls = 0
+
         def cat_file(self, *a, **k):
+            Stalled.calls += 1
             raise TimeoutError()
 
     monkeypatch.setattr(remote, "filesystem", lambda url: (Stalled(), url))
     with pytest.raises(MergeDBError, match=r"reading failed \(TimeoutError\)"):
         remote.read_bytes("http://example.invalid/x.safetensors", 0, 8)
+    assert Stalled.calls == remote.HTTP_TRIES  # a timeout is transient: tried again, HTTP_TRIES in all
 
 
 @pytest.fixture
@@ -570,6 +583,41 @@ def test_server_failing_mid_run_leaves_no_output(sharded_family, http_server, tm
     with pytest.raises(MergeDBError, match="reading failed.*check the network"):
         executor.execute(xp, tmp_path / "out")
     assert not [p.name for p in tmp_path.iterdir() if "out" in p.name]  # no output, no temporary folder, no lock
+
+
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch):
+    """HTTP requests are tried again after a transient failure without the waits between tries."""
+    monkeypatch.setattr(remote, "HTTP_BACKOFF", 0.0)
+
+
+def test_transient_http_failures_are_tried_again_and_lasting_ones_are_not(sharded_family, http_server, tmp_path):
+    """fsspec's HTTP filesystem does not retry: one 503 or dropped connection among hundreds of
+    ranged GETs failed a whole merge (over S3 botocore retries). A transient failure is tried again
+    (HTTP_TRIES in all) and the output is the one without failures; a 403 is not tried again, and a
+    failure that lasts ends the run after HTTP_TRIES tries, leaving no output."""
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([f"{http_server.url}/base/model.safetensors.index.json"], base=True, block_size=BLOCK)
+    cat.register([f"{http_server.url}/{e}/model.safetensors.index.json" for e in EXPERTS], base_model="base")
+    xp = cat.execution_plan(cat.plan(REQUEST).plan_id)
+    executor.execute(xp, tmp_path / "clean")
+    http_server.flaky = [503, "drop", 500, 429, "drop"]
+    http_server.log.clear()
+    executor.execute(xp, tmp_path / "flaky")
+    _same_outputs(tmp_path / "flaky", tmp_path / "clean")
+    assert not http_server.flaky
+    failed = [e for e in http_server.log if e.method == "GET" and e.body == 0 and e.path.endswith(".safetensors")]
+    assert len(failed) == 5  # each failure was one request, each tried again
+    http_server.flaky = [403]
+    http_server.log.clear()
+    with pytest.raises(MergeDBError, match="reading failed.*Forbidden"):
+        executor.execute(xp, tmp_path / "forbidden")
+    assert len([e for e in http_server.log if e.method == "GET" and e.body == 0]) == 1
+    http_server.flaky = [503] * remote.HTTP_TRIES
+    with pytest.raises(MergeDBError, match="reading failed.*Service Unavailable"):
+        executor.execute(xp, tmp_path / "lasting")
+    assert not http_server.flaky  # every try was made, and no more
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("forbidden", "lasting", ".forbidden"))]
 
 
 def test_a_listed_remote_folder_refuses_weights_it_would_skip(tmp_path):

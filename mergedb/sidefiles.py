@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from . import remote
@@ -110,24 +111,22 @@ def code_names(configs: dict[str, bytes]) -> list[str]:
     return sorted(n for n in names if _CODE.fullmatch(n))
 
 
-def _with_imports(root: Path, names: list[str], roots: list[Path]) -> tuple[list[str], list[str]]:
-    """`names` and the top-level modules they import relatively, transitively: (present, missing)."""
-    todo, seen, missing = list(names), set(), set()
+def _with_imports(names: list[str], read: Callable[[str], bytes | None]) -> dict[str, bytes]:
+    """`names` and the top-level modules they import relatively, transitively, as name -> content;
+    `read(name)` gives a file's bytes, None where the base lacks it (then the output lacks it too)."""
+    todo, found, seen = list(names), {}, set()
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
-        if not _regular(root / name, roots):
-            missing.add(name)
+        data = read(name)
+        if data is None:
             continue
-        try:
-            text = read_small(root / name).decode("utf-8", "replace")
-        except OSError:
-            missing.add(name)
-            continue
+        found[name] = data
+        text = data.decode("utf-8", "replace")
         todo += [f"{a or b}.py" for a, b in _RELATIVE.findall(text) if _CODE.fullmatch(f"{a or b}.py")]
-    return sorted(seen - missing), sorted(missing)
+    return found
 
 
 def side_files(root: Path) -> list[str]:
@@ -154,9 +153,16 @@ def side_files(root: Path) -> list[str]:
                 configs[n] = read_small(root / n)
             except OSError:
                 continue
-    code, _ = _with_imports(root, code_names(configs), roots)  # those the base lacks, the output lacks too: a
-    # config whose model_type transformers knows loads without them (Phi-3, Qwen2 downloads of *.json only)
-    return sorted(found + code)
+
+    def read(name: str) -> bytes | None:
+        try:
+            return read_small(root / name) if _regular(root / name, roots) else None
+        except OSError:
+            return None
+
+    code = _with_imports(code_names(configs), read)  # those the base lacks, the output lacks too: a config
+    # whose model_type transformers knows loads without them (Phi-3, Qwen2 downloads of *.json only)
+    return sorted(found + list(code))
 
 
 _TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # safetensors dtype -> config.json's
@@ -188,19 +194,23 @@ def copy_side_files(root: Path | RemotePath, dest: Path, dtype: str | None = Non
 
 
 def _copy_remote(root: RemotePath, dest: Path) -> list[str]:
-    """copy_side_files from a remote folder: the named side files, then the code their auto_map names
-    (not the templates' folder nor what that code imports: a remote folder is read by name)."""
-    names = []
-    for f in remote.side_names(root, SIDE_FILES):
-        data = remote.read_small((root / f).url)
+    """copy_side_files from a remote folder, as from a local one where the filesystem lists folders
+    (S3, GCS, file://). Over HTTP(S), which cannot list, the named files and the code are fetched by
+    name, and the names a listing would find (tokenizer.model.vN, the templates' folder) are missed."""
+    listed = remote.listdir(root.url)
+    names = remote.side_names(root, SIDE_FILES)
+    names += [n for n in listed or () if _VERSIONED.fullmatch(n) and remote.stat((root / n).url) is not None]
+    templates = [] if listed is None or TEMPLATES not in listed else remote.listdir((root / TEMPLATES).url) or []
+    names += [f"{TEMPLATES}/{n}" for n in templates if _TEMPLATE.fullmatch(f"{TEMPLATES}/{n}")]
+    written = []
+    for f in names:
+        data = remote.read_small((root / f).url)  # None: not a file (a folder of that name, say)
         if data is not None:
+            (dest / f).parent.mkdir(exist_ok=True)
             (dest / f).write_bytes(data)
-            names.append(f)
-    configs = {n: (dest / n).read_bytes() for n in _AUTO_MAP_IN if n in names}
-    code = code_names(configs)
-    for f in remote.side_names(root, tuple(code)):  # those it has, as for a local base
-        data = remote.read_small((root / f).url)
-        if data is not None:
-            (dest / f).write_bytes(data)
-            names.append(f)
-    return sorted(names)
+            written.append(f)
+    configs = {n: (dest / n).read_bytes() for n in _AUTO_MAP_IN if n in written}
+    for f, data in _with_imports(code_names(configs), lambda n: remote.read_small((root / n).url)).items():
+        (dest / f).write_bytes(data)
+        written.append(f)
+    return sorted(written)

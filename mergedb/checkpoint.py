@@ -370,7 +370,15 @@ class PlanInputs:
                 raise ChangedFileError(
                     f"{src.name} is gone from {src.path}, where its plan or manifest found it: restore it there"
                 )
-            ckpt = open_checkpoint(src.path, name=src.name)
+            try:
+                ckpt = open_checkpoint(src.path, name=src.name)
+            except FormatError as e:
+                if not remote.is_url(src.path):
+                    raise
+                raise ChangedFileError(  # not registration's "point at a model folder": it was one
+                    f"{src.name} is no longer readable at {src.path}, where its plan or manifest found it ({e}); "
+                    "restore it there, or register it where it is now with `mergedb register --refresh`"
+                ) from None
             if ckpt.fingerprint != src.fingerprint:
                 raise ChangedFileError(
                     f"{src.name} ({src.path}) changed since it was registered (its files' sizes, times or headers); "

@@ -230,7 +230,7 @@ def listdir(url: str, folders: bool = False) -> list[str] | None:
     names = {
         posixpath.basename(str(e["name"]).rstrip("/")) for e in entries if not folders or e.get("type") == "directory"
     }
-    return sorted(names - {""})
+    return sorted(names - {"", ".", ".."})  # an object store may hold keys named so: never entries
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

@@ -605,6 +605,32 @@ def test_a_listed_remote_base_gives_the_side_files_a_local_one_gives(tmp_path):
     assert code <= set(_side_tree(tmp_path / "h")) and not (want - code) & set(_side_tree(tmp_path / "h"))
 
 
+def test_a_remote_expert_gone_at_execution_is_named_as_gone(tmp_path):
+    """A remote object deleted between plan and execute was refused with registration's message
+    ("no model.safetensors … there; point at a model folder"), which misleads: it was one. And keys
+    named '.' or '..' under a prefix are no experts."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=4)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([f"file://{fam}"], base_model="base", block_size=BLOCK)
+    xp = cat.execution_plan(cat.plan(PlanRequest("base", None, "linear", "all")).plan_id)
+    (fam / "expert_01" / "model.safetensors").unlink()
+    with pytest.raises(ChangedFileError, match=r"expert_01 is no longer readable at file://.*restore it there"):
+        executor.execute(xp, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_keys_named_dot_or_dot_dot_are_no_entries(s3, tmp_path):
+    """An object store holds keys like fam/../model.safetensors literally: listed, they became
+    experts named '.' and '..' (remote review helper)."""
+    client, _, _ = s3
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=4)
+    _upload(client, fam, "fam")
+    weights = (fam / "expert_00" / "model.safetensors").read_bytes()
+    for key in ("fam/../model.safetensors", "fam/./model.safetensors"):
+        client.put_object(Bucket="models", Key=key, Body=weights)
+    assert remote.listdir("s3://models/fam") == ["base", "expert_00"]
+
+
 def test_bench_remote_quick_runs(tmp_path):
     """The remote benchmark cannot rot: --quick at tiny size, and its RESULTS section renders."""
     root = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,20 +35,28 @@ PREFETCH_CHUNK = 8 * 2**20
 FD_MARGIN = 64  # file descriptors left free besides the inputs' (DuckDB, the output, the pool)
 
 
-def declare_merge(xp: ExecutionPlan, inputs: PlanInputs) -> None:
-    """Declare every read a merge of `xp` makes through `inputs` (nothing to do when all are local)."""
+def declare_merge(xp: ExecutionPlan, inputs: PlanInputs, tensors: Collection[int] | None = None) -> None:
+    """Declare every read a merge of `xp` (of its `tensors` only, when given) makes through `inputs`
+    (nothing to do when all are local)."""
     if inputs.sources.any_remote:
-        declare(merge_reads(xp, inputs))
+        declare(merge_reads(xp, inputs, tensors=tensors))
 
 
 def merge_reads(
-    xp: ExecutionPlan, inputs: PlanInputs, sel: dict[int, dict[int, list[tuple[int, str]]]] | None = None
+    xp: ExecutionPlan,
+    inputs: PlanInputs,
+    sel: dict[int, dict[int, list[tuple[int, str]]]] | None = None,
+    tensors: Collection[int] | None = None,
 ) -> Iterator[tuple[LocalFile | RemoteFile, int, int, int]]:
-    """(source, offset, length, 1) of each read of the merge, in order: per tensor, the base's
-    whole tensor, then each selected block's experts in plan order. `sel`: xp.selected(), or the
-    part of it for the first tensors when only the first reads are wanted (Prefetch)."""
+    """(source, offset, length, 1) of each read of the merge, in order: per tensor (of `tensors`
+    only, when given), the base's whole tensor, then each selected block's experts in plan order.
+    `sel`: xp.selected(), or the part of it for the first tensors when only the first reads are
+    wanted (Prefetch)."""
     sel = xp.selected() if sel is None else sel
+    only = None if tensors is None else frozenset(tensors)
     for ti, t in enumerate(xp.tensors):
+        if only is not None and ti not in only:
+            continue
         src, info, _ = inputs.where[0][t.name]
         yield src, info.start, info.nbytes, 1
         if not t.mergeable:

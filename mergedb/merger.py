@@ -28,7 +28,7 @@ import collections
 import os
 import random
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +126,10 @@ class Merger:
         unit_order_seed: int | None = None,
         read_block: ReadBlock | None = None,
         fold_block: FoldBlock | None = None,
+        tensors: Collection[int] | None = None,
     ) -> None:
+        """`tensors`: the only tensors this merger will merge (a Ray task's shard), so that only
+        their reads are declared to remote sources (fetched ahead); None: every tensor of `xp`."""
         # a server may answer a range with other bytes (fsspec does not check Content-Range): blocks
         # read from a URL are always checked against their registered hashes, as --verify does
         verify = verify or any(is_url(s.path) for s in (xp.base, *xp.experts))
@@ -160,7 +163,7 @@ class Merger:
         plain = xp.method != "model_stock" and self.lora is None and not verify
         remote = any(src.remote for where in self.inputs.where for src, _, _ in where.values())
         self.spans = self.fused and plain and not remote and read_block is None and fold_block is None
-        fetchplan.declare_merge(xp, self.inputs)
+        fetchplan.declare_merge(xp, self.inputs, tensors)
         self.count = Counters()
         self._lock = threading.Lock()
         self.compute = ThreadPoolExecutor(self.threads, thread_name_prefix="mergedb-merge")

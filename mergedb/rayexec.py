@@ -145,7 +145,7 @@ def _shard_task(
     first and renamed when complete."""
     phys0 = physical_read_bytes()
     part = Path(tmp) / f".{name}{PART}{uuid.uuid4().hex[:8]}"
-    merger = Merger(xp, dtype, verify, threads)
+    merger = Merger(xp, dtype, verify, threads, tensors=group)  # fetches ahead only what the shard reads
     remote = merger.inputs.sources.any_remote  # asked before close(), which forgets the opened files
     try:
         hashes, written = write_shard(merger, xp, group, part, dtype, (lambda _: fault(name)) if fault else None)

@@ -274,7 +274,8 @@ def test_readme_ray_example_runs(tmp_path, monkeypatch):
 def test_ray_over_http_records_the_bytes_fetched(tmp_path):
     """Each Ray task asked whether its inputs were remote after closing them (always no), so a Ray run
     over URLs recorded no run.remote_bytes_fetched; the same run without Ray did."""
-    from tests.test_remote import RangeServer
+    from mergedb.sources import RemoteOptions
+    from tests.test_remote import RangeServer, _data_start
 
     folder = synth.make_family(tmp_path / "family", experts=2, size="tiny", seed=21)
     server = RangeServer(folder)
@@ -283,8 +284,16 @@ def test_ray_over_http_records_the_bytes_fetched(tmp_path):
         cat.register([f"{server.url}/base"], base=True, block_size="64KiB")
         cat.register([f"{server.url}/expert_00", f"{server.url}/expert_01"], base_model="base")
         xp = cat.execution_plan(cat.plan(PlanRequest("base", None, "task_arithmetic", "50%")).plan_id)
+        server.log.clear()  # registration read the base twice
         executor.execute(xp, tmp_path / "ray", max_shard_size=SHARD, write_shards=rayexec.shard_writer())
     finally:
         server.close()
     run = json.loads((tmp_path / "ray" / MANIFEST).read_text())["run"]
     assert run["remote_bytes_fetched"] >= run["expert_bytes_logical"] + run["base_bytes"] > 0
+    # each task fetched ahead the base requests of its own tensors only: before, every task declared
+    # the whole base, and its 16 MiB requests and read-ahead fetched the base ~4× in all (remote review)
+    base = folder / "base" / "model.safetensors"
+    start = _data_start(base)
+    served = sum(e.body for e in server.log if e.path == "base/model.safetensors" and e.start >= start)
+    tasks = len(_shards(tmp_path / "ray"))
+    assert tasks > 2 and served <= base.stat().st_size - start + tasks * RemoteOptions().gap_bytes

@@ -624,11 +624,11 @@ def test_keys_named_dot_or_dot_dot_are_no_entries(s3, tmp_path):
     experts named '.' and '..' (remote review helper)."""
     client, _, _ = s3
     fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=4)
-    _upload(client, fam, "fam")
+    _upload(client, fam, "dots")  # a prefix of its own: moto's in-process servers share their buckets
     weights = (fam / "expert_00" / "model.safetensors").read_bytes()
-    for key in ("fam/../model.safetensors", "fam/./model.safetensors"):
+    for key in ("dots/../model.safetensors", "dots/./model.safetensors"):
         client.put_object(Bucket="models", Key=key, Body=weights)
-    assert remote.listdir("s3://models/fam") == ["base", "expert_00"]
+    assert remote.listdir("s3://models/dots") == ["base", "expert_00"]
 
 
 def test_bench_remote_quick_runs(tmp_path):

@@ -39,7 +39,7 @@ def declare_merge(xp: ExecutionPlan, inputs: PlanInputs, tensors: Collection[int
     """Declare every read a merge of `xp` (of its `tensors` only, when given) makes through `inputs`
     (nothing to do when all are local)."""
     if inputs.sources.any_remote:
-        declare(merge_reads(xp, inputs, tensors=tensors))
+        declare(merge_reads(xp, inputs, tensors=tensors), concurrent=True)
 
 
 def merge_reads(

@@ -28,6 +28,8 @@ from .errors import MergeDBError
 from .tensorfile import pread_into
 from .units import parse_size
 
+MIN_SPAN = 2**20  # a concurrent read's request spans at least this much: below, latency rules, not memory
+
 
 @dataclass(frozen=True)
 class RemoteOptions:
@@ -111,9 +113,11 @@ class RemoteFile:
         self.at: dict[tuple[int, int], _Chunk] = {}  # declared (offset, length) -> its chunk
         self.lock = threading.Lock()
 
-    def expect(self, reads: Iterable[tuple[int, int, int]]) -> None:
-        """Declare reads (offset, length, times read) in the order they will be asked for."""
+    def expect(self, reads: Iterable[tuple[int, int, int]], span: int | None = None) -> None:
+        """Declare reads (offset, length, times read) in the order they will be asked for, coalesced
+        into requests spanning at most `span` bytes (default: max_request_bytes)."""
         opt = self.group.options
+        span = opt.max_request_bytes if span is None else span
         cur = self.chunks[-1] if self.chunks else None
         for off, n, times in reads:
             if n <= 0 or times <= 0:
@@ -122,11 +126,9 @@ class RemoteFile:
             if known is not None:
                 known.left += times
                 continue
-            if n > opt.max_request_bytes:  # read directly, in pieces
+            if n > span:  # read directly, in pieces
                 continue
-            if cur is None or not (
-                cur.hi <= off <= cur.hi + opt.gap_bytes and off + n - cur.lo <= opt.max_request_bytes
-            ):
+            if cur is None or not (cur.hi <= off <= cur.hi + opt.gap_bytes and off + n - cur.lo <= span):
                 cur = _Chunk(off, off + n, len(self.chunks))
                 self.chunks.append(cur)
             cur.hi = max(cur.hi, off + n)
@@ -283,12 +285,18 @@ class Sources:
         self.opened.clear()
 
 
-def declare(reads: Iterable[tuple[LocalFile | RemoteFile, int, int, int]]) -> None:
+def declare(reads: Iterable[tuple[LocalFile | RemoteFile, int, int, int]], concurrent: bool = False) -> None:
     """Declare (source, offset, length, times) reads, in the order they will be made, to their
-    remote sources (local ones ignore them)."""
+    remote sources (local ones ignore them). `concurrent`: the reads go to every file at once, as a
+    merge's do, and each file's current request is kept until its last declared read, which no
+    prefetch bound limits: so with many files a request spans at most prefetch_bytes / files (not
+    under MIN_SPAN), and K experts' requests in progress hold about prefetch_bytes, not K ×
+    max_request_bytes (16 GB for 1,000 experts)."""
     by_source: dict[int, tuple[RemoteFile, list[tuple[int, int, int]]]] = {}
     for src, off, n, times in reads:
         if isinstance(src, RemoteFile):
             by_source.setdefault(id(src), (src, []))[1].append((off, n, times))
     for src, rs in by_source.values():
-        src.expect(rs)
+        opt = src.group.options
+        share = max(MIN_SPAN, opt.prefetch_bytes // len(by_source)) if concurrent else opt.max_request_bytes
+        src.expect(rs, min(opt.max_request_bytes, share))

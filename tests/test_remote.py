@@ -466,6 +466,27 @@ def test_coalescing_merges_close_ranges_and_counts_bytes(tmp_path):
     group.close()
 
 
+def test_a_merge_of_many_files_spans_its_requests_within_the_prefetch_bound(tmp_path):
+    """A merge reads every file at once and holds each file's current request until its last read,
+    whatever the prefetch bound (remote review helper: ~31 MiB per expert file, 16 GB for 1,000
+    experts). Declared as concurrent, a request of F files spans at most prefetch_bytes / F (not
+    under MIN_SPAN); a scan's declarations (one file at a time) keep max_request_bytes."""
+    from mergedb.sources import MIN_SPAN, RemoteOptions, Sources, declare
+
+    assert MIN_SPAN == 2**20
+
+    opt = RemoteOptions(max_request_bytes=16 * 2**20, prefetch_bytes=32 * 2**20)
+    for files, concurrent, most in ((64, True, 2**20), (8, True, 4 * 2**20), (64, False, 16 * 2**20)):
+        group = Sources(opt)
+        srcs = [group.open(f"file://{tmp_path}/f{i}.bin") for i in range(files)]
+        # each file: 24 MiB of 64 KiB blocks, back to back (a tensor read whole)
+        declare(((s, o, 2**16, 1) for s in srcs for o in range(0, 24 * 2**20, 2**16)), concurrent=concurrent)
+        spans = [c.hi - c.lo for s in srcs for c in s.chunks]
+        assert max(spans) == most  # by hand: 32 MiB / 64 under MIN_SPAN; 32 MiB / 8; a scan's 16 MiB
+        assert sum(spans) == files * 24 * 2**20  # every byte declared, in whole requests
+        group.close()
+
+
 def test_urls_with_credentials_are_refused(tmp_path):
     cat = Catalog(tmp_path / "c.duckdb")
     for url in (

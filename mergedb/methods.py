@@ -30,6 +30,10 @@ class Method:
     score: str  # planner value of a block: "norm" = |c|·‖Δ‖ ; "trimmed" = |c|·‖Δ surviving the trim‖
     linear: bool  # merged update = Σ c_k Δ_k with fixed c_k: the omitted-norm bound and estimate hold
     defaults: dict[str, Any]
+    # what the planner selects: "block" (each (expert, block) on its own) or "tensor" (every expert's
+    # every non-free block of a tensor, or none of it: a scale that needs the whole tensor's dots, as
+    # model_stock's t does, is then exact wherever it is applied; tensorunit.py)
+    unit: str = "block"
 
     @property
     def draws(self) -> bool:

@@ -191,12 +191,15 @@ def plan_hash(
     trims: pa.Table,
     mask: str,
     tensor_params: pa.Table | None,
+    unit: str = "block",
 ) -> str:
     """A plan's identity: sha256 of what it merges and how. Its method, parameters, seed, budget and
     strategy (None: left out, as plans made before schema 004 were hashed); the base's and each
     expert's (fingerprint, content) as planned, with the weights; its thresholds (checkpoint_id,
     tensor_idx, t_lo, t_hi, exact, by checkpoint and tensor); its mask (manifest.mask_digest);
-    per-tensor values where it has them. The planner makes it, and `refuse_altered` makes it again
+    per-tensor values where it has them; its unit of selection when it is not the block (methods.Method.
+    unit: model_stock's plans by whole tensors since 2026-12-02; its older plans, per block, keep the hash
+    they had). The planner makes it, and `refuse_altered` makes it again
     from the stored rows before a plan is executed."""
     description = {
         "method": method,
@@ -211,6 +214,8 @@ def plan_hash(
     }
     if tensor_params is not None:  # plans with per-expert values keep the hash they always had
         description["tensor_params"] = hashlib.sha256(_canonical_table(tensor_params)).hexdigest()
+    if unit != "block":
+        description["unit"] = unit
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
 
@@ -239,10 +244,14 @@ def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
         weighed.append([(fp, ch, int(w) if float(w).is_integer() else w) for fp, ch, w in experts])
     # plans made before schema 004 (every one 'ranked', its default) did not hash their strategy
     strategies = [strategy, None] if strategy == "ranked" else [strategy]
+    # a method planned by whole tensors (model_stock) was planned per block before 2026-12-02
+    method = methods.METHODS.get(xp.method)
+    units = [method.unit, "block"] if method is not None and method.unit != "block" else ["block"]
     base = (base_fp, base_content)
     if not any(  # lazily: the first (today's) description is the usual match
-        plan_hash(xp.method, xp.params, xp.seed, xp.budget_bytes, s, base, ws, trims, mask, xp.tensor_params)
+        plan_hash(xp.method, xp.params, xp.seed, xp.budget_bytes, s, base, ws, trims, mask, xp.tensor_params, u)
         == xp.plan_hash
+        for u in units
         for ws in weighed
         for s in strategies
     ):

@@ -71,6 +71,11 @@ def check(value_model: str, min_coverage: float | None, method: methods.Method, 
             raise PlanError(f"min_coverage must be a number from 0 to 1, got {min_coverage!r}; e.g. --min-coverage 0.1")
         if not 0 <= min_coverage <= 1:
             raise PlanError(f"min_coverage must be from 0 to 1, got {min_coverage}; e.g. --min-coverage 0.1")
+    if min_coverage and method.unit == "tensor":
+        raise PlanError(
+            f"--min-coverage covers each expert's blocks, but {method.name} plans whole tensors (every expert's "
+            "blocks of a tensor, or none); leave --min-coverage out"
+        )
 
 
 def with_consensus_value(c: greedy.Candidates, values: np.ndarray) -> greedy.Candidates:

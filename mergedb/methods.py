@@ -67,7 +67,7 @@ METHODS: dict[str, Method] = {
             {"density": 0.7, "epsilon": 0.15, "lambda": 1.0, "normalize": True},
         ),
         Method("della_linear", "della", False, "norm", False, {"density": 0.7, "epsilon": 0.15, "lambda": 1.0}),
-        Method("model_stock", "none", False, "norm", False, {}),
+        Method("model_stock", "none", False, "norm", False, {}, unit="tensor"),
         # θ₀ scaled by s0 + s1 plus s1·Δ, with s0, s1 fixed per tensor by the catalog (see slerp_coefficients)
         Method("slerp", "none", False, "norm", True, {"t": None}),
     ]

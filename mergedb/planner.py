@@ -17,7 +17,19 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import accessrules, bounds, candidates, consensus, deviation, greedy, methods, plans, planstats, tensorparams
+from . import (
+    accessrules,
+    bounds,
+    candidates,
+    consensus,
+    deviation,
+    greedy,
+    methods,
+    plans,
+    planstats,
+    tensorparams,
+    tensorunit,
+)
 from .arrowcols import column
 from .errors import PlanError, PlanExistsError
 from .plans import validate_plan_name
@@ -255,7 +267,15 @@ def _select(
     budget = parse_budget(req.budget, int(cands.nbytes.sum()))
     if req.min_coverage:  # accessrules.py: forced blocks first, refused if they do not fit
         cands = accessrules.with_coverage(cands, len(inp.ids), float(req.min_coverage), budget)
-    sel, passes = greedy.select(cands, budget, MAX_FILL_PASSES)
+    drop = bool(req.allow_nonfinite and inp.nonfinite)
+    unit_value = None  # tensorunit.py: whole tensors, valued by their estimated full update
+    if inp.method.unit == "tensor":
+        if req.strategy == "ranked" and not reads_everything(req.budget):
+            unit_value = tensorunit.updates(con, inp.ids, fam, drop)
+        sqrt_size = req.value_model == "norm-sqrt"
+        sel, passes = tensorunit.select(cands, budget, fam.first_block, unit_value, sqrt_size, MAX_FILL_PASSES)
+    else:
+        sel, passes = greedy.select(cands, budget, MAX_FILL_PASSES)
     bits = greedy.bit_strings(cands, sel, len(inp.ids), fam.first_block)
     digest = greedy.bits_digest_later(bits[2], fam.first_block)  # large plans: hashed beside what follows
     k = len(inp.ids)
@@ -273,9 +293,8 @@ def _select(
     want_estimate = req.estimate if req.estimate is not None else by_default
     est = None
     if want_estimate:  # deviation.py: every method, by the kind deviation.kind names
-        drop = bool(req.allow_nonfinite and inp.nonfinite)
         v = inp.values
-        est = deviation.estimate(con, inp.method, v, inp.params, inp.ids, trims, fam, cands, sel, drop)
+        est = deviation.estimate(con, inp.method, v, inp.params, inp.ids, trims, fam, cands, sel, drop, unit_value)
     return _Selection(
         budget=budget,
         fam=fam,
@@ -392,6 +411,7 @@ def _store(
         sel.trims,
         sel.mask_digest(),  # the digest thread has run beside the inserts above
         per_tensor,
+        inp.method.unit,
     )
     n_candidates = int(sel.cands.score.size)
     _insert(  # last, so that planning_seconds counts every step

@@ -48,43 +48,52 @@ import numpy as np
 from . import bounds, candidates, greedy
 
 KIND = "omitted tensors, sketched"  # plans.est_kind of a tensor-unit plan's estimate
+CHUNK_BYTES = 64 * 2**20  # updates(): blocks × K × sketch dimension float64 at a time
 
 
 def updates(con: duckdb.DuckDBPyConnection, ids: tuple[int, ...], fam: bounds.FamilyBlocks, drop: bool) -> np.ndarray:
     """(T,) float64 estimated ‖u_t‖ of each tensor's full model_stock update (module note); `drop`:
-    leave NaN/Inf blocks out (--allow-nonfinite)."""
-    k, n_blocks = len(ids), int(fam.first_block[-1])
+    leave NaN/Inf blocks out (--allow-nonfinite). One tensor at a time, its blocks' sketches in
+    chunks of at most CHUNK_BYTES: memory does not grow with the model's blocks × K."""
+    k = len(ids)
     t = con.sql(
         candidates.positions(2) + candidates.statement("plan_stock_sketches"),
         params=[drop, [int(i) for i in ids], list(range(k))],
     ).to_arrow_table()
-    gblock = fam.first_block[t.column("tensor_idx").to_numpy().astype(np.int64)] + t.column("block_idx").to_numpy()
-    pos = t.column("position").to_numpy().astype(np.int64)
+    tix = t.column("tensor_idx").to_numpy().astype(np.int64)
+    bix = t.column("block_idx").to_numpy().astype(np.int64)
+    order = np.lexsort((t.column("position").to_numpy(), bix, tix))  # by tensor, block, expert
+    tix, bix = tix[order], bix[order]
+    pos = t.column("position").to_numpy().astype(np.int64)[order]
+    nsq = t.column("delta_norm").to_numpy()[order] ** 2  # (N,) ‖Δ_kb‖² of each changed (expert, block)
     dim = len(t.column("sketch")[0]) if t.num_rows else 1
-    sk = t.column("sketch").combine_chunks().flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
-    dense = np.zeros((n_blocks, k, dim))  # (B, K, D) float64 each block's sketches; 0 where unchanged
-    dense[gblock, pos] = sk
-    nsq = np.zeros((n_blocks, k))  # (B, K) ‖Δ_kb‖²
-    nsq[gblock, pos] = t.column("delta_norm").to_numpy() ** 2
-    starts = fam.first_block[:-1]
-    has = np.diff(fam.first_block) > 0  # reduceat of an empty tensor would repeat the next one's row
-    gram = np.zeros((starts.size, k, k))  # (T, K, K) sketched ⟨Δ_j, Δ_k⟩ per tensor
-    n2 = np.zeros((starts.size, k))  # (T, K) exact ‖Δ_k‖²
-    if n_blocks:
-        gram[has] = np.add.reduceat(np.einsum("bjd,bkd->bjk", dense, dense), starts[has], axis=0)
-        n2[has] = np.add.reduceat(nsq, starts[has], axis=0)
-    eye = np.eye(k, dtype=bool)
-    gram[:, eye] = n2  # the diagonal is known exactly
-    den = np.sqrt(n2[:, :, None] * n2[:, None, :])
-    cos = np.where(den > 0, gram / np.where(den > 0, den, 1.0), 0.0)
+    sk = t.column("sketch").combine_chunks().flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)[order]
+    n_tensors = fam.first_block.size - 1
     pairs = max(k * (k - 1) // 2, 1)
-    c = (cos.sum(axis=(1, 2)) - np.trace(cos, axis1=1, axis2=2)) / 2 / pairs  # (T,) mean pairwise cosine
-    total = np.maximum(gram.sum(axis=(1, 2)), 0.0)  # ‖Σ_k Δ_k‖²
-    tensor_of = np.repeat(np.arange(starts.size), np.diff(fam.first_block))
-    a = nsq / np.where(n2 > 0, n2, 1.0)[tensor_of]  # (B, K) ‖Δ_kb‖² / ‖Δ_k‖²
-    var = np.zeros(starts.size)
-    if n_blocks:
-        var[has] = np.add.reduceat((a.sum(1) ** 2 - (a**2).sum(1)) / 2, starts[has]) / dim / pairs**2
+    c, total, var = np.zeros(n_tensors), np.zeros(n_tensors), np.zeros(n_tensors)  # (T,) each
+    cut = np.searchsorted(tix, np.arange(n_tensors + 1))  # rows of tensor i: cut[i]:cut[i + 1]
+    per_chunk = max(1, CHUNK_BYTES // (k * dim * 8))  # blocks per (blocks, K, D) float64 chunk
+    for ti in np.flatnonzero(np.diff(cut)):
+        r0, r1 = int(cut[ti]), int(cut[ti + 1])
+        n2 = np.bincount(pos[r0:r1], weights=nsq[r0:r1], minlength=k)  # (K,) exact ‖Δ_k‖²
+        gram = np.zeros((k, k))  # sketched ⟨Δ_j, Δ_k⟩ over the tensor, summed chunk by chunk of its blocks
+        local = bix[r0:r1] - bix[r0]  # block numbers from the tensor's first changed block
+        chunk = local // per_chunk
+        edges = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), r1 - r0]
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            at = local[lo:hi] - local[lo]  # the chunk's blocks from its first
+            dense = np.zeros((int(at[-1]) + 1, k, dim))  # (blocks, K, D) float64; 0 where unchanged
+            dense[at, pos[r0 + lo : r0 + hi]] = sk[r0 + lo : r0 + hi]
+            gram += np.einsum("bjd,bkd->jk", dense, dense)
+        gram[np.eye(k, dtype=bool)] = n2  # the diagonal is known exactly
+        den = np.sqrt(n2[:, None] * n2[None, :])
+        cos = np.where(den > 0, gram / np.where(den > 0, den, 1.0), 0.0)
+        c[ti] = (cos.sum() - np.trace(cos)) / 2 / pairs  # mean pairwise cosine
+        total[ti] = max(gram.sum(), 0.0)  # ‖Σ_k Δ_k‖²
+        a = nsq[r0:r1] / np.where(n2 > 0, n2, 1.0)[pos[r0:r1]]  # ‖Δ_kb‖² / ‖Δ_k‖² per row
+        s1 = np.bincount(local, weights=a)  # per block: Σ_k a_kb
+        s2 = np.bincount(local, weights=a * a)
+        var[ti] = float(np.sum((s1**2 - s2) / 2)) / dim / pairs**2
     # shrink each ĉ toward the tensors' mean μ by its share of the spread (module note: empirical Bayes)
     live = total > 0  # tensors some expert changes
     mu = float(c[live].mean()) if live.any() else 0.0

@@ -166,3 +166,62 @@ def test_a_plan_hashed_per_block_still_verifies(fam):
     with cat.duckdb_connection(write=True) as con:
         con.execute("UPDATE plans SET plan_hash = ? WHERE plan_id = ?", [per_block, plan.plan_id])
     assert cat.execution_plan(plan.plan_id).plan_hash == per_block
+
+
+def test_tensor_updates_hold_a_chunk_of_blocks_not_the_whole_model(monkeypatch):
+    """tensorunit.updates summed the sketches' dots through a (blocks, K, D) array and a (blocks, K, K)
+    product over every block of the model at once (second-look review: 1 GB at K = 128 for 3,000
+    blocks, ~264 GB at K = 1,000 on a 70B layout). Now one tensor at a time in chunks of blocks:
+    the peak of Python-side allocations stays near the sketches' own bytes, and one tensor's value is
+    |t(c)|·‖Σ_k Δ_k‖/K from the dots summed in full (the textbook sum, here over random sketches)."""
+    import tracemalloc
+
+    import duckdb
+    import pyarrow as pa
+
+    from mergedb import bounds, tensorunit
+
+    k, n_blocks, dim = 48, 1500, 64
+    rng = np.random.default_rng(5)
+    sk = rng.standard_normal((n_blocks, k, dim)).astype(np.float32)
+    sk[rng.random((n_blocks, k)) < 0.2] = 0  # unchanged (expert, block): no row
+    norm = np.linalg.norm(sk.astype(np.float64), axis=2) * rng.uniform(0.8, 1.2, (n_blocks, k))
+    b_idx, pos = np.nonzero(norm * (np.abs(sk).sum(axis=2) > 0))
+    con = duckdb.connect()
+    rows = {
+        "checkpoint_id": pos.astype(np.int32) + 1,
+        "tensor_idx": np.zeros(b_idx.size, np.int32),
+        "block_idx": b_idx.astype(np.int32),
+        "identical": np.zeros(b_idx.size, bool),
+        "nonfinite": np.zeros(b_idx.size, np.int64),
+        "delta_norm": norm[b_idx, pos],
+    }
+    offsets = pa.array(np.arange(b_idx.size + 1, dtype=np.int32) * dim)
+    sketch = pa.ListArray.from_arrays(offsets, pa.array(sk[b_idx, pos].reshape(-1)))
+    con.register("frame", pa.table({**rows, "sketch": sketch}))
+    con.execute("CREATE TABLE expert_blocks AS SELECT * FROM frame")
+    con.unregister("frame")
+    fam = bounds.FamilyBlocks(
+        first_block=np.array([0, n_blocks]),
+        tensor_idx=np.zeros(n_blocks, np.int64),
+        nbytes=np.full(n_blocks, 4096, np.int64),
+        dtype=np.array(["F32"] * n_blocks, object),
+        base_norm=np.ones(n_blocks),
+        numel=np.full(n_blocks, 1024.0),
+        base_nonfinite=np.zeros(n_blocks),
+    )
+    monkeypatch.setattr(tensorunit, "CHUNK_BYTES", 2**20)
+    tracemalloc.start()
+    value = tensorunit.updates(con, tuple(range(1, k + 1)), fam, False)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    sketch_bytes = b_idx.size * dim * 4
+    assert peak < 1.5 * sketch_bytes + 8 * 2**20, (peak, sketch_bytes)  # the old arrays: ~8× the sketches
+    s = sk.astype(np.float64)
+    gram = np.einsum("bjd,bkd->jk", s, s)
+    n2 = (norm**2 * (np.abs(sk).sum(axis=2) > 0)).sum(axis=0)
+    gram[np.diag_indices(k)] = n2
+    cos = gram / np.sqrt(np.outer(n2, n2))
+    c = (cos.sum() - np.trace(cos)) / (k * (k - 1))
+    t = k * c / (1 + (k - 1) * c)  # one tensor: its ĉ is the model's mean, nothing to shrink
+    assert value[0] == pytest.approx(abs(t) * math.sqrt(gram.sum()) / k, rel=1e-9)

@@ -4,14 +4,17 @@ The scan (scan.py) runs (expert, tensor) units in a fixed order, each reading it
 block by block, and the first unit of each tensor reading the base's too. Remote sources are told
 every read up front (unit_reads, for sources.declare: coalesced requests fetched ahead); local
 files are asked of the kernel a few units ahead (ReadAhead: POSIX_FADV_WILLNEED), so a unit's first
-blocks are in the page cache when it starts instead of a disk round trip away.
+blocks are in the page cache when it starts instead of a disk round trip away. The units themselves
+go to the worker threads a bounded window ahead of the one whose result is taken (in_order).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -20,6 +23,8 @@ from .sources import LocalFile, RemoteFile
 
 Unit = tuple[int, FamilyTensor]  # (expert index, tensor)
 Read = tuple[LocalFile | RemoteFile, int, int]  # (source, offset, bytes)
+T = TypeVar("T")
+R = TypeVar("R")
 
 READ_AHEAD_BYTES = 256 * 2**20  # file bytes asked for beyond the unit that starts (page cache, not RSS)
 
@@ -82,3 +87,22 @@ def unit_reads(
             seen.add(ft.tensor_idx)
             bfi, bt = bwhere[ft.name]
             yield from ((bfiles.src[bfi], bt.start + b.byte_start, b.nbytes, 1) for b in ft.blocks)
+
+
+def in_order(pool: Executor, fn: Callable[[T], R], items: Iterable[T], window: int) -> Iterator[R]:
+    """pool.map(fn, items), with at most `window` items submitted and not yet yielded. Executor.map
+    submits every item at once: a Future (about 1 KB) per (expert, tensor) unit alive for the whole
+    scan, holding each finished unit's rows until the caller takes them, which grows with experts ×
+    tensors. Pending items are cancelled when the caller stops (an error, Ctrl-C)."""
+    todo = iter(items)
+    pending: deque[Future[R]] = deque(pool.submit(fn, x) for _, x in zip(range(window), todo))
+    try:
+        while pending:
+            result = pending.popleft().result()
+            for x in todo:  # one in for each one out
+                pending.append(pool.submit(fn, x))
+                break
+            yield result
+    finally:
+        for f in pending:
+            f.cancel()

@@ -9,13 +9,13 @@ plus, per worker, a float32 |Δ| buffer and a half-size exceptions buffer of the
 tensors in flight.
 Consecutive blocks of a tensor go through one compiled call (blockgroups.py), and a base registered
 with its experts is hashed by their scan (scan_family: its file is read once, not twice).
-Produces plain Python/numpy rows; register.py stores them.
+Its rows go to a Sink unit by unit as each ends, or are collected into ExpertStats.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +33,8 @@ from .tensorfile import TensorInfo
 from .units import BlockSizes, check_threads
 
 Progress = Callable[[int], None]
+# Takes rows of expert k, in any order and amount, as the scan makes them: sink(k, block_rows, tensor_rows)
+Sink = Callable[[int, list["BlockRow"], list["TensorRow"]], None]
 
 
 class BlockRow(NamedTuple):
@@ -266,10 +268,12 @@ def scan_experts(
     sketch_dim: int,
     threads: int,
     progress: Progress | None = None,
+    sink: Sink | None = None,
 ) -> list[ExpertStats]:
     """Read every expert (and the base blocks it needs) once; exact delta statistics per block and
-    tensor (_scan). `base_hashes`: the registered base's block hashes, by (tensor, block)."""
-    return _scan(base, experts, family, base_hashes, sketch_dim, threads, progress)[0]
+    tensor (_scan). `base_hashes`: the registered base's block hashes, by (tensor, block). With
+    `sink`, the rows go there as each unit ends, and the ExpertStats returned hold the content hash only."""
+    return _scan(base, experts, family, base_hashes, sketch_dim, threads, progress, sink)[0]
 
 
 def scan_family(
@@ -279,10 +283,11 @@ def scan_family(
     sketch_dim: int,
     threads: int,
     progress: Progress | None = None,
+    sink: Sink | None = None,
 ) -> tuple[BaseBlocks, list[ExpertStats]]:
     """hash_base and scan_experts in one pass for a base registered with its experts: the base is
     read once (the scan reads its blocks anyway), and its hashing runs on all cores with the rest."""
-    out, base_blocks = _scan(base, experts, family, None, sketch_dim, threads, progress)
+    out, base_blocks = _scan(base, experts, family, None, sketch_dim, threads, progress, sink)
     rows = [base_blocks[ft.tensor_idx, blk.block_idx] for ft in family for blk in ft.blocks]
     return BaseBlocks([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]), out
 
@@ -295,6 +300,7 @@ def _scan(
     sketch_dim: int,
     threads: int,
     progress: Progress | None = None,
+    sink: Sink | None = None,
 ) -> tuple[list[ExpertStats], dict[tuple[int, int], tuple[str, float | None, int | None]]]:
     """Read every expert (and the base blocks it needs) once; exact delta statistics per block and tensor.
 
@@ -305,8 +311,9 @@ def _scan(
     and the |Δ| and exceptions buffers of its tensor (per-thread scratch), so peak memory is
     `threads` × (largest tensor × 6 bytes + a few blocks) plus, per element of the tensors in
     flight, its sketch code (2 bytes) and its base bytes: flat in the number of experts. The base
-    is decoded again for each expert, inside the statistics pass (a shift per bf16 element). Rows come back in
-    (tensor, block) order per expert, whatever the thread count or the order units finish in.
+    is decoded again for each expert, inside the statistics pass (a shift per bf16 element). A unit's
+    rows go to `sink` as it ends, else into the ExpertStats returned, in (tensor, block) order per expert,
+    whatever the thread count or the order units finish in; only block hashes are kept (content_hash).
     `base_hashes` None: the base is being registered too; its blocks' hashes and statistics
     (hash_base's) are computed from the base blocks read here, and returned with the rows.
     """
@@ -410,34 +417,40 @@ def _scan(
     # expert reads each base group once anyway, into per-thread scratch (no whole tensor kept)
     many = len(experts) > 1
     shared = _Shared({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if many else None
-    done: dict[tuple[int, int], tuple[list[BlockRow], TensorRow | None, list[str]]] = {}
+    out = [ExpertStats() for _ in experts]
+    hashes_of: dict[tuple[int, int], bytes] = {}  # (expert, tensor) -> its block hashes, joined
     with _opened([base, *experts]) as (bfiles, *expert_files):
         if any(s.remote for f in (bfiles, *expert_files) for s in f.src):
             declare(readahead.unit_reads(units, bfiles, bwhere, expert_files, ewhere))
         ahead = readahead.ReadAhead(units, bfiles, bwhere, expert_files, ewhere)
+        put = sink or collect(out)
         with ThreadPoolExecutor(threads) as pool:
-            for (k, ft), result in zip(units, pool.map(one, units)):
-                done[k, ft.tensor_idx] = result
-    out = []
-    for k in range(len(experts)):
-        st = ExpertStats()
-        all_hashes: list[str] = []
-        for ft in family:
-            rows, trow, hashes = done.pop((k, ft.tensor_idx))
-            st.blocks.extend(rows)
-            if trow is not None:
-                st.tensors.append(trow)
-            all_hashes.extend(hashes)
-        st.content_hash = content_hash(all_hashes)
-        out.append(st)
+            for (k, ft), (rows, trow, hashes) in zip(units, readahead.in_order(pool, one, units, 8 * threads + 8)):
+                hashes_of[k, ft.tensor_idx] = "".join(hashes).encode()
+                put(k, rows, [] if trow is None else [trow])
+    for k, st in enumerate(out):
+        st.content_hash = content_hash(hashes_of.pop((k, ft.tensor_idx)) for ft in family)
+        st.blocks.sort(key=lambda r: (r.tensor_idx, r.block_idx))  # collected (stable: a unit's rows are in order)
+        st.tensors.sort(key=lambda r: r.tensor_idx)
     return out, computed
 
 
-def content_hash(block_hashes: list[str]) -> str:
-    """A checkpoint's content hash: xxh3-128 over its block hashes in (tensor, block) order."""
+def collect(out: list[ExpertStats]) -> Sink:
+    """A Sink that keeps the rows of expert k in out[k]."""
+
+    def sink(k: int, blocks: list[BlockRow], tensors: list[TensorRow]) -> None:
+        out[k].blocks.extend(blocks)
+        out[k].tensors.extend(tensors)
+
+    return sink
+
+
+def content_hash(block_hashes: Iterable[str | bytes]) -> str:
+    """A checkpoint's content hash: xxh3-128 over its block hashes (hex digits) in (tensor, block)
+    order; a piece may join several (xxh3's streaming digest does not depend on how input is cut)."""
     h = xxhash.xxh3_128()
     for hx in block_hashes:
-        h.update(hx.encode())
+        h.update(hx.encode() if isinstance(hx, str) else hx)
     return h.hexdigest()
 
 
@@ -452,19 +465,6 @@ def changed_row(tensor_idx: int, block_idx: int, chash: str, s: stats.BlockStats
 def _zero_row(tensor_idx: int, block_idx: int, chash: str, dim: int) -> BlockRow:
     empty_f = np.zeros(0, np.float32)
     return BlockRow(
-        tensor_idx,
-        block_idx,
-        True,
-        0.0,
-        0.0,
-        0,
-        0,
-        chash,
-        empty_f,
-        empty_f,
-        np.zeros(0, np.int64),
-        np.zeros(0),
-        np.zeros(0),
-        np.zeros(dim, np.float32),
-        0.0,
-    )
+        tensor_idx, block_idx, True, 0.0, 0.0, 0, 0, chash, empty_f, empty_f, np.zeros(0, np.int64), np.zeros(0),
+        np.zeros(0), np.zeros(dim, np.float32), 0.0,
+    )  # fmt: skip

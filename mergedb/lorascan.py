@@ -20,10 +20,10 @@ replacement rows) followed by the raw bytes of R; the merger's --verify recomput
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import pyarrow as pa
 import xxhash
 
 from . import scan, stats
@@ -31,6 +31,7 @@ from .checkpoint import Checkpoint
 from .layout import FamilyTensor, element_offset
 from .lora import Adapter
 from .loraread import AdapterFiles, delta_rows, read_fixed, read_rows
+from .readahead import in_order
 from .sources import RemoteOptions, Sources
 from .tensorfile import DTYPES, as_float32
 from .units import check_threads
@@ -44,6 +45,10 @@ class AdapterStats(scan.ExpertStats):
         super().__init__()
         self.read_bytes: dict[tuple[int, int], int] = {}
         self.fixed_bytes: dict[int, int] = {}
+
+
+# scan.Sink plus an adapter's costs, per row: sink(k, block_rows, tensor_rows, read_bytes, fixed_bytes)
+Sink = Callable[[int, list[scan.BlockRow], list[scan.TensorRow], list[int], list[int]], None]
 
 
 def block_hash(rows_raw: np.ndarray, fixed_raw: np.ndarray | None) -> str:
@@ -63,9 +68,12 @@ def scan_adapters(
     sketch_dim: int,
     threads: int,
     progress: scan.Progress | None = None,
+    sink: Sink | None = None,
 ) -> list[AdapterStats]:
     """Statistics of every adapter's delta, one (adapter, touched tensor) unit per worker thread;
-    rows in (tensor, block) order whatever the thread count."""
+    rows in (tensor, block) order whatever the thread count. With `sink`, the rows and costs go there
+    as each unit ends (and an untouched tensor's as the scan ends); the AdapterStats hold the content
+    hash only."""
     check_threads(threads)
     bwhere = {t.name: (fi, t) for fi, t in base.tensors}
     group = Sources(RemoteOptions.from_env())  # the base may be local or behind a URL (sources.py)
@@ -132,41 +140,47 @@ def scan_adapters(
         finally:
             shared.release(u[1].tensor_idx)  # the tensor's last unit drops its codes
 
+    out = [AdapterStats() for _ in adapters]
+    put = sink or _collect(out)
+    hashes_of: dict[tuple[int, int], bytes] = {}  # (adapter, tensor) -> its block hashes, joined
     try:
         with ThreadPoolExecutor(threads) as pool:
-            done = dict(zip(units, pool.map(run, units)))
+            for (k, ft), (rows, trow, hashes, costs, fixed) in zip(units, in_order(pool, run, units, 8 * threads + 8)):
+                hashes_of[k, ft.tensor_idx] = "".join(hashes).encode()
+                put(k, rows, [trow], [costs[r.tensor_idx, r.block_idx] for r in rows], [fixed])
     finally:
         group.close()
         for f in files:
             f.close()
-    out = []
-    for k in range(len(adapters)):
-        st = AdapterStats()
-        all_hashes: list[str] = []
+    for k, st in enumerate(out):
+        pieces: list[str | bytes] = []
         for ft in family:
-            if (k, ft) in done:
-                rows, trow, hashes, costs, fixed = done.pop((k, ft))
-                st.blocks.extend(rows)
-                st.tensors.append(trow)
-                all_hashes.extend(hashes)
-                st.read_bytes.update(costs)
-                st.fixed_bytes[ft.tensor_idx] = fixed
+            if (k, ft.tensor_idx) in hashes_of:
+                pieces.append(hashes_of.pop((k, ft.tensor_idx)))
                 continue
             hashes = [base_hashes[(ft.tensor_idx, b.block_idx)] for b in ft.blocks]
-            all_hashes.extend(hashes)
+            pieces += hashes
             if not ft.mergeable:
                 continue
-            for b, h in zip(ft.blocks, hashes):  # untouched: Δ = 0, never read
-                st.blocks.append(scan._zero_row(ft.tensor_idx, b.block_idx, h, sketch_dim))
-                st.read_bytes[(ft.tensor_idx, b.block_idx)] = 0
-            st.tensors.append(
-                scan.TensorRow(
-                    ft.tensor_idx, True, np.zeros(len(stats.DENSITY_GRID), np.float32), *stats.summary_bins(_zeros(ft))
-                )
-            )
-        st.content_hash = scan.content_hash(all_hashes)
-        out.append(st)
+            rows = [scan._zero_row(ft.tensor_idx, b.block_idx, h, sketch_dim) for b, h in zip(ft.blocks, hashes)]
+            zeros = np.zeros(len(stats.DENSITY_GRID), np.float32)
+            trow = scan.TensorRow(ft.tensor_idx, True, zeros, *stats.summary_bins(_zeros(ft)))
+            put(k, rows, [trow], [0] * len(rows), [0])  # untouched: Δ = 0, never read
+        st.content_hash = scan.content_hash(pieces)
+        st.blocks.sort(key=lambda r: (r.tensor_idx, r.block_idx))  # collected (stable: a unit's rows are in order)
+        st.tensors.sort(key=lambda r: r.tensor_idx)
     return out
+
+
+def _collect(out: list[AdapterStats]) -> Sink:
+    """A Sink that keeps the rows and costs of adapter k in out[k]."""
+
+    def sink(k: int, blocks: list, tensors: list, read_bytes: list[int], fixed_bytes: list[int]) -> None:
+        scan.collect(out)(k, blocks, tensors)  # type: ignore[arg-type]
+        out[k].read_bytes.update(((r.tensor_idx, r.block_idx), c) for r, c in zip(blocks, read_bytes))
+        out[k].fixed_bytes.update((r.tensor_idx, c) for r, c in zip(tensors, fixed_bytes))
+
+    return sink
 
 
 def block_values(
@@ -214,12 +228,3 @@ def bytes_to_read(ad: Adapter, family: list[FamilyTensor]) -> int:
     of the tensors it adapts (untouched tensors are never read)."""
     touched = _touched(ad)
     return sum(t.nbytes for _, t in ad.tensors) + sum(ft.nbytes for ft in family if ft.mergeable and ft.name in touched)
-
-
-def with_costs(st: AdapterStats, blocks: pa.Table, tensors: pa.Table) -> tuple[pa.Table, pa.Table]:
-    """The adapter's expert_blocks and expert_tensors rows (Arrow, schema/001 names) plus the
-    read_bytes and fixed_bytes columns of schema/009."""
-    keys = zip(blocks.column("tensor_idx").to_pylist(), blocks.column("block_idx").to_pylist())
-    blocks = blocks.append_column("read_bytes", pa.array([st.read_bytes[k] for k in keys], pa.int64()))
-    fixed = [st.fixed_bytes.get(t, 0) for t in tensors.column("tensor_idx").to_pylist()]
-    return blocks, tensors.append_column("fixed_bytes", pa.array(fixed, pa.int64()))

@@ -12,7 +12,8 @@ bytes and the manifest's deterministic part are the local executor's. A task tha
 the run: the other tasks are cancelled and waited for, then the temporary folder is removed.
 
 Registration: one Ray task per expert runs the local scan (scan.scan_experts) on that expert and
-returns its rows; the driver alone writes the catalog, in one transaction (register.py).
+returns its rows; the driver hands each expert's rows to the registration's sink as its task ends
+(staged on disk: staging.py) and alone writes the catalog, in one transaction (register.py).
 
 `address`: "local" starts a Ray instance in this process's machine for the call; "auto" joins
 the cluster this machine belongs to; anything else is passed to ray.init (e.g. "ray://head:10001"
@@ -309,7 +310,8 @@ def _absolute(c: Checkpoint) -> Checkpoint:
 
 def expert_scanner(address: str | None = None, *, threads_per_task: int = 1) -> Callable[..., list[Any]]:
     """A replacement for scan.scan_experts (same arguments and result) that scans each expert in
-    its own Ray task of `threads_per_task` CPUs; for register.register(scanner=...)."""
+    its own Ray task of `threads_per_task` CPUs; for register.register(scanner=...). With a `sink`, an
+    expert's rows go there as its task ends, so the driver holds one expert's rows at a time."""
     _ray()
 
     def scan_experts(
@@ -320,6 +322,7 @@ def expert_scanner(address: str | None = None, *, threads_per_task: int = 1) -> 
         sketch_dim: int,
         threads: int,
         progress: Callable[[int], None] | None = None,
+        sink: Callable[..., None] | None = None,
     ) -> list[Any]:
         with session(address) as ray:
             _check_cpus(ray, threads_per_task)
@@ -329,6 +332,9 @@ def expert_scanner(address: str | None = None, *, threads_per_task: int = 1) -> 
             refs = [task.remote(base_at, _absolute(e), fam, hashes, sketch_dim, threads_per_task) for e in experts]
             out: list[Any] = [None] * len(refs)
             for i, (stats, read) in _gather(ray, refs, lambda i: f"scanning {experts[i].name!r}", RETRIES):
+                if sink is not None:
+                    sink(i, stats.blocks, stats.tensors)
+                    stats.blocks, stats.tensors = [], []
                 out[i] = stats
                 if progress:
                     progress(read)

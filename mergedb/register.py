@@ -5,7 +5,8 @@ Two phases, so DuckDB's file lock is held only briefly: the files are read with 
 closed, then every row is written in one transaction (nothing is written if anything fails; a new
 catalog is made then, so a refused or failed first registration leaves no file behind).
 Rows cross from the scan as named records (`scan.BlockRow`, `scan.TensorRow`) and enter DuckDB
-as Arrow tables whose columns are named after the schema's (schema/001_catalog.sql).
+as Arrow tables whose columns are named after the schema's (schema/001_catalog.sql); the experts'
+statistic rows wait for the transaction on disk, not in memory (staging.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from urllib.parse import unquote
 import duckdb
 import pyarrow as pa
 
-from . import lora, lorascan, scan
+from . import lora, lorascan, scan, staging
 from .checkpoint import Checkpoint, discover, gone, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback
@@ -68,8 +69,9 @@ def register(
     use their base's, and a layout given for a base already registered with another one is
     refused (its experts' rows are per block: it cannot change in place).
     `threads` (default: the machine's cores) never changes a stored row.
-    `scanner` reads the experts instead of scan.scan_experts, with its arguments and result (e.g.
-    rayexec.expert_scanner: one Ray task per expert); the rows are written here all the same.
+    `scanner` reads the experts instead of scan.scan_experts, with its arguments (`sink` included:
+    rows given to it are staged at once) and result (e.g. rayexec.expert_scanner: one Ray task per
+    expert); the rows are written here all the same.
     """
     t0 = time.perf_counter()
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths  # one path, not its letters
@@ -220,116 +222,148 @@ def register(
             if progress:
                 progress(n)
 
-    # Phase 1: read the files (catalog closed). A base registered with its experts is hashed by
-    # their scan, which reads its blocks anyway (scan.scan_family): one read of it, not two.
-    fused = base_ckpt_name if todo_experts and not scanner and base_ckpt_name in {b.name for b in todo_bases} else None
-    families: dict[str, tuple[Checkpoint, list[FamilyTensor], list[str]]] = {}
-    for b in todo_bases:
-        fam = scan.layout(b, rule)
-        families[b.name] = (b, fam, [] if b.name == fused else scan.hash_base(b, fam, threads, tick))
-    results: list = []
-    if todo_experts or todo_adapters:  # one pool over every (expert, tensor): all cores busy to the end
-        assert base_ckpt_name is not None
-        if base_ckpt_name not in families:
-            here = next((c for c in bases if c.name == base_ckpt_name), None)  # maybe moved, or only retimed
-            retimed_base = any(c is here for c in retimed)  # its blocks were just hashed as registered
-            families[base_ckpt_name] = _load_family(cat, base_ckpt_name, not retimed_base, here)
-        b, fam, hashes = families[base_ckpt_name]
-        if fused is not None:
-            hashes, expert_stats = scan.scan_family(b, todo_experts, fam, dim, threads, tick)
-            families[base_ckpt_name] = (b, fam, hashes)
-            results += zip(todo_experts, expert_stats)
-        keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
-        if todo_experts and fused is None:
-            scan_experts = scanner or scan.scan_experts
-            results += zip(todo_experts, scan_experts(b, todo_experts, fam, keyed, dim, threads, tick))
-        if todo_adapters:
-            if on_total:
-                on_total(total + sum(lorascan.bytes_to_read(a, fam) for a in todo_adapters))
-            results += zip(todo_adapters, lorascan.scan_adapters(b, todo_adapters, fam, keyed, dim, threads, tick))
+    # The experts' rows go to a scratch file as the scan makes them (staging.py): held in memory
+    # they would grow with experts × blocks. It is freed on leaving, whatever ends the call.
+    stage = staging.Stage(cat.path.parent)
+    try:
+        # Phase 1: read the files (catalog closed). A base registered with its experts is hashed by
+        # their scan, which reads its blocks anyway (scan.scan_family): one read of it, not two.
+        fused = (
+            base_ckpt_name if todo_experts and not scanner and base_ckpt_name in {b.name for b in todo_bases} else None
+        )
+        families: dict[str, tuple[Checkpoint, list[FamilyTensor], list[str]]] = {}
+        for b in todo_bases:
+            fam = scan.layout(b, rule)
+            families[b.name] = (b, fam, [] if b.name == fused else scan.hash_base(b, fam, threads, tick))
+        results: list = []
 
-    # Phase 2: one transaction. Another process may have registered some of these meanwhile:
-    # identical ones are skipped, conflicting ones refused (nothing is written then).
-    done: list[str] = []
-    with cat.duckdb_connection(write=True, create=new) as con:
-        con.execute("BEGIN")
-        try:
-            now = {
-                r[0]: r
-                for r in con.execute(
-                    "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, vocab_block_size, "
-                    "vocab_block_rows, path, content_hash FROM checkpoints"
-                ).fetchall()
-            }
-            ids = {}
-            # a moved checkpoint is the same one where it is now: its rows and plans hold (a re-scan below rewrites it)
-            for c in moved:
-                if now[c.name][8] != existing[c.name][6]:
-                    raise CatalogError(f"{c.name!r} was registered again by another process meanwhile; run again")
-                con.execute(
-                    "UPDATE checkpoints SET path = ?, root = ? WHERE checkpoint_id = ?",
-                    [str(c.path.resolve()), str(c.root.resolve()), now[c.name][1]],
+        def to_stage(ckpts: list) -> Callable[..., None]:  # a scan's sink: expert k's rows, staged by name
+            return lambda k, *rows: stage.add(ckpts[k].name, *rows)
+
+        if todo_experts or todo_adapters:  # one pool over every (expert, tensor): all cores busy to the end
+            assert base_ckpt_name is not None
+            if base_ckpt_name not in families:
+                here = next((c for c in bases if c.name == base_ckpt_name), None)  # maybe moved, or only retimed
+                retimed_base = any(c is here for c in retimed)  # its blocks were just hashed as registered
+                families[base_ckpt_name] = _load_family(cat, base_ckpt_name, not retimed_base, here)
+            b, fam, hashes = families[base_ckpt_name]
+            if fused is not None:
+                hashes, expert_stats = scan.scan_family(
+                    b, todo_experts, fam, dim, threads, tick, to_stage(todo_experts)
                 )
-            for b in retimed:  # its stored fingerprint and file times only: its rows and its experts' hold
-                if now[b.name][4] != existing[b.name][4]:
-                    raise CatalogError(f"base {b.name!r} was registered again by another process meanwhile; run again")
-                con.execute(
-                    "UPDATE checkpoints SET fingerprint = ? WHERE checkpoint_id = ?", [b.fingerprint, now[b.name][1]]
-                )
-                for f in b.files:
+                families[base_ckpt_name] = (b, fam, hashes)
+                results += zip(todo_experts, expert_stats)
+            keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
+            if todo_experts and fused is None:
+                scan_experts = scanner or scan.scan_experts
+                got = scan_experts(b, todo_experts, fam, keyed, dim, threads, tick, sink=to_stage(todo_experts))
+                results += zip(todo_experts, got)
+            if todo_adapters:
+                if on_total:
+                    on_total(total + sum(lorascan.bytes_to_read(a, fam) for a in todo_adapters))
+                sink = to_stage(todo_adapters)
+                adapted = lorascan.scan_adapters(b, todo_adapters, fam, keyed, dim, threads, tick, sink)
+                results += zip(todo_adapters, adapted)
+        for e, st in results:  # a scanner that returns its rows instead of giving them to the sink
+            if st.blocks or st.tensors:
+                stage.add(e.name, st.blocks, st.tensors)
+                st.blocks, st.tensors = [], []
+        stage.finish()  # before the catalog is opened: a full disk is refused with nothing written
+
+        # Phase 2: one transaction. Another process may have registered some of these meanwhile:
+        # identical ones are skipped, conflicting ones refused (nothing is written then).
+        done: list[str] = []
+        with cat.duckdb_connection(write=True, create=new) as con:
+            con.execute("BEGIN")
+            try:
+                now = {
+                    r[0]: r
+                    for r in con.execute(
+                        "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, vocab_block_size, "
+                        "vocab_block_rows, path, content_hash FROM checkpoints"
+                    ).fetchall()
+                }
+                ids = {}
+                # a moved checkpoint is the same one where it is now: its rows and plans hold (a re-scan
+                # below rewrites it)
+                for c in moved:
+                    if now[c.name][8] != existing[c.name][6]:
+                        raise CatalogError(f"{c.name!r} was registered again by another process meanwhile; run again")
                     con.execute(
-                        "UPDATE files SET mtime_ns = ? WHERE checkpoint_id = ? AND relpath = ?",
-                        [f.mtime_ns, now[b.name][1], f.relpath],
+                        "UPDATE checkpoints SET path = ?, root = ? WHERE checkpoint_id = ?",
+                        [str(c.path.resolve()), str(c.root.resolve()), now[c.name][1]],
                     )
-                done.append(b.name)
-            for b in todo_bases:
-                _, fam, hashes = families[b.name]
-                if b.name in now:
-                    if now[b.name][4] != b.fingerprint or now[b.name][5:8] != (rule.size, rule.vocab, rule.vocab_rows):
+                for b in retimed:  # its stored fingerprint and file times only: its rows and its experts' hold
+                    if now[b.name][4] != existing[b.name][4]:
                         raise CatalogError(
-                            f"base {b.name!r} was registered by another process meanwhile with other "
-                            "contents or block size; nothing was written: run the command again"
+                            f"base {b.name!r} was registered again by another process meanwhile; run again"
                         )
-                    ids[b.name] = now[b.name][1]
-                    unchanged.append(b.name)
-                    continue
-                ids[b.name] = _insert_checkpoint(con, b, "base", None, scan.content_hash(hashes), rule)
-                _insert_family(con, ids[b.name], fam, hashes)
-                done.append(b.name)
-            for e, st in results:
-                if base_ckpt_name in ids:
-                    base_id = ids[base_ckpt_name]
-                else:
-                    base_id = _one(con, "SELECT checkpoint_id FROM checkpoints WHERE name = ?", [base_ckpt_name])[0]
-                if e.name in now:
-                    row = now[e.name]
-                    if e.name not in existing or row[4] != existing[e.name][4]:  # someone else's write
-                        if row[4] == e.fingerprint and row[3] == base_id:
-                            unchanged.append(e.name)
-                            continue
-                        raise CatalogError(
-                            f"{e.name!r} was registered by another process meanwhile with other contents; "
-                            "nothing was written: run the command again"
+                    con.execute(
+                        "UPDATE checkpoints SET fingerprint = ? WHERE checkpoint_id = ?",
+                        [b.fingerprint, now[b.name][1]],
+                    )
+                    for f in b.files:
+                        con.execute(
+                            "UPDATE files SET mtime_ns = ? WHERE checkpoint_id = ? AND relpath = ?",
+                            [f.mtime_ns, now[b.name][1], f.relpath],
                         )
-                    if any(e is c for c in moved) and st.content_hash != row[9]:  # not the same model, moved
-                        raise CatalogError(
-                            f"{e.name!r} is registered from {existing[e.name][6]}, which is gone, but {e.path} holds "
-                            "other weights: it is another checkpoint, not that one moved; register it under another "
-                            "name with --name NEW (nothing was written)"
-                        )
-                    _delete_checkpoint(con, row[1])  # --refresh: same id, so old plans see the change
-                cid = _insert_checkpoint(
-                    con, e, "expert", base_id, st.content_hash, None, now[e.name][1] if e.name in now else None
-                )
-                _insert_stats(con, cid, st)
-                done.append(e.name)
-            con.execute("COMMIT")
-        except BaseException:
-            rollback(con)
-            if new:
-                cat.discard_if_empty(con)
-            raise
-    return RegisterResult(tuple(done), tuple(unchanged), read, time.perf_counter() - t0, tuple(c.name for c in moved))
+                    done.append(b.name)
+                for b in todo_bases:
+                    _, fam, hashes = families[b.name]
+                    if b.name in now:
+                        if now[b.name][4] != b.fingerprint or now[b.name][5:8] != (
+                            rule.size,
+                            rule.vocab,
+                            rule.vocab_rows,
+                        ):
+                            raise CatalogError(
+                                f"base {b.name!r} was registered by another process meanwhile with other "
+                                "contents or block size; nothing was written: run the command again"
+                            )
+                        ids[b.name] = now[b.name][1]
+                        unchanged.append(b.name)
+                        continue
+                    ids[b.name] = _insert_checkpoint(con, b, "base", None, scan.content_hash(hashes), rule)
+                    _insert_family(con, ids[b.name], fam, hashes)
+                    done.append(b.name)
+                for e, st in results:
+                    if base_ckpt_name in ids:
+                        base_id = ids[base_ckpt_name]
+                    else:
+                        base_id = _one(con, "SELECT checkpoint_id FROM checkpoints WHERE name = ?", [base_ckpt_name])[0]
+                    if e.name in now:
+                        row = now[e.name]
+                        if e.name not in existing or row[4] != existing[e.name][4]:  # someone else's write
+                            if row[4] == e.fingerprint and row[3] == base_id:
+                                unchanged.append(e.name)
+                                continue
+                            raise CatalogError(
+                                f"{e.name!r} was registered by another process meanwhile with other contents; "
+                                "nothing was written: run the command again"
+                            )
+                        if any(e is c for c in moved) and st.content_hash != row[9]:  # not the same model, moved
+                            raise CatalogError(
+                                f"{e.name!r} is registered from {existing[e.name][6]}, which is gone, but {e.path} "
+                                "holds other weights: it is another checkpoint, not that one moved; register it under "
+                                "another name with --name NEW (nothing was written)"
+                            )
+                        _delete_checkpoint(con, row[1])  # --refresh: same id, so old plans see the change
+                    cid = _insert_checkpoint(
+                        con, e, "expert", base_id, st.content_hash, None, now[e.name][1] if e.name in now else None
+                    )
+                    _insert_stats(con, cid, stage, e.name)
+                    done.append(e.name)
+                con.execute("COMMIT")
+            except BaseException:
+                rollback(con)
+                if new:
+                    cat.discard_if_empty(con)
+                raise
+        return RegisterResult(
+            tuple(done), tuple(unchanged), read, time.perf_counter() - t0, tuple(c.name for c in moved)
+        )
+    finally:
+        stage.close()
 
 
 def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> None:
@@ -545,49 +579,9 @@ def _insert_family(con: duckdb.DuckDBPyConnection, base_id: int, fam: list[Famil
     )
 
 
-# Arrow types of the scan's named rows, by field name (the columns of schema/001's tables).
-_BLOCK_TYPES = {
-    "tensor_idx": pa.int32(),
-    "block_idx": pa.int32(),
-    "identical": pa.bool_(),
-    "delta_norm": pa.float64(),
-    "max_abs": pa.float32(),
-    "nnz": pa.int64(),
-    "nonfinite": pa.int64(),
-    "content_hash": pa.string(),
-    "hist_lo": pa.list_(pa.float32()),
-    "hist_hi": pa.list_(pa.float32()),
-    "hist_count": pa.list_(pa.int64()),
-    "hist_sum": pa.list_(pa.float64()),
-    "hist_sumsq": pa.list_(pa.float64()),
-    "sketch": pa.list_(pa.float32()),
-    "base_dot": pa.float64(),
-}
-_TENSOR_TYPES = {
-    "tensor_idx": pa.int32(),
-    "identical": pa.bool_(),
-    "grid_threshold": pa.list_(pa.float32()),
-    "summary_code": pa.list_(pa.uint16()),
-    "summary_count": pa.list_(pa.int64()),
-}
-
-
-def _rows_table(cid: int, rows: Sequence[tuple], fields: tuple[str, ...], types: dict[str, pa.DataType]) -> pa.Table:
-    """Named rows of one checkpoint as an Arrow table with the schema's column names."""
-    cols = list(zip(*rows)) if rows else [() for _ in fields]
-    data = {"checkpoint_id": pa.array([cid] * len(rows), pa.int32())}
-    for name, values in zip(fields, cols):
-        data[name] = pa.array(list(values), types[name])
-    return pa.table(data)
-
-
-def _insert_stats(con: duckdb.DuckDBPyConnection, cid: int, st: scan.ExpertStats) -> None:
-    blocks = _rows_table(cid, st.blocks, scan.BlockRow._fields, _BLOCK_TYPES)
-    tensors = _rows_table(cid, st.tensors, scan.TensorRow._fields, _TENSOR_TYPES)
-    if isinstance(st, lorascan.AdapterStats):  # an adapter's read costs (schema/009)
-        blocks, tensors = lorascan.with_costs(st, blocks, tensors)
-    append_rows(con, "expert_blocks", blocks)
-    append_rows(con, "expert_tensors", tensors)
+def _insert_stats(con: duckdb.DuckDBPyConnection, cid: int, stage: staging.Stage, name: str) -> None:
+    """The staged expert_blocks and expert_tensors rows of expert `name` (an adapter's with its costs), as `cid`."""
+    stage.insert(con, name, cid)
 
 
 def _delete_checkpoint(con: duckdb.DuckDBPyConnection, cid: int) -> None:

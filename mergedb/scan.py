@@ -9,7 +9,7 @@ plus, per worker, a float32 |Δ| buffer and a half-size exceptions buffer of the
 tensors in flight.
 Consecutive blocks of a tensor go through one compiled call (blockgroups.py), and a base registered
 with its experts is hashed by their scan (scan_family: its file is read once, not twice).
-Its rows go to a Sink unit by unit as each ends, or are collected into ExpertStats.
+Its rows go to a Sink unit by unit as each ends (register.py stages them on disk: staging.py).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ is opened: nothing is written.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import threading
@@ -182,8 +183,14 @@ class Stage:
 
 
 def _failed(folder: Path, e: OSError) -> MergeDBError:
+    """The scratch file could not be made or written: the cause in the words faults.diagnose uses for
+    the catalog's own file, and the fix."""
+    why = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        cause, fix = f"its disk is full or a size limit was reached ({why})", "free space (or raise the limit)"
+    else:
+        cause, fix = why, "make that folder writable (or pass --catalog with a path in a writable folder)"
     return MergeDBError(
-        f"cannot keep the registration's rows in a scratch file in {folder} (the catalog's folder): "
-        f"{e.strerror or e}; nothing was written to the catalog. Free space there (or make it writable) "
-        "and run the command again"
+        f"cannot keep the registration's rows in a scratch file in {folder}, the catalog's folder: {cause}; "
+        f"nothing was written to the catalog: {fix} and run the command again"
     )

@@ -248,9 +248,8 @@ def register(
                 families[base_ckpt_name] = _load_family(cat, base_ckpt_name, not retimed_base, here)
             b, fam, hashes = families[base_ckpt_name]
             if fused is not None:
-                hashes, expert_stats = scan.scan_family(
-                    b, todo_experts, fam, dim, threads, tick, to_stage(todo_experts)
-                )
+                sink = to_stage(todo_experts)
+                hashes, expert_stats = scan.scan_family(b, todo_experts, fam, dim, threads, tick, sink)
                 families[base_ckpt_name] = (b, fam, hashes)
                 results += zip(todo_experts, expert_stats)
             keyed = {(blk.tensor_idx, blk.block_idx): h for blk, h in zip(_all_blocks(fam), hashes)}
@@ -311,11 +310,8 @@ def register(
                 for b in todo_bases:
                     _, fam, hashes = families[b.name]
                     if b.name in now:
-                        if now[b.name][4] != b.fingerprint or now[b.name][5:8] != (
-                            rule.size,
-                            rule.vocab,
-                            rule.vocab_rows,
-                        ):
+                        same_layout = now[b.name][5:8] == (rule.size, rule.vocab, rule.vocab_rows)
+                        if now[b.name][4] != b.fingerprint or not same_layout:
                             raise CatalogError(
                                 f"base {b.name!r} was registered by another process meanwhile with other "
                                 "contents or block size; nothing was written: run the command again"

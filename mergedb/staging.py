@@ -3,8 +3,9 @@
 The scan hands each (expert, tensor) unit's rows over as the unit ends (scan.Sink); held as Python
 objects until the transaction, they grew with experts × blocks (≈3–19 KB per (expert, tensor),
 1.59 GB for 4 experts of 20k tensors), though everything else the scan holds is flat in K. Here
-they wait in Python only until `BATCH_ROWS` rows are pending over all experts, then each
-expert's pending rows become one Arrow record batch per table, appended to one scratch file as an
+they wait in Python only until `BATCH_ROWS` rows are pending over all experts and `MIN_BATCH` per
+(expert, table) on average (so a batch is not a row or two when many experts run side by side), then
+each expert's pending rows become one Arrow record batch per table, appended to one scratch file as an
 Arrow IPC message (no compression: the rows are read back once, a few seconds later). Its offsets
 are kept here; the transaction reads each expert's batches back as a stream that DuckDB inserts
 `ORDER BY tensor_idx, block_idx`, so the catalog gets the rows in the order it got them before,
@@ -12,11 +13,12 @@ whatever order the units finished in. The rows are the same Arrow arrays as befo
 holds the same values.
 
 The scratch file is an anonymous temporary file (tempfile.TemporaryFile: unlinked at once) in the
-catalog's folder: its disk is the one that takes these rows next anyway (/tmp may be small or held
-in memory, tmpfs), and no name is ever visible, so nothing is left behind whatever ends the process
-(an error, Ctrl-C, a kill: the system frees an unlinked file with its last descriptor). A failure
-to make or write it (a full disk, a read-only folder) is a MergeDBError, raised before the catalog
-is opened: nothing is written.
+catalog's folder, made when the first rows are written (a registration that scans nothing makes
+none): its disk is the one that takes these rows next anyway (/tmp may be small or held in memory,
+tmpfs), and no name is ever visible, so nothing is left behind whatever ends the process (an error,
+Ctrl-C, a kill: the system frees an unlinked file with its last descriptor). A failure to make or
+write it (a full disk, a read-only folder) is a MergeDBError, raised before the catalog is opened:
+nothing is written.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import pyarrow as pa
 from .errors import MergeDBError
 
 BATCH_ROWS = 1024  # rows (blocks and tensors) held in Python over all experts before they go to the file
+MIN_BATCH = 64  # … and at least this many per (expert, table) pending: memory ~64 rows per expert
 
 # Arrow types of the scan's named rows, by field name (the columns of schema/001's tables).
 BLOCK_TYPES = {
@@ -85,10 +88,8 @@ class Stage:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        try:
-            self._file = tempfile.TemporaryFile(dir=folder, prefix=".mergedb-rows-")
-        except OSError as e:
-            raise _failed(folder, e) from None
+        self._file: Any = None  # made at the first rows to write: a registration with nothing to scan
+        # (an unchanged expert registered again) needs no new file in the catalog's folder
         self._lock = threading.Lock()
         self._pending: dict[tuple[Any, str], list[tuple[list, list[int] | None]]] = {}
         self._pending_rows = 0
@@ -104,7 +105,8 @@ class Stage:
 
     def close(self) -> None:
         self._pending.clear()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def add(
         self,
@@ -121,12 +123,20 @@ class Stage:
                 if rows:
                     self._pending.setdefault((key, table), []).append((rows, costs))
             self._pending_rows += len(blocks) + len(tensors)
-            if self._pending_rows >= BATCH_ROWS:
+            # at least MIN_BATCH rows per (expert, table) in a flush: units run tensor by tensor over
+            # all experts, so with many experts BATCH_ROWS alone made batches of a row or two (a
+            # pread and a decode per row at the insert)
+            if self._pending_rows >= max(BATCH_ROWS, MIN_BATCH * len(self._pending)):
                 self._flush()
 
     def _flush(self) -> None:
         """Write every pending row to the file, one record batch per (expert, table)."""
         pending, self._pending, self._pending_rows = self._pending, {}, 0
+        if pending and self._file is None:
+            try:
+                self._file = tempfile.TemporaryFile(dir=self.folder, prefix=".mergedb-rows-")
+            except OSError as e:
+                raise _failed(self.folder, e) from None
         for (key, table), parts in pending.items():
             rows = [r for part, _ in parts for r in part]
             costs = None if parts[0][1] is None else [c for _, part in parts for c in part or ()]
@@ -161,6 +171,8 @@ class Stage:
         """Write what is still pending (before the catalog is opened: a full disk fails here)."""
         with self._lock:
             self._flush()
+            if self._file is None:
+                return
             try:
                 self._file.flush()
             except OSError as e:

@@ -183,6 +183,7 @@ def test_a_scan_failing_after_rows_were_staged_leaves_nothing(tmp_path, monkeypa
     from mergedb import blockgroups, staging
 
     monkeypatch.setattr(staging, "BATCH_ROWS", 8)  # rows go to the file early and often
+    monkeypatch.setattr(staging, "MIN_BATCH", 1)
     fam = _many_tensors(tmp_path / "fam", 2, 60)
     (tmp_path / "cat").mkdir()
     cat = Catalog(tmp_path / "cat" / "c.duckdb")
@@ -243,6 +244,7 @@ def test_a_scratch_file_that_cannot_be_made_or_written_is_a_clear_error(tmp_path
         raise full
 
     monkeypatch.setattr(staging, "BATCH_ROWS", 8)
+    monkeypatch.setattr(staging, "MIN_BATCH", 1)
     monkeypatch.setattr(staging.tempfile, "TemporaryFile", refused if where == "make" else Full)
     said = r"scratch file in .*: its disk is full .*\(No space left on device\); nothing was written to the catalog"
     for c, paths in ((cat, [fam / "expert_00", fam / "expert_01"]), (Catalog(tmp_path / "new.duckdb"), [fam])):
@@ -268,13 +270,64 @@ def test_interrupted_registration_closes_its_scratch_file(tmp_path, monkeypatch)
         real_init(self, folder)
         made.append(self)
 
-    def interrupt(self, *a, **k):
-        raise KeyboardInterrupt
+    real_add, adds = staging.Stage.add, []
 
+    def interrupt(self, *a, **k):  # Ctrl-C once rows went to the file
+        real_add(self, *a, **k)
+        adds.append(1)
+        if len(adds) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(staging, "BATCH_ROWS", 1)
+    monkeypatch.setattr(staging, "MIN_BATCH", 1)
     monkeypatch.setattr(staging.Stage, "__init__", init)
     monkeypatch.setattr(staging.Stage, "add", interrupt)
     with pytest.raises(KeyboardInterrupt):
         cat.register([fam / "expert_00", fam / "expert_01"], base_model="base")
-    assert made and all(s._file.closed for s in made)
+    assert made and all(s._file is not None and s._file.closed for s in made)
     assert snapshot(cat) == before
     assert _open_in(tmp_path) == []
+
+
+def test_a_registration_with_nothing_to_scan_makes_no_scratch_file(tmp_path, monkeypatch):
+    """Registering an unchanged expert again (a pipeline's idempotent step) must not need a new file
+    in the catalog's folder (second-look review: a read-only folder refused it once staging came)."""
+    from mergedb import staging
+
+    fam = _many_tensors(tmp_path / "fam", 1, 20)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    before = snapshot(cat)
+
+    def refused(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(staging.tempfile, "TemporaryFile", refused)
+    res = cat.register([fam / "expert_00"], base_model="base")
+    assert res.unchanged == ("expert_00",) and snapshot(cat) == before
+
+
+def test_many_experts_side_by_side_stage_batches_of_many_rows(tmp_path):
+    """Units run tensor by tensor over all experts: flushing every BATCH_ROWS rows over all experts
+    wrote batches of a row or two per expert at K = 400 (second-look review: a pread and an IPC
+    decode per row at the insert). Each (expert, table) batch but its last now holds ≥ MIN_BATCH rows,
+    and every row comes back in order."""
+    from mergedb import staging
+
+    k, tensors = 100, 300
+    stage = staging.Stage(tmp_path)
+    dim = 4
+    for t in range(tensors):  # as the scan hands them over: tensor t of every expert
+        for e in range(k):
+            block = scan.BlockRow(t, 0, False, 1.0 + e, 1.0, 3, 0, f"h{e}-{t}", [0.0], [1.0], [3], [1.0], [1.0],
+                                  [0.5] * dim, 0.0)  # fmt: skip
+            stage.add(f"e{e}", [block], [scan.TensorRow(t, False, [0.1], [1], [3])])
+    stage.finish()
+    for (key, table), batches in stage._batches.items():
+        sizes = [staging.pa.ipc.read_record_batch(staging.pa.py_buffer(os.pread(stage._file.fileno(), n, o)),
+                                                  stage._schemas[key, table]).num_rows for o, n in batches]  # fmt: skip
+        assert sum(sizes) == tensors and min(sizes[:-1], default=staging.MIN_BATCH) >= staging.MIN_BATCH, sizes
+    rows = stage._read("e7", "expert_blocks").read_all()
+    assert rows.column("tensor_idx").to_pylist() == list(range(tensors))
+    assert rows.column("content_hash").to_pylist() == [f"h7-{t}" for t in range(tensors)]
+    stage.close()

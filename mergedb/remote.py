@@ -34,6 +34,7 @@ _UNLISTABLE = ("http", "https")  # fsspec's HTTP "listing" scrapes HTML links: n
 SMALL_FILE_LIMIT = 256 * 2**20  # config, index, tokenizer: refused above this (a URL that is not one)
 # HTTP(S) requests are tried again after a transient failure (fsspec's HTTP filesystem never does;
 # S3's and GCS's libraries retry on their own, so theirs are not wrapped): 5 tries, 0.5 + 1 + 2 + 4 s
+# of waits; a timeout is not tried again (see _transient)
 HTTP_TRIES = 5
 HTTP_BACKOFF = 0.5  # seconds before the second try, doubling after each
 _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -129,15 +130,17 @@ def _unreachable(url: str, e: FileNotFoundError) -> MergeDBError | None:
 
 def _transient(e: BaseException) -> bool:
     """A failure worth another try: a 5xx, 408 or 429 answer, a dropped or refused connection, a body
-    cut short, a timeout. fsspec's HTTP filesystem wraps some of them in FileNotFoundError (the real
-    one attached, _unreachable); a 403, a 404 or a 416 is for good."""
+    cut short (not a timeout: aiohttp's comes after 5 minutes). fsspec's HTTP filesystem wraps some of
+    them in FileNotFoundError (the real one attached, _unreachable); a 403, a 404 or a 416 is for good."""
     if isinstance(e, FileNotFoundError):
         cause = e.__cause__ or e.__context__
         return cause is not None and not isinstance(cause, FileNotFoundError) and _transient(cause)
     status = getattr(e, "status", None)
     if isinstance(status, int):
         return status in _TRANSIENT_STATUS
-    if isinstance(e, (ConnectionError, TimeoutError)):  # asyncio's TimeoutError is the builtin from 3.11
+    if isinstance(e, TimeoutError):  # asyncio's is the builtin from 3.11: aiohttp waited 5 minutes already,
+        return False  # and four more tries would make a stalled server fail after 25
+    if isinstance(e, ConnectionError):
         return True
     try:
         import aiohttp  # what fsspec's HTTP filesystem runs on; installed with it

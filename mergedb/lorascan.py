@@ -175,8 +175,10 @@ def scan_adapters(
 def _collect(out: list[AdapterStats]) -> Sink:
     """A Sink that keeps the rows and costs of adapter k in out[k]."""
 
+    rows = scan.collect(out)  # type: ignore[arg-type]
+
     def sink(k: int, blocks: list, tensors: list, read_bytes: list[int], fixed_bytes: list[int]) -> None:
-        scan.collect(out)(k, blocks, tensors)  # type: ignore[arg-type]
+        rows(k, blocks, tensors)
         out[k].read_bytes.update(((r.tensor_idx, r.block_idx), c) for r, c in zip(blocks, read_bytes))
         out[k].fixed_bytes.update((r.tensor_idx, c) for r, c in zip(tensors, fixed_bytes))
 

@@ -347,7 +347,7 @@ def register(
                     cid = _insert_checkpoint(
                         con, e, "expert", base_id, st.content_hash, None, now[e.name][1] if e.name in now else None
                     )
-                    _insert_stats(con, cid, stage, e.name)
+                    stage.insert(con, e.name, cid)  # its expert_blocks and expert_tensors rows (an adapter's costs)
                     done.append(e.name)
                 con.execute("COMMIT")
             except BaseException:
@@ -573,11 +573,6 @@ def _insert_family(con: duckdb.DuckDBPyConnection, base_id: int, fam: list[Famil
             }
         ),
     )
-
-
-def _insert_stats(con: duckdb.DuckDBPyConnection, cid: int, stage: staging.Stage, name: str) -> None:
-    """The staged expert_blocks and expert_tensors rows of expert `name` (an adapter's with its costs), as `cid`."""
-    stage.insert(con, name, cid)
 
 
 def _delete_checkpoint(con: duckdb.DuckDBPyConnection, cid: int) -> None:

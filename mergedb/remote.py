@@ -300,10 +300,10 @@ def _sharded(index_url: RemotePath, root: RemotePath, shown: RemotePath | None =
     return Location(shown or index_url, root, tuple(shards), name, weight_map)
 
 
-def side_names(root: RemotePath, names: tuple[str, ...]) -> list[str]:
+def side_names(root: RemotePath, names: tuple[str, ...], listed: list[str] | None = None) -> list[str]:
     """Those of `names` present as files in the remote folder `root` (one listing where the
-    filesystem lists, else one HEAD request per name)."""
-    listed = listdir(root.url)
+    filesystem lists, or `listed`, the caller's listing of it; else one HEAD request per name)."""
+    listed = listdir(root.url) if listed is None else listed
     if listed is not None:
         return sorted(n for n in names if n in listed and stat((root / n).url) is not None)
     return sorted(n for n in names if stat((root / n).url) is not None)

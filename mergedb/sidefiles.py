@@ -198,7 +198,7 @@ def _copy_remote(root: RemotePath, dest: Path) -> list[str]:
     (S3, GCS, file://). Over HTTP(S), which cannot list, the named files and the code are fetched by
     name, and the names a listing would find (tokenizer.model.vN, the templates' folder) are missed."""
     listed = remote.listdir(root.url)
-    names = remote.side_names(root, SIDE_FILES)
+    names = remote.side_names(root, SIDE_FILES, listed)  # the listing above, not a second one
     names += [n for n in listed or () if _VERSIONED.fullmatch(n) and remote.stat((root / n).url) is not None]
     templates = [] if listed is None or TEMPLATES not in listed else remote.listdir((root / TEMPLATES).url) or []
     names += [f"{TEMPLATES}/{n}" for n in templates if _TEMPLATE.fullmatch(f"{TEMPLATES}/{n}")]

@@ -83,8 +83,8 @@ class Stage:
     """Rows of the experts being registered, by key (an expert's name), until the transaction.
 
     `add` takes an expert's rows in any order and amount; `insert` writes one expert's rows into
-    the catalog's tables in (tensor, block) order. Use as a context manager: the file is closed (and
-    so freed) on leaving, however."""
+    the catalog's tables in (tensor, block) order; `close` when done, however the registration ends
+    (the file is freed then)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -95,13 +95,6 @@ class Stage:
         self._pending_rows = 0
         self._batches: dict[tuple[Any, str], list[tuple[int, int]]] = {}  # (offset, length) per batch
         self._schemas: dict[tuple[Any, str], pa.Schema] = {}
-        self.bytes_written = 0
-
-    def __enter__(self) -> Stage:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self) -> None:
         self._pending.clear()
@@ -150,7 +143,6 @@ class Stage:
                 raise _failed(self.folder, e) from None
             self._batches.setdefault((key, table), []).append((offset, data.size))
             self._schemas.setdefault((key, table), batch.schema)
-            self.bytes_written += data.size
 
     def _read(self, key: Any, table: str) -> pa.RecordBatchReader | None:
         """One expert's staged rows of `table`, batch by batch as written (None when it has none)."""

@@ -395,14 +395,14 @@ def test_a_refused_first_registration_leaves_no_catalog(tmp_path):
 
 
 def test_a_first_registration_failing_while_writing_leaves_no_catalog(tmp_path, monkeypatch):
-    from mergedb import register
+    from mergedb import staging
 
     fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=5)
 
     def fail(*a, **k):
         raise OSError("simulated failure while writing the rows")
 
-    monkeypatch.setattr(register, "_insert_stats", fail)
+    monkeypatch.setattr(staging.Stage, "insert", fail)  # an expert's rows, inside the transaction
     path = tmp_path / "new.duckdb"
     with pytest.raises(OSError, match="simulated"):
         Catalog(path).register([fam], base_model="base")

@@ -63,12 +63,12 @@ def test_failed_registration_leaves_catalog_unchanged(tmp_path, monkeypatch):
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([fam / "base", fam / "expert_00"], base_model="base")
     before = snapshot(cat)
-    import mergedb.register as catalog_mod
+    from mergedb import staging
 
     def boom(*a, **k):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(catalog_mod, "_insert_stats", boom)
+    monkeypatch.setattr(staging.Stage, "insert", boom)  # an expert's rows, inside the transaction
     with pytest.raises(OSError):
         cat.register([fam], base_model="base")
     assert snapshot(cat) == before

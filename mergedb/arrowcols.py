@@ -11,9 +11,11 @@ import numpy as np
 import pyarrow as pa
 
 
-def column(a: np.ndarray) -> pa.Array:
-    """A 1-D numpy array (fixed-width or bool, no nulls) as an Arrow array."""
+def column(a: np.ndarray, valid: np.ndarray | None = None) -> pa.Array:
+    """A 1-D numpy array (fixed-width or bool) as an Arrow array; NULL where `valid` (bool, the same
+    length) is false, none without it."""
+    bits = None if valid is None else pa.py_buffer(np.packbits(valid, bitorder="little"))
     if a.dtype == np.bool_:
-        return pa.Array.from_buffers(pa.bool_(), a.size, [None, pa.py_buffer(np.packbits(a, bitorder="little"))])
+        return pa.Array.from_buffers(pa.bool_(), a.size, [bits, pa.py_buffer(np.packbits(a, bitorder="little"))])
     a = np.ascontiguousarray(a)
-    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [None, pa.py_buffer(a)])
+    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), a.size, [bits, pa.py_buffer(a)])

@@ -7,13 +7,13 @@ Runs inside the planner's transaction, on the connection it hands over.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
 from . import bounds, methods, summary
+from .arrowcols import column
 from .errors import PlanError
 from .resources import query
 from .tensorparams import TensorValues
@@ -47,62 +47,100 @@ def thresholds(
     largest's bin: at least k kept; summary.threshold_from_summary). The rows
     come as Arrow columns (no Python object per grid entry); only pairs off the grid read their
     summary. `numel`: (T,) elements of each family tensor. Rows in (checkpoint_id, tensor_idx) order."""
-    cols: dict[str, list[Any]] = {"checkpoint_id": [], "tensor_idx": [], "t_lo": [], "t_hi": [], "exact": []}
-    if m.sparsify in ("magnitude", "band"):
-        # no join, no ORDER BY (each costs a small plan ~0.3–1 ms): numel comes from the caller and
-        # the rows are ordered here, by (checkpoint_id, tensor_idx), unique per row
-        # only the grid entries some pair needs (list_select; a plan has one or a few densities):
-        # fetching all 190 per pair cost TIES's first plan ~1.2 ms more
-        slot = {j: n for n, j in enumerate(_grid_indices(m, values))}  # grid index -> place in the fetched list
-        t = con.sql(
-            "SELECT checkpoint_id, tensor_idx, list_select(grid_threshold, $2) AS grid FROM expert_tensors "
-            "WHERE list_contains($1, checkpoint_id)",
-            params=[ids, [j + 1 for j in slot]],
-        ).to_arrow_table()
-        cid, tidx = t.column("checkpoint_id").to_numpy(), t.column("tensor_idx").to_numpy()
-        order = np.lexsort((tidx, cid))
-        cid, tidx = cid[order], tidx[order]
-        grid = t.column("grid").combine_chunks()  # FLOAT[] per pair: the selected grid entries
-        grid_at = grid.offsets.to_numpy()[:-1][order]  # (n,) where each pair's entries start in grid.values
-        grid_values = grid.values.to_numpy()
-        numel = numel[tidx]
-        pos_of = {c: i for i, c in enumerate(ids)}
-        pos = np.array([pos_of[int(c)] for c in cid], np.int64)
-        density = values.density[pos, tidx].astype(np.float64)
-        gamma = np.zeros_like(density)
-        if m.sparsify == "band" and values.gamma is not None:
-            gamma = values.gamma[pos, tidx].astype(np.float64)
-        summaries: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        on_grid: dict[float, int] = {}  # density -> its index on the grid (-1: off it); pairs share a few
+    if m.sparsify not in ("magnitude", "band"):
+        return _trims(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0), np.zeros(0), np.zeros(0, bool))
+    # no join, no ORDER BY (each costs a small plan ~0.3–1 ms): numel comes from the caller and
+    # the rows are ordered here, by (checkpoint_id, tensor_idx), unique per row
+    # only the grid entries some pair needs (list_select; a plan has one or a few densities):
+    # fetching all 190 per pair cost TIES's first plan ~1.2 ms more
+    wanted = _grid_indices(m, values)
+    slot = np.full(len(summary.DENSITY_GRID), -1, np.int64)  # grid index -> place in the fetched list
+    slot[wanted] = np.arange(len(wanted))
+    t = con.sql(
+        "SELECT checkpoint_id, tensor_idx, list_select(grid_threshold, $2) AS grid FROM expert_tensors "
+        "WHERE list_contains($1, checkpoint_id)",
+        params=[ids, [j + 1 for j in wanted]],
+    ).to_arrow_table()
+    cid, tidx = t.column("checkpoint_id").to_numpy(), t.column("tensor_idx").to_numpy()
+    order = np.lexsort((tidx, cid))
+    cid, tidx = cid[order], tidx[order]
+    grid = t.column("grid").combine_chunks()  # FLOAT[] per pair: the selected grid entries
+    grid_at = grid.offsets.to_numpy()[:-1][order]  # (n,) where each pair's entries start in grid.values
+    grid_values = grid.values.to_numpy()
+    numel = numel[tidx]
+    pos_of = np.full(max(ids, default=0) + 1, -1, np.int64)
+    pos_of[ids] = np.arange(len(ids))
+    pos = pos_of[cid]
+    density = values.density[pos, tidx].astype(np.float64)
+    gamma = np.zeros_like(density)
+    if m.sparsify == "band" and values.gamma is not None:
+        gamma = values.gamma[pos, tidx].astype(np.float64)
+    summaries: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
-        def at(i: int, d: float) -> tuple[float, bool]:
-            if d not in on_grid:
-                hit = np.flatnonzero(np.abs(summary.DENSITY_GRID - d) < 1e-12)
-                on_grid[d] = int(hit[0]) if len(hit) else -1
-            if on_grid[d] >= 0:
-                return float(grid_values[grid_at[i] + slot[on_grid[d]]]), True
+    def at(d: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Thresholds at densities `d` of pairs `rows`: the grid's entry where d is on the grid (the
+        same 1e-12 match as _grid_indices), else from the pair's summary (read once, when needed)."""
+        on = _on_grid(d)
+        out = np.zeros(d.size, np.float64)
+        hit = on >= 0
+        out[hit] = grid_values[grid_at[rows[hit]] + slot[on[hit]]]
+        for i in np.flatnonzero(~hit).tolist():
             if not summaries:
                 summaries.update(_summaries(con, ids))
-            codes, counts = summaries[(int(cid[i]), int(tidx[i]))]
-            return summary.threshold_from_summary(codes, counts, int(numel[i]), d), False
+            r = int(rows[i])
+            codes, counts = summaries[(int(cid[r]), int(tidx[r]))]
+            out[i] = summary.threshold_from_summary(codes, counts, int(numel[r]), float(d[i]))
+        return out, hit
 
-        for i in range(t.num_rows):
-            g = float(gamma[i])
-            lo, lo_exact = at(i, g + float(density[i]))
-            hi, hi_exact = (None, True)
-            if g > 0 and int(g * int(numel[i])) >= 1:
-                hi, hi_exact = at(i, g)
-            for k, v in zip(cols, (int(cid[i]), int(tidx[i]), lo, hi, lo_exact and hi_exact)):
-                cols[k].append(v)
+    every = np.arange(cid.size)
+    lo, exact = at(gamma + density, every)
+    # γ's own threshold where γ·numel keeps a value (Python's float · int, truncated, as before)
+    banded = np.flatnonzero((gamma > 0) & (np.floor(gamma * numel.astype(np.float64)) >= 1))
+    hi = np.full(cid.size, np.nan)
+    hi[banded], hi_exact = at(gamma[banded], banded)
+    exact[banded] &= hi_exact
+    has_hi = np.zeros(cid.size, bool)
+    has_hi[banded] = True
+    return _trims(cid, tidx, lo, hi, exact, has_hi)
+
+
+def _trims(
+    cid: np.ndarray,
+    tidx: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    exact: np.ndarray,
+    has_hi: np.ndarray | None = None,
+) -> pa.Table:
+    """The trims table: t_hi is NULL where a pair has no upper threshold (`has_hi` false). Built
+    with arrowcols (pa.array of an ndarray imports numpy.ma, ~9 ms of a process's first plan)."""
     return pa.table(
         {
-            "checkpoint_id": pa.array(cols["checkpoint_id"], pa.int32()),
-            "tensor_idx": pa.array(cols["tensor_idx"], pa.int32()),
-            "t_lo": pa.array(cols["t_lo"], pa.float32()),
-            "t_hi": pa.array(cols["t_hi"], pa.float32()),
-            "exact": pa.array(cols["exact"], pa.bool_()),
+            "checkpoint_id": column(cid.astype(np.int32)),
+            "tensor_idx": column(tidx.astype(np.int32)),
+            "t_lo": column(lo.astype(np.float32)),
+            "t_hi": column(hi.astype(np.float32), has_hi),
+            "exact": column(exact.astype(bool)),
         }
     )
+
+
+def _on_grid(d: np.ndarray) -> np.ndarray:
+    """Index into summary.DENSITY_GRID of each density in `d` (-1: off the grid); matched with
+    |grid − d| < 1e-12, as _grid_indices matches, once per distinct value."""
+    if not d.size:
+        return np.zeros(0, np.int64)
+    srt = np.sort(d)
+    distinct = srt[np.concatenate([[True], srt[1:] != srt[:-1]])]  # not np.unique: see _grid_indices
+    index = np.array(
+        [
+            int(h[0]) if len(h) else -1
+            for x in distinct
+            for h in [np.flatnonzero(np.abs(summary.DENSITY_GRID - x) < 1e-12)]
+        ],
+        np.int64,
+    )
+    return index[np.searchsorted(distinct, d)]
 
 
 def _grid_indices(m: methods.Method, values: TensorValues) -> list[int]:

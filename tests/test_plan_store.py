@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 import duckdb
+import numpy as np
 import pytest
 
 from mergedb import planner
@@ -97,6 +98,44 @@ def test_stored_tables_match_the_catalog(catalog_file, tmp_path):
         "SELECT count(*) AS n FROM expert_blocks WHERE identical AND list_contains(?, checkpoint_id)", [ids]
     ).to_pylist()[0]["n"]
     assert plan["free_blocks"] == free and (plan["method"], plan["name"]) == ("ties", None)
+
+
+@pytest.mark.parametrize("density", [0.045, 0.5])  # γ + density on the density grid (0.05), and off it (0.505)
+def test_band_thresholds_match_the_catalog(catalog_file, tmp_path, density):
+    """breadcrumbs' stored thresholds, per (expert, float tensor), read from the catalog here: t_lo at
+    γ + density (the grid's entry where it is on the grid, exact; else the summary's bound, not exact),
+    t_hi at γ where γ·numel keeps at least one value (the grid's entry), NULL where it keeps none."""
+    from mergedb import summary
+
+    cat = _copy(catalog_file, tmp_path)
+    gamma = 0.005  # 128-element tensors keep none (0.64), the others some
+    p = cat.plan(PlanRequest("base", None, "breadcrumbs", "all", params={"density": density, "gamma": gamma}))
+    rows = cat.sql(
+        "SELECT et.checkpoint_id, et.tensor_idx, ft.numel, et.grid_threshold, et.summary_code, et.summary_count "
+        "FROM expert_tensors et JOIN plan_experts pe ON pe.checkpoint_id = et.checkpoint_id AND pe.plan_id = $1 "
+        "JOIN family_tensors ft ON ft.tensor_idx = et.tensor_idx AND ft.mergeable ORDER BY 1, 2",
+        [p.plan_id],
+    ).to_pylist()
+    grid = {round(g["density"], 6): g["grid_idx"] for g in cat.sql("SELECT * FROM density_grid").to_pylist()}
+    lo_at = grid.get(round(gamma + density, 6))
+    assert (lo_at is None) == (density == 0.5)
+    want = []
+    for r in rows:
+        if lo_at is not None:
+            lo = r["grid_threshold"][lo_at - 1]
+        else:
+            lo = summary.threshold_from_summary(
+                np.asarray(r["summary_code"]), np.asarray(r["summary_count"]), r["numel"], gamma + density
+            )
+        keeps = int(gamma * r["numel"]) >= 1
+        hi = r["grid_threshold"][grid[gamma] - 1] if keeps else None
+        want.append((r["checkpoint_id"], r["tensor_idx"], float(np.float32(lo)), hi, lo_at is not None))
+    assert any(w[3] is None for w in want) and any(w[3] is not None for w in want)  # both cases occur
+    got = [
+        (r["checkpoint_id"], r["tensor_idx"], r["t_lo"], r["t_hi"], r["exact"])
+        for r in _stored(cat, p.plan_id)["plan_thresholds"]
+    ]
+    assert got == want
 
 
 def test_plans_do_not_depend_on_the_catalogs_row_order(catalog_file, tmp_path):

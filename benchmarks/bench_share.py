@@ -17,6 +17,8 @@ readers issue them, is reported beside it, since this virtual disk serves parall
 Each execution is a fresh `mergedb execute` process on a cold page cache (benchmarks/run.py's
 Suite.execute); the median over the repeats is reported beside every pair.
 
+For a budgeted plan each pair also times `io_floor`: the same plan's I/O alone (copies, reads, writes, fsync), cold.
+
 Run: python -m benchmarks.bench_share [--repeats 3] [--k 8 20] [--methods task_arithmetic ties dare_ties]
        [--budgets all 10%] [--trees BEFORE AFTER] [--block-size auto]
 --block-size: the layout the bench family is registered with (default `auto`, registration's
@@ -65,9 +67,57 @@ def parallel_read(paths: list[Path], threads: int = 4, chunk: int = 8 * 2**20) -
             os.close(fd)
 
 
+def io_floor(xp, out: Path) -> tuple[float, int]:
+    """Cold, the I/O any executor must do for the plan `xp` and nothing else: each base tensor no
+    selected block touches copied file to file (os.copy_file_range, as the executor copies them), each
+    touched one read and written back from memory (the merge's arithmetic left out), each selected
+    expert block read at its header offset (pread), the output fsynced. (seconds, expert bytes read)."""
+    from mergedb.checkpoint import open_checkpoint
+    from mergedb.layout import row_bytes
+
+    base = open_checkpoint(xp.base.path)
+    experts = [open_checkpoint(e.path) for e in xp.experts]
+    where = [{t.name: (fi, t) for fi, t in c.tensors} for c in (base, *experts)]
+    paths = [[str(c.root / f.relpath) for f in c.files] for c in (base, *experts)]
+    evict([p for ps in paths for p in ps])
+    selected = xp.selected(hashes=False)
+    t0 = time.perf_counter()
+    fds = [[os.open(p, os.O_RDONLY) for p in ps] for ps in paths]
+    dst = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    expert_bytes = 0
+    try:
+        for fd in fds[0]:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)  # as the executor starts the base's reads
+        at = 0
+        for ti, layout in enumerate(xp.tensors):
+            fi, info = where[0][layout.name]
+            blocks = selected.get(ti, {})
+            if not blocks:
+                done = 0
+                while done < info.nbytes:
+                    done += os.copy_file_range(fds[0][fi], dst, info.nbytes - done, info.start + done, at + done)
+            else:
+                os.pwrite(dst, os.pread(fds[0][fi], info.nbytes, info.start), at)
+                row = row_bytes(info.nbytes, info.shape)
+                for b, picks in blocks.items():
+                    r0, r1 = layout.rows[b]
+                    for pos, _ in picks:
+                        efi, einfo = where[1 + pos][layout.name]
+                        expert_bytes += len(os.pread(fds[1 + pos][efi], (r1 - r0) * row, einfo.start + r0 * row))
+            at += info.nbytes
+        os.fsync(dst)
+        return time.perf_counter() - t0, expert_bytes
+    finally:
+        os.close(dst)
+        for fd in (fd for f in fds for fd in f):
+            os.close(fd)
+        out.unlink()
+
+
 def pair(suite: Suite, cat, plan, files: list[Path], tree: Path | None = None) -> dict:
     """One cold sequential read of `files`, one cold read of them from 4 threads, then one cold
-    execution of `plan` (by the mergedb in `tree`, if given)."""
+    execution of `plan` (by the mergedb in `tree`, if given); for a budgeted plan, then the I/O
+    floor of the same plan (io_floor)."""
     n, t = sequential_read(files)
     rate = n / t
     n4, t4 = parallel_read(files)
@@ -77,6 +127,16 @@ def pair(suite: Suite, cat, plan, files: list[Path], tree: Path | None = None) -
     must_read = r["base_bytes"] + r["expert_bytes"]
     ideal = (must_read + out_bytes) / rate
     ideal_rw = must_read / rate + write_seconds  # the output at the rate the disk took a write of its size
+    floor = {}
+    if plan.budget_spec != "all":
+        secs, got = io_floor(cat.execution_plan(plan.plan_id), CACHE / "floor-probe.safetensors")
+        if got != r["expert_bytes"]:
+            raise SystemExit(f"io_floor read {got} expert bytes, the execution {r['expert_bytes']}")
+        floor = {
+            "floor_seconds": secs,
+            "floor_over_ideal": secs / ideal,
+            "execute_over_floor": r["execute_seconds"] / secs,
+        }
     return {
         "rate_gbps": rate / 1e9,
         "execute_seconds": r["execute_seconds"],
@@ -98,6 +158,7 @@ def pair(suite: Suite, cat, plan, files: list[Path], tree: Path | None = None) -
         "over_ideal_rw": r["execute_seconds"] / ideal_rw,
         "peak_rss_mib": r["peak_rss_mib"],
         "content_hash": r["content_hash"],
+        **floor,
         "load_average_1min": os.getloadavg()[0],
     }
 
@@ -157,7 +218,12 @@ def run(
                     f"(of 4 threads' read {med['share_of_parallel']:.0%}) "
                     f"over_ideal {med['over_ideal']:.2f} (output at the write rate "
                     f"{med['write_gbps']:.2f} GB/s: {med['over_ideal_rw']:.2f}) "
-                    f"fixed {med['fixed_seconds']:.2f}s rate {med['rate_gbps']:.2f} GB/s",
+                    f"fixed {med['fixed_seconds']:.2f}s rate {med['rate_gbps']:.2f} GB/s"
+                    + (
+                        f" floor/ideal {med['floor_over_ideal']:.2f} execute/floor {med['execute_over_floor']:.2f}"
+                        if "floor_seconds" in med
+                        else ""
+                    ),
                     flush=True,
                 )
     return {

@@ -11,8 +11,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from . import faults, planner, plans
-from .errors import PlanError
+from .errors import MergeDBError, PlanError
 from .methods import METHODS
+from .units import parse_budget, parse_size, reads_everything
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -88,17 +89,40 @@ def _labels(key: str, values: Sequence[Any]) -> list[str]:
     """How each value of `key` appears in plan names: numbers in %g's short form (the names sweeps
     have always had), or, where that shows two values alike (0.1 and 0.1000001), with the fewest
     digits that tell every value of the key apart (repr's shortest exact form, at worst)."""
-    seen: set[str] = set()
+    seen: dict[Any, Any] = {}
     for v in values:
-        if repr(v) in seen:  # repr: the value itself (1 and 1.0 alike; 0.0 and -0.0 not)
+        same = _budget_key(v) if key == "budget" else repr(v)  # repr: 1 and 1.0 alike; 0.0 and -0.0 not
+        if same in seen:
             once = ",".join(dict.fromkeys(_label(u, 6) for u in values))
+            if key == "budget" and seen[same] != v:
+                raise PlanError(
+                    f"--grid budget lists {seen[same]} and {v}, the same budget; give each budget once: "
+                    f"--grid budget={','.join(dict.fromkeys(str(u) for u in values if u != v))}"
+                )
             raise PlanError(f"--grid {key} lists {_label(v, 6)} twice; give each value once: --grid {key}={once}")
-        seen.add(repr(v))
+        seen[same] = v
     for digits in range(6, 17):
         labels = [_label(v, digits) for v in values]
         if len(set(labels)) == len(labels):
             return labels
     return [_label(v, None) for v in values]  # distinct reprs (checked above): distinct labels
+
+
+def _budget_key(spec: str) -> tuple[str, Any]:
+    """What a budget spec asks for, so that two specs of one budget are one grid value: all and 100%
+    are the full read, 25% and 25.0 % one share, 1GiB and 1024MiB one size, 0 and 0% nothing. A spec
+    that does not parse stays itself (the planner says what is wrong with it)."""
+    text = str(spec).strip()
+    try:
+        if reads_everything(text):
+            return ("all", None)
+        parse_budget(text, 0)  # refuses what is not a budget
+        if text.endswith("%"):
+            share = float(text[:-1])
+            return ("share", share) if share else ("bytes", 0)
+        return ("bytes", parse_size(text, what="budget"))
+    except MergeDBError:
+        return ("text", text)
 
 
 def _label(v: Any, digits: int | None) -> str:

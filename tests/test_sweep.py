@@ -224,6 +224,11 @@ def test_distinct_grid_values_get_distinct_names_and_repeated_ones_are_named(fam
         (["density=0.2", "lambda=1,0.5,1.0"], "--grid lambda lists 1 twice; .*--grid lambda=1,0.5$"),
         (["seed=1,01"], "--grid seed lists 1 twice"),
         (["budget=25%,25%"], "--grid budget lists 25% twice"),
+        # one budget written two ways would plan and execute the same merge twice
+        (["budget=1GiB,50%,1024MiB"], "lists 1GiB and 1024MiB, the same budget; .*--grid budget=1GiB,50%$"),
+        (["budget=all,100%"], "--grid budget lists all and 100%, the same budget"),
+        (["budget=25%,25.0 %"], "--grid budget lists 25% and 25.0 %, the same budget"),
+        (["budget=0,0%"], "--grid budget lists 0 and 0%, the same budget"),
         (["normalize=true,TRUE"], "--grid normalize lists true twice"),
     ]:
         with pytest.raises(PlanError, match=words):

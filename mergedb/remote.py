@@ -24,6 +24,8 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,6 +39,7 @@ SMALL_FILE_LIMIT = 256 * 2**20  # config, index, tokenizer: refused above this (
 # of waits; a timeout is not tried again (see _transient)
 HTTP_TRIES = 5
 HTTP_BACKOFF = 0.5  # seconds before the second try, doubling after each
+HTTP_MAX_WAIT = 60.0  # the longest wait a Retry-After answer is granted; asking for more ends the run
 _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
@@ -151,7 +154,8 @@ def _transient(e: BaseException) -> bool:
 
 def _tried(fs: Any, call: Callable[[], Any]) -> Any:
     """call(), tried again after a transient failure of an HTTP(S) request (HTTP_TRIES in all, the
-    waits HTTP_BACKOFF doubling); the last failure is raised as it came."""
+    waits HTTP_BACKOFF doubling, or longer where the answer's Retry-After asks, up to HTTP_MAX_WAIT);
+    the last failure is raised as it came."""
     if not any(p in _UNLISTABLE for p in _protocols(fs)):
         return call()
     for attempt in range(HTTP_TRIES - 1):
@@ -160,8 +164,36 @@ def _tried(fs: Any, call: Callable[[], Any]) -> Any:
         except Exception as e:
             if not _transient(e):
                 raise
-            time.sleep(HTTP_BACKOFF * 2**attempt)
+            wait, asked = HTTP_BACKOFF * 2**attempt, _retry_after(e)
+            if asked is not None and asked > HTTP_MAX_WAIT:
+                raise MergeDBError(
+                    f"the server asks to be tried again in {asked:.0f} s (Retry-After), longer than mergedb "
+                    f"waits ({HTTP_MAX_WAIT:.0f} s); run the command again later ({e})"
+                ) from None
+            time.sleep(max(wait, asked or 0.0))
     return call()  # the last try: its failure is the one raised
+
+
+def _retry_after(e: BaseException) -> float | None:
+    """Seconds a failed answer's Retry-After header asks to wait (a number of seconds, or an HTTP
+    date), or None without one. aiohttp's ClientResponseError carries the answer's headers; fsspec
+    may wrap it in FileNotFoundError (_unreachable)."""
+    if isinstance(e, FileNotFoundError):
+        e = e.__cause__ or e.__context__ or e
+    headers = getattr(e, "headers", None)
+    value = headers.get("Retry-After") if headers else None
+    if not isinstance(value, str):
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None  # not a form RFC 9110 allows: the usual backoff
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
 
 
 def stat(url: str) -> RemoteStat | None:
@@ -170,6 +202,8 @@ def stat(url: str) -> RemoteStat | None:
     try:
         fs.invalidate_cache(path)  # a listing cached earlier in this process must not hide a change
         info = _tried(fs, lambda: fs.info(path))
+    except MergeDBError as e:
+        raise MergeDBError(f"{url}: {e}") from None
     except FileNotFoundError as e:
         err = _unreachable(url, e)
         if err is not None:
@@ -195,6 +229,8 @@ def read_bytes(url: str, start: int | None = None, end: int | None = None) -> by
     fs, path = filesystem(url)
     try:
         data = _tried(fs, lambda: fs.cat_file(path, start=start, end=end))
+    except MergeDBError as e:  # _tried's own (a Retry-After too long to wait)
+        raise MergeDBError(f"{url}: {e}") from None
     except FileNotFoundError as e:
         raise (_unreachable(url, e) or FormatError(f"{url}: no such file")) from None
     except Exception as e:  # network, credentials (botocore's errors are not OSErrors)

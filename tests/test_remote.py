@@ -57,7 +57,8 @@ class RangeServer:
         self.root, self.log, self.lock = root, [], threading.Lock()
         self.fail_data = False  # answer 500 to every read of tensor data (a server failing mid-run)
         self.shift = 0  # answer a range of tensor data with the bytes this much further on (a lying server)
-        self.flaky: list[int | str] = []  # the next reads of tensor data fail thus, one each: a status, or "drop"
+        self.flaky: list[int | str | tuple[int, str]] = []  # the next reads of tensor data fail thus, one
+        # each: a status, (status, Retry-After), or "drop"
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -97,7 +98,10 @@ class RangeServer:
                         return
                     if server.fail_data and data or fault is not None:
                         server.record(Logged(self.command, rel, lo, hi, 0))  # the range asked for
-                        self.send_response(int(fault or 500))
+                        status, wait = fault if isinstance(fault, tuple) else (fault, None)
+                        self.send_response(int(status or 500))
+                        if wait is not None:
+                            self.send_header("Retry-After", wait)
                         self.send_header("Content-Length", "0")
                         self.end_headers()
                         return
@@ -357,6 +361,7 @@ def test_one_object_under_two_spellings_of_its_url_is_one_expert(sharded_family,
 def test_a_failure_without_words_is_named_by_its_kind(monkeypatch):
     """aiohttp's timeout (after 300 s on a stalled server) has an empty str: the message read
     'reading failed ()'."""
+
     class Stalled:
         protocol = ("http", "https")
         calls = 0
@@ -715,6 +720,45 @@ def test_transient_http_failures_are_tried_again_and_lasting_ones_are_not(sharde
     tries = collections.Counter((e.path, e.start) for e in http_server.log if e.method == "GET" and not e.body)
     assert max(tries.values()) == remote.HTTP_TRIES
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("forbidden", "lasting", ".forbidden"))]
+
+
+def test_a_retry_after_answer_is_waited_for_up_to_a_limit(sharded_family, http_server, tmp_path, monkeypatch):
+    """A 429 or 503 may say when to come back (Retry-After: seconds, or an HTTP date); it was not read,
+    so the next tries came at once and a throttled merge failed faster than the server asked. Now the
+    wait is what the answer asks (at least the usual backoff); an answer asking for more than
+    HTTP_MAX_WAIT ends the run at once with the wait it asked for, leaving no output."""
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([f"{http_server.url}/base/model.safetensors.index.json"], base=True, block_size=BLOCK)
+    cat.register([f"{http_server.url}/{e}/model.safetensors.index.json" for e in EXPERTS], base_model="base")
+    xp = cat.execution_plan(cat.plan(REQUEST).plan_id)
+    executor.execute(xp, tmp_path / "clean")
+    waits: list[float] = []
+    monkeypatch.setattr(remote.time, "sleep", waits.append)  # waits recorded, not slept
+    http_server.flaky = [(429, "1"), (503, "2")]
+    executor.execute(xp, tmp_path / "waited")
+    assert sorted(waits) == [1.0, 2.0]  # what each answer asked (the usual backoff is 0 in tests)
+    _same_outputs(tmp_path / "waited", tmp_path / "clean")
+    monkeypatch.setattr(remote, "HTTP_MAX_WAIT", 30.0)
+    http_server.flaky = [(429, "3600")]
+    http_server.log.clear()
+    with pytest.raises(
+        MergeDBError, match=r"asks to be tried again in 3600 s \(Retry-After\), longer than mergedb waits"
+    ):
+        executor.execute(xp, tmp_path / "throttled")
+    assert len([e for e in http_server.log if e.method == "GET" and e.body == 0]) == 1  # not tried again
+    assert not [p.name for p in tmp_path.iterdir() if "throttled" in p.name]
+    later = formatdate(remote.time.time() + 120, usegmt=True)
+    assert 100 < remote._retry_after(_answer(503, later)) <= 120
+    assert remote._retry_after(_answer(429, "7")) == 7.0
+    assert remote._retry_after(_answer(429, "soon")) is None and remote._retry_after(_answer(503, None)) is None
+
+
+def _answer(status: int, retry_after: str | None) -> Exception:
+    """An aiohttp error as fsspec's HTTP filesystem raises it, with the answer's headers."""
+    import aiohttp
+
+    headers = {} if retry_after is None else {"Retry-After": retry_after}
+    return aiohttp.ClientResponseError(None, (), status=status, headers=headers)
 
 
 def test_a_listed_remote_folder_refuses_weights_it_would_skip(tmp_path):

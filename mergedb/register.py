@@ -11,7 +11,9 @@ statistic rows wait for the transaction on disk, not in memory (staging.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -271,95 +273,155 @@ def register(
 
         # Phase 2: one transaction. Another process may have registered some of these meanwhile:
         # identical ones are skipped, conflicting ones refused (nothing is written then).
-        done: list[str] = []
-        with cat.duckdb_connection(write=True, create=new) as con:
-            con.execute("BEGIN")
-            try:
-                now = {
-                    r[0]: r
-                    for r in con.execute(
-                        "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, vocab_block_size, "
-                        "vocab_block_rows, path, content_hash FROM checkpoints"
-                    ).fetchall()
-                }
-                ids = {}
-                # a moved checkpoint is the same one where it is now: its rows and plans hold (a re-scan
-                # below rewrites it)
-                for c in moved:
-                    if now[c.name][8] != existing[c.name][6]:
-                        raise CatalogError(f"{c.name!r} was registered again by another process meanwhile; run again")
+        n_unchanged = len(unchanged)
+
+        def write(con: duckdb.DuckDBPyConnection) -> list[str]:  # in one transaction (_transaction)
+            del unchanged[n_unchanged:]  # a second try starts over
+            done: list[str] = []
+            now = {
+                r[0]: r
+                for r in con.execute(
+                    "SELECT name, checkpoint_id, role, base_id, fingerprint, block_size, vocab_block_size, "
+                    "vocab_block_rows, path, content_hash FROM checkpoints"
+                ).fetchall()
+            }
+            ids = {}
+            # a moved checkpoint is the same one where it is now: its rows and plans hold (a re-scan
+            # below rewrites it)
+            for c in moved:
+                if now[c.name][8] != existing[c.name][6]:
+                    raise CatalogError(f"{c.name!r} was registered again by another process meanwhile; run again")
+                con.execute(
+                    "UPDATE checkpoints SET path = ?, root = ? WHERE checkpoint_id = ?",
+                    [str(c.path.resolve()), str(c.root.resolve()), now[c.name][1]],
+                )
+            for b in retimed:  # its stored fingerprint and file times only: its rows and its experts' hold
+                if now[b.name][4] != existing[b.name][4]:
+                    raise CatalogError(f"base {b.name!r} was registered again by another process meanwhile; run again")
+                con.execute(
+                    "UPDATE checkpoints SET fingerprint = ? WHERE checkpoint_id = ?",
+                    [b.fingerprint, now[b.name][1]],
+                )
+                for f in b.files:
                     con.execute(
-                        "UPDATE checkpoints SET path = ?, root = ? WHERE checkpoint_id = ?",
-                        [str(c.path.resolve()), str(c.root.resolve()), now[c.name][1]],
+                        "UPDATE files SET mtime_ns = ? WHERE checkpoint_id = ? AND relpath = ?",
+                        [f.mtime_ns, now[b.name][1], f.relpath],
                     )
-                for b in retimed:  # its stored fingerprint and file times only: its rows and its experts' hold
-                    if now[b.name][4] != existing[b.name][4]:
+                done.append(b.name)
+            for b in todo_bases:
+                _, fam, hashes = families[b.name]
+                if b.name in now:
+                    same_layout = now[b.name][5:8] == (rule.size, rule.vocab, rule.vocab_rows)
+                    if now[b.name][4] != b.fingerprint or not same_layout:
                         raise CatalogError(
-                            f"base {b.name!r} was registered again by another process meanwhile; run again"
+                            f"base {b.name!r} was registered by another process meanwhile with other "
+                            "contents or block size; nothing was written: run the command again"
                         )
-                    con.execute(
-                        "UPDATE checkpoints SET fingerprint = ? WHERE checkpoint_id = ?",
-                        [b.fingerprint, now[b.name][1]],
-                    )
-                    for f in b.files:
-                        con.execute(
-                            "UPDATE files SET mtime_ns = ? WHERE checkpoint_id = ? AND relpath = ?",
-                            [f.mtime_ns, now[b.name][1], f.relpath],
+                    ids[b.name] = now[b.name][1]
+                    unchanged.append(b.name)
+                    continue
+                ids[b.name] = _insert_checkpoint(con, b, "base", None, scan.content_hash(hashes), rule)
+                _insert_family(con, ids[b.name], fam, hashes)
+                done.append(b.name)
+            for e, st in results:
+                if base_ckpt_name in ids:
+                    base_id = ids[base_ckpt_name]
+                else:
+                    base_id = _one(con, "SELECT checkpoint_id FROM checkpoints WHERE name = ?", [base_ckpt_name])[0]
+                if e.name in now:
+                    row = now[e.name]
+                    if e.name not in existing or row[4] != existing[e.name][4]:  # someone else's write
+                        if row[4] == e.fingerprint and row[3] == base_id:
+                            unchanged.append(e.name)
+                            continue
+                        raise CatalogError(
+                            f"{e.name!r} was registered by another process meanwhile with other contents; "
+                            "nothing was written: run the command again"
                         )
-                    done.append(b.name)
-                for b in todo_bases:
-                    _, fam, hashes = families[b.name]
-                    if b.name in now:
-                        same_layout = now[b.name][5:8] == (rule.size, rule.vocab, rule.vocab_rows)
-                        if now[b.name][4] != b.fingerprint or not same_layout:
-                            raise CatalogError(
-                                f"base {b.name!r} was registered by another process meanwhile with other "
-                                "contents or block size; nothing was written: run the command again"
-                            )
-                        ids[b.name] = now[b.name][1]
-                        unchanged.append(b.name)
-                        continue
-                    ids[b.name] = _insert_checkpoint(con, b, "base", None, scan.content_hash(hashes), rule)
-                    _insert_family(con, ids[b.name], fam, hashes)
-                    done.append(b.name)
-                for e, st in results:
-                    if base_ckpt_name in ids:
-                        base_id = ids[base_ckpt_name]
-                    else:
-                        base_id = _one(con, "SELECT checkpoint_id FROM checkpoints WHERE name = ?", [base_ckpt_name])[0]
-                    if e.name in now:
-                        row = now[e.name]
-                        if e.name not in existing or row[4] != existing[e.name][4]:  # someone else's write
-                            if row[4] == e.fingerprint and row[3] == base_id:
-                                unchanged.append(e.name)
-                                continue
-                            raise CatalogError(
-                                f"{e.name!r} was registered by another process meanwhile with other contents; "
-                                "nothing was written: run the command again"
-                            )
-                        if any(e is c for c in moved) and st.content_hash != row[9]:  # not the same model, moved
-                            raise CatalogError(
-                                f"{e.name!r} is registered from {existing[e.name][6]}, which is gone, but {e.path} "
-                                "holds other weights: it is another checkpoint, not that one moved; register it under "
-                                "another name with --name NEW (nothing was written)"
-                            )
-                        _delete_checkpoint(con, row[1])  # --refresh: same id, so old plans see the change
-                    cid = _insert_checkpoint(
-                        con, e, "expert", base_id, st.content_hash, None, now[e.name][1] if e.name in now else None
-                    )
-                    stage.insert(con, e.name, cid)  # its expert_blocks and expert_tensors rows (an adapter's costs)
-                    done.append(e.name)
-                con.execute("COMMIT")
-            except BaseException:
-                rollback(con)
-                if new:
-                    cat.discard_if_empty(con)
-                raise
+                    if any(e is c for c in moved) and st.content_hash != row[9]:  # not the same model, moved
+                        raise CatalogError(
+                            f"{e.name!r} is registered from {existing[e.name][6]}, which is gone, but {e.path} "
+                            "holds other weights: it is another checkpoint, not that one moved; register it under "
+                            "another name with --name NEW (nothing was written)"
+                        )
+                    _delete_checkpoint(con, row[1])  # --refresh: same id, so old plans see the change
+                cid = _insert_checkpoint(
+                    con, e, "expert", base_id, st.content_hash, None, now[e.name][1] if e.name in now else None
+                )
+                stage.insert(con, e.name, cid)  # its expert_blocks and expert_tensors rows (an adapter's costs)
+                done.append(e.name)
+            return done
+
+        done = _transaction(cat, new, stage.rows, write)
         return RegisterResult(
             tuple(done), tuple(unchanged), read, time.perf_counter() - t0, tuple(c.name for c in moved)
         )
     finally:
         stage.close()
+
+
+# DuckDB keeps a transaction's inserted rows in memory until COMMIT: ~60 MB per expert of 20k tensors,
+# so registering K experts at once grew by K. Under a memory limit it spills them into CATALOG.tmp/
+# instead (benchmarks/ANALYSIS.md: 16 experts of 20k tensors, peak RSS 1.43 GB -> 0.75 GB, no slower).
+# What cannot spill is the primary keys' index (~8 bytes a key in DuckDB 2.0: 10M keys, 80 MB), which
+# a transaction loads for the catalog's rows and grows by the new ones: the limit is TRANSACTION_MEMORY
+# plus KEY_BYTES for each of those rows.
+TRANSACTION_MEMORY = 256 * 2**20
+KEY_BYTES = 24
+
+
+def _transaction(
+    cat: Catalog, new: bool, rows: int, write: Callable[[duckdb.DuckDBPyConnection], list[str]]
+) -> list[str]:
+    """write(con) in one transaction under a DuckDB memory limit for `rows` new keyed rows (see
+    TRANSACTION_MEMORY; never above the connection's own); nothing is written if it fails, and a new
+    catalog is removed then. Where DuckDB cannot keep to the limit (no room for CATALOG.tmp/, or more
+    than the estimate will not spill) the transaction runs again under the connection's own limit,
+    which is put back afterwards in any case (a process's connections to one file share it)."""
+    with cat.duckdb_connection(write=True, create=new) as con:
+        own = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+        keyed = con.execute(
+            "SELECT (SELECT count(*) FROM expert_blocks) + (SELECT count(*) FROM expert_tensors) "
+            "+ (SELECT count(*) FROM blocks)"
+        ).fetchall()[0][0]
+        cap = TRANSACTION_MEMORY + KEY_BYTES * (int(keyed) + rows)
+        limits = [f"{cap}B", own] if _limit_bytes(own) > cap else [own]
+        try:
+            for i, limit in enumerate(limits):
+                try:
+                    con.execute(f"SET memory_limit = '{limit}'")
+                except duckdb.OutOfMemoryException:  # DuckDB holds more already (what it loaded of the catalog)
+                    continue
+                con.execute("BEGIN")
+                try:
+                    done = write(con)
+                    con.execute("COMMIT")
+                    return done
+                except (duckdb.OutOfMemoryException, duckdb.IOException):
+                    rollback(con)
+                    if i + 1 < len(limits):
+                        continue
+                    if new:
+                        cat.discard_if_empty(con)
+                    raise
+                except BaseException:
+                    rollback(con)
+                    if new:
+                        cat.discard_if_empty(con)
+                    raise
+            raise AssertionError("unreachable")
+        finally:
+            with contextlib.suppress(duckdb.Error):
+                con.execute(f"SET memory_limit = '{own}'")
+
+
+def _limit_bytes(text: str) -> float:
+    """A memory_limit as DuckDB writes it (`18.8 GiB`, `256MB`) in bytes; unknown forms are unlimited."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B\s*", text, re.IGNORECASE)
+    if not m:
+        return float("inf")
+    power = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
+    return float(m.group(1)) * (1024 if m.group(3) else 1000) ** power
 
 
 def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> None:

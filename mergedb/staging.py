@@ -93,6 +93,7 @@ class Stage:
         self._lock = threading.Lock()
         self._pending: dict[tuple[Any, str], list[tuple[list, list[int] | None]]] = {}
         self._pending_rows = 0
+        self.rows = 0  # every row taken (register sizes its transaction's memory limit by it)
         self._batches: dict[tuple[Any, str], list[tuple[int, int]]] = {}  # (offset, length) per batch
         self._schemas: dict[tuple[Any, str], pa.Schema] = {}
 
@@ -116,6 +117,7 @@ class Stage:
                 if rows:
                     self._pending.setdefault((key, table), []).append((rows, costs))
             self._pending_rows += len(blocks) + len(tensors)
+            self.rows += len(blocks) + len(tensors)
             # at least MIN_BATCH rows per (expert, table) in a flush: units run tensor by tensor over
             # all experts, so with many experts BATCH_ROWS alone made batches of a row or two (a
             # pread and a decode per row at the insert)

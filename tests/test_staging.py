@@ -331,3 +331,56 @@ def test_many_experts_side_by_side_stage_batches_of_many_rows(tmp_path):
     assert rows.column("tensor_idx").to_pylist() == list(range(tensors))
     assert rows.column("content_hash").to_pylist() == [f"h7-{t}" for t in range(tensors)]
     stage.close()
+
+
+def test_the_transaction_runs_under_a_memory_limit_and_again_where_duckdb_cannot_spill(tmp_path, monkeypatch):
+    """DuckDB held a registration's inserted rows in memory until COMMIT, so peak memory grew with K
+    (~60 MB per expert of 20k tensors). The transaction now runs under register.TRANSACTION_MEMORY:
+    what DuckDB holds stays near it (the rest spills into CATALOG.tmp/, gone afterwards) and the
+    catalog is the same. Where it cannot (CATALOG.tmp cannot be made; a limit too small for what does
+    not spill), the transaction runs again under the connection's own limit: the same catalog again."""
+    import importlib
+
+    from mergedb import staging
+
+    register = importlib.import_module("mergedb.register")  # the package exports a register() too
+    fam = _many_tensors(tmp_path / "fam", 2, 8000)
+    seen: list[tuple[str, int]] = []  # (memory_limit, bytes DuckDB holds) after each expert's rows
+    insert = staging.Stage.insert
+
+    def spy(self, con, key, cid):
+        insert(self, con, key, cid)
+        held = con.execute("SELECT sum(memory_usage_bytes)::BIGINT FROM duckdb_memory()").fetchall()[0][0]
+        seen.append((con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0], held))
+
+    monkeypatch.setattr(staging.Stage, "insert", spy)
+    monkeypatch.setattr(register, "TRANSACTION_MEMORY", 2**60)  # above any machine's: the old behaviour
+    ref = Catalog(tmp_path / "ref.duckdb")
+    ref.register([fam], base_model="base")
+    base_limit = 40 * 2**20
+    limit = base_limit + register.KEY_BYTES * 2 * 2 * 8000  # 2 experts × (a block and a tensor row) × 8000 tensors
+    assert seen[-1][1] > limit  # what this transaction holds without the limit
+    for name, setting, blocked in (
+        ("spilled", base_limit, False),
+        ("blocked", base_limit, True),
+        ("tiny", 2**20, False),
+    ):
+        monkeypatch.setattr(register, "TRANSACTION_MEMORY", setting)
+        if blocked:  # DuckDB makes CATALOG.tmp/ to spill into: a file of that name refuses it
+            (tmp_path / f"{name}.duckdb.tmp").write_text("not a folder")
+        seen.clear()
+        cat = Catalog(tmp_path / f"{name}.duckdb")
+        assert cat.register([fam], base_model="base").registered == ("base", "expert_00", "expert_01")
+        limits = [register._limit_bytes(v) for v, _ in seen]
+        if name == "spilled":
+            assert len(seen) == 2 and all(abs(v - limit) < 2**20 / 10 for v in limits), seen  # shown as "40.7 MiB"
+            assert max(h for _, h in seen) <= limit, seen
+            assert not (tmp_path / f"{name}.duckdb.tmp").exists()
+        else:  # the try under the limit failed (before or after the first expert's rows); the next ran
+            assert min(limits[-2:]) > 100 * limit, seen  # under the process's own limit, to the end
+        for table in ("expert_blocks", "expert_tensors"):
+            for e in ("expert_00", "expert_01"):
+                assert _stored(cat, table, e) == _stored(ref, table, e)
+        with cat.duckdb_connection() as con:  # the limit is the connection's own again
+            own = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+            assert register._limit_bytes(own) > 100 * limit

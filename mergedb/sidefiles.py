@@ -44,6 +44,7 @@ SIDE_FILES = (
     "tekken.json",  # Mistral's tekken tokenizer (Mistral-Nemo, Pixtral, Ministral, Mistral-Small 3)
     "tiktoken.model",  # tiktoken vocabularies transformers converts (Kimi K2)
     "qwen.tiktoken",  # Qwen (1)'s custom-code tokenizer reads its vocabulary from this file
+    "ice_text.model",  # ChatGLM-6B's custom-code tokenizer: its sentencepiece model (vocab_file)
     "normalizer.json",  # Whisper's English text normalizer, read by its tokenizer
     "chat_template.jinja",
     "chat_template.json",

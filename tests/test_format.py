@@ -413,15 +413,15 @@ def test_hub_cache_snapshot_links_into_its_own_blobs_only(tmp_path):
 
 def test_tokenizer_and_processor_files_reach_the_output(tmp_path):
     """Tokenizer and processor files real models ship beyond the classic names (Mistral's tekken.json
-    and tokenizer.model.v3, Qwen's qwen.tiktoken, Kimi's tiktoken.model, DeBERTa's spm.model, Marian's
-    source.spm/target.spm, Whisper's normalizer.json, multimodal processor configs) are copied; other
-    files beside them are not."""
+    and tokenizer.model.v3, Qwen's qwen.tiktoken, Kimi's tiktoken.model, ChatGLM's ice_text.model,
+    DeBERTa's spm.model, Marian's source.spm/target.spm, Whisper's normalizer.json, multimodal processor
+    configs) are copied; other files beside them are not."""
     fam = tmp_path / "fam"
     _model(fam / "base", 1)
     _model(fam / "expert", 2)
     names = ["tekken.json", "tokenizer.model.v3", "tokenizer.model.v7", "qwen.tiktoken", "tiktoken.model", "spm.model",
              "source.spm", "target.spm", "normalizer.json", "processor_config.json",
-             "video_preprocessor_config.json"]  # fmt: skip
+             "video_preprocessor_config.json", "ice_text.model"]  # fmt: skip
     for n in names + ["tokenizer.model.bak", "notes.py", "optimizer.pt", "tokenizer.model.v3.lock"]:
         (fam / "base" / n).write_text("{}")
     cat = Catalog(tmp_path / "c.duckdb")

@@ -28,6 +28,7 @@ import pytest
 from mergedb import executor, remote, synth
 from mergedb.catalog import Catalog
 from mergedb.errors import ChangedFileError, MergeDBError
+from mergedb.manifest import ExecutionPlan
 from mergedb.planner import PlanRequest
 
 fsspec = pytest.importorskip("fsspec", reason="remote checkpoints need fsspec: pip install 'mergedb[remote]'")
@@ -674,11 +675,16 @@ def test_bench_remote_quick_runs(tmp_path):
     assert "| 25% | remote / local |" in "\n".join(_remote(doc))
 
 
-def test_server_failing_mid_run_leaves_no_output(sharded_family, http_server, tmp_path):
+def _served_plan(http_server, tmp_path) -> ExecutionPlan:
+    """REQUEST's plan over the sharded family as `http_server` serves it (base and every expert)."""
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([f"{http_server.url}/base/model.safetensors.index.json"], base=True, block_size=BLOCK)
     cat.register([f"{http_server.url}/{e}/model.safetensors.index.json" for e in EXPERTS], base_model="base")
-    xp = cat.execution_plan(cat.plan(REQUEST).plan_id)
+    return cat.execution_plan(cat.plan(REQUEST).plan_id)
+
+
+def test_server_failing_mid_run_leaves_no_output(sharded_family, http_server, tmp_path):
+    xp = _served_plan(http_server, tmp_path)
     http_server.fail_data = True
     with pytest.raises(MergeDBError, match="reading failed.*check the network"):
         executor.execute(xp, tmp_path / "out")
@@ -696,10 +702,7 @@ def test_transient_http_failures_are_tried_again_and_lasting_ones_are_not(sharde
     ranged GETs failed a whole merge (over S3 botocore retries). A transient failure is tried again
     (HTTP_TRIES in all) and the output is the one without failures; a 403 is not tried again, and a
     failure that lasts ends the run after HTTP_TRIES tries of a range, leaving no output."""
-    cat = Catalog(tmp_path / "c.duckdb")
-    cat.register([f"{http_server.url}/base/model.safetensors.index.json"], base=True, block_size=BLOCK)
-    cat.register([f"{http_server.url}/{e}/model.safetensors.index.json" for e in EXPERTS], base_model="base")
-    xp = cat.execution_plan(cat.plan(REQUEST).plan_id)
+    xp = _served_plan(http_server, tmp_path)
     executor.execute(xp, tmp_path / "clean")
     http_server.flaky = [503, "drop", 500, 429]  # HTTP_TRIES − 1: fine even if one request meets them all
     http_server.log.clear()
@@ -727,10 +730,7 @@ def test_a_retry_after_answer_is_waited_for_up_to_a_limit(sharded_family, http_s
     so the next tries came at once and a throttled merge failed faster than the server asked. Now the
     wait is what the answer asks (at least the usual backoff); an answer asking for more than
     HTTP_MAX_WAIT ends the run at once with the wait it asked for, leaving no output."""
-    cat = Catalog(tmp_path / "c.duckdb")
-    cat.register([f"{http_server.url}/base/model.safetensors.index.json"], base=True, block_size=BLOCK)
-    cat.register([f"{http_server.url}/{e}/model.safetensors.index.json" for e in EXPERTS], base_model="base")
-    xp = cat.execution_plan(cat.plan(REQUEST).plan_id)
+    xp = _served_plan(http_server, tmp_path)
     executor.execute(xp, tmp_path / "clean")
     waits: list[float] = []
     monkeypatch.setattr(remote.time, "sleep", waits.append)  # waits recorded, not slept

@@ -362,7 +362,7 @@ def register(
 
 # DuckDB keeps a transaction's inserted rows in memory until COMMIT: ~60 MB per expert of 20k tensors,
 # so registering K experts at once grew by K. Under a memory limit it spills them into CATALOG.tmp/
-# instead (benchmarks/ANALYSIS.md: 16 experts of 20k tensors, peak RSS 1.43 GB -> 0.75 GB, no slower).
+# instead (benchmarks/ANALYSIS.md: 16 experts of 20k tensors, peak RSS 1.43 GB -> 0.78 GB, no slower).
 # What cannot spill is the primary keys' index (~8 bytes a key in DuckDB 2.0: 10M keys, 80 MB), which
 # a transaction loads for the catalog's rows and grows by the new ones: the limit is TRANSACTION_MEMORY
 # plus KEY_BYTES for each of those rows.
@@ -391,21 +391,18 @@ def _transaction(
                 try:
                     con.execute(f"SET memory_limit = '{limit}'")
                 except duckdb.OutOfMemoryException:  # DuckDB holds more already (what it loaded of the catalog)
-                    continue
+                    if i + 1 < len(limits):
+                        continue
+                    raise
                 con.execute("BEGIN")
                 try:
                     done = write(con)
                     con.execute("COMMIT")
                     return done
-                except (duckdb.OutOfMemoryException, duckdb.IOException):
+                except BaseException as e:
                     rollback(con)
-                    if i + 1 < len(limits):
-                        continue
-                    if new:
-                        cat.discard_if_empty(con)
-                    raise
-                except BaseException:
-                    rollback(con)
+                    if isinstance(e, (duckdb.OutOfMemoryException, duckdb.IOException)) and i + 1 < len(limits):
+                        continue  # DuckDB could not keep to the limit: again under its own
                     if new:
                         cat.discard_if_empty(con)
                     raise

@@ -127,11 +127,12 @@ def _trims(
 
 def _on_grid(d: np.ndarray) -> np.ndarray:
     """Index into summary.DENSITY_GRID of each density in `d` (-1: off the grid); matched with
-    |grid − d| < 1e-12, as _grid_indices matches, once per distinct value."""
+    |grid − d| < 1e-12 (the one match thresholds and _grid_indices use), once per distinct value."""
     if not d.size:
         return np.zeros(0, np.int64)
     srt = np.sort(d)
-    distinct = srt[np.concatenate([[True], srt[1:] != srt[:-1]])]  # not np.unique: see _grid_indices
+    distinct = srt[np.concatenate([[True], srt[1:] != srt[:-1]])]  # not np.unique: its first call imports
+    # numpy.ma, ~9 ms of the first plan of a process
     index = np.array(
         [
             int(h[0]) if len(h) else -1
@@ -146,16 +147,13 @@ def _on_grid(d: np.ndarray) -> np.ndarray:
 def _grid_indices(m: methods.Method, values: TensorValues) -> list[int]:
     """Sorted indices into summary.DENSITY_GRID of every density `thresholds` may look up on the grid:
     γ + density of each (expert, tensor), and γ itself where γ > 0 (a superset: pairs outside the
-    plan's rows, and γ·numel < 1, are harmless). The same float64 sums and the same 1e-12 match."""
+    plan's rows, and γ·numel < 1, are harmless). The same float64 sums and the same match (_on_grid)."""
     density = np.asarray(values.density, np.float64)
     gamma = np.zeros_like(density)
     if m.sparsify == "band" and values.gamma is not None:
         gamma = np.asarray(values.gamma, np.float64)
-    wanted = np.sort(np.concatenate([(gamma + density).ravel(), gamma[gamma > 0].ravel()]))
-    wanted = wanted[np.concatenate([[True], wanted[1:] != wanted[:-1]])] if wanted.size else wanted  # not
-    # np.unique: its first call imports numpy.ma, ~9 ms of the first plan of a process
-    hits = {int(h[0]) for d in wanted for h in [np.flatnonzero(np.abs(summary.DENSITY_GRID - d) < 1e-12)] if len(h)}
-    return sorted(hits)
+    on = _on_grid(np.concatenate([(gamma + density).ravel(), gamma[gamma > 0].ravel()]))
+    return sorted(set(on[on >= 0].tolist()))
 
 
 def nonfinite(

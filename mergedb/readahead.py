@@ -29,6 +29,27 @@ R = TypeVar("R")
 READ_AHEAD_BYTES = 256 * 2**20  # file bytes asked for beyond the unit that starts (page cache, not RSS)
 
 
+class Units(Sequence[Unit]):
+    """The scan's (expert, tensor) units in the order they run: the tensors of `order` one after
+    another, each with its `experts` units together (expert 0 first). Made when asked for: a list of
+    them held 64 bytes per unit (20 MB for 16 experts of 20,000 tensors)."""
+
+    def __init__(self, order: Sequence[FamilyTensor], experts: int) -> None:
+        self.order, self.experts = order, experts
+
+    def __len__(self) -> int:
+        return len(self.order) * self.experts
+
+    def __getitem__(self, i: int) -> Unit:  # type: ignore[override]  # (no slices: nothing asks for them)
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        return i % self.experts, self.order[i // self.experts]
+
+    def __iter__(self) -> Iterator[Unit]:
+        return ((k, ft) for ft in self.order for k in range(self.experts))
+
+
 class ReadAhead:
     """Asks the kernel to read the scan's files ahead of its units (POSIX_FADV_WILLNEED; remote
     sources fetch their declared reads ahead already): when a unit starts, every unit after it that
@@ -36,40 +57,54 @@ class ReadAhead:
     unit's first blocks are then in memory when it starts instead of a disk round trip away, and the
     disk is kept busy while both cores compute. A tensor's first unit asks for the base's bytes too
     (the units of a tensor share them, scan._Shared). `units` in the order they run; the files and
-    `where`s as scan._scan holds them."""
+    `where`s as scan._scan holds them. It keeps 17 bytes per unit (a list of reads and a dict entry
+    per unit were ~350: 110 MB for 16 experts of 20,000 tensors); a unit's reads are looked up when
+    it is asked for."""
 
     def __init__(
         self, units: Sequence[Unit], bfiles: Any, bwhere: dict, expert_files: Sequence[Any], ewhere: list
     ) -> None:
-        self.reads: list[list[Read]] = []  # per unit, in run order
-        seen = set()
-        for k, ft in units:
-            efi, et = ewhere[k][ft.name]
-            unit = [(expert_files[k].src[efi], et.start, et.nbytes)]
-            if ft.tensor_idx not in seen:
-                seen.add(ft.tensor_idx)
-                bfi, bt = bwhere[ft.name]
-                unit.append((bfiles.src[bfi], bt.start, bt.nbytes))
-            self.reads.append(unit)
-        self.end = np.cumsum([sum(n for _, _, n in r) for r in self.reads])  # bytes up to each unit's end
-        self.index = {(k, ft.tensor_idx): i for i, (k, ft) in enumerate(units)}
+        self.units, self.bfiles, self.bwhere = units, bfiles, bwhere
+        self.expert_files, self.ewhere = expert_files, ewhere
+        n_experts = 1 + max((k for k, _ in units), default=-1)
+        n_tensors = 1 + max((ft.tensor_idx for _, ft in units), default=-1)
+        self.index = np.zeros((n_experts, n_tensors), np.int64)  # (expert, tensor) -> the unit's place in `units`
+        self.first = np.zeros(len(units), bool)  # the unit is its tensor's first: it asks for the base's bytes too
+        seen = np.zeros(n_tensors, bool)
+        nbytes = np.zeros(len(units), np.int64)
+        for i, (k, ft) in enumerate(units):
+            self.index[k, ft.tensor_idx] = i
+            nbytes[i] = ewhere[k][ft.name][1].nbytes
+            if not seen[ft.tensor_idx]:
+                seen[ft.tensor_idx] = self.first[i] = True
+                nbytes[i] += bwhere[ft.name][1].nbytes
+        self.end = np.cumsum(nbytes)  # bytes up to each unit's end
         self.asked = 0  # units asked for so far
         self.lock = threading.Lock()
+
+    def _reads(self, i: int) -> list[Read]:
+        k, ft = self.units[i]
+        efi, et = self.ewhere[k][ft.name]
+        reads = [(self.expert_files[k].src[efi], et.start, et.nbytes)]
+        if self.first[i]:
+            bfi, bt = self.bwhere[ft.name]
+            reads.append((self.bfiles.src[bfi], bt.start, bt.nbytes))
+        return reads
 
     def started(self, k: int, ft: FamilyTensor) -> None:
         """Unit (k, ft) starts: ask for it and the units after it not asked for yet (outside the lock:
         a unit whose bytes another thread is still asking for reads them itself, just as correctly)."""
-        i = self.index[k, ft.tensor_idx]
+        i = int(self.index[k, ft.tensor_idx])
         with self.lock:
             lo = self.asked
             hi = max(lo, i + 2)
             limit = self.end[i] + READ_AHEAD_BYTES
-            while hi < len(self.reads) and self.end[hi - 1] < limit:
+            while hi < len(self.units) and self.end[hi - 1] < limit:
                 hi += 1
-            hi = min(hi, len(self.reads))
+            hi = min(hi, len(self.units))
             self.asked = hi
-        for unit in self.reads[lo:hi]:
-            for src, offset, n in unit:
+        for j in range(lo, hi):
+            for src, offset, n in self._reads(j):
                 src.will_need(offset, n)
 
 

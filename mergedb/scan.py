@@ -402,10 +402,7 @@ def _scan(
         return rows, TensorRow(ft.tensor_idx, all_identical, thresholds, codes, counts), hashes
 
     # largest first; a tensor's units (one per expert) next to each other, so they share its codes
-    units = sorted(
-        ((k, ft) for k in range(len(experts)) for ft in family),
-        key=lambda u: (-u[1].nbytes, u[1].tensor_idx, u[0]),
-    )
+    units = readahead.Units(sorted(family, key=lambda ft: (-ft.nbytes, ft.tensor_idx)), len(experts))
     computed: dict[tuple[int, int], tuple[str, float | None, int | None]] = {}  # base rows (base_hashes None)
 
     def hash_of(tensor_idx: int, block_idx: int, same: np.ndarray) -> str:
@@ -418,7 +415,8 @@ def _scan(
     many = len(experts) > 1
     shared = _Shared({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if many else None
     out = [ExpertStats() for _ in experts]
-    hashes_of: dict[tuple[int, int], bytes] = {}  # (expert, tensor) -> its block hashes, joined
+    place = {ft.tensor_idx: i for i, ft in enumerate(family)}
+    hashes_of: list[list[bytes]] = [[b""] * len(family) for _ in experts]  # [expert][tensor]: its block hashes, joined
     with _opened([base, *experts]) as (bfiles, *expert_files):
         if any(s.remote for f in (bfiles, *expert_files) for s in f.src):
             declare(readahead.unit_reads(units, bfiles, bwhere, expert_files, ewhere))
@@ -426,10 +424,11 @@ def _scan(
         put = sink or collect(out)
         with ThreadPoolExecutor(threads) as pool:
             for (k, ft), (rows, trow, hashes) in zip(units, readahead.in_order(pool, one, units, 8 * threads + 8)):
-                hashes_of[k, ft.tensor_idx] = "".join(hashes).encode()
+                hashes_of[k][place[ft.tensor_idx]] = "".join(hashes).encode()
                 put(k, rows, [] if trow is None else [trow])
     for k, st in enumerate(out):
-        st.content_hash = content_hash(hashes_of.pop((k, ft.tensor_idx)) for ft in family)
+        st.content_hash = content_hash(hashes_of[k])
+        hashes_of[k] = []
         st.blocks.sort(key=lambda r: (r.tensor_idx, r.block_idx))  # collected (stable: a unit's rows are in order)
         st.tensors.sort(key=lambda r: r.tensor_idx)
     return out, computed

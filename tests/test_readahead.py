@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import pytest
+
 from mergedb import readahead
 from mergedb.catalog import Catalog
 from mergedb.layout import FamilyTensor
@@ -103,3 +105,17 @@ def test_registration_asks_the_kernel_for_every_expert_byte_ahead(tmp_path, monk
     q = "SELECT * EXCLUDE (checkpoint_id) FROM expert_blocks ORDER BY ALL"
     with cat.duckdb_connection() as a, plain.duckdb_connection() as b:
         assert repr(a.execute(q).fetchall()) == repr(b.execute(q).fetchall())
+
+
+def test_units_run_in_the_scans_order_without_a_list_of_them():
+    """readahead.Units is the list scan._scan ran before (each tensor's units together, expert 0 first,
+    the tensors largest first, then by index), item by item, made when asked for."""
+    tensors = [_tensor(i, n) for i, n in enumerate([100, 300, 100, 200])]
+    order = sorted(tensors, key=lambda ft: (-ft.nbytes, ft.tensor_idx))
+    listed = sorted(((k, ft) for k in range(3) for ft in tensors), key=lambda u: (-u[1].nbytes, u[1].tensor_idx, u[0]))
+    units = readahead.Units(order, 3)
+    assert list(units) == listed and len(units) == 12
+    assert [units[i] for i in range(-12, 12)] == listed + listed
+    for bad in (12, -13):
+        with pytest.raises(IndexError):
+            units[bad]

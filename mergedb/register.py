@@ -365,8 +365,13 @@ def register(
 # instead (benchmarks/ANALYSIS.md: 16 experts of 20k tensors, peak RSS 1.43 GB -> 0.78 GB, no slower).
 # What cannot spill is the primary keys' index (~8 bytes a key in DuckDB 2.0: 10M keys, 80 MB), which
 # a transaction loads for the catalog's rows and grows by the new ones: the limit is TRANSACTION_MEMORY
-# plus KEY_BYTES for each of those rows.
-TRANSACTION_MEMORY = 256 * 2**20
+# plus KEY_BYTES for each of those rows, plus THREAD_MEMORY for each DuckDB thread (each inserts with
+# buffers of its own). Measured on 16 experts of 20k tensors (ANALYSIS.md): DuckDB could not keep to
+# 47 MiB with 2 threads, nor to 79 MiB with 64; it kept to 79 and 143 MiB, and to 100 MiB with sketches
+# 4x wider (dim 256): the constants leave ~1.4x above those. (Below its need DuckDB raises, and the
+# transaction runs again under its own limit: correct, but the failed try costs its time.)
+TRANSACTION_MEMORY = 96 * 2**20
+THREAD_MEMORY = 2**20
 KEY_BYTES = 24
 
 
@@ -379,12 +384,12 @@ def _transaction(
     than the estimate will not spill) the transaction runs again under the connection's own limit,
     which is put back afterwards in any case (a process's connections to one file share it)."""
     with cat.duckdb_connection(write=True, create=new) as con:
-        own = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+        own, threads = con.execute("SELECT current_setting('memory_limit'), current_setting('threads')").fetchall()[0]
         keyed = con.execute(
             "SELECT (SELECT count(*) FROM expert_blocks) + (SELECT count(*) FROM expert_tensors) "
             "+ (SELECT count(*) FROM blocks)"
         ).fetchall()[0][0]
-        cap = TRANSACTION_MEMORY + KEY_BYTES * (int(keyed) + rows)
+        cap = TRANSACTION_MEMORY + THREAD_MEMORY * int(threads) + KEY_BYTES * (int(keyed) + rows)
         limits = [f"{cap}B", own] if _limit_bytes(own) > cap else [own]
         try:
             for i, limit in enumerate(limits):

@@ -78,9 +78,7 @@ class Candidates:
         if np.any(pairs & ~keep[self.carrier]):
             raise PlanError("internal error: a candidate kept without its fixed-cost carrier; nothing was stored")
         arrays = {f: getattr(self, f)[keep] for f in _ROW_FIELDS}
-        return replace(
-            self, **arrays, dependent=new_row[self.dependent[pairs]], carrier=new_row[self.carrier[pairs]]
-        )
+        return replace(self, **arrays, dependent=new_row[self.dependent[pairs]], carrier=new_row[self.carrier[pairs]])
 
     def slot(self, rows: np.ndarray) -> np.ndarray:
         """(len(rows),) int64 position·B + gblock of `rows`: (position, tensor_idx, block_idx) as one key."""

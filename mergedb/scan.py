@@ -153,7 +153,7 @@ def _opened(ckpts: list[Checkpoint]) -> Iterator[list[_Files]]:
 
 
 def _where(ckpt: Checkpoint) -> dict[str, tuple[int, TensorInfo]]:
-    return {t.name: (fi, t) for fi, t in ckpt.tensors}
+    return {pair[1].name: pair for pair in ckpt.tensors}  # the checkpoint's own (file, tensor) pairs
 
 
 class _Scratch(threading.local):

@@ -136,7 +136,7 @@ def test_memory_does_not_grow_with_the_experts_rows(tmp_path):
     on disk, every expert's rows were held until the transaction (3 more experts: 3 × their rows more,
     plus their headers). What still grows is per (expert, tensor) bookkeeping: its header entry
     (~260 bytes: tensorfile.TensorInfo without a __dict__, names and shapes shared between files), its
-    place in the scan's lookup (~55) and its block hashes (~75): ~440 bytes measured, under 600. Before
+    entry in the scan's lookup and its block hashes (~130): ~390 bytes measured, under 600. Before
     (a dict per TensorInfo, a list of reads and a dict entry per unit in readahead, a list of units, a
     dict of hashes) it was ~1,040: 330 MB for 16 experts of 20,000 tensors."""
     n = 1500

@@ -10,6 +10,7 @@ go to the worker threads a bounded window ahead of the one whose result is taken
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,10 +38,17 @@ class Units(Sequence[Unit]):
     def __init__(self, order: Sequence[FamilyTensor], experts: int) -> None:
         self.order, self.experts = order, experts
 
+    @classmethod
+    def scan_order(cls, family: Sequence[FamilyTensor], experts: int) -> Units:
+        """scan._scan's order: the largest tensor first (then by index), so that the tail where one
+        thread finishes a large tensor alone is one small unit long."""
+        return cls(sorted(family, key=lambda ft: (-ft.nbytes, ft.tensor_idx)), experts)
+
     def __len__(self) -> int:
         return len(self.order) * self.experts
 
     def __getitem__(self, i: int) -> Unit:  # type: ignore[override]  # (no slices: nothing asks for them)
+        i = operator.index(i)  # a slice: TypeError
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)
@@ -68,7 +76,7 @@ class ReadAhead:
         self.expert_files, self.ewhere = expert_files, ewhere
         n_experts = 1 + max((k for k, _ in units), default=-1)
         n_tensors = 1 + max((ft.tensor_idx for _, ft in units), default=-1)
-        self.index = np.zeros((n_experts, n_tensors), np.int64)  # (expert, tensor) -> the unit's place in `units`
+        self.index = np.full((n_experts, n_tensors), -1, np.int64)  # (expert, tensor) -> the unit's place in `units`
         self.first = np.zeros(len(units), bool)  # the unit is its tensor's first: it asks for the base's bytes too
         seen = np.zeros(n_tensors, bool)
         nbytes = np.zeros(len(units), np.int64)
@@ -94,7 +102,9 @@ class ReadAhead:
     def started(self, k: int, ft: FamilyTensor) -> None:
         """Unit (k, ft) starts: ask for it and the units after it not asked for yet (outside the lock:
         a unit whose bytes another thread is still asking for reads them itself, just as correctly)."""
-        i = int(self.index[k, ft.tensor_idx])
+        i = int(self.index[k, ft.tensor_idx]) if k < self.index.shape[0] and ft.tensor_idx < self.index.shape[1] else -1
+        if i < 0:
+            raise KeyError((k, ft.tensor_idx))  # not a unit of this scan
         with self.lock:
             lo = self.asked
             hi = max(lo, i + 2)

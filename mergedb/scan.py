@@ -402,7 +402,7 @@ def _scan(
         return rows, TensorRow(ft.tensor_idx, all_identical, thresholds, codes, counts), hashes
 
     # largest first; a tensor's units (one per expert) next to each other, so they share its codes
-    units = readahead.Units(sorted(family, key=lambda ft: (-ft.nbytes, ft.tensor_idx)), len(experts))
+    units = readahead.Units.scan_order(family, len(experts))
     computed: dict[tuple[int, int], tuple[str, float | None, int | None]] = {}  # base rows (base_hashes None)
 
     def hash_of(tensor_idx: int, block_idx: int, same: np.ndarray) -> str:
@@ -416,7 +416,7 @@ def _scan(
     shared = _Shared({ft.tensor_idx: len(experts) for ft in family}, sketch_dim) if many else None
     out = [ExpertStats() for _ in experts]
     place = {ft.tensor_idx: i for i, ft in enumerate(family)}
-    hashes_of: list[list[bytes]] = [[b""] * len(family) for _ in experts]  # [expert][tensor]: its block hashes, joined
+    hashes_of: list[list[bytes | None]] = [[None] * len(family) for _ in experts]  # [expert][tensor]: block hashes
     with _opened([base, *experts]) as (bfiles, *expert_files):
         if any(s.remote for f in (bfiles, *expert_files) for s in f.src):
             declare(readahead.unit_reads(units, bfiles, bwhere, expert_files, ewhere))
@@ -427,7 +427,8 @@ def _scan(
                 hashes_of[k][place[ft.tensor_idx]] = "".join(hashes).encode()
                 put(k, rows, [] if trow is None else [trow])
     for k, st in enumerate(out):
-        st.content_hash = content_hash(hashes_of[k])
+        assert None not in hashes_of[k], "a unit of the scan did not run"  # (its error would have been raised)
+        st.content_hash = content_hash(hashes_of[k])  # type: ignore[arg-type]
         hashes_of[k] = []
         st.blocks.sort(key=lambda r: (r.tensor_idx, r.block_idx))  # collected (stable: a unit's rows are in order)
         st.tensors.sort(key=lambda r: r.tensor_idx)

@@ -86,6 +86,21 @@ def test_block_statistics_exact(family, models, expert):
             np.testing.assert_allclose(sq, (inside.astype(np.float64) ** 2).sum(), rtol=1e-9)
         assert sum(r["hist_count"]) == a.size
     assert seen_identical and seen_changed, "the family should have frozen and changed blocks"
+    # the checkpoint's content hash: xxh3-128 over the hashes (hex digits) of its bytes of every block of
+    # the family (non-mergeable tensors' too, which have no expert_blocks rows), in (tensor, block) order
+    layout = cat.sql(
+        "SELECT ft.name, bl.row_start, bl.row_end FROM blocks bl JOIN family_tensors ft USING (base_id, tensor_idx) "
+        "ORDER BY bl.tensor_idx, bl.block_idx"
+    ).to_pylist()
+    stream = xxhash.xxh3_128()
+    for r in layout:
+        b = base[r["name"]]
+        row_bytes = len(raw_e[r["name"]]) // (b.shape[0] if b.ndim > 1 else 1)
+        piece = raw_e[r["name"]][r["row_start"] * row_bytes : r["row_end"] * row_bytes]
+        stream.update(xxhash.xxh3_128_hexdigest(piece).encode())
+    assert len(layout) > len(rows), "the family should have a tensor that is not merged"
+    stored = cat.sql("SELECT content_hash FROM checkpoints WHERE name = ?", [expert]).column(0)[0].as_py()
+    assert stored == stream.hexdigest()
 
 
 @pytest.mark.parametrize("expert", EXPERTS)

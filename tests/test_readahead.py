@@ -111,11 +111,23 @@ def test_units_run_in_the_scans_order_without_a_list_of_them():
     """readahead.Units is the list scan._scan ran before (each tensor's units together, expert 0 first,
     the tensors largest first, then by index), item by item, made when asked for."""
     tensors = [_tensor(i, n) for i, n in enumerate([100, 300, 100, 200])]
-    order = sorted(tensors, key=lambda ft: (-ft.nbytes, ft.tensor_idx))
     listed = sorted(((k, ft) for k in range(3) for ft in tensors), key=lambda u: (-u[1].nbytes, u[1].tensor_idx, u[0]))
-    units = readahead.Units(order, 3)
+    units = readahead.Units.scan_order(tensors, 3)
     assert list(units) == listed and len(units) == 12
     assert [units[i] for i in range(-12, 12)] == listed + listed
     for bad in (12, -13):
         with pytest.raises(IndexError):
             units[bad]
+    with pytest.raises(TypeError):
+        units[0:2]
+
+
+def test_a_unit_the_scan_does_not_run_is_refused():
+    """ReadAhead.started with an (expert, tensor) that is not one of its units raises, as the dict it
+    kept did, instead of asking for some other unit's bytes."""
+    log: list = []
+    units, ahead = _setup([300, 200], 2, log)
+    for k, ft in ((2, units[0][1]), (0, _tensor(5, 100))):
+        with pytest.raises(KeyError):
+            ahead.started(k, ft)
+    assert log == []

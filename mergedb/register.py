@@ -352,7 +352,7 @@ def register(
                 done.append(e.name)
             return done
 
-        done = _transaction(cat, new, stage.rows, write)
+        done = _transaction(cat, new, stage.rows, dim, write)
         return RegisterResult(
             tuple(done), tuple(unchanged), read, time.perf_counter() - t0, tuple(c.name for c in moved)
         )
@@ -362,34 +362,39 @@ def register(
 
 # DuckDB keeps a transaction's inserted rows in memory until COMMIT: ~60 MB per expert of 20k tensors,
 # so registering K experts at once grew by K. Under a memory limit it spills them into CATALOG.tmp/
-# instead (benchmarks/ANALYSIS.md: 16 experts of 20k tensors, peak RSS 1.43 GB -> 0.78 GB, no slower).
-# What cannot spill is the primary keys' index (~8 bytes a key in DuckDB 2.0: 10M keys, 80 MB), which
-# a transaction loads for the catalog's rows and grows by the new ones: the limit is TRANSACTION_MEMORY
-# plus KEY_BYTES for each of those rows, plus THREAD_MEMORY for each DuckDB thread (each inserts with
-# buffers of its own). Measured on 16 experts of 20k tensors (ANALYSIS.md): DuckDB could not keep to
-# 47 MiB with 2 threads, nor to 79 MiB with 64; it kept to 79 and 143 MiB, and to 100 MiB with sketches
-# 4x wider (dim 256): the constants leave ~1.4x above those. (Below its need DuckDB raises, and the
-# transaction runs again under its own limit: correct, but the failed try costs its time.)
+# instead (benchmarks/ANALYSIS.md: 16 experts of 20k tensors, peak RSS 1.43 GB -> 0.50 GB, no slower).
+# What cannot spill: the primary keys' index (~8 bytes a key in DuckDB 2.0: 10M keys, 80 MB), which a
+# transaction loads for the catalog's rows and grows by the new ones; buffers of each inserting DuckDB
+# thread; rows being gathered, as wide as the sketches. So the limit is TRANSACTION_MEMORY, plus
+# KEY_BYTES per keyed row, THREAD_MEMORY per DuckDB thread and SKETCH_MEMORY per sketch dimension.
+# Measured (ANALYSIS.md; 20k tensors, K = 4 or 16): DuckDB did not keep to 47 MiB (2 threads, sketch
+# dim 64), 79 MiB (64 threads) or 102 MiB (dim 1024); it kept to 79, 143 and 166 MiB and to 100 MiB at
+# dim 256. The constants give 1.3-1.5x those: 106 MiB + rows at 2 threads and dim 64, 168 + rows at 64
+# threads, 226 + rows at dim 1024. (Below its need DuckDB raises, and the transaction runs again under
+# its own limit: correct, but the failed try costs its time and more memory than no limit.)
 TRANSACTION_MEMORY = 96 * 2**20
 THREAD_MEMORY = 2**20
+SKETCH_MEMORY = 128 * 2**10
 KEY_BYTES = 24
 
 
 def _transaction(
-    cat: Catalog, new: bool, rows: int, write: Callable[[duckdb.DuckDBPyConnection], list[str]]
+    cat: Catalog, new: bool, rows: int, sketch_dim: int, write: Callable[[duckdb.DuckDBPyConnection], list[str]]
 ) -> list[str]:
-    """write(con) in one transaction under a DuckDB memory limit for `rows` new keyed rows (see
-    TRANSACTION_MEMORY; never above the connection's own); nothing is written if it fails, and a new
-    catalog is removed then. Where DuckDB cannot keep to the limit (no room for CATALOG.tmp/, or more
-    than the estimate will not spill) the transaction runs again under the connection's own limit,
-    which is put back afterwards in any case (a process's connections to one file share it)."""
+    """write(con) in one transaction under a DuckDB memory limit for `rows` new keyed rows with sketches
+    of `sketch_dim` (see TRANSACTION_MEMORY; never above the connection's own); nothing is written if it
+    fails, and a new catalog is removed then. Where DuckDB cannot keep to the limit (no room for
+    CATALOG.tmp/, or more than the estimate will not spill) the transaction runs again under the
+    connection's own limit, which is put back afterwards in any case (a process's connections to one
+    file share it)."""
     with cat.duckdb_connection(write=True, create=new) as con:
         own, threads = con.execute("SELECT current_setting('memory_limit'), current_setting('threads')").fetchall()[0]
         keyed = con.execute(
             "SELECT (SELECT count(*) FROM expert_blocks) + (SELECT count(*) FROM expert_tensors) "
             "+ (SELECT count(*) FROM blocks)"
         ).fetchall()[0][0]
-        cap = TRANSACTION_MEMORY + THREAD_MEMORY * int(threads) + KEY_BYTES * (int(keyed) + rows)
+        cap = TRANSACTION_MEMORY + THREAD_MEMORY * int(threads) + SKETCH_MEMORY * sketch_dim
+        cap += KEY_BYTES * (int(keyed) + rows)
         limits = [f"{cap}B", own] if _limit_bytes(own) > cap else [own]
         try:
             for i, limit in enumerate(limits):

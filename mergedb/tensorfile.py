@@ -126,11 +126,8 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
-    """One tensor's entry in a safetensors header; `start`/`end` are absolute file offsets.
-
-    A registration holds one per tensor of every checkpoint it reads (16 experts of 20,000 tensors:
-    320,000), so it has no __dict__, and parse_header shares its strings and shapes: ~200 bytes
-    each instead of ~490."""
+    """One tensor's entry in a safetensors header; `start`/`end` are absolute file offsets. No __dict__,
+    strings and shapes shared (parse_header): a registration holds one per tensor of every checkpoint."""
 
     name: str
     dtype: str
@@ -321,12 +318,10 @@ def _entry(
             f"{bad}: tensor {name!r} of shape {shape} and dtype {dtype} needs {expected} bytes "
             f"but data_offsets {offsets} span {offsets[1] - offsets[0]}"
         )
-    # every checkpoint of a family names the same tensors: one string per name (interned), the dtype
-    # as DTYPE_BITS's own key, a shape as the file's first tuple of that shape
+    # a family's checkpoints name the same tensors: names interned, dtypes and shapes one object each
     dims = tuple(shape)
     dims = shapes.setdefault(dims, dims)
-    dtype = _DTYPE_KEYS[dtype]
-    return TensorInfo(sys.intern(name), dtype, dims, data_start + offsets[0], data_start + offsets[1])
+    return TensorInfo(sys.intern(name), _DTYPE_KEYS[dtype], dims, data_start + offsets[0], data_start + offsets[1])
 
 
 def pread_into(fd: int, buf: memoryview, offset: int, path: str | os.PathLike[str] = "") -> None:

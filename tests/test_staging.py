@@ -361,11 +361,12 @@ def test_the_transaction_runs_under_a_memory_limit_and_again_where_duckdb_cannot
     monkeypatch.setattr(register, "TRANSACTION_MEMORY", 2**60)  # above any machine's: the old behaviour
     ref = Catalog(tmp_path / "ref.duckdb")
     ref.register([fam], base_model="base")
-    base_limit = 40 * 2**20
+    base_limit = 32 * 2**20
     with ref.duckdb_connection() as con:
         threads = con.execute("SELECT current_setting('threads')").fetchall()[0][0]
     # 2 experts × (a block and a tensor row) × 8000 tensors
-    limit = base_limit + register.THREAD_MEMORY * threads + register.KEY_BYTES * 2 * 2 * 8000
+    limit = base_limit + register.THREAD_MEMORY * threads + register.SKETCH_MEMORY * ref.sketch_dim()
+    limit += register.KEY_BYTES * 2 * 2 * 8000
     assert seen[-1][1] > limit  # what this transaction holds without the limit
     for name, setting, blocked in (
         ("spilled", base_limit, False),
@@ -380,7 +381,7 @@ def test_the_transaction_runs_under_a_memory_limit_and_again_where_duckdb_cannot
         assert cat.register([fam], base_model="base").registered == ("base", "expert_00", "expert_01")
         limits = [register._limit_bytes(v) for v, _ in seen]
         if name == "spilled":
-            # shown as "42.7 MiB" with 2 threads
+            # shown as "42.7 MiB" with 2 threads and sketches of 64
             assert len(seen) == 2 and all(abs(v - limit) < 2**20 / 10 for v in limits), seen
             assert max(h for _, h in seen) <= limit, seen
             assert not (tmp_path / f"{name}.duckdb.tmp").exists()

@@ -387,7 +387,8 @@ class PlanInputs:
                 )
             # experts: no kernel readahead past the ranges we ask for
             srcs = [self.sources.open(ckpt.root / f.relpath, random=i > 0) for f in ckpt.files]
-            where = {t.name: (srcs[fi], t, str(ckpt.root / ckpt.files[fi].relpath)) for fi, t in ckpt.tensors}
+            paths = [str(ckpt.root / f.relpath) for f in ckpt.files]  # one string per file, not per tensor
+            where = {t.name: (srcs[fi], t, paths[fi]) for fi, t in ckpt.tensors}
             self.where.append(where)
             for t in xp.tensors:  # the plan's sizes come from the files, never from the plan alone
                 info = where.get(t.name)

@@ -88,6 +88,34 @@ def test_prefetch_reads_the_first_bytes_of_the_merge_in_order(plan, monkeypatch,
     assert sum(n for _, _, n in seen) == min(limit, total)
 
 
+def test_prefetch_keeps_a_few_reads_queued_not_all(plan, monkeypatch):
+    """The prefetch queues at most 4 reads per thread at a time. It submitted every read at once
+    before: a Future each (~1.5 KB), 50 MB at 16 experts of 2,000 small tensors, at the executor's peak."""
+    queued, most = [0], [0]
+    lock = threading.Lock()
+
+    class Counting(fetchplan.ThreadPoolExecutor):
+        def submit(self, fn, *args, **kwargs):
+            with lock:
+                queued[0] += 1
+                most[0] = max(most[0], queued[0])
+            f = super().submit(fn, *args, **kwargs)
+            f.add_done_callback(lambda _: _done())
+            return f
+
+    def _done():
+        with lock:
+            queued[0] -= 1
+
+    monkeypatch.setattr(fetchplan, "ThreadPoolExecutor", Counting)
+    monkeypatch.setattr(fetchplan, "PREFETCH_CHUNK", 4096)  # many pieces
+    pieces = sum(-(-n // 4096) for _, _, n in _expected_reads(plan))
+    p = fetchplan.Prefetch(plan, 10**9, threads=2)
+    p._thread.join()
+    p.close()
+    assert pieces > 100 and 0 < most[0] <= 4 * 2, (pieces, most[0])
+
+
 def test_prefetch_stops_when_closed_and_ignores_inputs_it_cannot_open(plan, monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(fetchplan.os, "sendfile", lambda *a: calls.append(a) or 0)

@@ -271,6 +271,8 @@ class Merger:
             ti, base_f, futs, out = pending.popleft()
             for f in futs:
                 f.result()
+            for pos in range(len(self.xp.experts)):  # its units are done: its trims are not needed again
+                self._trim_cache.pop((pos, ti), None)
             t = self.xp.tensors[ti]
             copied = isinstance(base_f, FileRange)
             ahead -= base_f.nbytes if copied else self._nbytes(ti)

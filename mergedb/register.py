@@ -362,7 +362,7 @@ def register(
 
 # DuckDB keeps a transaction's inserted rows in memory until COMMIT: ~60 MB per expert of 20k tensors,
 # so registering K experts at once grew by K. Under a memory limit it spills them into CATALOG.tmp/
-# instead (benchmarks/ANALYSIS.md: 16 experts of 20k tensors, peak RSS 1.43 GB -> 0.50 GB, no slower).
+# instead (benchmarks/ANALYSIS.md: 16 experts of 20k tensors, peak RSS 1.43 GB -> 0.49 GB, no slower).
 # What cannot spill: the primary keys' index (~8 bytes a key in DuckDB 2.0: 10M keys, 80 MB), which a
 # transaction loads for the catalog's rows and grows by the new ones; buffers of each inserting DuckDB
 # thread; rows being gathered, as wide as the sketches. So the limit is TRANSACTION_MEMORY, plus

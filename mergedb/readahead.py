@@ -66,7 +66,7 @@ class ReadAhead:
     disk is kept busy while both cores compute. A tensor's first unit asks for the base's bytes too
     (the units of a tensor share them, scan._Shared). `units` in the order they run; the files and
     `where`s as scan._scan holds them. It keeps 17 bytes per unit (a list of reads and a dict entry
-    per unit were ~350: 110 MB for 16 experts of 20,000 tensors); a unit's reads are looked up when
+    per unit were ~290: 93 MB for 16 experts of 20,000 tensors); a unit's reads are looked up when
     it is asked for."""
 
     def __init__(

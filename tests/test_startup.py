@@ -90,7 +90,7 @@ def test_prefetch_reads_the_first_bytes_of_the_merge_in_order(plan, monkeypatch,
 
 def test_prefetch_keeps_a_few_reads_queued_not_all(plan, monkeypatch):
     """The prefetch queues at most 4 reads per thread at a time. It submitted every read at once
-    before: a Future each (~1.5 KB), 50 MB at 16 experts of 2,000 small tensors, at the executor's peak."""
+    before: a Future each, most of the executor's 96 MB traced peak at 16 experts of 2,000 small tensors."""
     queued, most = [0], [0]
     lock = threading.Lock()
 

@@ -40,7 +40,7 @@ from .summary import (  # re-exported: stats.X names what registration computes
     SUMMARY_BINS,
     SUMMARY_SHIFT,
     hist_hi,  # noqa: F401
-    kth_count,
+    kth_counts,
     summary_bins,  # noqa: F401
     threshold_from_summary,  # noqa: F401
 )
@@ -315,14 +315,17 @@ def _locate(counts: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarra
 def _wanted(summary: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For every density of the grid: whether it has a threshold (rank k within the finite
     elements), and for those, the summary code holding the k-th largest |Δ| and its 0-based rank
-    from the top of that code's bin. Returns (ks, valid, codes, rank)."""
-    ks = np.array([kth_count(d, n) for d in DENSITY_GRID], np.int64)
-    desc = summary[::-1]
+    from the top of that code's bin. Returns (ks, valid, codes, rank). Over the summary's non-empty
+    bins only (an empty bin never holds a rank): a tensor of a few elements has a few of its 16,384,
+    and families of many such tensors ran this once per (expert, tensor)."""
+    ks = kth_counts(DENSITY_GRID, n)
+    desc_codes = np.flatnonzero(summary != 0)[::-1]  # non-empty bins, largest code first (summary_bins)
+    desc = summary[desc_codes]
     cum_desc = np.cumsum(desc)
     pos = np.searchsorted(cum_desc, ks, side="left")  # index (descending-code order) of rank k's bin
-    valid = pos < len(summary)  # ranks past the finite elements (non-finite Δ) have no threshold
+    valid = pos < desc_codes.size  # ranks past the finite elements (non-finite Δ) have no threshold
     pos_v = pos[valid]
-    codes = len(summary) - 1 - pos_v
+    codes = desc_codes[pos_v]
     rank = ks[valid] - 1 - (cum_desc[pos_v] - desc[pos_v])  # 0-based rank from the top of its bin
     return ks, valid, codes, rank
 

@@ -23,6 +23,12 @@ def kth_count(density: float, n: int) -> int:
     return max(1, int(density * n))
 
 
+def kth_counts(densities: np.ndarray, n: int) -> np.ndarray:
+    """kth_count of each of `densities` (float64) at once: (len,) int64, the same float64 products
+    truncated (every n below 2^53 is exact in float64, as in kth_count's product)."""
+    return np.maximum((np.asarray(densities, np.float64) * n).astype(np.int64), 1)
+
+
 def hist_hi(lo: np.ndarray) -> np.ndarray:
     """Upper edges of histogram bins given their lower edges."""
     codes = np.asarray(lo, np.float32).view(np.uint32) >> np.uint32(HIST_SHIFT)
@@ -31,7 +37,7 @@ def hist_hi(lo: np.ndarray) -> np.ndarray:
 
 def summary_bins(summary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sparse form of a magnitude summary: (codes ascending uint16, counts int64)."""
-    nz = np.flatnonzero(summary)
+    nz = np.flatnonzero(summary != 0)  # on the bool mask: np.nonzero of int64 is ~6x slower (16,384 bins)
     return nz.astype(np.uint16), summary[nz].astype(np.int64)
 
 

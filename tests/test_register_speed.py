@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergedb import stats, synth
+from mergedb import stats, summary, synth
 from mergedb.catalog import Catalog
 
 
@@ -54,6 +54,19 @@ def test_grid_thresholds_equal_full_sort_on_bf16_deltas(scale, distinct, n, froz
     got = stats.grid_thresholds(a.copy(), _summary(a))
     want = np.array([_sorted_kth(a, d) for d in stats.DENSITY_GRID], np.float32)
     np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.one_of(st.integers(0, 5000), st.integers(0, 2**53 - 1)),
+    extra=st.lists(st.floats(0.0, 1.0), max_size=20),
+)
+def test_kth_counts_equal_the_scalar_rule(n, extra):
+    """The grid's k for every density at once (grid_thresholds' _wanted) is mergekit's rule,
+    max(1, int(density·n)), computed one density at a time in Python."""
+    densities = np.concatenate([stats.DENSITY_GRID, np.array(extra, np.float64)])
+    want = [max(1, int(d * n)) for d in densities.tolist()]
+    assert summary.kth_counts(densities, n).tolist() == want
 
 
 def _exceptions(a: np.ndarray, cap: int) -> stats.Exceptions:

@@ -125,7 +125,7 @@ def scan_adapters(
         if all_zero:
             thresholds = np.zeros(len(stats.DENSITY_GRID), np.float32)
         else:
-            thresholds = stats.grid_thresholds(abs_delta, summary, exceptions)
+            thresholds = stats.tensor_thresholds(abs_delta, summary, exceptions)
         codes_, counts = stats.summary_bins(summary)
         fixed = factor.fixed_bytes if factor is not None and not all_zero else 0
         return rows, scan.TensorRow(ft.tensor_idx, all_zero, thresholds, codes_, counts), hashes, costs, fixed

@@ -397,7 +397,7 @@ def _scan(
         if all_identical:
             thresholds = np.zeros(len(stats.DENSITY_GRID), np.float32)
         else:
-            thresholds = stats.grid_thresholds(abs_delta, summary, exceptions)
+            thresholds = stats.tensor_thresholds(abs_delta, summary, exceptions)
         codes, counts = stats.summary_bins(summary)
         return rows, TensorRow(ft.tensor_idx, all_identical, thresholds, codes, counts), hashes
 

@@ -106,6 +106,49 @@ def test_grid_thresholds_from_exceptions_equal_full_sort(scale, distinct, n, non
         np.testing.assert_array_equal(got, want)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    scale=st.sampled_from([1e-38, 1e-6, 1e-3, 1.0]),
+    distinct=st.integers(1, 12),
+    n=st.integers(1, 3000),
+    nonfinite=st.integers(0, 3),
+    fp32=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sorted_thresholds_equal_full_sort(scale, distinct, n, nonfinite, fp32, seed):
+    """The sort registration uses for small tensors (stats.tensor_thresholds) against the reference."""
+    rng = np.random.default_rng(seed)
+    base = _bf16(rng.normal(0, 0.02, n))
+    expert = base + rng.normal(0, scale, distinct).astype(np.float32)[rng.integers(0, distinct, n)]
+    expert = expert.astype(np.float32) if fp32 else _bf16(expert)
+    expert[: n // 4] = base[: n // 4]
+    if nonfinite:
+        expert[rng.integers(0, n, nonfinite)] = [np.nan, np.inf, -np.inf][:nonfinite]
+    a = np.abs(expert - base).astype(np.float32)
+    want = np.array([_sorted_kth(a, d) for d in stats.DENSITY_GRID], np.float32)
+    np.testing.assert_array_equal(stats.sorted_thresholds(a.copy()), want)
+
+
+@pytest.mark.parametrize("n", [1, stats.SORT_MAX, stats.SORT_MAX + 1, 50_000, stats.SORT_MAX_RADIX + 1])
+@pytest.mark.parametrize("fp32", [False, True])
+def test_tensor_thresholds_on_either_side_of_the_cutoffs(n, fp32):
+    """Whichever way tensor_thresholds takes (a sort; the radix select; complete exceptions), the
+    full sort's values, bit for bit (NaN included)."""
+    rng = np.random.default_rng(n)
+    base = _bf16(rng.normal(0, 0.02, n))
+    expert = base + rng.normal(0, 1e-3, n).astype(np.float32)
+    expert = expert.astype(np.float32) if fp32 else _bf16(expert)
+    expert[: n // 3] = base[: n // 3]
+    expert[n // 2] = np.nan
+    a = np.abs(expert - base).astype(np.float32)
+    exc = _exceptions(a, n // 2 + 1024)  # the capacity scan.py gives a tensor
+    if fp32 and n >= 50_000:  # overflowed: the sort up to SORT_MAX_RADIX, the radix passes beyond
+        assert not exc.complete
+    want = np.array([_sorted_kth(a, d) for d in stats.DENSITY_GRID], np.float32)
+    got = stats.tensor_thresholds(a.copy(), _summary(a), exc)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_exceptions_collected_by_block_stats():
     """block_stats collects exactly the finite |Δ| with low bits set, across blocks, in any count."""
     rng = np.random.default_rng(4)

@@ -33,6 +33,7 @@ import xxhash
 from . import fetchplan, methods, outdir, remote
 from .checkpoint import INDEX, open_checkpoint
 from .errors import MergeDBError
+from .jsondoc import write_json
 from .layout import output_dtype, shard_groups, shard_names
 from .manifest import (
     MANIFEST,
@@ -42,7 +43,6 @@ from .manifest import (
     content_hash,
     mask_table,
     plan_from_manifest,
-    write_json,
 )
 from .sidefiles import TEMPLATES, copy_side_files
 from .tensorfile import DTYPES, FileRange, SafetensorsWriter, normalize_dtype, tensor_nbytes

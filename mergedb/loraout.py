@@ -52,6 +52,7 @@ from .encoding import encode
 from .errors import ChangedFileError, MergeDBError, PlanError
 from .executor import ExecuteResult, peak_rss, physical_read_bytes
 from .executor import replay as replay_model
+from .jsondoc import write_json
 from .lowrank import Factors, concat, truncate
 from .manifest import (
     MANIFEST,
@@ -61,7 +62,6 @@ from .manifest import (
     content_hash,
     mask_table,
     plan_from_manifest,
-    write_json,
 )
 from .tensorfile import SafetensorsWriter, normalize_dtype
 

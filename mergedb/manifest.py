@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import greedy, tensorparams
+from . import greedy, jsondoc, tensorparams
 from .errors import MergeDBError
 from .layout import TensorLayout
 from .methods import validate
@@ -156,33 +155,11 @@ def mask_table(xp: ExecutionPlan) -> pa.Table:
 
 def content_hash(doc: dict[str, Any]) -> str:
     """sha256 of the manifest's deterministic part (everything but `run` and `content_hash`): of
-    `json.dumps(part, sort_keys=True)`, fed to the hash in pieces (_compact_pieces)."""
+    `json.dumps(part, sort_keys=True)`, fed to the hash in pieces (jsondoc.compact_pieces)."""
     h = hashlib.sha256()
-    for piece in _compact_pieces({k: v for k, v in doc.items() if k not in ("run", "content_hash")}):
+    for piece in jsondoc.compact_pieces({k: v for k, v in doc.items() if k not in ("run", "content_hash")}):
         h.update(piece.encode())
     return h.hexdigest()
-
-
-_ROWS_PER_PIECE = 1024
-_ROWS_PER_LINE = 16  # write_json: lists longer than this have a row per line
-
-
-def _compact_pieces(doc: dict[str, Any]) -> Iterator[str]:
-    """The text of `json.dumps(doc, sort_keys=True)` in pieces, long lists a slice of rows at a time:
-    as one string (and its bytes) a manifest with a trim row per (expert, tensor) held ~2× its
-    size at once. Each piece is json's own (C) encoding of a key, a value or a slice of a list."""
-    yield "{"
-    for i, key in enumerate(sorted(doc)):
-        yield (", " if i else "") + json.dumps(key) + ": "
-        value = doc[key]
-        if not isinstance(value, list) or len(value) <= _ROWS_PER_PIECE:
-            yield json.dumps(value, sort_keys=True)
-            continue
-        yield "["
-        for at in range(0, len(value), _ROWS_PER_PIECE):  # "[a, b]" without its brackets
-            yield (", " if at else "") + json.dumps(value[at : at + _ROWS_PER_PIECE], sort_keys=True)[1:-1]
-        yield "]"
-    yield "}"
 
 
 def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str, str]) -> dict[str, Any]:
@@ -227,26 +204,6 @@ def _source_doc(s: Source) -> dict[str, Any]:
         "weight": s.weight,
         "coef": s.coef,
     }
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    """`doc` as indented JSON into `path`, keys sorted, except that a long list (a row per (expert,
-    tensor), per tensor, …) has one compact row per line: json's indented encoder is pure Python
-    (a 15 MB manifest of 80k trim rows took 0.45 s, and held its whole text twice), rows go through
-    its C encoder one at a time. Written a piece at a time; the text parses to `doc` as before."""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("{")
-        for i, key in enumerate(sorted(doc)):
-            f.write(("," if i else "") + "\n  " + json.dumps(key) + ": ")
-            value = doc[key]
-            if isinstance(value, list) and len(value) > _ROWS_PER_LINE:
-                for at in range(0, len(value), _ROWS_PER_PIECE):
-                    rows = ",\n    ".join(json.dumps(row, sort_keys=True) for row in value[at : at + _ROWS_PER_PIECE])
-                    f.write(("[\n    " if at == 0 else ",\n    ") + rows)
-                f.write("\n  ]")
-            else:  # indented as json.dumps(doc, indent=2) indents it
-                f.write(json.dumps(value, indent=2, sort_keys=True).replace("\n", "\n  "))
-        f.write("\n}\n" if doc else "}\n")
 
 
 def read_manifest(manifest_path: str | os.PathLike[str]) -> tuple[dict[str, Any], pa.Table]:

@@ -1,4 +1,4 @@
-"""manifest.write_json and content_hash on documents with long row lists (a trim row per (expert,
+"""jsondoc.write_json and manifest.content_hash on documents with long row lists (a trim row per (expert,
 tensor)): the text parses to the document, is json's own indented text where no list is long, has one
 compact row per line where one is, and the hash is sha256 of json.dumps(part, sort_keys=True) written
 out here; neither holds the whole text in memory."""
@@ -10,7 +10,7 @@ import json
 import math
 import tracemalloc
 
-from mergedb import manifest
+from mergedb import jsondoc, manifest
 
 
 def _rows(n: int) -> list[dict]:
@@ -33,7 +33,7 @@ def test_short_documents_are_jsons_indented_text(tmp_path):
     ]
     for i, doc in enumerate(docs):
         path = tmp_path / f"{i}.json"
-        manifest.write_json(path, doc)
+        jsondoc.write_json(path, doc)
         assert path.read_text(encoding="utf-8") == json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
@@ -41,7 +41,7 @@ def test_long_lists_have_a_compact_row_per_line(tmp_path):
     n = 2 * 1024 + 3  # more than one piece of rows
     doc = {"trims": _rows(n), "layout": [{"rows": [[0, 4]], "name": "w"}] * 17, "experts": _rows(3), "k": "v"}
     path = tmp_path / "m.json"
-    manifest.write_json(path, doc)
+    jsondoc.write_json(path, doc)
     text = path.read_text(encoding="utf-8")
     assert json.loads(text) == doc
     lines = text.splitlines()
@@ -66,7 +66,7 @@ def test_neither_holds_the_whole_text(tmp_path):
     path = tmp_path / "m.json"
     tracemalloc.start()
     try:
-        manifest.write_json(path, doc)
+        jsondoc.write_json(path, doc)
         _, write_peak = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
         manifest.content_hash(doc)

@@ -49,6 +49,7 @@ from .tensorparams import TensorParams
 from .units import check_threads
 
 READ_AHEAD = 3  # expert blocks folded in per kernel call; the next group is read meanwhile
+INLINE_READ_BYTES = 64 << 10  # a group of expert blocks up to this size is read on the merge thread
 IO_THREADS = 4  # threads that only read (pread releases the GIL)
 AHEAD_BYTES = 64 * 2**20  # later tensors in flight while one is written (the reorder buffer)
 SPAN_BYTES = 4 * 2**20  # consecutive blocks with one expert set merged as one unit up to this size
@@ -170,6 +171,7 @@ class Merger:
         plain = xp.method != "model_stock" and self.lora is None and not verify
         remote = any(src.remote for where in self.inputs.where for src, _, _ in where.values())
         self.spans = self.fused and plain and not remote and read_block is None and fold_block is None
+        self.local_files = not remote
         fetchplan.declare_merge(xp, self.inputs, tensors)
         self.count = Counters()
         self._lock = threading.Lock()
@@ -387,9 +389,14 @@ class Merger:
         acc.fill(0)
         groups = self._groups(ti, b)
         bufs = [self.local.get(f"ex{j}", READ_AHEAD * nb, np.uint8) for j in range(2)]
+        inline = self.local_files and self.read_block is None and nb * READ_AHEAD <= INLINE_READ_BYTES
 
         def submit(gi: int) -> list[Future[np.ndarray]]:
             buf = bufs[gi % 2]
+            if inline:  # a few small local reads: cheaper here than handed to an I/O thread and back
+                for k, (pos, h) in enumerate(groups[gi]):
+                    self._read_one(ti, b, pos, h, buf[k * nb : (k + 1) * nb])
+                return []
             return [
                 self.io.submit(self._read_one, ti, b, pos, h, buf[k * nb : (k + 1) * nb])
                 for k, (pos, h) in enumerate(groups[gi])

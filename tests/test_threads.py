@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -144,3 +145,27 @@ def test_trims_are_kept_only_while_their_tensor_merges(fam, monkeypatch):
     finally:
         m.close()
     assert built and max(held) < len(set(built)) and m._trim_cache == {}
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties", "dare_ties", "della"])
+def test_small_blocks_read_on_the_merge_thread_same_output(fam, tmp_path, monkeypatch, method):
+    """A group of expert blocks up to INLINE_READ_BYTES is read on the merge thread, larger ones on
+    the I/O threads: the same bytes either way, and each way really taken (where _read_one ran)."""
+    plan = fam.plan(_request(method, "60%", 5))
+    xp = fam.execution_plan(plan.plan_id)
+    where: list[str] = []
+    read_one = merger.Merger._read_one
+
+    def recording(self, *args, **kwargs):
+        where.append(threading.current_thread().name.split("_")[0])
+        return read_one(self, *args, **kwargs)
+
+    monkeypatch.setattr(merger.Merger, "_read_one", recording)
+    runs = {}
+    for label, limit in (("inline", 1 << 30), ("pool", 0)):
+        monkeypatch.setattr(merger, "INLINE_READ_BYTES", limit)
+        where.clear()
+        runs[label] = executor.execute(xp, tmp_path / label, threads=2)
+        assert where and set(where) == {"mergedb-merge" if label == "inline" else "mergedb-io"}, (label, set(where))
+    assert _digest(runs["inline"].out) == _digest(runs["pool"].out)
+    assert runs["inline"].expert_bytes == runs["pool"].expert_bytes == plan.selected_bytes

@@ -57,3 +57,16 @@ def test_bench_ray_quick_runs_and_reports(tmp_path):
 
     text = "\n".join(_ray(doc))
     assert "## Ray executor (issue 15)" in text and "| 0 | ray-2 |" in text
+
+
+def test_bench_many_tensors_runs_both_sides(tmp_path):
+    """benchmarks/bench_many_tensors.py at tiny size, this checkout against itself: every step of
+    both sides measured, the same merged bytes (the benchmark refuses otherwise)."""
+    env = {**os.environ, "MERGEDB_BENCH_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "benchmarks.bench_many_tensors", str(ROOT), "--tensors", "30", "--experts", "2"]
+    r = subprocess.run([*cmd, "--rounds", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "results" / "many-tensors.json").read_text())
+    for side in ("new", "baseline"):
+        for step in ("register", "task_arithmetic", "ties"):
+            assert doc["summary"][f"{side}/{step}/seconds"] > 0 and doc["summary"][f"{side}/{step}/peak_rss"] > 0

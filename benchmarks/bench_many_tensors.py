@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--save", default="many-tensors")
+    ap.add_argument("--label", help="what BASELINE is, for the report (a commit)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # MODE FAMILY CATALOG OUT
     ap.add_argument("--code", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -108,7 +109,8 @@ def main() -> None:
         for key in rs[0]
         if key != "content_hash"
     }
-    doc = {"tensors": a.tensors, "experts": a.experts, "baseline": str(a.baseline), "runs": runs, "summary": summary}
+    doc = {"tensors": a.tensors, "experts": a.experts, "baseline": a.label or str(a.baseline)}
+    doc |= {"runs": runs, "summary": summary}
     print(save(a.save, {**doc, "load_average_1min": os.getloadavg()[0]}))
 
 

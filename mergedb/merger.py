@@ -49,7 +49,8 @@ from .tensorparams import TensorParams
 from .units import check_threads
 
 READ_AHEAD = 3  # expert blocks folded in per kernel call; the next group is read meanwhile
-INLINE_READ_BYTES = 64 << 10  # a group of expert blocks up to this size is read on the merge thread
+SMALL_GROUP_BYTES = 64 << 10  # small blocks: as many experts a group as fit here (one kernel call),
+# and a group this size or less is read on the merge thread, not handed to an I/O thread
 IO_THREADS = 4  # threads that only read (pread releases the GIL)
 AHEAD_BYTES = 64 * 2**20  # later tensors in flight while one is written (the reorder buffer)
 SPAN_BYTES = 4 * 2**20  # consecutive blocks with one expert set merged as one unit up to this size
@@ -387,9 +388,10 @@ class Merger:
         lo, n, bits_dt, base = self._block(ti, b, base_raw)
         nb = base.nbytes
         acc.fill(0)
-        groups = self._groups(ti, b)
-        bufs = [self.local.get(f"ex{j}", READ_AHEAD * nb, np.uint8) for j in range(2)]
-        inline = self.local_files and self.read_block is None and nb * READ_AHEAD <= INLINE_READ_BYTES
+        groups = self._groups(ti, b, nb)
+        most = max((len(g) for g in groups), default=0) * nb
+        bufs = [self.local.get(f"ex{j}", most, np.uint8) for j in range(2)]
+        inline = self.local_files and self.read_block is None and most <= SMALL_GROUP_BYTES
 
         def submit(gi: int) -> list[Future[np.ndarray]]:
             buf = bufs[gi % 2]
@@ -416,11 +418,13 @@ class Merger:
                 continue
             self._fold_group(ti, grp, base, ex, lo, acc)
 
-    def _groups(self, ti: int, b: int | tuple[int, ...]) -> list[list[tuple[int, str]]]:
-        """The (position, hash) of the experts block `b` of tensor `ti` reads, in groups of READ_AHEAD
-        (a span: its blocks' one expert set)."""
+    def _groups(self, ti: int, b: int | tuple[int, ...], nbytes: int) -> list[list[tuple[int, str]]]:
+        """The (position, hash) of the experts block `b` of tensor `ti` reads (a span: its blocks' one
+        expert set), in groups of READ_AHEAD, or of as many as fit in SMALL_GROUP_BYTES when its
+        `nbytes` (one expert's) are small: a kernel call and its Python around it per group."""
         work = self.sel.get(ti, {}).get(b if isinstance(b, int) else b[0], [])
-        return [work[i : i + READ_AHEAD] for i in range(0, len(work), READ_AHEAD)]
+        per = max(READ_AHEAD, SMALL_GROUP_BYTES // max(nbytes, 1))
+        return [work[i : i + per] for i in range(0, len(work), per)]
 
     def _fold_group(
         self, ti: int, grp: list[tuple[int, str]], base: np.ndarray, ex: np.ndarray, lo: int, acc: np.ndarray

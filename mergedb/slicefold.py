@@ -36,7 +36,7 @@ def merge_sliced(m: Merger, ti: int, b: int | tuple[int, ...], base_raw: np.ndar
     lo, n, bits_dt, base = m._block(ti, b, base_raw)
     size = bits_dt.itemsize
     step = max(1, SLICE_BYTES // size)  # elements a slice
-    groups = m._groups(ti, b)
+    groups = m._groups(ti, b, n * size)  # more than SLICE_BYTES: groups of READ_AHEAD
     starts = range(0, n, step)
     steps = [(s0, gi) for s0 in starts for gi in range(len(groups))]  # reads in this order
     rows = 5 if m.method.consensus else 1

@@ -149,8 +149,9 @@ def test_trims_are_kept_only_while_their_tensor_merges(fam, monkeypatch):
 
 @pytest.mark.parametrize("method", ["task_arithmetic", "ties", "dare_ties", "della"])
 def test_small_blocks_read_on_the_merge_thread_same_output(fam, tmp_path, monkeypatch, method):
-    """A group of expert blocks up to INLINE_READ_BYTES is read on the merge thread, larger ones on
-    the I/O threads: the same bytes either way, and each way really taken (where _read_one ran)."""
+    """Small blocks are folded as many experts a group as fit in SMALL_GROUP_BYTES, and such a group
+    is read on the merge thread; larger ones on the I/O threads: the same bytes either way (groups of
+    all four experts against groups of READ_AHEAD), and each way really taken (where _read_one ran)."""
     plan = fam.plan(_request(method, "60%", 5))
     xp = fam.execution_plan(plan.plan_id)
     where: list[str] = []
@@ -163,7 +164,7 @@ def test_small_blocks_read_on_the_merge_thread_same_output(fam, tmp_path, monkey
     monkeypatch.setattr(merger.Merger, "_read_one", recording)
     runs = {}
     for label, limit in (("inline", 1 << 30), ("pool", 0)):
-        monkeypatch.setattr(merger, "INLINE_READ_BYTES", limit)
+        monkeypatch.setattr(merger, "SMALL_GROUP_BYTES", limit)
         where.clear()
         runs[label] = executor.execute(xp, tmp_path / label, threads=2)
         assert where and set(where) == {"mergedb-merge" if label == "inline" else "mergedb-io"}, (label, set(where))

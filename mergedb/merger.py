@@ -12,7 +12,8 @@ compute threads run units (the numba kernels release the GIL); IO_THREADS thread
 and the expert blocks ahead of them; the caller receives tensors in header order from a reorder
 buffer of at most AHEAD_BYTES of later tensors. Memory: per compute thread, the running sums of
 one block (5 float32 per element for TIES-style methods, 1 otherwise) and two groups of
-READ_AHEAD expert blocks (one being folded in, one being read), reused from block to block; a
+READ_AHEAD expert blocks (of small blocks, up to SMALL_GROUP_BYTES of them: one being folded in,
+one being read), reused from block to block; a
 block or span of more than slicefold.SLICE_BYTES is merged slice by slice, so these hold one
 slice's (slicefold.py: the sums stay in cache); plus the tensors in the reorder buffer. None of it
 grows with K, except for model_stock: every expert block of one block at once per thread (its
@@ -118,7 +119,7 @@ class Merger:
 
     Arithmetic runs on `threads` compute threads, one `Unit` at a time each; expert and base reads
     run on I/O threads ahead of it (a group of READ_AHEAD expert blocks is read while the previous
-    group is folded in). Tensors come out in the order asked for: at most AHEAD_BYTES of later
+    group is folded in; a group of small blocks, on the compute thread itself). Tensors come out in the order asked for: at most AHEAD_BYTES of later
     tensors are in flight while one is being written (a bounded reorder buffer), so memory is
     threads × a few blocks plus those tensors, whatever K."""
 

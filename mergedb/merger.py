@@ -119,9 +119,10 @@ class Merger:
 
     Arithmetic runs on `threads` compute threads, one `Unit` at a time each; expert and base reads
     run on I/O threads ahead of it (a group of READ_AHEAD expert blocks is read while the previous
-    group is folded in; a group of small blocks, on the compute thread itself). Tensors come out in the order asked for: at most AHEAD_BYTES of later
-    tensors are in flight while one is being written (a bounded reorder buffer), so memory is
-    threads × a few blocks plus those tensors, whatever K."""
+    group is folded in; a group of small blocks, on the compute thread itself). Tensors come out in
+    the order asked for: at most AHEAD_BYTES of later tensors are in flight while one is being
+    written (a bounded reorder buffer), so memory is threads × a few blocks plus those tensors,
+    whatever K."""
 
     def __init__(
         self,

@@ -12,10 +12,10 @@ compute threads run units (the numba kernels release the GIL); IO_THREADS thread
 and the expert blocks ahead of them; the caller receives tensors in header order from a reorder
 buffer of at most AHEAD_BYTES of later tensors. Memory: per compute thread, the running sums of
 one block (5 float32 per element for TIES-style methods, 1 otherwise) and two groups of
-READ_AHEAD expert blocks (of small blocks, up to SMALL_GROUP_BYTES of them: one being folded in,
-one being read), reused from block to block; a
-block or span of more than slicefold.SLICE_BYTES is merged slice by slice, so these hold one
-slice's (slicefold.py: the sums stay in cache); plus the tensors in the reorder buffer. None of it
+READ_AHEAD expert blocks (of small blocks, up to SMALL_GROUP_BYTES of them; one being folded in,
+one being read), reused from block to block; a block or span of more than slicefold.SLICE_BYTES is
+merged slice by slice, so these hold one slice's (slicefold.py: the sums stay in cache); plus the
+tensors in the reorder buffer. None of it
 grows with K, except for model_stock: every expert block of one block at once per thread (its
 pairwise dots), and its tensor's float32 update.
 
@@ -51,7 +51,9 @@ from .units import check_threads
 
 READ_AHEAD = 3  # expert blocks folded in per kernel call; the next group is read meanwhile
 SMALL_GROUP_BYTES = 64 << 10  # small blocks: as many experts a group as fit here (one kernel call),
-# and a group this size or less is read on the merge thread, not handed to an I/O thread
+# and a group this size or less is read on the merge thread, not handed to an I/O thread: its reads then
+# overlap no arithmetic (measured on a local disk only: a group of tiny blocks costs less to read than
+# to hand over; on slow network storage the hand-over may be worth it again)
 IO_THREADS = 4  # threads that only read (pread releases the GIL)
 AHEAD_BYTES = 64 * 2**20  # later tensors in flight while one is written (the reorder buffer)
 SPAN_BYTES = 4 * 2**20  # consecutive blocks with one expert set merged as one unit up to this size
@@ -423,9 +425,11 @@ class Merger:
     def _groups(self, ti: int, b: int | tuple[int, ...], nbytes: int) -> list[list[tuple[int, str]]]:
         """The (position, hash) of the experts block `b` of tensor `ti` reads (a span: its blocks' one
         expert set), in groups of READ_AHEAD, or of as many as fit in SMALL_GROUP_BYTES when its
-        `nbytes` (one expert's) are small: a kernel call and its Python around it per group."""
+        `nbytes` (one expert's) are small: a kernel call and its Python around it per group. Not for
+        DELLA, whose calls take each expert's rank table (256 KiB, kernels.py) whatever the block."""
         work = self.sel.get(ti, {}).get(b if isinstance(b, int) else b[0], [])
-        per = max(READ_AHEAD, SMALL_GROUP_BYTES // max(nbytes, 1))
+        small = self.method.sparsify != "della"
+        per = max(READ_AHEAD, SMALL_GROUP_BYTES // max(nbytes, 1)) if small else READ_AHEAD
         return [work[i : i + per] for i in range(0, len(work), per)]
 
     def _fold_group(

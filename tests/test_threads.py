@@ -170,3 +170,21 @@ def test_small_blocks_read_on_the_merge_thread_same_output(fam, tmp_path, monkey
         assert where and set(where) == {"mergedb-merge" if label == "inline" else "mergedb-io"}, (label, set(where))
     assert _digest(runs["inline"].out) == _digest(runs["pool"].out)
     assert runs["inline"].expert_bytes == runs["pool"].expert_bytes == plan.selected_bytes
+
+
+def test_small_block_groups_bounded_in_bytes_and_della_in_experts(fam):
+    """A group of small blocks holds as many experts as fit in SMALL_GROUP_BYTES; DELLA's stay at
+    READ_AHEAD (each expert in a call brings a 256 KiB rank table); large blocks READ_AHEAD."""
+    sizes = {}
+    for method in ("ties", "della"):
+        plan = fam.plan(_request(method, "all", 6))
+        m = merger.Merger(fam.execution_plan(plan.plan_id), threads=1)
+        try:
+            ti = next(t for t, blocks in m.sel.items() if any(len(v) == len(EXPERTS) for v in blocks.values()))
+            b = next(b for b, v in m.sel[ti].items() if len(v) == len(EXPERTS))
+            sizes[method] = [[len(g) for g in m._groups(ti, b, n)] for n in (256, merger.SMALL_GROUP_BYTES)]
+        finally:
+            m.close()
+    assert merger.READ_AHEAD < len(EXPERTS) <= merger.SMALL_GROUP_BYTES // 256
+    assert sizes["ties"] == [[len(EXPERTS)], [merger.READ_AHEAD, len(EXPERTS) - merger.READ_AHEAD]]
+    assert sizes["della"] == [[merger.READ_AHEAD, len(EXPERTS) - merger.READ_AHEAD]] * 2

@@ -17,7 +17,9 @@ _ROWS_PER_LINE = 16  # write_json: lists longer than this have a row per line
 def compact_pieces(doc: dict[str, Any]) -> Iterator[str]:
     """The text of `json.dumps(doc, sort_keys=True)` in pieces, long lists a slice of rows at a time:
     as one string (and its bytes) a manifest with a trim row per (expert, tensor) held ~2× its
-    size at once. Each piece is json's own (C) encoding of a key, a value or a slice of a list."""
+    size at once. Each piece is json's own (C) encoding of a key, a value or a slice of a list.
+    The document's own keys must be strings (json would write 1 as "1": refused, not mimicked)."""
+    _string_keys(doc)
     yield "{"
     for i, key in enumerate(sorted(doc)):
         yield (", " if i else "") + json.dumps(key) + ": "
@@ -36,7 +38,10 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     """`doc` as indented JSON into `path`, keys sorted, except that a long list (a row per (expert,
     tensor), per tensor, …) has one compact row per line: json's indented encoder is pure Python
     (a 15 MB manifest of 80k trim rows took 0.45 s, and held its whole text twice), rows go through
-    its C encoder one at a time. Written a piece at a time; the text parses to `doc` as before."""
+    its C encoder one at a time. Written a piece at a time, so an error part way leaves a cut file:
+    every caller writes into a temporary folder it installs only when whole. The text parses to `doc`.
+    The document's own keys must be strings."""
+    _string_keys(doc)
     with open(path, "w", encoding="utf-8") as f:
         f.write("{")
         for i, key in enumerate(sorted(doc)):
@@ -50,3 +55,9 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
             else:  # indented as json.dumps(doc, indent=2) indents it
                 f.write(json.dumps(value, indent=2, sort_keys=True).replace("\n", "\n  "))
         f.write("\n}\n" if doc else "}\n")
+
+
+def _string_keys(doc: dict[str, Any]) -> None:
+    bad = [k for k in doc if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"JSON document keys must be strings, got {bad[0]!r}")

@@ -10,6 +10,8 @@ import json
 import math
 import tracemalloc
 
+import pytest
+
 from mergedb import jsondoc, manifest
 
 
@@ -77,3 +79,13 @@ def test_neither_holds_the_whole_text(tmp_path):
     assert size > 8_000_000
     assert write_peak < size / 4, (write_peak, size)
     assert hash_peak < size / 4, (hash_peak, size)
+
+
+def test_documents_with_keys_json_would_rename_are_refused(tmp_path):
+    """json.dumps writes a key 1 as "1": the piecewise writer and hash refuse such a document
+    rather than produce other text (or a file that is not JSON)."""
+    for doc in ({1: "a"}, {"a": 1, True: 2}):
+        with pytest.raises(TypeError, match="keys must be strings"):
+            jsondoc.write_json(tmp_path / "x.json", doc)
+        with pytest.raises(TypeError, match="keys must be strings"):
+            manifest.content_hash(doc)

@@ -343,7 +343,7 @@ SORT_MAX_RADIX = 1 << 18
 def tensor_thresholds(abs_delta: np.ndarray, summary: np.ndarray, exceptions: Exceptions) -> np.ndarray:
     """grid_thresholds of a tensor, by whichever way is faster at its size (the values are the same)."""
     n = abs_delta.size
-    if 0 < n <= SORT_MAX or (0 < n <= SORT_MAX_RADIX and not exceptions.complete):
+    if n <= SORT_MAX or (n <= SORT_MAX_RADIX and not exceptions.complete):
         return sorted_thresholds(abs_delta)
     return grid_thresholds(abs_delta, summary, exceptions)
 
@@ -351,8 +351,10 @@ def tensor_thresholds(abs_delta: np.ndarray, summary: np.ndarray, exceptions: Ex
 def sorted_thresholds(abs_delta: np.ndarray) -> np.ndarray:
     """The k-th largest finite |Δ| for every density of DENSITY_GRID by a sort of the finite values:
     (G,) float32, NaN where k passes them. Non-negative floats order as their bit patterns, so these
-    are grid_thresholds' values (n > 0)."""
+    are grid_thresholds' values (zeros for an empty tensor, as there)."""
     flat = abs_delta.reshape(-1)
+    if flat.size == 0:
+        return np.zeros(len(DENSITY_GRID), np.float32)
     finite = np.sort(flat[np.isfinite(flat)])
     ks = kth_counts(DENSITY_GRID, flat.size)
     out = np.full(ks.size, 0x7FC00000, np.uint32).view(np.float32)  # NaN where there is no threshold

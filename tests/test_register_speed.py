@@ -131,9 +131,13 @@ def test_sorted_thresholds_equal_full_sort(scale, distinct, n, nonfinite, fp32, 
 
 @pytest.mark.parametrize("n", [1, stats.SORT_MAX, stats.SORT_MAX + 1, 50_000, stats.SORT_MAX_RADIX + 1])
 @pytest.mark.parametrize("fp32", [False, True])
-def test_tensor_thresholds_on_either_side_of_the_cutoffs(n, fp32):
+def test_tensor_thresholds_on_either_side_of_the_cutoffs(n, fp32, monkeypatch):
     """Whichever way tensor_thresholds takes (a sort; the radix select; complete exceptions), the
-    full sort's values, bit for bit (NaN included)."""
+    full sort's values, bit for bit (NaN included), and the way the cutoffs say it takes."""
+    took = []
+    for name in ("sorted_thresholds", "grid_thresholds"):
+        f = getattr(stats, name)
+        monkeypatch.setattr(stats, name, lambda *a, f=f, name=name: took.append(name) or f(*a))
     rng = np.random.default_rng(n)
     base = _bf16(rng.normal(0, 0.02, n))
     expert = base + rng.normal(0, 1e-3, n).astype(np.float32)
@@ -147,6 +151,19 @@ def test_tensor_thresholds_on_either_side_of_the_cutoffs(n, fp32):
     want = np.array([_sorted_kth(a, d) for d in stats.DENSITY_GRID], np.float32)
     got = stats.tensor_thresholds(a.copy(), _summary(a), exc)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    sort = n <= stats.SORT_MAX or (n <= stats.SORT_MAX_RADIX and not exc.complete)
+    assert took == ["sorted_thresholds" if sort else "grid_thresholds"]
+    assert (n, fp32, took) != (50_000, True, ["grid_thresholds"])  # an overflowed mid-size tensor is sorted
+
+
+def test_thresholds_of_an_empty_tensor_are_zeros():
+    empty = np.zeros(0, np.float32)
+    want = np.zeros(len(stats.DENSITY_GRID), np.float32)
+    np.testing.assert_array_equal(stats.sorted_thresholds(empty), want)
+    np.testing.assert_array_equal(stats.grid_thresholds(empty, np.zeros(stats.SUMMARY_BINS, np.int64)), want)
+    np.testing.assert_array_equal(
+        stats.tensor_thresholds(empty, np.zeros(stats.SUMMARY_BINS, np.int64), _exceptions(empty, 1)), want
+    )
 
 
 def test_exceptions_collected_by_block_stats():

@@ -12,6 +12,7 @@ from typing import Any
 
 _ROWS_PER_PIECE = 1024
 _ROWS_PER_LINE = 16  # write_json: lists longer than this have a row per line
+_SORTED = json.JSONEncoder(sort_keys=True)  # json.dumps(x, sort_keys=True), without a new encoder a call
 
 
 def compact_pieces(doc: dict[str, Any]) -> Iterator[str]:
@@ -36,11 +37,12 @@ def compact_pieces(doc: dict[str, Any]) -> Iterator[str]:
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     """`doc` as indented JSON into `path`, keys sorted, except that a long list (a row per (expert,
-    tensor), per tensor, …) has one compact row per line: json's indented encoder is pure Python
-    (a 15 MB manifest of 80k trim rows took 0.45 s, and held its whole text twice), rows go through
-    its C encoder one at a time. Written a piece at a time, so an error part way leaves a cut file:
-    every caller writes into a temporary folder it installs only when whole. The text parses to `doc`.
-    The document's own keys must be strings."""
+    tensor), per tensor, …) has one compact row per line, and a long mapping (a hash or a shard per
+    tensor) one compact entry per line (for string values, json's indented text exactly): json's
+    indented encoder is pure Python (a 15 MB manifest of 80k trim rows took 0.45 s, and held its
+    whole text twice), rows go through its C encoder one at a time. Written a piece at a time, so
+    an error part way leaves a cut file: every caller writes into a temporary folder it installs
+    only when whole. The text parses to `doc`. Its keys, and a long mapping's, must be strings."""
     _string_keys(doc)
     with open(path, "w", encoding="utf-8") as f:
         f.write("{")
@@ -49,9 +51,13 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
             value = doc[key]
             if isinstance(value, list) and len(value) > _ROWS_PER_LINE:
                 for at in range(0, len(value), _ROWS_PER_PIECE):
-                    rows = ",\n    ".join(json.dumps(row, sort_keys=True) for row in value[at : at + _ROWS_PER_PIECE])
+                    rows = ",\n    ".join(map(_SORTED.encode, value[at : at + _ROWS_PER_PIECE]))
                     f.write(("[\n    " if at == 0 else ",\n    ") + rows)
                 f.write("\n  ]")
+            elif isinstance(value, dict) and len(value) > _ROWS_PER_LINE:
+                _string_keys(value)
+                entries = (json.dumps(k) + ": " + _SORTED.encode(value[k]) for k in sorted(value))
+                f.write("{\n    " + ",\n    ".join(entries) + "\n  }")
             else:  # indented as json.dumps(doc, indent=2) indents it
                 f.write(json.dumps(value, indent=2, sort_keys=True).replace("\n", "\n  "))
         f.write("\n}\n" if doc else "}\n")

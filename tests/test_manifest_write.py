@@ -39,6 +39,19 @@ def test_short_documents_are_jsons_indented_text(tmp_path):
         assert path.read_text(encoding="utf-8") == json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
+def test_long_mappings_of_strings_are_jsons_indented_text(tmp_path):
+    """A hash per tensor (the manifest's tensor_hashes, the index's weight_map): an entry per line,
+    as json indents them, through the C encoder."""
+    doc = {"tensor_hashes": {f"layers.{i}.w\u00e9": f"{i:032x}" for i in range(5000, 0, -7)}, "n": 1}
+    path = tmp_path / "h.json"
+    jsondoc.write_json(path, doc)
+    assert path.read_text(encoding="utf-8") == json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    nested = {"m": {f"k{i}": {"rows": [i, i + 1], "b": None} for i in range(40)}}
+    jsondoc.write_json(path, nested)
+    assert json.loads(path.read_text(encoding="utf-8")) == nested
+    assert '    "k0": {"b": null, "rows": [0, 1]},' in path.read_text(encoding="utf-8").splitlines()
+
+
 def test_long_lists_have_a_compact_row_per_line(tmp_path):
     n = 2 * 1024 + 3  # more than one piece of rows
     doc = {"trims": _rows(n), "layout": [{"rows": [[0, 4]], "name": "w"}] * 17, "experts": _rows(3), "k": "v"}

@@ -15,9 +15,8 @@ one block (5 float32 per element for TIES-style methods, 1 otherwise) and two gr
 READ_AHEAD expert blocks (of small blocks, up to SMALL_GROUP_BYTES of them; one being folded in,
 one being read), reused from block to block; a block or span of more than slicefold.SLICE_BYTES is
 merged slice by slice, so these hold one slice's (slicefold.py: the sums stay in cache); plus the
-tensors in the reorder buffer. None of it
-grows with K, except for model_stock: every expert block of one block at once per thread (its
-pairwise dots), and its tensor's float32 update.
+tensors in the reorder buffer. None of it grows with K, except for model_stock: every expert block
+of one block at once per thread (its pairwise dots), and its tensor's float32 update.
 
 A block that a LoRA adapter of the plan contributes to is formed from the adapter's factors and
 folded as float32, one expert at a time (loramerge.py); every other block takes the path above.

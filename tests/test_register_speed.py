@@ -89,7 +89,8 @@ def _exceptions(a: np.ndarray, cap: int) -> stats.Exceptions:
     seed=st.integers(0, 2**32 - 1),
 )
 def test_grid_thresholds_from_exceptions_equal_full_sort(scale, distinct, n, nonfinite, fp32, seed):
-    """Without any pass over |Δ| (the exceptions complete) and with the radix fallback (too many)."""
+    """Without any pass over |Δ| (the exceptions complete) and with the radix fallback (too many);
+    and the sort registration uses for small tensors (stats.sorted_thresholds, tensor_thresholds)."""
     rng = np.random.default_rng(seed)
     base = _bf16(rng.normal(0, 0.02, n))
     steps = rng.normal(0, scale, distinct).astype(np.float32)
@@ -104,28 +105,6 @@ def test_grid_thresholds_from_exceptions_equal_full_sort(scale, distinct, n, non
         exc = _exceptions(a, cap)
         got = stats.grid_thresholds(a.copy(), _summary(a), exc)
         np.testing.assert_array_equal(got, want)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    scale=st.sampled_from([1e-38, 1e-6, 1e-3, 1.0]),
-    distinct=st.integers(1, 12),
-    n=st.integers(1, 3000),
-    nonfinite=st.integers(0, 3),
-    fp32=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_sorted_thresholds_equal_full_sort(scale, distinct, n, nonfinite, fp32, seed):
-    """The sort registration uses for small tensors (stats.tensor_thresholds) against the reference."""
-    rng = np.random.default_rng(seed)
-    base = _bf16(rng.normal(0, 0.02, n))
-    expert = base + rng.normal(0, scale, distinct).astype(np.float32)[rng.integers(0, distinct, n)]
-    expert = expert.astype(np.float32) if fp32 else _bf16(expert)
-    expert[: n // 4] = base[: n // 4]
-    if nonfinite:
-        expert[rng.integers(0, n, nonfinite)] = [np.nan, np.inf, -np.inf][:nonfinite]
-    a = np.abs(expert - base).astype(np.float32)
-    want = np.array([_sorted_kth(a, d) for d in stats.DENSITY_GRID], np.float32)
     np.testing.assert_array_equal(stats.sorted_thresholds(a.copy()), want)
 
 

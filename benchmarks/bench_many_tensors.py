@@ -92,9 +92,7 @@ def main() -> None:
                     cmd = [sys.executable, "-m", "benchmarks.bench_many_tensors", "--experts", str(a.experts)]
                     cmd += ["--child", step, str(family), str(Path(tmp) / "c.duckdb"), tmp]
                     cmd += ["--code", str(code)] if code else []
-                    done = subprocess.run(
-                        cmd, capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent
-                    )
+                    done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
                     r = json.loads(done.stdout.rsplit("RESULT ", 1)[1].splitlines()[0])
                     runs[label][step].append(r)
                     print(label, step, f"{r['seconds']:.2f} s", f"peak {r['peak_rss'] / 2**20:.0f} MiB")

@@ -26,11 +26,11 @@ def compact_pieces(doc: dict[str, Any]) -> Iterator[str]:
         yield (", " if i else "") + json.dumps(key) + ": "
         value = doc[key]
         if not isinstance(value, list) or len(value) <= _ROWS_PER_PIECE:
-            yield json.dumps(value, sort_keys=True)
+            yield _SORTED.encode(value)
             continue
         yield "["
         for at in range(0, len(value), _ROWS_PER_PIECE):  # "[a, b]" without its brackets
-            yield (", " if at else "") + json.dumps(value[at : at + _ROWS_PER_PIECE], sort_keys=True)[1:-1]
+            yield (", " if at else "") + _SORTED.encode(value[at : at + _ROWS_PER_PIECE])[1:-1]
         yield "]"
     yield "}"
 

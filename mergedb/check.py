@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import xxhash
 
-from . import manifest, outdir, plans
+from . import jsondoc, manifest, outdir, plans
 from .checkpoint import INDEX, Checkpoint, open_checkpoint
 from .errors import CatalogError, MergeDBError
 from .lora import CONFIG as ADAPTER_CONFIG
@@ -271,7 +271,7 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     index = folder / INDEX
     if index.is_file() or len(set(where.values())) > 1:  # shards: the index must send each tensor to its file
         try:
-            wmap = json.loads(read_small(index))["weight_map"]
+            wmap = jsondoc.parse(read_small(index))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError):
             wmap = None
         if not isinstance(wmap, dict) or {n: wmap.get(n) for n in where} != where:
@@ -279,7 +279,7 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     lora = doc.get("lora")  # an --as-lora output (loraout.py): its adapter keys are hashed there
     if isinstance(lora, dict) and isinstance(lora.get("config"), dict):  # its scaling lives in the config
         try:
-            written = json.loads(read_small(folder / ADAPTER_CONFIG))
+            written = jsondoc.parse(read_small(folder / ADAPTER_CONFIG))
         except (OSError, ValueError):
             written = None
         if written != lora["config"]:

@@ -11,7 +11,6 @@ transformers loads (see `open_checkpoint`). A checkpoint without a single tensor
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 from collections import Counter
@@ -20,20 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import remote
+from . import jsondoc, remote
 from .errors import ChangedFileError, FormatError
 from .plainfile import file_kind, read_small
 from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
 from .stray import refuse_stray_names, refuse_stray_weights
-from .tensorfile import (
-    DuplicateKey,
-    Header,
-    TensorInfo,
-    no_duplicate_keys,
-    parse_header,
-    read_header,
-)
+from .tensorfile import Header, TensorInfo, parse_header, read_header
 
 if TYPE_CHECKING:
     from .manifest import ExecutionPlan
@@ -160,7 +152,7 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
         raise FormatError(f"{path}: no such file or folder")
     files = tuple(file_info(root, rel) for rel in relpaths)
     if relpaths != [SINGLE] and (path / INDEX).is_file() and path.is_dir():
-        weight_map = json.loads(read_small(path / INDEX))["weight_map"]
+        weight_map = jsondoc.weight_map(read_small(path / INDEX), path / INDEX)
         return _assemble(name or default_name, path, root, files, weight_map, str(path / INDEX))
     return _assemble(name or default_name, path, root, files, None, "")
 
@@ -198,23 +190,10 @@ def _assemble(
 def _shards_from_index(folder: Path) -> list[str]:
     index_path = folder / INDEX
     try:
-        doc = json.loads(read_small(index_path), object_pairs_hook=no_duplicate_keys)
-        weight_map = doc["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError
+        raw = read_small(index_path)
     except OSError as e:
         raise FormatError(f"{index_path}: cannot be read ({e.strerror})") from None
-    except DuplicateKey as e:
-        raise FormatError(
-            f"{index_path}: key {e.key!r} appears more than once (JSON readers keep the last one, so tools "
-            "disagree on which shard holds it); regenerate the index"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise FormatError(f"{index_path}: not a valid index (expected JSON with a 'weight_map' object)") from None
-    if not weight_map:
-        raise FormatError(
-            f"{index_path}: empty checkpoint: weight_map lists no tensors; regenerate the index from the shards"
-        )
+    weight_map = jsondoc.weight_map(raw, index_path)
     root = folder.resolve()
     first: dict[str, str] = {}  # each shard, checked once (a 20k-tensor index names a few hundred shards), by
     for tensor, shard in weight_map.items():  # the first tensor that names it
@@ -254,7 +233,7 @@ def _config(root: Path | RemotePath) -> tuple[str | None, int | None, bool | Non
             text = "" if raw is None else raw.decode()
         else:
             text = read_small(root / "config.json").decode()
-        cfg = json.loads(text)
+        cfg = jsondoc.parse(text)
         if not isinstance(cfg, dict):
             return None, None, None
     except (OSError, ValueError):

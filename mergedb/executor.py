@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import xxhash
 
-from . import fetchplan, methods, outdir, remote
+from . import fetchplan, methods, outdir
 from .checkpoint import INDEX, open_checkpoint
 from .errors import MergeDBError
 from .jsondoc import write_json
@@ -178,8 +178,7 @@ def execute(
     shown = Path(out)
     out = outdir.resolve_out(shown)
     out_dt = normalize_dtype(dtype)
-    local = [p for p in (xp.base.path, *(e.path for e in xp.experts)) if not remote.is_url(p)]
-    outdir.check_clear_of(out, local, "an input of this plan")
+    outdir.check_clear_of(out, [xp.base.path, *(e.path for e in xp.experts)], "an input of this plan")
     if not force:
         outdir.check_out(out, force)  # early; with --force only after a killed run's swap is undone
     with outdir.output_lock(out):

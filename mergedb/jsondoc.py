@@ -1,6 +1,7 @@
-"""JSON documents with long lists of rows (a manifest's trim row per (expert, tensor), a layout row
-per tensor), written and hashed a piece at a time: json.dumps of a 15 MB manifest held its text
-twice, and its indented encoder is pure Python.
+"""JSON documents: those mergedb writes with long lists of rows (a manifest's trim row per (expert,
+tensor), a layout row per tensor), written and hashed a piece at a time (json.dumps of a 15 MB
+manifest held its text twice, and its indented encoder is pure Python); and those it reads from
+files a user gives (indexes, configs, manifests), where every way the text can fail is one error.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from .errors import FormatError
 
 _ROWS_PER_PIECE = 1024
 _ROWS_PER_LINE = 16  # write_json: lists longer than this have a row per line
@@ -67,3 +70,51 @@ def _string_keys(doc: dict[str, Any]) -> None:
     bad = [k for k in doc if not isinstance(k, str)]
     if bad:
         raise TypeError(f"JSON document keys must be strings, got {bad[0]!r}")
+
+
+class DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object_pairs_hook: a dict, refusing a key seen twice in one object (at any depth)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def parse(raw: bytes | str, unique_keys: bool = False) -> Any:
+    """JSON text from a file a user gave, with every way it can fail to be read raised as ValueError:
+    json's own errors, text that is not UTF-8 and an integer of more digits than Python converts are
+    ValueErrors already; nesting deeper than the interpreter's recursion limit (a RecursionError,
+    which no reader caught) becomes one. `unique_keys`: a key twice in one object raises DuplicateKey."""
+    try:
+        return json.loads(raw, object_pairs_hook=no_duplicate_keys if unique_keys else None)
+    except RecursionError:
+        raise ValueError("its JSON nests deeper than Python's recursion limit") from None
+
+
+def weight_map(raw: bytes, index: object) -> dict[str, str]:
+    """The weight_map (tensor name -> shard file) of the index file `index` (a path or URL, for
+    messages) whose bytes are `raw`: a non-empty JSON object of strings, no key twice. Local, remote
+    and adapter indexes are all read by this one rule."""
+    try:
+        found = parse(raw, unique_keys=True)["weight_map"]
+        if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
+            raise TypeError
+    except DuplicateKey as e:
+        raise FormatError(
+            f"{index}: key {e.key!r} appears more than once (JSON readers keep the last one, so tools "
+            "disagree on which shard holds it); regenerate the index"
+        ) from None
+    except (ValueError, KeyError, TypeError):  # a list or a str indexed by a str is a TypeError
+        raise FormatError(f"{index}: not a valid index (expected JSON with a 'weight_map' object)") from None
+    if not found:
+        raise FormatError(
+            f"{index}: empty checkpoint: weight_map lists no tensors; regenerate the index from the shards"
+        )
+    return found

@@ -25,7 +25,6 @@ needs those rows of L plus all of R (`LoraFactor.rows_factor` / `fixed_factor`).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import jsondoc
 from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint, is_checkpoint
 from .errors import AlignmentError, FormatError
 from .plainfile import read_small
@@ -344,10 +344,10 @@ def _read_config(root: Path) -> tuple[dict[str, Any], bytes]:
     path = root / CONFIG
     try:
         raw = read_small(path)
-        cfg = json.loads(raw)
+        cfg = jsondoc.parse(raw)
         if not isinstance(cfg, dict):
             raise TypeError
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+    except (OSError, ValueError, TypeError):
         raise FormatError(f"{path}: not a valid adapter config (expected a JSON object)") from None
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
@@ -396,13 +396,11 @@ def _positive(v: Any, whole: bool) -> bool:
 def _shards(root: Path) -> list[str]:
     path = root / INDEX
     try:
-        weight_map = json.loads(read_small(path))["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raw = read_small(path)
+    except OSError:
         raise FormatError(f"{path}: not a valid index (expected JSON with a 'weight_map' object)") from None
     real = root.resolve()
-    shards = sorted(set(map(str, weight_map.values())))
+    shards = sorted(set(jsondoc.weight_map(raw, path).values()))
     for s in shards:
         if "\x00" in s or os.path.isabs(s) or not (root / s).resolve().is_relative_to(real) or not (root / s).is_file():
             raise FormatError(f"{path}: shard {s!r} is missing or outside the adapter folder")

@@ -16,7 +16,6 @@ import contextlib
 import contextvars
 import errno
 import fcntl
-import json
 import os
 import re
 import stat
@@ -24,7 +23,9 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+from . import jsondoc, remote
 from .checkpoint import INDEX
 from .errors import MergeDBError
 from .manifest import MANIFEST, MASK
@@ -97,9 +98,10 @@ def resolve_out(out: Path) -> Path:
     return real
 
 
-def check_clear_of(out: Path, paths: list[str], what: str) -> None:
-    """Refuse an `out` that is, holds, or lies inside any of `paths` (checkpoint files or folders):
-    writing there would overwrite or swap away the files a merge reads."""
+def check_clear_of(out: Path, paths: list[Any], what: str) -> None:
+    """Refuse an `out` that is, holds, or lies inside any of `paths` (checkpoint files or folders,
+    local or file:// URLs; other URLs are skipped): writing there would overwrite or swap away the
+    files a merge reads."""
     real = Path(out).resolve()
     for src in sorted(set(_with_link_targets(paths))):
         if real == src or src.is_relative_to(real) or real.is_relative_to(src):
@@ -109,11 +111,16 @@ def check_clear_of(out: Path, paths: list[str], what: str) -> None:
             )
 
 
-def _with_link_targets(paths: list[str]) -> Iterator[Path]:
+def _with_link_targets(paths: list[Any]) -> Iterator[Path]:
     """Each path resolved, and for a folder, where the links among its files lead: a checkpoint
     folder may hold links to files elsewhere (a Hugging Face cache's snapshot, a hand-made family),
     and an output there would overwrite what they point at."""
-    for p in paths:
+    for p in map(str, paths):
+        if remote.is_url(p):  # a checkpoint registered as file:///… is on this disk too
+            local = remote.local_path(p)
+            if local is None:
+                continue
+            p = local
         yield Path(p).resolve()
         try:
             entries = list(os.scandir(p)) if os.path.isdir(p) else []
@@ -270,7 +277,7 @@ def _listed_files(folder: Path) -> set[str]:
     """Names the manifest in `folder` lists as mergedb's (run.files), restricted to names mergedb
     writes (shards, index, mask, manifest, the base's side files); empty when none is readable."""
     try:
-        files = json.loads(read_small(folder / MANIFEST))["run"]["files"]
+        files = jsondoc.parse(read_small(folder / MANIFEST))["run"]["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return set()
     if not isinstance(files, list):
@@ -293,7 +300,7 @@ def _not_our_templates(out: Path) -> list[str]:
     """What `out`'s additional_chat_templates/ holds besides the templates its manifest's side files
     list (as regular files): a user's, never moved or deleted."""
     try:
-        side = json.loads(read_small(out / MANIFEST))["run"]["side_files"]
+        side = jsondoc.parse(read_small(out / MANIFEST))["run"]["side_files"]
     except (OSError, ValueError, KeyError, TypeError):
         side = {}
     listed = side if isinstance(side, dict) else {}

@@ -18,7 +18,6 @@ execution as a modified local file is.
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 import time
@@ -29,6 +28,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlsplit
 
+from . import jsondoc
 from .errors import FormatError, MergeDBError
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -46,6 +46,14 @@ _TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 def is_url(path: object) -> bool:
     """True for 'scheme://…' (a str or a RemotePath); local paths, Path objects and 'C:\\…' are not URLs."""
     return isinstance(path, (str, RemotePath)) and bool(_SCHEME.match(str(path)))
+
+
+def local_path(url: str | RemotePath) -> str | None:
+    """The path on this machine that a file:// (or local://) URL names, as fsspec reads it; None
+    for any other URL (s3://, http(s)://: on no disk an output could be written to)."""
+    if urlsplit(str(url)).scheme not in ("file", "local"):
+        return None
+    return filesystem(str(url))[1]
 
 
 @dataclass(frozen=True)
@@ -313,14 +321,7 @@ def _sharded(index_url: RemotePath, root: RemotePath, shown: RemotePath | None =
     raw = read_small(index_url.url)
     if raw is None:
         raise FormatError(f"{index_url}: no such file")
-    try:
-        weight_map = json.loads(raw)["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise FormatError(f"{index_url}: not a valid index (expected JSON with a 'weight_map' object)") from None
-    if not weight_map:
-        raise FormatError(f"{index_url}: empty checkpoint: weight_map lists no tensors; regenerate the index")
+    weight_map = jsondoc.weight_map(raw, index_url)
     for tensor, shard in weight_map.items():
         norm = posixpath.normpath(shard)
         if "\x00" in shard or "://" in shard or norm.startswith(("/", "..")) or norm != shard:

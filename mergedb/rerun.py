@@ -12,13 +12,12 @@ again (the name is taken, and a second plan under another name is what must not 
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import plans
+from . import jsondoc, plans
 from .errors import PlanExistsError
 from .manifest import MANIFEST
 from .plainfile import read_small
@@ -104,7 +103,7 @@ def _output_state(out: Path, s: PlanSummary) -> str:
     try:
         if not out.exists() or (out.is_dir() and not any(out.iterdir())):
             return "missing"
-        doc = json.loads(read_small(out / MANIFEST))
+        doc = jsondoc.parse(read_small(out / MANIFEST))
     except (OSError, ValueError):
         return "in the way"
     return "complete" if isinstance(doc, dict) and doc.get("plan_hash") == s.plan_hash else "in the way"

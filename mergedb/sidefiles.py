@@ -20,7 +20,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from . import remote
+from . import jsondoc, remote
 from .plainfile import read_small
 from .remote import RemotePath
 
@@ -101,7 +101,7 @@ def code_names(configs: dict[str, bytes]) -> list[str]:
     names = set()
     for data in configs.values():
         try:
-            doc = json.loads(data)
+            doc = jsondoc.parse(data)
         except ValueError:  # the base's own config, unreadable: it is copied as it is
             continue
         auto = doc.get("auto_map") if isinstance(doc, dict) else None
@@ -185,7 +185,7 @@ def copy_side_files(root: Path | RemotePath, dest: Path, dtype: str | None = Non
     if dtype is None or not config.is_file():
         return names
     try:
-        doc = json.loads(read_small(config))
+        doc = jsondoc.parse(read_small(config))
     except (OSError, ValueError):  # the base's own config, unreadable: copied as it is
         return names
     if isinstance(doc, dict) and any(k in doc for k in ("torch_dtype", "dtype")):

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FormatError, MergeDBError
+from .jsondoc import DuplicateKey, no_duplicate_keys
 from .plainfile import file_kind, read_exact
 
 # Upstream's MAX_HEADER_SIZE (safetensors/src/tensor.rs): a header of exactly this many bytes is
@@ -265,21 +266,6 @@ def parse_header(read: Callable[[int, int], bytes], path: Path | str, size: int)
             raise FormatError(f"{bad}: tensor data runs to byte {cursor} but the file has {size} bytes (truncated?)")
         raise FormatError(f"{bad}: {size - cursor} bytes after the last tensor are not described by the header")
     return Header(path, n, size, hashlib.sha256(raw).hexdigest(), tuple(tensors), dict(metadata))
-
-
-class DuplicateKey(Exception):
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-
-def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json object_pairs_hook: a dict, refusing a key seen twice in one object (at any depth)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise DuplicateKey(k)
-        out[k] = v
-    return out
 
 
 def _entry(

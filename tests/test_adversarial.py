@@ -72,11 +72,14 @@ def _leftovers(out: Path) -> list[str]:
 # -- 2: never write over, into or around a checkpoint being read ------------------------------
 
 
-def test_force_never_overwrites_a_registered_checkpoint(setup, tmp_path):
+@pytest.mark.parametrize("as_url", [False, True], ids=["path", "file-url"])
+def test_force_never_overwrites_a_registered_checkpoint(setup, tmp_path, as_url):
+    """as_url: the output registered as file:///…, which the overlap check once resolved as a
+    relative path (CWD/file:/…), so --force replaced the expert's files (review, 2026-12-02)."""
     fam, db, plan = setup
     out = tmp_path / "out"
     assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
-    Catalog(db).register([out], base_model="base", name="merged")  # the output is now an expert
+    Catalog(db).register([f"file://{out}" if as_url else out], base_model="base", name="merged")  # now an expert
     pid = Catalog(db).plan(PlanRequest("base", None, "task_arithmetic", "all")).plan_id
     (out / "NOTES.md").write_text("mine")
     before = _snapshot(tmp_path)

@@ -258,7 +258,9 @@ def _undo_swap(out: Path, old: Path, tmp: Path) -> None:
     cut before the new manifest was in place, the old output comes back whole; then `old` goes."""
     if (old / MANIFEST).is_file() and not (out / MANIFEST).exists():
         kept = {p.name for p in old.iterdir()}
-        for name in _listed_files(tmp) - kept - {MANIFEST}:
+        # the old output's names: its manifest's, not only those still in `old`: a recovery cut short
+        # has moved some back already, and those are the old output's files, not the new one's
+        for name in _listed_files(tmp) - _listed_files(old) - kept - {MANIFEST}:
             if not (tmp / name).exists():  # it had moved in, and the old output has no such file
                 if _templates(out / name):
                     _remove_ours(out / name)

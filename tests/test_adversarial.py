@@ -551,3 +551,29 @@ def test_replay_of_moved_or_retimed_inputs_says_what_to_do(setup, tmp_path):
     code, said = _cli("replay", out / manifest.MANIFEST, "--out", tmp_path / "again")
     assert code == 1 and "a replay needs the files as" in said.replace("\n", " "), said
     assert not (tmp_path / "again").exists()
+
+
+def test_a_swap_recovery_cut_short_and_run_again_keeps_what_it_had_restored(setup, tmp_path):
+    """A --force swap killed, then the run recovering it killed after moving some old files back:
+    the next recovery took "the new output's files" as its manifest's names less those still in the
+    old folder, so it deleted the old files already restored (config.json here), and the old output
+    came back with its manifest but without them (review, 2026-12-02). The old output's own manifest
+    now says which names are its."""
+    from mergedb import outdir
+
+    fam, db, plan = setup
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _cli("execute", plan["all"], "--out", a, "-c", db, "-q")[0] == 0
+    assert _cli("execute", plan["half"], "--out", b, "-c", db, "-q")[0] == 0
+    want = {p.name: p.read_bytes() for p in a.iterdir()}
+    assert {"config.json", "model.safetensors", "mergedb_manifest.json"} <= set(want) <= {p.name for p in b.iterdir()}
+    out, old, tmp = tmp_path / "out", tmp_path / ".out.mergedb-old-1", b  # the state the cut recovery left:
+    shutil.copytree(a, old)  # the old output moved aside, its manifest first ...
+    out.mkdir()
+    os.replace(b / "model.safetensors", out / "model.safetensors")  # ... new files moved in ...
+    os.replace(b / "config.json", out / "config.json")
+    os.replace(old / "config.json", out / "config.json")  # ... and an old one already moved back over its new one
+    outdir._undo_swap(out, old, tmp)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == want
+    assert not old.exists()
+    assert check_output(out) == []

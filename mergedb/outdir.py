@@ -255,8 +255,15 @@ def remove_stale_in(folder: Path) -> None:
 
 def _undo_swap(out: Path, old: Path, tmp: Path) -> None:
     """Finish or undo a --force swap between `out`, its old files in `old` and the new ones in `tmp`:
-    cut before the new manifest was in place, the old output comes back whole; then `old` goes."""
-    if (old / MANIFEST).is_file() and not (out / MANIFEST).exists():
+    cut before the new manifest was in place, the old output comes back whole; then `old` goes.
+    An `out` someone removed since (it looked broken, holding no manifest) comes back only if `old`
+    holds the whole old output; a part of one is removed with `old`, never installed as if whole."""
+    if not out.exists() and not out.is_symlink():
+        listed = _listed_files(old)
+        if listed and all((old / n).exists() for n in listed):
+            os.rename(old, out)
+            fsync_dir(out.parent, files=False)
+    elif (old / MANIFEST).is_file() and not (out / MANIFEST).exists():
         kept = {p.name for p in old.iterdir()}
         # the old output's names: its manifest's, not only those still in `old`: a recovery cut short
         # has moved some back already, and those are the old output's files, not the new one's
@@ -372,6 +379,7 @@ def install(tmp: Path, out: Path, force: bool = False) -> None:
             os.chmod(out, stat.S_IMODE(was.st_mode))
             with contextlib.suppress(OSError):  # only root or the owner may; the mode is what matters
                 os.chown(out, was.st_uid, was.st_gid)
+        fsync_dir(out.parent, files=False)  # the rename itself, durable before the run is recorded as done
         return
     if not force or not (out / MANIFEST).is_file():
         held = ", ".join(sorted(p.name for p in out.iterdir())[:3])

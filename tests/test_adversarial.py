@@ -577,3 +577,48 @@ def test_a_swap_recovery_cut_short_and_run_again_keeps_what_it_had_restored(setu
     assert {p.name: p.read_bytes() for p in out.iterdir()} == want
     assert not old.exists()
     assert check_output(out) == []
+
+
+@pytest.mark.parametrize("old_holds", ["manifest only", "the whole output"])
+def test_an_output_removed_after_a_cut_swap_is_not_a_traceback_forever(setup, tmp_path, old_holds):
+    """A --force swap cut after moving the old manifest aside left an output with no manifest; a user
+    who removed it got a FileNotFoundError from every later execute into that path (the recovery
+    moved the old files back into a folder that was gone; review, 2026-12-02). Now a whole old
+    output comes back; a part of one is removed, never installed as if whole."""
+    from mergedb import outdir
+
+    fam, db, plan = setup
+    a, out = tmp_path / "a", tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", a, "-c", db, "-q")[0] == 0
+    want = {p.name: p.read_bytes() for p in a.iterdir()}
+    old = tmp_path / f".out{outdir.OLD}999999-0123abcd"
+    if old_holds == "manifest only":
+        old.mkdir()
+        os.replace(a / "mergedb_manifest.json", old / "mergedb_manifest.json")
+    else:
+        os.replace(a, old)
+    outdir.remove_stale(out)  # what the next execute into `out` runs first, under the output's lock
+    assert not old.exists()
+    if old_holds == "manifest only":
+        assert not out.exists()
+        code, text = _cli("execute", plan["all"], "--out", out, "-c", db, "-q")
+        assert code == 0, text
+    else:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == want
+    assert check_output(out) == []
+
+
+def test_a_first_install_makes_its_rename_durable(tmp_path, monkeypatch):
+    """Into a new folder the output is one rename; the folder holding it is fsynced after it, so the
+    rename outlives a power cut that follows the run's record in the catalog (review, 2026-12-02)."""
+    from mergedb import outdir
+
+    synced = []
+    real = outdir.fsync_dir
+    monkeypatch.setattr(outdir, "fsync_dir", lambda d, files=True: (synced.append((Path(d), files)), real(d, files)))
+    tmp = tmp_path / ".out.mergedb-tmp-1-ab"
+    tmp.mkdir()
+    (tmp / "mergedb_manifest.json").write_text("{}")
+    outdir.install(tmp, tmp_path / "out", False)
+    assert (tmp_path / "out" / "mergedb_manifest.json").is_file()
+    assert (tmp_path, False) in synced

@@ -24,7 +24,7 @@ from .errors import ChangedFileError, FormatError
 from .plainfile import file_kind, read_small
 from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
-from .stray import refuse_stray_names, refuse_stray_weights
+from .stray import refuse_loose_shards, refuse_stray_names, refuse_stray_weights
 from .tensorfile import Header, TensorInfo, parse_header, read_header
 
 if TYPE_CHECKING:
@@ -259,6 +259,7 @@ def discover(paths: list[str | os.PathLike[str]]) -> list[Path | RemotePath]:
         if is_checkpoint(p):
             found.append(p)
         elif p.is_dir():
+            refuse_loose_shards(p, sorted(os.listdir(p)))
             subs = []
             for c in sorted(p.iterdir()):
                 if is_checkpoint(c):
@@ -307,6 +308,7 @@ def _discover_remote(url: str) -> list[RemotePath]:
             f"{url}: no {SINGLE} or {INDEX} there, and this filesystem cannot list folders; name the "
             ".safetensors file or the index URL"
         )
+    refuse_loose_shards(folder, names)
     subs = [folder / n for n in names if remote.locate((folder / n).url, SINGLE, INDEX) is not None]
     for n in remote.listdir(folder.url, folders=True) or []:  # weights it would skip, silently before
         if folder / n not in subs:

@@ -54,6 +54,17 @@ def refuse_stray_names(folder: Any, names: list[str]) -> None:
     _refuse(folder, names)
 
 
+def refuse_loose_shards(folder: Any, names: list[str]) -> None:
+    """Refuse a folder named as a folder of checkpoints (`names`: what it holds) that is a model saved
+    in shards whose index is missing, a broken link or not a file: each shard would be registered as
+    a checkpoint of its own (two partial bases of one tensor each, say). refuse_stray_weights says the
+    same of such a folder one level down."""
+    if MODEL in names or MODEL_INDEX in names or any(SHARD.fullmatch(n) for n in names):
+        why = _why(folder, names)
+        if why:
+            raise FormatError(f"{folder} holds {why}")
+
+
 def _refuse(folder: Any, names: list[str]) -> None:
     why = _why(folder, names)
     if why:

@@ -164,6 +164,26 @@ def test_a_folder_of_checkpoints_refuses_weights_it_would_skip(tmp_path, files, 
     assert snapshot(cat) == before
 
 
+@pytest.mark.parametrize("index", ["missing", "a broken link"])
+@pytest.mark.parametrize("where", ["local", "file-url"])
+def test_a_sharded_model_named_itself_without_its_index_is_refused(tmp_path, index, where):
+    """A model folder of shards whose index is missing (or a broken link), named itself, was taken
+    for a folder of single-file checkpoints: each shard registered as a base or expert of its own
+    (review, 2026-12-02). The same folder one level down was refused already (the test above)."""
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=19, shard_size=500_000)
+    base = fam / "base"
+    assert len(list(base.glob("model-*-of-*.safetensors"))) > 1
+    (base / "model.safetensors.index.json").unlink()
+    if index == "a broken link":
+        (base / "model.safetensors.index.json").symlink_to(tmp_path / "gone.json")
+    words = "but no model.safetensors.index.json" if index == "missing" else "index.json, which is not a file"
+    cat = Catalog(tmp_path / "c.duckdb")
+    with pytest.raises(MergeDBError, match=words) as e:
+        cat.register([str(base) if where == "local" else f"file://{base}"], base=True)
+    assert "base" in str(e.value)
+    assert not (tmp_path / "c.duckdb").exists()  # a refused first registration leaves no catalog
+
+
 def test_a_folder_that_cannot_be_listed_is_refused(tmp_path, monkeypatch):
     """A subfolder this user cannot look into (mode 700, another owner): refused in one line, where
     checking it for model files raised PermissionError with a traceback; a file system's lost+found

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from . import jsondoc, remote
 from .errors import ChangedFileError, FormatError
-from .plainfile import file_kind, read_small
+from .plainfile import file_kind, leads_inside, link_roots, read_small
 from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
 from .stray import refuse_loose_shards, refuse_stray_names, refuse_stray_weights
@@ -194,16 +194,19 @@ def _shards_from_index(folder: Path) -> list[str]:
     except OSError as e:
         raise FormatError(f"{index_path}: cannot be read ({e.strerror})") from None
     weight_map = jsondoc.weight_map(raw, index_path)
-    root = folder.resolve()
+    roots = link_roots(folder)  # the folder, or a Hugging Face cache snapshot's own blobs/
     first: dict[str, str] = {}  # each shard, checked once (a 20k-tensor index names a few hundred shards), by
     for tensor, shard in weight_map.items():  # the first tensor that names it
         first.setdefault(shard, tensor)
     for shard, tensor in first.items():
-        where = None if "\x00" in shard or os.path.isabs(shard) else (folder / shard).resolve()
-        if where is None or not where.is_relative_to(root):
+        try:  # a missing shard resolves as far as it can; a link loop has no file at its end
+            where = None if "\x00" in shard or os.path.isabs(shard) else (folder / shard).resolve()
+        except RuntimeError:
+            where = roots[0] / shard
+        if where is None or not any(where.is_relative_to(r) for r in roots):
             raise FormatError(
                 f"{index_path}: tensor {tensor!r} points to {shard!r}, outside the checkpoint folder; "
-                "shards must be files inside the folder"
+                "shards must be files inside the folder (or, in a Hugging Face cache, its blobs/)"
             )
         if not where.is_file():
             raise FormatError(f"{index_path}: tensor {tensor!r} points to missing shard {shard!r}")
@@ -226,7 +229,12 @@ def _check_index_covers(index: str, weight_map: dict[str, str], files: tuple[Fil
 
 def _config(root: Path | RemotePath) -> tuple[str | None, int | None, bool | None]:
     """The architecture, vocabulary size and tie_word_embeddings that config.json beside the weights
-    names (all None without one; each None when it does not say)."""
+    names (all None without one; each None when it does not say). A config.json that links out of the
+    folder (see plainfile.link_roots) is not read: it counts as none, as it does for the side files."""
+    local = remote.local_path(root) if isinstance(root, RemotePath) else root
+    if local is not None and os.path.lexists(Path(local) / "config.json"):
+        if not leads_inside(Path(local) / "config.json", link_roots(local)):
+            return None, None, None
     try:
         if isinstance(root, RemotePath):
             raw = remote.read_small((root / "config.json").url)

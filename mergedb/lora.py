@@ -36,7 +36,7 @@ from typing import Any
 from . import jsondoc
 from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint, is_checkpoint
 from .errors import AlignmentError, FormatError
-from .plainfile import read_small
+from .plainfile import leads_inside, link_roots, read_small
 from .remote import is_url
 from .stray import refuse_stray_weights
 from .tensorfile import FLOAT_DTYPES, TensorInfo
@@ -399,10 +399,10 @@ def _shards(root: Path) -> list[str]:
         raw = read_small(path)
     except OSError:
         raise FormatError(f"{path}: not a valid index (expected JSON with a 'weight_map' object)") from None
-    real = root.resolve()
+    roots = link_roots(root)  # the folder, or a Hugging Face cache snapshot's own blobs/
     shards = sorted(set(jsondoc.weight_map(raw, path).values()))
     for s in shards:
-        if "\x00" in s or os.path.isabs(s) or not (root / s).resolve().is_relative_to(real) or not (root / s).is_file():
+        if "\x00" in s or os.path.isabs(s) or not leads_inside(root / s, roots) or not (root / s).is_file():
             raise FormatError(f"{path}: shard {s!r} is missing or outside the adapter folder")
     return shards
 

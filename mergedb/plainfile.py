@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from pathlib import Path
 
 SMALL_FILE_LIMIT = 64 << 20  # a JSON file mergedb reads whole (configs, indexes, manifests): far above any real one
 
@@ -21,6 +22,27 @@ def file_kind(mode: int) -> str:
         if test(mode):
             return kind
     return "not a regular file"
+
+
+def link_roots(folder: str | os.PathLike[str]) -> list[Path]:
+    """Where a checkpoint's files (shards, config, side files) may lead through symlinks: inside
+    `folder`, and for a Hugging Face cache snapshot (`.../models--ORG--NAME/snapshots/REV`, whose
+    files link to ../../blobs/SHA) into its own repository's blobs/ folder; never anywhere else."""
+    real = Path(folder).resolve()
+    roots = [real]
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        roots.append(real.parent.parent / "blobs")
+    return roots
+
+
+def leads_inside(path: str | os.PathLike[str], roots: list[Path]) -> bool:
+    """Whether `path`, its links followed, is inside one of `roots` (link_roots); a dangling or
+    looping link is not."""
+    try:
+        target = Path(path).resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, dangling, a loop (RuntimeError before Python 3.13)
+        return False
+    return any(target.is_relative_to(r) for r in roots)
 
 
 def read_small(path: str | os.PathLike[str]) -> bytes:

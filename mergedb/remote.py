@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from . import jsondoc
 from .errors import FormatError, MergeDBError
+from .plainfile import leads_inside, link_roots
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _UNLISTABLE = ("http", "https")  # fsspec's HTTP "listing" scrapes HTML links: never a folder listing
@@ -330,9 +331,16 @@ def _sharded(index_url: RemotePath, root: RemotePath, shown: RemotePath | None =
                 "shards must be plain file names relative to the index"
             )
     shards = sorted(set(weight_map.values()))
+    local = local_path(root)  # file://: on this disk, where a shard's links may lead is checked as a local folder's
+    roots = link_roots(local) if local is not None else []
     for shard in shards:
         if stat((root / shard).url) is None:
             raise FormatError(f"{index_url}: points to missing shard {shard!r}")
+        if local is not None and not leads_inside(posixpath.join(local, shard), roots):
+            raise FormatError(
+                f"{index_url}: {shard!r} links outside the checkpoint folder; shards must be files inside the "
+                "folder (or, in a Hugging Face cache, its blobs/)"
+            )
     name = (shown or root).name
     return Location(shown or index_url, root, tuple(shards), name, weight_map)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import jsondoc, remote
-from .plainfile import read_small
+from .plainfile import leads_inside, link_roots, read_small
 from .remote import RemotePath
 
 # Side files copied from the base into a merged model, by name (see `side_files`).
@@ -73,25 +73,12 @@ def is_side_name(name: object) -> bool:
     )
 
 
-def _link_roots(root: Path) -> list[Path]:
-    """Where a symlinked side file of `root` may lead: inside `root`, and for a Hugging Face cache
-    snapshot (`.../models--ORG--NAME/snapshots/REV`, whose files link to ../../blobs/SHA) into its
-    own repository's blobs/ folder, never anywhere else."""
-    real = root.resolve()
-    roots = [real]
-    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
-        roots.append(real.parent.parent / "blobs")
-    return roots
-
-
 def _regular(p: Path, roots: list[Path]) -> bool:
     """Whether `p` is a regular file, or a link to one inside `roots` (not a dangling or looping link)."""
     try:
-        target = p.resolve(strict=True)
-        mode = os.stat(target).st_mode
-    except (OSError, RuntimeError):  # missing, dangling link, symlink loop
+        return leads_inside(p, roots) and stat.S_ISREG(os.stat(p).st_mode)
+    except OSError:
         return False
-    return stat.S_ISREG(mode) and any(target.is_relative_to(r) for r in roots)
 
 
 def code_names(configs: dict[str, bytes]) -> list[str]:
@@ -136,7 +123,7 @@ def side_files(root: Path) -> list[str]:
     merge's provenance is in mergedb_manifest.json). Only regular files count; a symlink counts only
     when it resolves to a regular file inside `root`, or, for a Hugging Face cache snapshot, inside
     its repository's blobs/ (so a config.json -> /etc/... link is skipped)."""
-    roots = _link_roots(root)
+    roots = link_roots(root)
     try:
         listed = sorted(os.listdir(root))
     except OSError:

@@ -4,9 +4,11 @@ empty folders)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from mergedb import executor
+from mergedb import executor, synth
 from mergedb.catalog import Catalog
 from mergedb.checkpoint import open_checkpoint
 from mergedb.errors import FormatError, MergeDBError
@@ -409,6 +411,64 @@ def test_hub_cache_snapshot_links_into_its_own_blobs_only(tmp_path):
     (snap / "tokenizer.json").symlink_to(other / "blobs" / "sha1")
     (snap / "generation_config.json").symlink_to("/etc/hostname")
     assert side_files(snap) == ["config.json"]
+
+
+def _hub_snapshot(src, repo):
+    """`src`'s files as the hub cache lays them out: repo/snapshots/rev1/NAME -> ../../blobs/SHA."""
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "rev1"
+    snap.mkdir(parents=True)
+    for p in sorted(src.iterdir()):
+        sha = hashlib.sha256(p.read_bytes()).hexdigest()
+        shutil.copy(p, repo / "blobs" / sha)
+        (snap / p.name).symlink_to(f"../../blobs/{sha}")
+    return snap
+
+
+@pytest.mark.parametrize("where", ["local", "file-url"])
+def test_a_sharded_hub_cache_snapshot_registers_and_links_out_are_refused(tmp_path, where):
+    """A sharded model in the hub cache (shards linking to ../../blobs/SHA) was refused as "outside the
+    checkpoint folder", though a single-file snapshot registered (review, 2026-12-02): shards follow the
+    side files' rule, inside the folder or its repository's own blobs/. A shard linking anywhere else is
+    refused, now as a file:// URL too (it was registered)."""
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=5, shard_size=500_000)
+    snap = _hub_snapshot(fam / "base", tmp_path / "hub" / "models--org--base")
+    name = lambda p: str(p) if where == "local" else f"file://{p}"  # noqa: E731
+    ck = open_checkpoint(name(snap))
+    assert len(ck.files) > 1 and ck.architecture is not None
+    assert [t.name for _, t in ck.tensors] == [t.name for _, t in open_checkpoint(fam / "base").tensors]
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([name(snap)], base=True, name="snap")
+    shard = sorted(p for p in snap.iterdir() if p.name.startswith("model-"))[0]
+    outside = tmp_path / "elsewhere" / "x.safetensors"
+    outside.parent.mkdir()
+    shutil.copy(shard, outside)
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(FormatError, match="outside the checkpoint folder"):
+        open_checkpoint(name(snap))
+    shard.unlink()
+    shard.symlink_to(fam / "base" / shard.name)  # another folder with the same bytes: outside too
+    with pytest.raises(FormatError, match="outside the checkpoint folder"):
+        open_checkpoint(name(snap))
+
+
+@pytest.mark.parametrize("where", ["local", "file-url"])
+def test_a_config_linking_out_of_the_folder_is_not_read(tmp_path, where):
+    """config.json beside the weights is read for the architecture, vocabulary size and tied head;
+    one that links out of the folder was read and stored (review, 2026-12-02): it counts as none now,
+    as it does for the side files, which never copied it."""
+    name = lambda p: str(p) if where == "local" else f"file://{p}"  # noqa: E731
+    single = tmp_path / "single"
+    single.mkdir()
+    _tiny(single / "model.safetensors")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "config.json").write_text('{"architectures": ["FromOutside"], "vocab_size": 7}')
+    (single / "config.json").symlink_to(tmp_path / "elsewhere" / "config.json")
+    assert open_checkpoint(name(single)).architecture is None
+    (single / "config.json").unlink()
+    shutil.copy(tmp_path / "elsewhere" / "config.json", single / "config.json")  # the probe: a file of its own
+    assert open_checkpoint(name(single)).architecture == "FromOutside"
 
 
 def test_tokenizer_and_processor_files_reach_the_output(tmp_path):

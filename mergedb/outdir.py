@@ -78,7 +78,7 @@ def resolve_out(out: Path) -> Path:
         ) from None
     try:
         link = out.is_symlink()
-        real = out.resolve()
+        real = _resolved(out)
     except OSError as e:  # e.g. a name longer than the file system allows
         raise MergeDBError(f"{_FLAG.get()} {out}: {os_advice(e, out)}") from None
     if link:
@@ -102,13 +102,25 @@ def check_clear_of(out: Path, paths: list[Any], what: str) -> None:
     """Refuse an `out` that is, holds, or lies inside any of `paths` (checkpoint files or folders,
     local or file:// URLs; other URLs are skipped): writing there would overwrite or swap away the
     files a merge reads."""
-    real = Path(out).resolve()
+    real = _resolved(Path(out))
     for src in sorted(set(_with_link_targets(paths))):
         if real == src or src.is_relative_to(real) or real.is_relative_to(src):
             raise MergeDBError(
                 f"{_FLAG.get()} {out} overlaps {src}, {what}; mergedb never writes into, over or around a "
                 f"checkpoint it reads: choose an {_FLAG.get()} outside it"
             )
+
+
+def _resolved(out: Path) -> Path:
+    """`out` resolved; a loop of symbolic links on its way is refused by name (Python before 3.13
+    raises RuntimeError for it, which no caller expected)."""
+    try:
+        return out.resolve()
+    except RuntimeError:
+        raise MergeDBError(
+            f"{_FLAG.get()} {out} passes through a loop of symbolic links; fix the links or choose another "
+            f"{_FLAG.get()}"
+        ) from None
 
 
 def _with_link_targets(paths: list[Any]) -> Iterator[Path]:
@@ -121,14 +133,15 @@ def _with_link_targets(paths: list[Any]) -> Iterator[Path]:
             if local is None:
                 continue
             p = local
-        yield Path(p).resolve()
         try:
+            yield Path(p).resolve()
             entries = list(os.scandir(p)) if os.path.isdir(p) else []
-        except OSError:
+        except (OSError, RuntimeError):  # unlistable, or a loop of links (nothing can lie under one)
             continue
         for e in entries:
             if e.is_symlink():
-                yield Path(e.path).resolve()
+                with contextlib.suppress(RuntimeError):  # a link in a loop leads nowhere
+                    yield Path(e.path).resolve()
 
 
 @contextmanager

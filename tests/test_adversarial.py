@@ -622,3 +622,25 @@ def test_a_first_install_makes_its_rename_durable(tmp_path, monkeypatch):
     outdir.install(tmp, tmp_path / "out", False)
     assert (tmp_path / "out" / "mergedb_manifest.json").is_file()
     assert (tmp_path, False) in synced
+
+
+def test_an_out_through_a_loop_of_links_is_refused_by_name(setup, tmp_path):
+    """--out under a loop of symbolic links (a -> b, b -> a) ended in RuntimeError and a traceback
+    (Python before 3.13 raises that from Path.resolve; review, 2026-12-02); a registered checkpoint
+    whose path became such a loop broke every execute the same way."""
+    fam, db, plan = setup
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for out in (tmp_path / "a" / "merged", tmp_path / "a"):
+        code, text = _cli("execute", plan["all"], "--out", out, "-c", db, "-q")
+        assert code == 1 and "passes through a loop of symbolic links" in text and "Traceback" not in text, text
+    xp = Catalog(db).execution_plan(plan["all"])
+    with pytest.raises(MergeDBError, match="loop of symbolic links"):
+        executor.execute(xp, tmp_path / "a" / "merged")
+    gone = tmp_path / "gone"  # a registered expert whose folder is now a loop: other executes still run
+    shutil.copytree(fam / "expert_00", gone)
+    Catalog(db).register([gone], base_model="base", name="gone")
+    shutil.rmtree(gone)
+    gone.symlink_to(tmp_path / "a")
+    code, text = _cli("execute", plan["all"], "--out", tmp_path / "ok", "-c", db, "-q")
+    assert code == 0, text

@@ -26,6 +26,7 @@ from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
 from .stray import refuse_loose_shards, refuse_stray_names, refuse_stray_weights
 from .tensorfile import Header, TensorInfo, parse_header, read_header
+from .units import utf8
 
 if TYPE_CHECKING:
     from .manifest import ExecutionPlan
@@ -127,6 +128,10 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
     if remote.is_url(path):
         return _open_remote(str(path), name)
     path = Path(path)
+    if not utf8(str(path.absolute())):
+        raise FormatError(
+            f"{os.fsencode(path)!r}: this path is not valid UTF-8 (the catalog stores paths as text); rename it"
+        )
     if path.is_file():
         if path.suffix != ".safetensors":
             raise FormatError(f"{path}: expected a .safetensors file or a model folder")
@@ -150,6 +155,11 @@ def open_checkpoint(path: str | os.PathLike[str], name: str | None = None) -> Ch
         raise FormatError(f"{path}: is {file_kind(os.stat(path).st_mode)}; point at a .safetensors file or a folder")
     else:
         raise FormatError(f"{path}: no such file or folder")
+    for rel in relpaths:
+        if not utf8(rel):
+            raise FormatError(
+                f"{path}: shard {os.fsencode(rel)!r} has a name that is not valid UTF-8; rename it and its index entry"
+            )
     files = tuple(file_info(root, rel) for rel in relpaths)
     if relpaths != [SINGLE] and (path / INDEX).is_file() and path.is_dir():
         weight_map = jsondoc.weight_map(read_small(path / INDEX), path / INDEX)
@@ -248,6 +258,7 @@ def _config(root: Path | RemotePath) -> tuple[str | None, int | None, bool | Non
         return None, None, None
     archs = cfg.get("architectures")
     arch = str(archs[0]) if isinstance(archs, list) and archs else None
+    arch = arch if arch is None or utf8(arch) else None  # a lone surrogate ("\ud800"): no architecture
     vocab, tied = cfg.get("vocab_size"), cfg.get("tie_word_embeddings")
     if isinstance(cfg.get("text_config"), dict):  # multimodal configs nest the LM's
         vocab = cfg["text_config"].get("vocab_size") if vocab is None else vocab

@@ -139,6 +139,16 @@ def block_sizes(block_size: str | int | BlockSizes, vocab_block_size: str | int 
     return rule
 
 
+def utf8(text: str) -> bool:
+    """Whether `text` can be stored as UTF-8 (a file name in another encoding reaches Python as lone
+    surrogates, which DuckDB refuses only when a row is inserted, after a whole scan)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_name(name: str, what: str) -> None:
     """Refuse checkpoint names that commands could not address (`--experts a,b` splits on commas
     and strips spaces)."""
@@ -155,6 +165,8 @@ def check_name(name: str, what: str) -> None:
         why = "contains a control character"
     elif not any(ch.isprintable() and not ch.isspace() for ch in name):  # e.g. a zero-width space alone
         why = "has no visible character"
+    elif not utf8(name):  # a folder named in another encoding: the catalog stores text
+        why = "is not valid UTF-8"
     if why:
         raise MergeDBError(f"{what}, {name!r}, {why}, so commands could not refer to it; pass --name NAME")
 

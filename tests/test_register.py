@@ -370,3 +370,40 @@ def test_weights_below_float32s_normal_range_are_refused(tmp_path):
             cat.plan(PlanRequest("base", None, "task_arithmetic", weights=(1.0, w)))
     for w in (0.0, 1e-9):
         cat.plan(PlanRequest("base", None, "ties", params={"density": 0.5}, weights=(1.0, w)))
+
+
+def test_names_not_in_utf8_are_refused_before_the_scan(tmp_path):
+    """A folder or shard named in another encoding reaches Python as lone surrogates, which DuckDB
+    refused only when the first row was inserted: a traceback after the whole scan (review,
+    2026-12-02). Now refused up front, naming the path; a config.json architecture of a lone
+    surrogate ("\\ud800" in its JSON) counts as none."""
+    from mergedb.checkpoint import open_checkpoint
+    from mergedb.errors import FormatError
+    from mergedb.units import check_name
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=21)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base"], base=True)
+    before = snapshot(cat)
+    odd = tmp_path / os.fsdecode(b"exp\xff")
+    shutil.copytree(fam / "expert_00", odd)
+    for paths, kw in (([odd], {}), ([odd], {"name": "fine"}), ([tmp_path], {})):
+        with pytest.raises(MergeDBError, match="not valid UTF-8") as e:
+            cat.register(paths, base_model="base", **kw)
+        assert "exp\\xff" in str(e.value)
+    assert snapshot(cat) == before
+    with pytest.raises(MergeDBError, match="is not valid UTF-8"):
+        check_name(os.fsdecode(b"exp\xff"), "expert name")
+    sharded = synth.make_family(tmp_path / "sh", experts=1, size="tiny", seed=22, shard_size=500_000) / "base"
+    index = sharded / "model.safetensors.index.json"
+    shard = sorted(p.name for p in sharded.glob("model-*.safetensors"))[0]
+    bad = os.fsdecode(b"sh\xff.safetensors")
+    os.rename(sharded / shard, sharded / bad)
+    index.write_text(index.read_text().replace(shard, "sh\\udcff.safetensors"))
+    with pytest.raises(FormatError, match="not valid UTF-8"):
+        open_checkpoint(sharded)
+    cfg = fam / "expert_00" / "config.json"
+    cfg.write_text(cfg.read_text().replace('"architectures": [', '"architectures": ["\\ud800", ', 1))
+    assert "\\ud800" in cfg.read_text()
+    assert open_checkpoint(fam / "expert_00").architecture is None
+    cat.register([fam / "expert_00"], base_model="base")

@@ -373,6 +373,18 @@ def check_out(out: Path, force: bool, advice: str | None = None) -> None:
                 f"{out} holds files mergedb did not create (no {MANIFEST}); refusing to touch it "
                 f"even with --force; choose another {_FLAG.get()}"
             )
+        try:  # its run.files say which files --force may replace: unreadable, the merge could not be installed
+            doc = jsondoc.parse(read_small(out / MANIFEST))
+        except (OSError, ValueError) as e:
+            raise MergeDBError(
+                f"{out / MANIFEST} cannot be read ({e}), so which files of {out} are mergedb's is unknown; refusing "
+                f"to touch it even with --force: restore that file, or choose another {_FLAG.get()}"
+            ) from None
+        if not isinstance(doc, dict):
+            raise MergeDBError(
+                f"{out / MANIFEST} is not a mergedb manifest (not a JSON object); refusing to touch {out} even "
+                f"with --force: restore that file, or choose another {_FLAG.get()}"
+            )
 
 
 def install(tmp: Path, out: Path, force: bool = False) -> None:

@@ -644,3 +644,21 @@ def test_an_out_through_a_loop_of_links_is_refused_by_name(setup, tmp_path):
     gone.symlink_to(tmp_path / "a")
     code, text = _cli("execute", plan["all"], "--out", tmp_path / "ok", "-c", db, "-q")
     assert code == 0, text
+
+
+@pytest.mark.parametrize("manifest", ['{"broken": ', "[1, 2]"], ids=["not-json", "not-an-object"])
+def test_force_over_an_unreadable_manifest_is_refused_before_the_merge(setup, tmp_path, monkeypatch, manifest):
+    """--force over an output whose manifest cannot be read ran the whole merge, then refused to
+    install, blaming config.json as "not a file of the mergedb output there" (review, 2026-12-02):
+    the manifest's run.files are what --force may replace. Now refused first, naming the manifest."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    (out / "mergedb_manifest.json").write_text(manifest)
+    before = _snapshot(tmp_path)
+    merged = []
+    real = executor._write
+    monkeypatch.setattr(executor, "_write", lambda *a, **k: (merged.append(1), real(*a, **k))[1])
+    code, text = _cli("execute", plan["half"], "--out", out, "--force", "-c", db, "-q")
+    assert code == 1 and "mergedb_manifest.json" in text and "restore that file" in text, text
+    assert merged == [] and _snapshot(tmp_path) == before and _leftovers(out) == []

@@ -325,7 +325,7 @@ def _sharded(index_url: RemotePath, root: RemotePath, shown: RemotePath | None =
     weight_map = jsondoc.weight_map(raw, index_url)
     for tensor, shard in weight_map.items():
         norm = posixpath.normpath(shard)
-        if "\x00" in shard or "://" in shard or norm.startswith(("/", "..")) or norm != shard:
+        if "\x00" in shard or "://" in shard or norm == ".." or norm.startswith(("/", "../")) or norm != shard:
             raise FormatError(
                 f"{index_url}: tensor {tensor!r} points to {shard!r}, outside the checkpoint folder; "
                 "shards must be plain file names relative to the index"

@@ -8,6 +8,7 @@ catalog as it was. Found by a review on 2026-12-02 (reproductions beside each ca
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -124,3 +125,17 @@ def test_an_unreadable_adapter_file_is_refused_and_the_catalog_kept(tmp_path, ba
     with pytest.raises(FormatError, match=what):
         Catalog(db).register([ad], base_model="base")
     assert Catalog(db).sql("SELECT name FROM checkpoints ORDER BY name").to_pylist() == before == [{"name": "base"}]
+
+
+def test_a_shard_whose_name_starts_with_two_dots_is_a_file_inside(tmp_path):
+    """The remote index check refused any shard name starting with '..' as leaving the folder, so a
+    shard named '..a.safetensors' (a file inside it) registered locally but not as file:// (review)."""
+    folder = _sharded(tmp_path / "ck", '{"weight_map": {WM}}')
+    os.rename(folder / "model-00001-of-00002.safetensors", folder / "..a.safetensors")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(index.read_text().replace("model-00001-of-00002.safetensors", "..a.safetensors"))
+    local, url = open_checkpoint(str(folder)), open_checkpoint(f"file://{folder}")
+    assert [t.name for _, t in url.tensors] == [t.name for _, t in local.tensors]
+    index.write_text(index.read_text().replace("..a.safetensors", "../ck/..a.safetensors"))
+    with pytest.raises(FormatError, match="outside the checkpoint folder"):
+        open_checkpoint(f"file://{folder}")

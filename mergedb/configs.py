@@ -117,6 +117,8 @@ def _load(text_or_path: str | PathLike[str]) -> tuple[Any, str]:
         return yaml.load(text, Loader=_LOADER), where
     except yaml.YAMLError as e:
         raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None
+    except (ValueError, RecursionError) as e:  # an integer of over 4,300 digits; nesting past the stack
+        raise ConfigError(f"{where}: a value YAML cannot read ({str(e).split(':')[0] or type(e).__name__})") from None
 
 
 def _number(key: str, v: Any) -> float:
@@ -216,7 +218,7 @@ def _slices(
     if extra:
         why = "residual_weight mixes the residual stream" if extra[0] == "residual_weight" else "not a slice key"
         raise ConfigError(f"slices[0].{extra[0]}: not supported ({why})")
-    sb = s.get("base_model")
+    sb = None if s.get("base_model") is None else _model_ref("slices[0].base_model", s["base_model"])
     if sb is not None and base_model is not None and sb != base_model:
         raise ConfigError(f"slices[0].base_model {sb!r} differs from base_model {base_model!r}; give one base")
     entries = _entries("slices[0].sources", s["sources"], method, ("model", "layer_range", "parameters"))
@@ -239,7 +241,7 @@ def _dtype(key: str, v: Any) -> str | None:
     if v is None:
         return None
     name = v[len("torch.") :] if isinstance(v, str) and v.startswith("torch.") else v
-    if name not in DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise ConfigError(f"{key}: {v!r} is not supported; use bfloat16, float16 or float32")
     return str(name)
 
@@ -255,6 +257,8 @@ def parse_config(text_or_path: str | PathLike[str]) -> MergeConfig:
         if key not in TOP_KEYS:
             raise ConfigError(f"unknown key {key!r}; a config takes {', '.join(sorted(TOP_KEYS))}")
     method = raw.get("merge_method")
+    if not isinstance(method, str):
+        raise ConfigError(f"merge_method: {method!r} is not a method name; e.g. merge_method: ties")
     if method in OTHER_METHODS:
         raise ConfigError(f"merge_method: {method}: {OTHER_METHODS[method]}")
     if method not in MERGEKIT_DEFAULTS:

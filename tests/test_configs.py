@@ -601,3 +601,30 @@ def test_a_config_path_with_a_colon_is_a_path(tmp_path):
     path = tmp_path / "v1:ties.yml"
     path.write_text(TA + W % 1)
     assert parse_config(str(path)).resolve(NAMES).weights == (1.0,)  # was read as the YAML text 'v1:ties.yml'
+
+
+_TIES = "merge_method: ties\nbase_model: base\n"
+_ONE = "models:\n  - model: a\n"
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("merge_method: [ties]\nbase_model: base\n" + _ONE, "merge_method: .* is not a method name"),
+        (_TIES + "dtype: [bfloat16]\n" + _ONE, "dtype: .* not supported"),
+        (_TIES + "out_dtype: {a: 1}\n" + _ONE, "out_dtype: .* not supported"),
+        (
+            "merge_method: linear\nslices:\n  - base_model: [x]\n    sources:\n      - model: a\n"
+            "        layer_range: [0, 2]\n",
+            "slices\\[0\\].base_model: model must be a path",
+        ),
+        (_TIES + _ONE + "    parameters:\n      weight: 1" + "0" * 4400 + "\n", "a value YAML cannot read"),
+    ],
+    ids=["method-list", "dtype-list", "out-dtype-mapping", "slice-base-list", "huge-integer"],
+)
+def test_values_of_the_wrong_yaml_type_are_config_errors(text, words):
+    """A list or mapping where a config wants a name (looked up in a dict before its type was
+    checked: TypeError), a slice's base model that is not a string, an integer past Python's digit
+    limit (a ValueError PyYAML lets through): tracebacks until a review found them (2026-12-02)."""
+    with pytest.raises(ConfigError, match=words):
+        parse_config(text)

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow.parquet as pq
 import xxhash
 
 from . import jsondoc, manifest, outdir, plans
@@ -215,7 +214,7 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
         problems.append(f"{path}: content_hash does not match the manifest's contents (edited?)")
     mask = None
     try:
-        mask = pq.read_table(folder / manifest.MASK)  # its digest is checked by manifest_problems
+        mask = manifest.read_mask(folder / manifest.MASK, doc)  # its digest is checked by manifest_problems
     except (OSError, ValueError, KeyError, TypeError) as e:
         problems.append(f"{folder / manifest.MASK}: cannot be read ({e})")
     invalid = manifest.manifest_problems(doc, mask)

@@ -213,9 +213,8 @@ def read_manifest(manifest_path: str | os.PathLike[str]) -> tuple[dict[str, Any]
     path = Path(manifest_path)
     try:
         doc = json.loads(read_small(path))
-        mask = pq.read_table(path.parent / MASK)
     except (OSError, ValueError) as e:
-        raise MergeDBError(f"cannot read {path} or its {MASK}: {e}") from None
+        raise MergeDBError(f"cannot read {path}: {e}") from None
     except RecursionError:  # JSON nested deeper than Python's stack (a manifest mergedb never writes)
         raise MergeDBError(f"{path}: its JSON nests too deeply; not a manifest mergedb wrote") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -228,12 +227,35 @@ def read_manifest(manifest_path: str | os.PathLike[str]) -> tuple[dict[str, Any]
         raise MergeDBError(
             f"{path}: content_hash does not match the manifest's contents (edited?); re-execute the plan"
         )
+    try:
+        mask = read_mask(path.parent / MASK, doc)
+    except (OSError, ValueError) as e:
+        raise MergeDBError(f"cannot read {path.parent / MASK}: {e}") from None
     problems = manifest_problems(doc, mask)
     if problems:
         raise MergeDBError(f"{path}: {problems[0]}; the manifest was edited or damaged: re-execute the plan")
     return doc, mask
 
 
+def read_mask(path: Path, doc: dict[str, Any]) -> pa.Table:
+    """The mask table at `path`, read only once its metadata shows it fits the manifest `doc`: at most
+    one row per (expert, block) its layout holds, each of a few dozen bytes. Parquet compresses a
+    column of one repeated value to almost nothing, so a 1 MB file could decode to 30M rows (6.5 GB)
+    before any check of its rows ran. Raises ValueError (with the counts) for one that does not fit."""
+    meta = pq.ParquetFile(path).metadata  # an unreadable file: OSError or pyarrow's ArrowInvalid (a ValueError)
+    experts, layout = doc.get("experts"), doc.get("layout")
+    k = len(experts) if isinstance(experts, list) else 0
+    rows = [t.get("rows") for t in layout if isinstance(t, dict)] if isinstance(layout, list) else []
+    limit = k * sum(len(r) for r in rows if isinstance(r, list))  # a tensor's row bounds outnumber its blocks
+    if meta.num_rows > limit:
+        raise ValueError(f"it has {meta.num_rows} rows, more than the {limit} (expert, block) pairs the manifest has")
+    decoded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    if decoded > _MASK_ROW_BYTES * meta.num_rows + (1 << 20):
+        raise ValueError(f"it decodes to {decoded} bytes, more than {meta.num_rows} mask rows hold")
+    return pq.read_table(path)
+
+
+_MASK_ROW_BYTES = 512  # a mask row: a few integers and a 32-character hash; generously
 _MASK_COLUMNS = ("position", "tensor_idx", "block_idx", "content_hash")
 _SOURCE_FIELDS = {"name": str, "path": str, "fingerprint": str, "content_hash": str, "weight": float, "coef": float}
 _TOP_FIELDS = {

@@ -435,8 +435,10 @@ def test_edited_manifests_fail_cleanly(setup, tmp_path):
         path.write_text(json.dumps(doc))
         code, text = _cli("replay", path, "--out", tmp_path / "again")
         text = text.replace("\n", "")
-        # refused by the manifest's own checks, or (a huge shape, consistent in itself) by the base's header
-        assert code == 1 and (str(path) in text or "does not describe these files" in text), (edit, text)
+        # refused by the manifest's own checks, or (a huge shape, consistent in itself) by the base's header,
+        # or (fewer layout rows) because the mask then holds more rows than the layout has blocks
+        why = (str(path), "does not describe these files", "(expert, block) pairs the manifest has")
+        assert code == 1 and any(w in text for w in why), (edit, text)
         assert not (tmp_path / "again").exists() and _leftovers(tmp_path / "again") == []
         code, text = _cli("check", "--output", copy, "-c", db)
         assert code == 1 and "problem:" in text, (edit, text)
@@ -476,6 +478,33 @@ def test_edited_mask_fails_cleanly(setup, tmp_path):
     assert code == 1 and "refers to no expert block" in text, text
     code, text = _cli("check", "--output", out, "-c", db)
     assert code == 1 and "refers to no expert block" in text, text
+
+
+@pytest.mark.parametrize("bomb", ["rows", "bytes"])
+def test_a_mask_that_decodes_to_far_more_than_it_holds_is_refused_unread(setup, tmp_path, monkeypatch, bomb):
+    """A mask.parquet of one value repeated compresses to almost nothing: a 1 MB file decoded to 30M
+    rows (6.5 GB) in replay and check --output before any of its rows was checked, and the replay
+    read it even before the content hash (review, 2026-12-02). Its metadata is checked first now:
+    no more rows than the manifest's (expert, block) pairs, no more bytes than such rows hold."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    schema = pq.read_schema(out / manifest.MASK)
+    n, text = (2_000_000, "x" * 32) if bomb == "rows" else (1, "x" * (64 << 20))
+    big = pa.table(
+        {f.name: pa.array([text] * n, f.type) if pa.types.is_string(f.type) else pa.array([0] * n, f.type)
+         for f in schema},
+        schema=schema,
+    )  # fmt: skip
+    pq.write_table(big, out / manifest.MASK, compression="zstd")
+    assert (out / manifest.MASK).stat().st_size < 2 << 20
+    read = []
+    monkeypatch.setattr(manifest.pq, "read_table", lambda *a, **k: read.append(a) or pytest.fail("read whole"))
+    words = "rows, more than the" if bomb == "rows" else "more than 1 mask rows hold"
+    code, text = _cli("replay", out / manifest.MANIFEST, "--out", tmp_path / "again")
+    assert code == 1 and words in text, text
+    assert check_output(out) and words in check_output(out)[0]
+    assert read == []
 
 
 # -- 18: symlinked --out, the current folder ---------------------------------------------------

@@ -92,7 +92,7 @@ NEGATIVE_CONSENSUS = (
 def validate(method: str, params: dict[str, Any], weights: list[float], n_experts: int) -> dict[str, Any]:
     """Fill defaults and check every parameter; returns the full, canonical parameter dict."""
     m = get_method(method)
-    unknown = sorted(set(params) - set(m.defaults))
+    unknown = sorted(set(params) - set(m.defaults), key=repr)  # keys of mixed types sort too
     if unknown:
         allowed = ", ".join(m.defaults) or "none"
         raise PlanError(f"method {method} has no parameter {unknown[0]!r} (its parameters: {allowed})")
@@ -108,6 +108,8 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
             raise PlanError(f"{k} must be a number, got {v!r}; e.g. --{k} 0.5")
         try:
             v = float(v)
+        except OverflowError:  # an int past float's range, e.g. 10**400
+            raise PlanError(f"{k} must be between -{MAX_SCALE:g} and {MAX_SCALE:g}, got {v!r:.40}") from None
         except (TypeError, ValueError):
             raise PlanError(f"{k} must be a number, got {v!r}") from None
         if not math.isfinite(v):
@@ -135,9 +137,9 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
         raise PlanError(f"{len(weights)} weights for {n_experts} experts; give one weight per expert, in order")
     for i, w in enumerate(weights):
         number = isinstance(w, (int, float, np.floating, np.integer)) and not isinstance(w, (bool, np.bool_))
-        if not (number and math.isfinite(w) and abs(w) <= MAX_SCALE):
+        if not (number and abs(w) <= MAX_SCALE and math.isfinite(w)):  # abs first: 10**400 is no float
             raise PlanError(
-                f"weight {i + 1} of {n_experts} is {w!r}: weights must be finite numbers between "
+                f"weight {i + 1} of {n_experts} is {w!r:.40}: weights must be finite numbers between "
                 f"-{MAX_SCALE:g} and {MAX_SCALE:g} (the experts' weights, in order: --weights 1,0.5, or weight: in a "
                 "config's models)"
             )

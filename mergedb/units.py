@@ -216,7 +216,7 @@ def parse_budget(spec: str, full_bytes: int) -> int:
         return full_bytes if pct == 100 else int(full_bytes * pct / 100)
     if text.startswith("-"):
         raise PlanError(f"budget {shown(spec)} is negative; {example}")
-    if re.fullmatch(r"\d+", text) and text.strip("0"):
+    if re.fullmatch(r"\d+\.?\d*|\.\d+", text) and text.strip("0."):  # 1, 1.0, .5: bytes? a fraction? refused
         raise PlanError(f"budget {shown(spec)} has no unit; {example}")
     try:
         return parse_size(text, what="budget")  # at most units.MAX_BYTES; more than the full read means all

@@ -44,6 +44,21 @@ def _missing(con: duckdb.DuckDBPyConnection, current: int) -> tuple[int, ...]:
     return tuple(v for v in range(1, current) if v not in applied)
 
 
+# what a DuckDB file holds besides main's tables: a file with any of these is someone's, not empty
+_USER_OBJECTS = """
+SELECT 'schema ' || schema_name FROM duckdb_schemas()
+ WHERE database_name = current_database() AND NOT internal AND schema_name <> 'main'
+UNION ALL SELECT 'table ' || schema_name || '.' || table_name FROM duckdb_tables()
+ WHERE database_name = current_database() AND NOT internal
+UNION ALL SELECT 'view ' || schema_name || '.' || view_name FROM duckdb_views()
+ WHERE database_name = current_database() AND NOT internal
+UNION ALL SELECT 'sequence ' || sequence_name FROM duckdb_sequences() WHERE database_name = current_database()
+UNION ALL SELECT 'macro ' || function_name FROM duckdb_functions()
+ WHERE database_name = current_database() AND NOT internal
+UNION ALL SELECT 'type ' || type_name FROM duckdb_types() WHERE database_name = current_database() AND NOT internal
+"""
+
+
 def _checked(con: duckdb.DuckDBPyConnection, path: Path, create: bool, latest: int, first: str) -> int:
     """read() for a file the one-statement check did not recognise: which tables it has, and why
     it is not (or not yet) a catalog this mergedb can open."""
@@ -55,6 +70,9 @@ def _checked(con: duckdb.DuckDBPyConnection, path: Path, create: bool, latest: i
         ).fetchall()
     ]
     if "schema_version" not in tables:
+        others = [] if tables else [r[0] for r in con.execute(_USER_OBJECTS).fetchall()]
+        if others:  # no table in main, but a schema, macro or sequence of someone's: not empty
+            raise faults.foreign(path, f"it holds {', '.join(others[:5])}{', …' if len(others) > 5 else ''}")
         if not tables and create:
             return 0
         if not tables:

@@ -209,6 +209,28 @@ def test_other_duckdb_file_is_refused_never_migrated(world, tmp_path):
     con.close()
 
 
+@pytest.mark.parametrize(
+    "ddl",
+    ["CREATE SCHEMA app; CREATE TABLE app.users (name VARCHAR); INSERT INTO app.users VALUES ('ada')",
+     "CREATE MACRO price(a) AS a * 2; CREATE SEQUENCE invoice_no"],
+    ids=["tables-in-another-schema", "macro-and-sequence"],
+)  # fmt: skip
+def test_a_duckdb_file_with_nothing_in_main_is_not_taken_for_empty(world, tmp_path, ddl):
+    """A DuckDB file whose tables live in another schema (or that holds only macros and sequences)
+    looked empty to the check, which listed main's tables only: register wrote the whole mergedb
+    schema into it, beside the user's (review, 2026-12-02). Refused and left unchanged now."""
+    _, fam, _, _ = world
+    other = tmp_path / "other.duckdb"
+    con = duckdb.connect(str(other))
+    con.execute(ddl)
+    con.close()
+    before = _digest(other)
+    for name, call in _calls(Catalog(other), fam).items():
+        with pytest.raises(CatalogError, match="is a DuckDB file but not a mergedb catalog"):
+            call()
+        assert _digest(other) == before, name
+
+
 def test_empty_files_and_non_duckdb_files_refused(world, tmp_path):
     _, fam, _, _ = world
     zero = tmp_path / "zero.duckdb"

@@ -390,6 +390,6 @@ def replay(
     if "lora" not in doc:
         return replay_model(manifest_path, out, force=force, progress=progress, on_total=on_total)
     lo = doc.get("lora")
-    if not isinstance(lo, dict) or not (lo.get("rank") is None or isinstance(lo.get("rank"), int)):
+    if not isinstance(lo, dict) or "rank" not in lo or not (lo["rank"] is None or isinstance(lo["rank"], int)):
         raise MergeDBError(f"{manifest_path}: the manifest's lora section is missing or malformed")
     return execute(xp, out, rank=lo["rank"], dtype=doc["dtype"], force=force, expect_hashes=doc["tensor_hashes"])

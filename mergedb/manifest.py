@@ -449,7 +449,14 @@ def plan_from_manifest(manifest_path: str | os.PathLike[str]) -> tuple[Execution
         )
         for t in doc["layout"]
     )
-    trims = pa.Table.from_pylist(doc["trims"]) if doc["trims"] else _empty_trims()
+    try:  # rows that passed the field checks can still hold what Arrow cannot take (2**64, a key of two types)
+        trims = pa.Table.from_pylist(doc["trims"]) if doc["trims"] else _empty_trims()
+        stock = pa.Table.from_pylist(doc["stock"]) if doc.get("stock") else None
+    except (OverflowError, pa.ArrowException) as e:
+        raise MergeDBError(
+            f"{manifest_path}: its trims or stock rows cannot be read ({type(e).__name__}: {str(e):.120}); the "
+            "manifest was edited or damaged: re-execute the plan"
+        ) from None
     xp = ExecutionPlan(
         0,
         doc["plan_hash"],
@@ -462,7 +469,7 @@ def plan_from_manifest(manifest_path: str | os.PathLike[str]) -> tuple[Execution
         mask.select(["position", "tensor_idx", "block_idx", "content_hash"]),
         trims,
         doc["budget_bytes"],
-        pa.Table.from_pylist(doc["stock"]) if doc.get("stock") else None,
+        stock,
         tensorparams.table_from_rows(doc["tensor_params"]) if doc.get("tensor_params") else None,
     )
     return xp, doc

@@ -691,3 +691,27 @@ def test_force_over_an_unreadable_manifest_is_refused_before_the_merge(setup, tm
     code, text = _cli("execute", plan["half"], "--out", out, "--force", "-c", db, "-q")
     assert code == 1 and "mergedb_manifest.json" in text and "restore that file" in text, text
     assert merged == [] and _snapshot(tmp_path) == before and _leftovers(out) == []
+
+
+@pytest.mark.parametrize("edit", ["trims-key-of-two-types", "trims-count-past-int64", "lora-without-rank"])
+def test_replay_refuses_manifest_rows_arrow_cannot_take(setup, tmp_path, edit):
+    """Edits re-hashed consistently that pass the field checks but that Arrow cannot make a table of
+    (an extra key holding an int in one row and a str in the next, a count past int64), and a lora
+    section without its rank: tracebacks from replay until a review found them (2026-12-02)."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["half"], "--out", out, "-c", db, "-q")[0] == 0
+    path = out / manifest.MANIFEST
+    doc = json.loads(path.read_text())
+    assert len(doc["trims"]) >= 2
+    if edit == "trims-key-of-two-types":
+        doc["trims"][0]["zz"], doc["trims"][1]["zz"] = 1, "x"
+    elif edit == "trims-count-past-int64":
+        doc["trims"][0]["zz"] = 2**64
+    else:
+        doc["lora"] = {}
+    doc["content_hash"] = manifest.content_hash(doc)
+    path.write_text(json.dumps(doc))
+    code, text = _cli("replay", path, "--out", tmp_path / "again")
+    assert code == 1 and ("re-execute the plan" in text or "lora section is missing or malformed" in text), text
+    assert not (tmp_path / "again").exists()

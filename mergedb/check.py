@@ -284,9 +284,12 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
         if written != lora["config"]:
             problems.append(f"{folder / ADAPTER_CONFIG}: missing, or not the config the manifest records")
     want_hashes = lora["key_hashes"] if isinstance(lora, dict) and isinstance(lora.get("key_hashes"), dict) else None
-    for name, want in (want_hashes or doc.get("tensor_hashes", {})).items():
+    wanted = want_hashes or doc.get("tensor_hashes", {})
+    for name, want in wanted.items():
         if name not in seen:
             problems.append(f"{folder}: tensor {name!r} is missing")
         elif seen[name] != want:
             problems.append(f"{folder}: tensor {name!r} differs from the manifest")
+    for name in sorted(set(seen) - set(wanted)):  # bytes the manifest does not describe, in the output's own files
+        problems.append(f"{folder / where[name]}: tensor {name!r} is not in the manifest (added since it was written?)")
     return problems

@@ -715,3 +715,20 @@ def test_replay_refuses_manifest_rows_arrow_cannot_take(setup, tmp_path, edit):
     code, text = _cli("replay", path, "--out", tmp_path / "again")
     assert code == 1 and ("re-execute the plan" in text or "lora section is missing or malformed" in text), text
     assert not (tmp_path / "again").exists()
+
+
+def test_check_output_names_a_tensor_the_manifest_does_not_list(setup, tmp_path):
+    """A tensor added to the output's own model file, every listed one unchanged, passed check
+    --output (only the manifest's names were compared; review, 2026-12-02)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    assert check_output(out) == []
+    tensors = load_file(out / "model.safetensors")
+    tensors["extra.bias"] = torch.ones(4)
+    save_file(tensors, out / "model.safetensors")
+    found = check_output(out)
+    assert len(found) == 1 and "tensor 'extra.bias' is not in the manifest" in found[0], found

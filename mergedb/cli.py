@@ -227,7 +227,9 @@ def synth_cmd(
     from . import synth
     from .units import parse_size
 
-    taken = [d for d in ["base", *(f"expert_{k:02d}" for k in range(max(experts, 0)))] if (out_dir / d).exists()]
+    if not 0 <= experts <= synth.MAX_EXPERTS:  # before the folder names below are listed
+        raise MergeDBError(f"--experts must be a whole number from 0 to {synth.MAX_EXPERTS}, got {experts}")
+    taken = [d for d in ["base", *(f"expert_{k:02d}" for k in range(experts))] if (out_dir / d).exists()]
     if taken:  # never over a model (a real one would be overwritten file by file)
         raise MergeDBError(
             f"{out_dir / taken[0]} exists; synth writes new checkpoints there: choose a new or empty folder"

@@ -89,8 +89,8 @@ def demo(
         raise MergeDBError(f"--repeats must be at least 1, got {repeats}")
     if progress is not None and not callable(progress):
         raise MergeDBError(f"demo() progress is a function or None, got {type(progress).__name__}")
-    if experts < 1:  # before anything is written: a family of no experts has nothing to merge
-        raise MergeDBError(f"--experts must be at least 1 for a demo, got {experts}")
+    if not 1 <= experts <= synth.MAX_EXPERTS:  # before anything is written: no experts, nothing to merge
+        raise MergeDBError(f"--experts must be from 1 to {synth.MAX_EXPERTS} for a demo, got {experts}")
     say = progress or (lambda step: None)
     workdir = Path(workdir)
     prepare_workdir(workdir)

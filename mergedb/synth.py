@@ -152,6 +152,9 @@ def _write_model(
     (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "tok1", "eos_token": "tok2"}))
 
 
+MAX_EXPERTS = 10_000  # a synthetic family for tests and demos; past this a typo (1e9) filled memory first
+
+
 def make_family(
     out: str | Path,
     experts: int = 4,
@@ -168,8 +171,13 @@ def make_family(
         raise MergeDBError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     if dtype not in DTYPE_NAMES:
         raise MergeDBError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
-    if experts < 0:
-        raise MergeDBError(f"--experts must be ≥ 0, got {experts}")
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    if not whole(experts) or not 0 <= experts <= MAX_EXPERTS:
+        raise MergeDBError(f"--experts must be a whole number from 0 to {MAX_EXPERTS}, got {experts!r}")
+    if not whole(seed) or not 0 <= seed < 2**63:
+        raise MergeDBError(f"--seed must be a whole number from 0 to 2^63 - 1, got {seed!r}")
+    if not whole(shard_size) or shard_size < 1:
+        raise MergeDBError(f"shard_size must be a whole number of bytes ≥ 1, got {shard_size!r}")
     out = Path(out)
     models = [out / "base", *(out / f"expert_{k:02d}" for k in range(experts))]
     made = [p for p in models if not p.exists()]  # removed again if the write fails, with the new

@@ -159,3 +159,28 @@ def test_synth_and_demo_on_a_disk_that_fills_leave_no_partial_checkpoint(tmp_pat
     assert command == "demo" or not (tmp_path / "a").exists()
     again = subprocess.run([exe, *args], capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--experts", "1", "--seed", "-1"], "--seed must be a whole number"),
+        (["--experts", "1000000000"], "--experts must be a whole number from 0 to 10000"),
+        (["--experts", "-1"], "--experts must be a whole number from 0 to 10000"),
+    ],
+)
+def test_synth_refuses_a_negative_seed_and_an_impossible_count_before_writing(tmp_path, args, words):
+    """--seed -1 reached numpy (a traceback), and --experts 1000000000 listed a billion folder names
+    before writing anything (GBs of memory; review, 2026-12-02)."""
+    from typer.testing import CliRunner
+
+    from mergedb.cli import app
+    from mergedb.errors import MergeDBError
+
+    res = CliRunner().invoke(app, ["synth", str(tmp_path / "f"), *args])
+    assert res.exit_code == 1 and words in res.output and not (tmp_path / "f").exists(), res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    for bad in ({"experts": 1.5}, {"experts": "2"}, {"shard_size": "5GB"}, {"seed": -1}):
+        with pytest.raises(MergeDBError):
+            synth.make_family(tmp_path / "g", **{"experts": 1, **bad})
+    assert not (tmp_path / "g").exists()

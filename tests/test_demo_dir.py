@@ -136,7 +136,7 @@ def test_unwritable_places_and_no_experts_are_refused_in_one_line(tmp_path):
             "cannot make demo folder",
         ),
         (["synth", str(tmp_path / "afile" / "fam")], "cannot write"),
-        (["demo", "--dir", str(tmp_path / "none"), "--experts", "0"], "--experts must be at least 1 for a demo"),
+        (["demo", "--dir", str(tmp_path / "none"), "--experts", "0"], "--experts must be from 1 to 10000 for a demo"),
     ):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 1 and words in res.output, (args, res.output)

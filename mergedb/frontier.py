@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from . import faults, planner, plans
-from .errors import MergeDBError
+from .errors import MergeDBError, PlanError
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -37,6 +37,9 @@ def make_plans(
     stored). Kept plans of a named request are named `NAME@BUDGET`."""
     planner.check_request(request)
     budgets = [budgets] if isinstance(budgets, str) else budgets  # one budget, not its letters
+    twice = sorted({str(b) for b in budgets if [str(x) for x in budgets].count(str(b)) > 1})
+    if twice:  # kept and named, the second plan's name would collide with the first's
+        raise PlanError(f"budget {twice[0]!r} is listed twice; give each budget once")
     reqs = [replace(request, budget=b, name=f"{request.name}@{b}" if keep and request.name else None) for b in budgets]
     with cat.duckdb_connection(write=True) as con:
         con.execute("BEGIN")

@@ -53,6 +53,17 @@ def test_keep_stores_named_plans(catalog):
     assert [catalog.get_plan(f"ta@{b}").plan_id for b in ("10%", "50%")] == [p.plan_id for p in got]
 
 
+def test_a_budget_listed_twice_is_named(catalog):
+    """Kept and named, the second plan of a repeated budget collided with the first's name: 'a plan
+    named ta@50% exists already', of a plan nobody had stored (review, 2026-12-02)."""
+    from mergedb.errors import PlanError
+
+    before = _n_plans(catalog)
+    with pytest.raises(PlanError, match="budget '50%' is listed twice"):
+        catalog.frontier(PlanRequest("base", None, "task_arithmetic", name="ta"), ["50%", "10%", "50%"], keep=True)
+    assert _n_plans(catalog) == before
+
+
 def test_cli_table_json_and_png(catalog, tmp_path):
     before = _n_plans(catalog)
     png = tmp_path / "f.png"

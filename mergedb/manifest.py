@@ -5,6 +5,10 @@ mask as an Arrow table) and no database connection, so the same value runs in th
 threads or on remote workers. The manifest (`mergedb_manifest.json` beside `mask.parquet`) is
 that value written down, plus the output's tensor hashes: `content_hash` covers every
 deterministic field, so an edited manifest is detected before it is used.
+
+This module is long because a manifest is untrusted input once written: reading it back
+(read_manifest, read_mask) and validating every field (manifest_problems) share the writer's field
+lists, and split apart they would drift.
 """
 
 from __future__ import annotations

@@ -115,7 +115,9 @@ class Catalog:
         self.path = Path(path) if path is not None else default_path()
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:  # NaN fails >= too
             raise CatalogError(f"--wait must be a number of seconds ≥ 0 (inf: as long as it takes), got {wait!r}")
-        if isinstance(wait, int) and wait > 10**9:  # an int past float's range would overflow the deadline
+        try:
+            float(wait)
+        except OverflowError:  # an int past float's range (10**400): the deadline's sum would overflow
             wait = math.inf
         self.wait = wait
         if sketch_dim is not None:

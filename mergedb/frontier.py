@@ -10,6 +10,7 @@ shows what any plan of a request would choose from, also rolled back.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,7 @@ def make_plans(
     stored). Kept plans of a named request are named `NAME@BUDGET`."""
     planner.check_request(request)
     budgets = [budgets] if isinstance(budgets, str) else budgets  # one budget, not its letters
-    twice = sorted({str(b) for b in budgets if [str(x) for x in budgets].count(str(b)) > 1})
+    twice = [b for b, n in Counter(map(str, budgets)).items() if n > 1]
     if twice:  # kept and named, the second plan's name would collide with the first's
         raise PlanError(f"budget {twice[0]!r} is listed twice; give each budget once")
     reqs = [replace(request, budget=b, name=f"{request.name}@{b}" if keep and request.name else None) for b in budgets]

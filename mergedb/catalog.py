@@ -139,8 +139,9 @@ class Catalog:
         """A short-lived DuckDB connection to a mergedb catalog, one at a time per file in this
         process (`_one_at_a_time`).
 
-        write=True migrates an older catalog; create=True (registration only) also makes a new one
-        when there is none. sandbox=True opens it with `usersql.SANDBOX` (for user SQL). A file
+        write=True migrates an older catalog; create=True (registration only) also opens a new file or
+        an empty DuckDB file, which the caller makes a catalog in its first rows' transaction
+        (`make_if_blank`). sandbox=True opens it with `usersql.SANDBOX` (for user SQL). A file
         that is not a mergedb catalog is never changed; DuckDB errors that mean the file is damaged,
         or its folder read-only or full, become CatalogErrors saying so.
         """
@@ -163,7 +164,8 @@ class Catalog:
         try:
             version, dim, missing = schemaversion.read(con, self.path, create=write and create)
             if write:
-                self._migrate(con, version, dim, missing)
+                if not (create and version == 0):  # a blank one is made in its first rows' transaction
+                    self._migrate(con, version, dim, missing)
             elif version < migrations()[-1][0] or missing:
                 con.close()  # an older catalog: upgrade it once, briefly read-write, then read
                 with self.duckdb_connection(write=True):
@@ -215,7 +217,7 @@ class Catalog:
         made it failed before writing any. Removed while `con` holds the file's lock, so no other
         process has it open; one that opens the path afterwards finds no file and makes a new one."""
         try:
-            empty = con.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 0
+            empty = self.is_blank(con) or con.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 0
         except duckdb.Error:  # the connection cannot tell: leave the file
             return
         if empty:
@@ -286,24 +288,7 @@ class Catalog:
         if pending:
             con.execute("BEGIN")
             try:
-                con.execute(
-                    "CREATE TABLE IF NOT EXISTS schema_version "
-                    "(version INTEGER PRIMARY KEY, name VARCHAR NOT NULL, applied_at TIMESTAMP NOT NULL)"
-                )
-                for version, name, sql in pending:
-                    try:
-                        con.execute(sql)
-                    except duckdb.CatalogException as e:  # e.g. "already exists": the tables are newer than
-                        raise CatalogError(  # schema_version says
-                            f"catalog {self.path}: upgrading it to schema {name} failed ({str(e).splitlines()[0]}): "
-                            f"its tables do not match its schema_version table; it is damaged: {faults.RECOVER}"
-                        ) from None
-                    con.execute("INSERT INTO schema_version VALUES (?, ?, current_timestamp)", [version, name])
-                if current == 0:
-                    from .summary import DEFAULT_SKETCH_DIM
-
-                    dim = self._sketch_dim or DEFAULT_SKETCH_DIM
-                    con.execute("INSERT INTO settings VALUES ('sketch_dim', ?)", [str(dim)])
+                self._apply(con, pending, current)
                 con.execute("COMMIT")
             except BaseException:
                 faults.rollback(con)
@@ -313,6 +298,42 @@ class Catalog:
         if self._sketch_dim is not None and self._sketch_dim != dim:
             raise CatalogError(f"catalog {self.path} uses sketches of dimension {dim}, not {self._sketch_dim}")
         self._sketch_dim = dim
+
+    def _apply(self, con: duckdb.DuckDBPyConnection, pending: list[tuple[int, str, str]], current: int) -> None:
+        """The migrations `pending`, in the caller's transaction."""
+        con.execute(
+            "CREATE TABLE IF NOT EXISTS schema_version "
+            "(version INTEGER PRIMARY KEY, name VARCHAR NOT NULL, applied_at TIMESTAMP NOT NULL)"
+        )
+        for version, name, sql in pending:
+            try:
+                con.execute(sql)
+            except duckdb.CatalogException as e:  # e.g. "already exists": the tables are newer than
+                raise CatalogError(  # schema_version says
+                    f"catalog {self.path}: upgrading it to schema {name} failed ({str(e).splitlines()[0]}): "
+                    f"its tables do not match its schema_version table; it is damaged: {faults.RECOVER}"
+                ) from None
+            con.execute("INSERT INTO schema_version VALUES (?, ?, current_timestamp)", [version, name])
+        if current == 0:
+            from .summary import DEFAULT_SKETCH_DIM
+
+            con.execute("INSERT INTO settings VALUES ('sketch_dim', ?)", [str(self._sketch_dim or DEFAULT_SKETCH_DIM)])
+
+    @staticmethod
+    def is_blank(con: duckdb.DuckDBPyConnection) -> bool:
+        """Whether `con`'s database is not a catalog yet: a new file, or an empty DuckDB file, opened with
+        create=True (any other database without mergedb's schema_version table is refused on opening)."""
+        return not con.execute(
+            "SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() "
+            "AND schema_name = 'main' AND table_name = 'schema_version'"
+        ).fetchall()[0][0]
+
+    def make_if_blank(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Inside the caller's transaction: give a blank database (`is_blank`) mergedb's schema. A catalog
+        is made with its first rows or not at all: a registration that fails rolls it back, and an empty
+        DuckDB file it was refused into is left as it was."""
+        if self.is_blank(con):
+            self._apply(con, migrations(), 0)
 
     def sketch_dim(self) -> int:
         """Dimension of the catalog's linear sketches (fixed when the catalog is created)."""

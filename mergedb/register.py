@@ -106,9 +106,12 @@ def register(
     existing: dict[str, tuple] = {}  # name -> the row of these columns:
     cols = "name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size, vocab_block_rows, root"
     cat.check_creatable()  # before anything is read
+    blank = new  # no catalog yet: made in the transaction that writes the rows (catalog.make_if_blank)
     if not new:
         with cat.duckdb_connection(write=True, create=True) as con:
-            existing = {r[0]: r for r in con.execute(f"SELECT {cols} FROM checkpoints").fetchall()}
+            blank = cat.is_blank(con)  # an empty DuckDB file: left as it is if this registration fails
+            if not blank:
+                existing = {r[0]: r for r in con.execute(f"SELECT {cols} FROM checkpoints").fetchall()}
     base_names = {r[1]: r[0] for r in existing.values() if r[2] == "base"}
     dim = cat.sketch_dim()
 
@@ -352,7 +355,7 @@ def register(
                 done.append(e.name)
             return done
 
-        done = _transaction(cat, new, stage.rows, dim, write)
+        done = _transaction(cat, new, blank, stage.rows, dim, write)
         return RegisterResult(
             tuple(done), tuple(unchanged), read, time.perf_counter() - t0, tuple(c.name for c in moved)
         )
@@ -379,20 +382,28 @@ KEY_BYTES = 24
 
 
 def _transaction(
-    cat: Catalog, new: bool, rows: int, sketch_dim: int, write: Callable[[duckdb.DuckDBPyConnection], list[str]]
+    cat: Catalog,
+    new: bool,
+    blank: bool,
+    rows: int,
+    sketch_dim: int,
+    write: Callable[[duckdb.DuckDBPyConnection], list[str]],
 ) -> list[str]:
     """write(con) in one transaction under a DuckDB memory limit for `rows` new keyed rows with sketches
     of `sketch_dim` (see TRANSACTION_MEMORY; never above the connection's own); nothing is written if it
-    fails, and a new catalog is removed then. Where DuckDB cannot keep to the limit (no room for
+    fails, and a `new` catalog file is removed then. A `blank` one (new, or an empty DuckDB file) gets
+    its schema in the same transaction. Where DuckDB cannot keep to the limit (no room for
     CATALOG.tmp/, or more than the estimate will not spill) the transaction runs again under the
     connection's own limit, which is put back afterwards in any case (a process's connections to one
     file share it)."""
-    with cat.duckdb_connection(write=True, create=new) as con:
+    with cat.duckdb_connection(write=True, create=blank) as con:
         own, threads = con.execute("SELECT current_setting('memory_limit'), current_setting('threads')").fetchall()[0]
-        keyed = con.execute(
-            "SELECT (SELECT count(*) FROM expert_blocks) + (SELECT count(*) FROM expert_tensors) "
-            "+ (SELECT count(*) FROM blocks)"
-        ).fetchall()[0][0]
+        keyed = 0
+        if not cat.is_blank(con):
+            keyed = con.execute(
+                "SELECT (SELECT count(*) FROM expert_blocks) + (SELECT count(*) FROM expert_tensors) "
+                "+ (SELECT count(*) FROM blocks)"
+            ).fetchall()[0][0]
         cap = TRANSACTION_MEMORY + THREAD_MEMORY * int(threads) + SKETCH_MEMORY * sketch_dim
         cap += KEY_BYTES * (int(keyed) + rows)
         limits = [f"{cap}B", own] if _limit_bytes(own) > cap else [own]
@@ -406,6 +417,7 @@ def _transaction(
                     raise
                 con.execute("BEGIN")
                 try:
+                    cat.make_if_blank(con)
                     done = write(con)
                     con.execute("COMMIT")
                     return done

@@ -262,6 +262,7 @@ def simulate(
     dim = cat.sketch_dim()
     with cat.duckdb_connection(write=True, create=True) as con:
         con.execute("BEGIN")
+        cat.make_if_blank(con)
         base_id = int(con.execute("SELECT coalesce(max(checkpoint_id), 0) + 1 FROM checkpoints").fetchall()[0][0])
         nb = tensors * blocks_per_tensor
         sizes = np.broadcast_to(np.asarray(block_bytes, np.int64), (nb,)).reshape(tensors, blocks_per_tensor)

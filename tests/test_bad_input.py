@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -407,12 +408,27 @@ def test_a_first_registration_failing_while_writing_leaves_no_catalog(tmp_path, 
     with pytest.raises(OSError, match="simulated"):
         Catalog(path).register([fam], base_model="base")
     _no_catalog(path)
+    # an empty DuckDB file (someone's `duckdb.connect(path)`) is not migrated by a registration that
+    # fails, whether it is refused before writing or while writing: its bytes stay as they were
+    duckdb.connect(str(path)).close()
+    before = path.read_bytes()
+    with pytest.raises(MergeDBError, match="which base"):
+        Catalog(path).register([fam / "expert_00"])
+    with pytest.raises(OSError, match="simulated"):
+        Catalog(path).register([fam], base_model="base")
+    assert path.read_bytes() == before
+    assert not duckdb.connect(str(path), read_only=True).sql("SHOW TABLES").fetchall()
     # a catalog that was there before, even one with no checkpoint yet, stays
-    with Catalog(path).duckdb_connection(write=True, create=True):
-        pass
+    cat = Catalog(path)
+    with cat.duckdb_connection(write=True, create=True) as con:
+        con.execute("BEGIN")
+        cat.make_if_blank(con)
+        con.execute("COMMIT")
     with pytest.raises(OSError, match="simulated"):
         Catalog(path).register([fam], base_model="base")
     assert path.exists() and Catalog(path).checkpoints() == []
+    monkeypatch.undo()
+    assert Catalog(path).register([fam], base_model="base").registered == ("base", "expert_00")
 
 
 def test_a_new_catalog_in_a_missing_folder_is_refused_before_reading(tmp_path, monkeypatch):

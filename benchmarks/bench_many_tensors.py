@@ -2,7 +2,7 @@
 
 What a family of thousands of tiny tensors costs (an MoE's experts and norms, in the extreme): the
 per-(expert, tensor) work of registration and of a merge, which the bench family's 67 large tensors
-hide. A base and K experts of N float32 tensors of 4 × 16 (tests/test_staging.py's family, every
+hide. A base and K experts of N float32 tensors of 4 × 16 (`synth.many_tensors`, every
 tensor changed), made once under benchmarks/cache. Per round, alternating which side goes first, a
 fresh process per side (BASELINE: a folder holding an older `mergedb` package; new: this checkout):
 registering the K experts (the base registered first, not timed), then a full-read merge of them
@@ -33,11 +33,10 @@ def _family(n: int, k: int) -> Path:
     root = CACHE / f"family-many-{n}-{k}"
     if not root.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
-        sys.path.insert(0, str(ROOT / "tests"))
-        from test_staging import _many_tensors
+        from mergedb.synth import many_tensors
 
         tmp = Path(tempfile.mkdtemp(dir=CACHE))
-        _many_tensors(tmp, k, n)
+        many_tensors(tmp, k, n)
         tmp.rename(root)
     return root
 

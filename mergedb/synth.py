@@ -152,6 +152,27 @@ def _write_model(
     (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "tok1", "eos_token": "tok2"}))
 
 
+def many_tensors(out: str | Path, experts: int, n: int, seed: int = 0) -> Path:
+    """A base and `experts` experts of `n` float32 tensors of 4 × 16 each, every tensor changed: a family
+    whose statistic rows (one block and one tensor row per (expert, tensor)) outweigh its bytes, as a
+    mixture-of-experts checkpoint's thousands of small tensors do (tests; benchmarks/bench_many_tensors)."""
+    out = Path(out)
+    rng = np.random.default_rng(seed)
+    base = {f"layers.{i:05d}.weight": rng.standard_normal((4, 16)).astype(np.float32) for i in range(n)}
+    models = {"base": base}
+    for k in range(experts):
+        models[f"expert_{k:02d}"] = {
+            t: v + np.float32(1e-3) * rng.standard_normal(v.shape).astype(np.float32) for t, v in base.items()
+        }
+    for name, tensors in models.items():
+        (out / name).mkdir(parents=True)
+        entries = [(t, "F32", a.shape) for t, a in tensors.items()]
+        with SafetensorsWriter(out / name / "model.safetensors", entries, {"format": "pt"}) as w:
+            for t, a in tensors.items():
+                w.write(t, encode(a, "F32"))
+    return out
+
+
 MAX_EXPERTS = 10_000  # a synthetic family for tests and demos; past this a typo (1e9) filled memory first
 
 

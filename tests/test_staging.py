@@ -11,29 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from mergedb import scan, synth
 from mergedb.catalog import Catalog
 from mergedb.checkpoint import open_checkpoint
 from mergedb.errors import MergeDBError
 from tests.test_bad_input import snapshot
-
-
-def _many_tensors(out: Path, experts: int, n: int, seed: int = 0) -> Path:
-    """A base and `experts` experts of `n` tiny float32 tensors each, every tensor changed: a family
-    whose statistic rows (one block and one tensor row per (expert, tensor)) outweigh its bytes."""
-    rng = np.random.default_rng(seed)
-    base = {f"layers.{i:05d}.weight": rng.standard_normal((4, 16)).astype(np.float32) for i in range(n)}
-    models = {"base": base}
-    for k in range(experts):
-        models[f"expert_{k:02d}"] = {
-            t: v + np.float32(1e-3) * rng.standard_normal(v.shape).astype(np.float32) for t, v in base.items()
-        }
-    for name, tensors in models.items():
-        (out / name).mkdir(parents=True)
-        save_file(tensors, str(out / name / "model.safetensors"))
-    return out
 
 
 def _stored(cat: Catalog, table: str, name: str) -> list[tuple]:
@@ -140,7 +123,7 @@ def test_memory_does_not_grow_with_the_experts_rows(tmp_path):
     (a dict per TensorInfo, a list of reads and a dict entry per unit in readahead, a list of units, a
     dict of hashes) it was ~1,040: 330 MB for 16 experts of 20,000 tensors."""
     n = 1500
-    fam = _many_tensors(tmp_path / "fam", 4, n)
+    fam = synth.many_tensors(tmp_path / "fam", 4, n)
     cat = Catalog(tmp_path / "rows.duckdb")
     cat.register([fam / "base"], base=True)
     from mergedb.register import _load_family
@@ -188,7 +171,7 @@ def test_a_scan_failing_after_rows_were_staged_leaves_nothing(tmp_path, monkeypa
 
     monkeypatch.setattr(staging, "BATCH_ROWS", 8)  # rows go to the file early and often
     monkeypatch.setattr(staging, "MIN_BATCH", 1)
-    fam = _many_tensors(tmp_path / "fam", 2, 60)
+    fam = synth.many_tensors(tmp_path / "fam", 2, 60)
     (tmp_path / "cat").mkdir()
     cat = Catalog(tmp_path / "cat" / "c.duckdb")
     cat.register([fam / "base"], base=True)
@@ -227,7 +210,7 @@ def test_a_scratch_file_that_cannot_be_made_or_written_is_a_clear_error(tmp_path
     fix, before the catalog is opened (it is unchanged; a new one is not made)."""
     from mergedb import staging
 
-    fam = _many_tensors(tmp_path / "fam", 2, 30)
+    fam = synth.many_tensors(tmp_path / "fam", 2, 30)
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([fam / "base"], base=True)
     before = snapshot(cat)
@@ -263,7 +246,7 @@ def test_interrupted_registration_closes_its_scratch_file(tmp_path, monkeypatch)
     so never visible) is closed, which frees its space."""
     from mergedb import staging
 
-    fam = _many_tensors(tmp_path / "fam", 2, 40)
+    fam = synth.many_tensors(tmp_path / "fam", 2, 40)
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([fam / "base"], base=True)
     before = snapshot(cat)
@@ -298,7 +281,7 @@ def test_a_registration_with_nothing_to_scan_makes_no_scratch_file(tmp_path, mon
     in the catalog's folder (second-look review: a read-only folder refused it once staging came)."""
     from mergedb import staging
 
-    fam = _many_tensors(tmp_path / "fam", 1, 20)
+    fam = synth.many_tensors(tmp_path / "fam", 1, 20)
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([fam], base_model="base")
     before = snapshot(cat)
@@ -348,7 +331,7 @@ def test_the_transaction_runs_under_a_memory_limit_and_again_where_duckdb_cannot
     from mergedb import staging
 
     register = importlib.import_module("mergedb.register")  # the package exports a register() too
-    fam = _many_tensors(tmp_path / "fam", 2, 8000)
+    fam = synth.many_tensors(tmp_path / "fam", 2, 8000)
     seen: list[tuple[str, int]] = []  # (memory_limit, bytes DuckDB holds) after each expert's rows
     insert = staging.Stage.insert
 

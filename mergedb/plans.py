@@ -413,13 +413,15 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int, merge: bool = True)
 
 def _stock_dots(con: duckdb.DuckDBPyConnection, pid: int, k: int) -> pa.Table:
     """model_stock inputs per tensor: exact ‖Δ_k‖² (j == k rows) and, for each expert pair, the
-    sketch estimate of ⟨Δ_j, Δ_k⟩ over the blocks where the pair is not both read."""
+    sketch estimate of ⟨Δ_j, Δ_k⟩ over the blocks where the pair is not both read. A block whose Δ
+    holds a NaN/Inf (a plan with allow_nonfinite leaves it out) adds to neither: Δ is 0 there, as
+    merged (its NaN norm made every cosine of that expert 0 before)."""
     tbl = con.sql(
         "SELECT eb.tensor_idx, eb.block_idx, pe.position, eb.delta_norm, eb.sketch, coalesce(m.selected, false) AS sel "
         "FROM plan_experts pe JOIN expert_blocks eb ON eb.checkpoint_id = pe.checkpoint_id "
         "LEFT JOIN plan_mask m ON m.plan_id = pe.plan_id AND m.checkpoint_id = eb.checkpoint_id "
         "AND m.tensor_idx = eb.tensor_idx AND m.block_idx = eb.block_idx "
-        "WHERE pe.plan_id = $1 ORDER BY 1, 2, 3",
+        "WHERE pe.plan_id = $1 AND eb.nonfinite = 0 ORDER BY 1, 2, 3",
         params=[pid],
     ).to_arrow_table()
     dots: dict[tuple[int, int, int], float] = {}

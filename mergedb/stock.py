@@ -11,6 +11,7 @@ import threading
 import numpy as np
 
 from . import kernels
+from .errors import MergeDBError
 from .manifest import ExecutionPlan
 from .tensorfile import tensor_nbytes
 
@@ -23,6 +24,7 @@ class StockDots:
     """
 
     def __init__(self, xp: ExecutionPlan, ti: int) -> None:
+        self.name = xp.tensors[ti].name
         self.k = len(xp.experts)
         self.dots = np.zeros((self.k, self.k))
         self.norm2 = np.zeros(self.k)
@@ -49,6 +51,11 @@ class StockDots:
                 self.dots[min(j, k), max(j, k)] += dots[a, b]
 
     def t(self) -> float:
+        if not (np.isfinite(self.norm2).all() and np.isfinite(self.dots).all()):  # never a silent cosine of 0
+            raise MergeDBError(
+                f"model_stock: tensor {self.name}: the task vectors' norms or dots are not finite, so its t "
+                "cannot be computed; this is a bug in mergedb: please report it with the plan"
+            )
         cos = []
         for j in range(self.k):
             for k in range(j + 1, self.k):

@@ -46,9 +46,10 @@ def threshold_from_summary(codes: np.ndarray, counts: np.ndarray, n: int, densit
     |Δ|, so every element ≥ the k-th largest is kept (and its bin-mates below it, < 1.6% smaller).
     Most bf16/fp16 deltas sit on bin lower edges, where this is the exact k-th value (ties kept, as
     on the grid), but not all: the float32 difference of two bf16 values can carry more than the
-    bins' six mantissa bits (README, "Differences from mergekit"). It never keeps fewer than k, and a larger density never keeps fewer elements. (The
-    bin's geometric middle, used before, dropped the k-th largest and its ties: a four-element
-    tensor at density 0.237 kept nothing, 0.0505 kept fewer than 0.05.)"""
+    bins' six mantissa bits (README, "Differences from mergekit"). It never keeps fewer than k, and
+    a larger density never keeps fewer elements. (The bin's geometric middle, used before, dropped
+    the k-th largest and its ties: a four-element tensor at density 0.237 kept nothing, 0.0505 kept
+    fewer than 0.05.)"""
     k = kth_count(density, n)
     order = np.argsort(codes)[::-1]
     cum = np.cumsum(np.asarray(counts)[order])

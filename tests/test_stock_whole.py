@@ -225,3 +225,55 @@ def test_tensor_updates_hold_a_chunk_of_blocks_not_the_whole_model(monkeypatch):
     c = (cos.sum() - np.trace(cos)) / (k * (k - 1))
     t = k * c / (1 + (k - 1) * c)  # one tensor: its ĉ is the model's mean, nothing to shrink
     assert value[0] == pytest.approx(abs(t) * math.sqrt(gram.sum()) / k, rel=1e-9)
+
+
+def test_a_nan_block_left_out_does_not_change_t_for_the_rest_of_its_tensor(tmp_path):
+    """allow_nonfinite leaves a block whose Δ holds a NaN out of the merge: Δ is 0 there, for t's dots
+    and norms too. Before, that block's NaN norm made its expert's cosine to every other expert 0,
+    and t (0.39 instead of 0.72 here) was silently wrong for the whole tensor."""
+    rng = np.random.default_rng(4)
+    base = rng.normal(0, 1, (32, 16)).astype(np.float32)
+    shared = rng.normal(0, 0.01, (32, 16))
+    deltas = [(shared + rng.normal(0, 0.01, (32, 16))).astype(np.float32) for _ in range(3)]  # correlated
+    experts = [base + d for d in deltas]
+    for name, w in [("base", base)] + [(f"expert_{i:02d}", e) for i, e in enumerate(experts)]:
+        (tmp_path / "fam" / name).mkdir(parents=True)
+        w = w.copy()
+        if name == "expert_01":
+            w[5, 3] = np.nan  # in block 0 (rows 0-7 at 512 B blocks)
+        save_file({"n.w": w}, str(tmp_path / "fam" / name / "model.safetensors"))
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([tmp_path / "fam"], base_model="base", block_size=512)
+    plan = cat.plan(PlanRequest("base", None, "model_stock", "all", allow_nonfinite=True))
+    got, _ = _merge(cat, plan, tmp_path / "out")
+    merged = [e.copy() for e in experts]
+    merged[1][0:8] = base[0:8]  # the block left out: that expert's Δ is 0 there
+    want = textbook_model_stock(base, merged)
+    assert _is_full(got["n.w"], want)
+
+
+def test_a_non_finite_dot_is_refused_not_read_as_a_cosine_of_zero(tmp_path, monkeypatch):
+    """StockDots.t refuses norms or dots that are not finite (a NaN compared > 0 is False, and such a
+    pair silently counted as orthogonal); nothing is installed."""
+    import pyarrow as pa
+
+    from mergedb.errors import MergeDBError
+
+    rng = np.random.default_rng(1)
+    base = rng.normal(0, 1, (16, 16)).astype(np.float32)
+    for name, w in [("base", base)] + [(f"expert_{i}", base + 0.01 * rng.normal(size=base.shape)) for i in range(3)]:
+        (tmp_path / "fam" / name).mkdir(parents=True)
+        save_file({"n.w": w.astype(np.float32)}, str(tmp_path / "fam" / name / "model.safetensors"))
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([tmp_path / "fam"], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "model_stock", "all"))
+    real = plans._stock_dots
+
+    def nan_norms(*a):
+        t = real(*a)
+        return t.set_column(3, "dot", pa.array([float("nan")] * t.num_rows, pa.float64()))
+
+    monkeypatch.setattr(plans, "_stock_dots", nan_norms)
+    with pytest.raises(MergeDBError, match="n.w: the task vectors' norms or dots are not finite"):
+        _merge(cat, plan, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -838,14 +838,18 @@ def _terminated(signum: int, frame: Any) -> None:
 
 
 def entry() -> None:
-    """The `mergedb` console script (and `python -m mergedb.cli`): main() in a process of its own,
-    which an `execute` may end without the interpreter's teardown, and which SIGTERM ends with its
-    clean-up (_terminated). A program calling main() keeps running after it (SystemExit, as typer
-    raises it) and keeps its own signal handlers."""
+    """The `mergedb` console script (called by console.main) and `python -m mergedb.cli`: main() in a
+    process of its own, which an `execute` may end without the interpreter's teardown, and which
+    SIGTERM ends with its clean-up (_terminated); Ctrl-C before a command runs exits 130 quietly. A
+    program calling main() keeps running after it (SystemExit, as typer raises it) and keeps its own
+    signal handlers."""
     global _OWN_PROCESS
     _OWN_PROCESS = True
     signal.signal(signal.SIGTERM, _terminated)
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # before a command's own handler (_Group.invoke), e.g. while typer builds the app
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -556,6 +556,44 @@ def test_a_signal_during_a_catalog_statement_exits_cleanly(tmp_path, sig, code):
         assert "Traceback" not in err and "RuntimeError" not in err, err
 
 
+_STOP_WHILE_LOADING = """
+import importlib.abc, os, signal, sys
+class Stop(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "rich":  # the CLI's imports (typer, rich) are under way
+            if {sig} == 2:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), {sig})
+sys.meta_path.insert(0, Stop())
+sys.argv = ["mergedb", "ls"]
+from mergedb.console import main
+main()
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(2, 130), (15, 143)])
+def test_a_signal_while_the_cli_loads_exits_without_a_traceback(sig, code):
+    """Ctrl-C or SIGTERM in the console script's first ~0.3 s (typer, rich and the CLI loading) printed a
+    KeyboardInterrupt traceback (13 of 40 random Ctrl-Cs in a review) or killed the process by the
+    signal; console.main now ends it with 130 / 143 and nothing on stderr."""
+    r = subprocess.run(
+        [sys.executable, "-c", _STOP_WHILE_LOADING.format(sig=sig)], capture_output=True, text=True, timeout=60
+    )
+    assert (r.returncode, r.stderr) == (code, "")
+
+
+def test_ctrl_c_before_a_command_runs_exits_130_without_a_traceback():
+    """Ctrl-C after the CLI loaded but before a command's handler (_Group.invoke), e.g. while typer
+    builds the app: cli.entry ends it with 130, nothing on stderr."""
+    script = (
+        "import sys; from mergedb import cli\n"
+        "def app(): raise KeyboardInterrupt\n"
+        "cli.app = app; sys.argv = ['mergedb', 'ls']; cli.entry()"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (130, "")
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import jsondoc
+from . import jsondoc, loratargets
 from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint, is_checkpoint
 from .errors import AlignmentError, FormatError
 from .plainfile import leads_inside, link_roots, read_small
@@ -206,6 +206,12 @@ def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | Non
                 f"{root}: module {module!r} has factors {sorted(p)}, expected {list(need)}; "
                 "the adapter file is incomplete or mixes layouts: save it again"
             )
+        if not loratargets.targeted(cfg, module):
+            raise FormatError(
+                f"{root}: the adapter holds factors for module {module!r}, which its {CONFIG} does not select "
+                f"(target_modules {cfg.get('target_modules')!r}); peft would drop them and adapt the modules it "
+                f"selects with new factors instead: fix target_modules in {CONFIG}, or save the adapter again"
+            )
         target = f"{module}.weight"
         if target not in base_t:
             raise AlignmentError(
@@ -373,6 +379,7 @@ def _read_config(root: Path) -> tuple[dict[str, Any], bytes]:
         v = cfg.get(key)
         if v is not None and not _positive(v, whole=key == "r"):
             raise FormatError(f"{path}: {key} is {v!r}; expected a positive {'whole ' if key == 'r' else ''}number")
+    loratargets.check_config(path, cfg)
     for key in ("rank_pattern", "alpha_pattern"):  # module regex -> r or alpha (pattern_value)
         pats = cfg.get(key) or {}
         if not isinstance(pats, dict):

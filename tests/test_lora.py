@@ -91,6 +91,39 @@ def test_pattern_matching_rule():
     assert pattern_value(pats, "model.layers.0.self_attn.xq_proj", 9) == 9  # suffix only at a dot boundary
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"target_modules": ["q_proj", "v_proj"]},
+        {"target_modules": ["model.layers.0.self_attn.q_proj"]},
+        {"target_modules": ["proj"]},  # a suffix only at a dot boundary
+        {"target_modules": r".*\.(q|k)_proj"},
+        {"target_modules": r"self_attn\.q_proj"},  # a string is matched whole
+        {"target_modules": ["q_proj", "up_proj"], "exclude_modules": ["layers.1.self_attn.q_proj"]},
+        {"target_modules": ["q_proj", "up_proj"], "exclude_modules": r".*\.mlp\..*"},
+        {"target_modules": ["q_proj", "lm_head"], "modules_to_save": ["lm_head"]},
+        {"target_modules": ["q_proj", "up_proj"], "layers_to_transform": [1]},
+        {"target_modules": ["q_proj", "up_proj"], "layers_to_transform": 0, "layers_pattern": "layers"},
+        {"target_modules": ["q_proj"], "layers_to_transform": [0, 1], "layers_pattern": ["blocks"]},
+    ],
+)
+def test_target_modules_select_what_peft_selects(config):
+    """loratargets.targeted against peft's own check_target_module_exists, on Llama-style module names."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from mergedb.loratargets import targeted
+
+    names = [
+        f"model.layers.{i}.{m}"
+        for i in (0, 1, 12)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj", "mlp.down_proj")
+    ] + ["lm_head", "model.embed_tokens", "model.layers.0.self_attn.xq_proj"]
+    ref = LoraConfig(**config)
+    for name in names:
+        assert targeted(config, name) == bool(check_target_module_exists(ref, name)), (config, name)
+
+
 def test_modules_to_save_and_embedding_adapter(base_dir, tmp_path):
     ad_dir = lf.make_adapter(
         base_dir, tmp_path / "ad", seed=3, target_modules=["embed_tokens", "o_proj"], modules_to_save=["lm_head"]
@@ -266,6 +299,21 @@ def _ok_pair(rank: int = 4, cols: int = lf.HIDDEN, rows: int = lf.HIDDEN) -> dic
         (_ok_pair(), {"rank_pattern": {"q_proj": "four"}}, FormatError, "rank_pattern['q_proj'] is 'four'"),
         (_ok_pair(), {"rank_pattern": ["q_proj"]}, FormatError, "expected an object of module pattern"),
         (_ok_pair(), {"alpha_pattern": {"q_proj": -1}}, FormatError, "alpha_pattern['q_proj'] is -1"),
+        # factors of a module the config does not select: peft drops them and adapts k_proj with new ones
+        (
+            _ok_pair(),
+            {"target_modules": ["k_proj"]},
+            FormatError,
+            "factors for module 'model.layers.0.self_attn.q_proj', which its adapter_config.json does not select",
+        ),
+        (_ok_pair(), {"target_modules": r".*\.k_proj"}, FormatError, r"(target_modules '.*\\.k_proj')"),
+        (_ok_pair(), {"target_modules": ["q_proj"], "exclude_modules": ["self_attn.q_proj"]}, FormatError, "select"),
+        (_ok_pair(), {"target_modules": ["q_proj"], "layers_to_transform": [1]}, FormatError, "does not select"),
+        (_ok_pair(), {"target_modules": 5}, FormatError, "target_modules is 5; expected a list of module names"),
+        (_ok_pair(), {"target_modules": "("}, FormatError, "target_modules has '(', not a regular expression"),
+        (_ok_pair(), {"layers_to_transform": "0"}, FormatError, "layers_to_transform is '0'; expected a layer index"),
+        (_ok_pair(), {"target_modules": ".*q_proj", "layers_to_transform": [0]}, FormatError, "which peft refuses"),
+        (_ok_pair(), {"target_modules": ["q_proj"], "layers_pattern": "layers"}, FormatError, "without layers_to"),
     ],
 )
 def test_refused_adapters_say_what_in_one_line(base_dir, tmp_path, tensors, config, error, words):

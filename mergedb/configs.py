@@ -340,6 +340,12 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
         if "+" in ref and not p.exists():  # mergekit's MODEL+LORA: the adapter, registered against MODEL
             left, right = ref.split("+", 1)
             b, a = find(left, None), find(right, base_hint or left)
+            if b.role != "base":  # mergekit would apply the adapter to that expert: no catalog row is that sum
+                raise ConfigError(
+                    f"model {ref!r} applies {right!r} to {left!r}, which is registered as an expert, not a base; "
+                    "mergedb applies adapters to the base they were registered against: write BASE+ADAPTER, "
+                    f"or merge the adapter into {left!r} first and register the result"
+                )
             if a.role != "expert" or a.base != b.name or not is_adapter(a.path):
                 raise ConfigError(
                     f"model {ref!r} applies {right!r} to {left!r}, but {a.name!r} is not a LoRA adapter registered "

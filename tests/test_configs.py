@@ -349,6 +349,8 @@ def test_unregistered_and_misfiled_models_say_what_to_run(registered, tmp_path):
     for ref, words in (
         ("a+lora", "model 'a' is neither a folder here nor a registered name"),
         ("base+expert_00", "applies 'expert_00' to 'base', but 'expert_00' is not a LoRA adapter registered against"),
+        # an expert on the left: registering the adapter against it (the advice before) cannot work
+        ("expert_00+expert_01", "applies 'expert_01' to 'expert_00', which is registered as an expert, not a base"),
         ("org/a@main", "names a hub revision"),
         ("../family/base", r"there is no .*family/base \(a relative path is read from"),
     ):

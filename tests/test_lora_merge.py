@@ -466,16 +466,29 @@ def test_registration_never_reads_untouched_tensors(fam, tmp_path):
         assert physical <= 1.05 * want + 256 * 1024, physical
 
 
-def test_sweep_refuses_adapters_in_one_line(fam, tmp_path):
-    """A sweep cannot count an adapter's factor reads (they bypass the shared reads): refused, no output."""
+def test_sweep_refuses_adapters_in_one_line(fam, tmp_path, monkeypatch):
+    """A sweep cannot count an adapter's factor reads (they bypass the shared reads): refused, no output,
+    before anything is planned (a grid of 1,500 points planned for a minute, holding the catalog, first)."""
+    from mergedb import grid
+
     _, lora, _ = fam
-    req = PlanRequest(base="base", experts=["ad1", "other"], method="task_arithmetic", budget="all")
-    with pytest.raises(PlanError, match="'ad1' is a LoRA adapter; sweeps do not take adapters") as e:
-        sweep_to_folders(lora, [req], tmp_path / "sweep")
-    assert "\n" not in str(e.value)
-    assert not (tmp_path / "sweep").exists() or not any((tmp_path / "sweep").iterdir())
-    with pytest.raises(PlanError, match="LoRA adapter"):  # in memory too (Catalog.sweep)
-        list(lora.sweep([req]))
+    plans_before = len(lora.plans())
+    real = grid.plan_and_load
+    monkeypatch.setattr(grid, "plan_and_load", lambda *a, **k: pytest.fail("planned before refusing"))
+    for experts in (["ad1", "other"], None):
+        req = PlanRequest(base="base", experts=experts, method="task_arithmetic", budget="all")
+        with pytest.raises(PlanError, match="is a LoRA adapter; sweeps do not take adapters") as e:
+            sweep_to_folders(lora, [req], tmp_path / "sweep")
+        assert "\n" not in str(e.value)
+        assert not (tmp_path / "sweep").exists() or not any((tmp_path / "sweep").iterdir())
+        with pytest.raises(PlanError, match="LoRA adapter"):  # in memory too (Catalog.sweep)
+            list(lora.sweep([req]))
+    assert len(lora.plans()) == plans_before
+    # a stored plan (nothing to plan) is refused after it is loaded, as before
+    stored = lora.plan(PlanRequest(base="base", experts=["ad1", "other"], method="task_arithmetic", budget="all"))
+    monkeypatch.setattr(grid, "plan_and_load", real)
+    with pytest.raises(PlanError, match="'ad1' is a LoRA adapter; sweeps do not take adapters"):
+        sweep_to_folders(lora, [stored.plan_id], tmp_path / "sweep")
 
 
 def test_budgeted_adapter_plans_read_within_their_pages(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -150,6 +151,7 @@ class Catalog:
 
     @contextmanager
     def _connection(self, write: bool, create: bool, sandbox: bool) -> Iterator[duckdb.DuckDBPyConnection]:
+        _created_meanwhile(self.path)
         if write and create and self.path.is_file() and self.path.stat().st_size == 0:
             self.path.unlink()  # a creation cut before DuckDB wrote its header (or a `touch`): nothing to keep
         new = write and create and not self.path.exists()
@@ -196,6 +198,10 @@ class Catalog:
             raise
         finally:
             con.close()
+
+    def wait_while_created(self) -> None:
+        """Wait while another process is making this catalog's file right now (`_created_meanwhile`)."""
+        _created_meanwhile(self.path)
 
     def check_creatable(self) -> None:
         """Refuse a path where there is no catalog and none can be made (its folder missing or
@@ -269,7 +275,10 @@ class Catalog:
                     pid = _PID.search(str(e))
                     who = f"process {pid.group(1)}" if pid else "another process"
                     raise CatalogError(
-                        f"catalog {self.path} is locked by {who}; wait for it to finish, or pass --wait SECONDS"
+                        f"catalog {self.path} is still locked by {who} after waiting {self.wait:g} s; wait for it "
+                        "to finish, or pass a longer --wait"
+                        if self.wait > 0
+                        else f"catalog {self.path} is locked by {who}; wait for it to finish, or pass --wait SECONDS"
                     ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -602,6 +611,29 @@ class Catalog:
     plan_candidates = _Elsewhere("frontier", "candidates")  # a request's scored candidates, nothing stored
     sweep = _Elsewhere("sweep", "in_memory")  # many plans merged in memory, each expert block read once
     record_score = scores.record  # a measurement of a stored plan, for searches (scores.py)
+
+
+CREATING = 1.0  # seconds a file without DuckDB's header may be another process's catalog being made
+
+
+def _created_meanwhile(path: Path) -> None:
+    """Wait while `path` looks like a catalog another process is creating right now: shorter than
+    DuckDB's header or without its magic, and modified in the last CREATING seconds. (A second
+    registration into the same new catalog read the first one's file before DuckDB wrote the header,
+    and was told it was not a DuckDB file; or removed it as a 0-byte leftover, under the first.) A
+    file that stays so is then judged as it is."""
+    deadline = time.monotonic() + CREATING
+    while time.monotonic() < deadline:
+        try:
+            st = path.stat()
+            if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime > CREATING:
+                return
+            with open(path, "rb") as f:
+                if f.read(12)[8:] == b"DUCK":
+                    return
+        except OSError:
+            return
+        time.sleep(0.02)
 
 
 def _interrupted(e: BaseException) -> bool:

@@ -102,6 +102,7 @@ def register(
             raise MergeDBError(f"--name applies to one checkpoint, but {len(found) + len(adapter_paths)} were found")
         found = [replace(c, name=name) for c in found]
 
+    cat.wait_while_created()  # another registration making this catalog right now: its file, not a leftover
     new = not cat.path.exists() or (cat.path.is_file() and cat.path.stat().st_size == 0)  # made with the rows
     existing: dict[str, tuple] = {}  # name -> the row of these columns:
     cols = "name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size, vocab_block_rows, root"

@@ -319,6 +319,10 @@ def test_catalog_locked_by_another_process(setup):
         assert time.monotonic() - t0 >= 0.5
         res = CliRunner().invoke(app, ["ls", "-c", str(cat.path)])
         assert res.exit_code == 1 and "locked" in res.output and "Traceback" not in res.output
+        assert "or pass --wait SECONDS" in res.output
+        # a --wait that ran out says so (it advised passing --wait after --wait 3 was spent)
+        res = CliRunner().invoke(app, ["ls", "-c", str(cat.path), "--wait", "0.3"])
+        assert res.exit_code == 1 and "still locked by process" in res.output and "after waiting 0.3 s" in res.output
     finally:
         holder.kill()
         holder.wait()

@@ -379,6 +379,7 @@ def _write(
         "side_files": side,
         **({"remote_bytes_fetched": shards.remote_fetched} if shards.remote_fetched is not None else {}),
         "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
+        "file_stats": outdir.file_stats(tmp),  # what --force may replace: the files as written (outdir._edited)
     }
     return _with_rng(xp, build_manifest(xp, out_dt, hashes)), run, shards
 

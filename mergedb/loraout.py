@@ -366,6 +366,7 @@ def _write(
         "bytes_written": written,
         "peak_rss_bytes": peak_rss(),
         "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
+        "file_stats": outdir.file_stats(tmp),  # what --force may replace: the files as written (outdir._edited)
     }
     return doc, run
 

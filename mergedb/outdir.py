@@ -7,7 +7,11 @@ The executor builds the new output in `.OUT.mergedb-tmp-PID-XXXX` beside `out` w
 `install` then renames the folder into place, or, over an old output (--force), swaps the files
 mergedb made one by one, manifest out first and in last, so `out` itself never moves and the
 user's own files in it (notes, eval results) are never carried anywhere. `remove_stale` (run under
-the lock) finishes or undoes what a killed run left.
+the lock) finishes or undoes what a killed run left. `--force` replaces only the files the old
+manifest lists that still are as mergedb wrote them (`_edited`).
+
+This module is long because the swap, its undoing after a crash and the rules for which files are
+mergedb's must be read together: each relies on the others' invariants.
 """
 
 from __future__ import annotations
@@ -295,6 +299,50 @@ def _undo_swap(out: Path, old: Path, tmp: Path) -> None:
     _remove_ours(old)
 
 
+def file_stats(tmp: Path) -> dict[str, list[int]]:
+    """[size, mtime_ns] of each file written into `tmp` (a chat template by its path in the templates'
+    folder), for the manifest's run part: `--force` replaces only files that still have them (`_edited`)."""
+    stats: dict[str, list[int]] = {}
+    for p in sorted(tmp.iterdir()):
+        for q in sorted(p.iterdir()) if _templates(p) else [p]:
+            if q.is_file() and not q.is_symlink():
+                st = q.stat()
+                stats[str(q.relative_to(tmp))] = [st.st_size, st.st_mtime_ns]
+    return stats
+
+
+def _edited(out: Path, names: set[str]) -> list[str]:
+    """The files among `names` (the output's own, by its manifest) whose size or time differ from what
+    its run.file_stats recorded when mergedb wrote them: rewritten since (save_pretrained over an output,
+    an editor), so the user's, never replaced or deleted. Outputs from before file_stats: none."""
+    try:
+        stats = jsondoc.parse(read_small(out / MANIFEST))["run"]["file_stats"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    bad = []
+    for name, rec in stats.items() if isinstance(stats, dict) else ():
+        parts = name.split("/")
+        if parts[0] not in names or len(parts) > 2 or ".." in parts:
+            continue
+        try:
+            st = os.lstat(out / name)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or [st.st_size, st.st_mtime_ns] != rec:
+            bad.append(name)
+    return sorted(bad)
+
+
+def _refuse_edited(out: Path, names: set[str]) -> None:
+    edited = _edited(out, names)
+    if edited:
+        raise MergeDBError(
+            f"{out / edited[0]} was changed since mergedb wrote it (its size or time differ from the manifest's "
+            "record: e.g. save_pretrained over the output), so it is yours and --force does not replace it; "
+            f"nothing was installed: move it away (or choose another {_FLAG.get()}) and retry"
+        )
+
+
 def _listed_files(folder: Path) -> set[str]:
     """Names the manifest in `folder` lists as mergedb's (run.files), restricted to names mergedb
     writes (shards, index, mask, manifest, the base's side files); empty when none is readable."""
@@ -385,6 +433,7 @@ def check_out(out: Path, force: bool, advice: str | None = None) -> None:
                 f"{out / MANIFEST} is not a mergedb manifest (not a JSON object); refusing to touch {out} even "
                 f"with --force: restore that file, or choose another {_FLAG.get()}"
             )
+        _refuse_edited(out, _listed_files(out))
 
 
 def install(tmp: Path, out: Path, force: bool = False) -> None:
@@ -415,6 +464,7 @@ def install(tmp: Path, out: Path, force: bool = False) -> None:
     ours = _listed_files(out) | {MANIFEST}
     ours = {n for n in ours if ((out / n).is_dir() if n == TEMPLATES else (out / n).is_file())}
     ours = {n for n in ours if not (out / n).is_symlink()}
+    _refuse_edited(out, ours)
     new = sorted(p.name for p in tmp.iterdir())
     clash = sorted(n for n in new if n not in ours and os.path.lexists(out / n))
     if TEMPLATES in ours:  # the folder moves whole: only if it holds nothing but the templates mergedb wrote

@@ -693,6 +693,39 @@ def test_force_over_an_unreadable_manifest_is_refused_before_the_merge(setup, tm
     assert merged == [] and _snapshot(tmp_path) == before and _leftovers(out) == []
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_force_never_replaces_a_file_rewritten_since_mergedb_wrote_it(setup, tmp_path, monkeypatch, name):
+    """A user's own file under an output's name (save_pretrained over a merged model after fine-tuning
+    it, an edited config.json) was deleted by --force, which chose files by name alone (review,
+    2026-12-02). Each file's size and time are in the manifest (run.file_stats); one that differs is
+    the user's: refused before the merge, nothing touched. An untouched output is still replaced."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    data = (out / name).read_bytes()
+    (out / name).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # the user's version: same size, other bytes
+    before = _snapshot(tmp_path)
+    merged = []
+    real = executor._write
+    monkeypatch.setattr(executor, "_write", lambda *a, **k: (merged.append(1), real(*a, **k))[1])
+    code, text = _cli("execute", plan["half"], "--out", out, "--force", "-c", db, "-q")
+    assert code == 1 and f"{name} was changed since mergedb wrote it" in text, text
+    assert merged == [] and _snapshot(tmp_path) == before and _leftovers(out) == []
+    # changed while the merge ran (after the check before it): refused at the swap, nothing moved
+    (out / name).write_bytes(data)
+    os.utime(out / name, ns=(0, json.loads((out / "mergedb_manifest.json").read_text())["run"]["file_stats"][name][1]))
+    monkeypatch.setattr(
+        executor, "_write", lambda *a, **k: ((out / name).write_bytes(data + b" "), real(*a, **k))[1]
+    )
+    code, text = _cli("execute", plan["half"], "--out", out, "--force", "-c", db, "-q")
+    assert code == 1 and f"{name} was changed since mergedb wrote it" in text, text
+    assert (out / name).read_bytes() == data + b" " and _leftovers(out) == []
+    monkeypatch.setattr(executor, "_write", real)
+    (out / name).unlink()  # the user took their file away: the output is replaced
+    assert _cli("execute", plan["half"], "--out", out, "--force", "-c", db, "-q")[0] == 0
+    assert check_output(out) == []
+
+
 @pytest.mark.parametrize("edit", ["trims-key-of-two-types", "trims-count-past-int64", "lora-without-rank"])
 def test_replay_refuses_manifest_rows_arrow_cannot_take(setup, tmp_path, edit):
     """Edits re-hashed consistently that pass the field checks but that Arrow cannot make a table of

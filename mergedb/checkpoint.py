@@ -24,7 +24,7 @@ from .errors import ChangedFileError, FormatError
 from .plainfile import file_kind, leads_inside, link_roots, read_small
 from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
-from .stray import refuse_loose_shards, refuse_stray_names, refuse_stray_weights
+from .stray import refuse_loose_shards, refuse_output, refuse_stray_names, refuse_stray_weights
 from .tensorfile import Header, TensorInfo, parse_header, read_header
 from .units import utf8
 
@@ -282,6 +282,7 @@ def discover(paths: list[str | os.PathLike[str]]) -> list[Path | RemotePath]:
             subs = []
             for c in sorted(p.iterdir()):
                 if is_checkpoint(c):
+                    refuse_output(c)
                     subs.append(c)
                 else:
                     refuse_stray_weights(c)  # weights it would skip, silently before

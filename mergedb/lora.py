@@ -38,7 +38,7 @@ from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint, is_checkpo
 from .errors import AlignmentError, FormatError
 from .plainfile import leads_inside, link_roots, read_small
 from .remote import is_url
-from .stray import refuse_stray_weights
+from .stray import refuse_output, refuse_stray_weights
 from .tensorfile import FLOAT_DTYPES, TensorInfo
 from .units import finite
 
@@ -442,6 +442,8 @@ def split_paths(paths: Iterable[str | os.PathLike[str]], base: bool = False) -> 
                 "where the adapter was saved"
             )
         subs = sorted(c for c in p.iterdir() if is_adapter(c)) if p.is_dir() and not is_checkpoint(p) else []
+        for c in subs:
+            refuse_output(c)  # an --as-lora output beside the adapters
         adapters.extend(subs)
         if not subs or any(is_checkpoint(c) for c in p.iterdir()):
             ckpts.append(p)  # checkpoint.discover looks at the rest

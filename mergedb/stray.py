@@ -24,6 +24,7 @@ ADAPTER_CONFIG, ADAPTER, ADAPTER_INDEX = (
     "adapter_model.safetensors",
     "adapter_model.safetensors.index.json",
 )
+OUTPUT_MANIFEST = "mergedb_manifest.json"  # manifest.MANIFEST: what marks a folder as a mergedb output
 PICKLED = ("pytorch_model", "consolidated.", "model.ckpt", "adapter_model.bin")  # weights' usual pickle names
 SHARD = re.compile(r".+-\d+-of-\d+\.safetensors")
 
@@ -42,6 +43,19 @@ def refuse_stray_weights(folder: Path) -> None:
     if ADAPTER_CONFIG in names and ((folder / ADAPTER).is_file() or (folder / ADAPTER_INDEX).is_file()):
         return  # a LoRA adapter
     _refuse(folder, names)
+
+
+def refuse_output(folder: Path) -> None:
+    """Raise FormatError when `folder`, a checkpoint or adapter found in a folder of checkpoints, is a
+    mergedb output: registered with its family (`register ./fam` again, to add an expert) it counted
+    the merge as one more fine-tune, its delta twice over in every later plan. Named by its own path,
+    an output registers (on purpose)."""
+    if (folder / OUTPUT_MANIFEST).is_file():
+        raise FormatError(
+            f"{folder}: a mergedb output (it holds {OUTPUT_MANIFEST}); registering it with the folder it is in "
+            f"would count the merge as one more fine-tune: move it out of {folder.parent}, or register it "
+            "by its own path if that is what you mean"
+        )
 
 
 def refuse_stray_names(folder: Any, names: list[str]) -> None:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -252,6 +253,21 @@ def test_replay_and_force_over_an_adapter_output(fam, tmp_path):
     cat.execute(plan.plan_id, tmp_path / "out", as_lora=True, force=True)  # exact now: replaces the rank-2 one
     assert json.loads((tmp_path / "out" / "mergedb_manifest.json").read_text())["lora"]["exact"]
     assert check_output(tmp_path / "out") == []
+
+
+def test_an_adapter_output_in_a_folder_of_adapters_is_not_registered_with_them(fam, tmp_path):
+    """An --as-lora output written beside the adapters is a merge, not one more adapter: a folder
+    registration refuses it (stray.refuse_output); by its own path it registers."""
+    root, base, ads, _, _ = fam
+    cat = _catalog(fam, tmp_path)
+    plan = cat.plan(PlanRequest("base", ("a", "c"), "linear", "all"))
+    folder = tmp_path / "adapters"
+    for ad in ads:
+        shutil.copytree(ad, folder / ad.name)
+    cat.execute(plan.plan_id, folder / "merged", as_lora=True)
+    with pytest.raises(MergeDBError, match=r"merged: a mergedb output"):
+        cat.register([folder], base_model="base")
+    assert [c.name for c in cat.checkpoints()] == ["base", "a", "b", "c"]
 
 
 def test_refusals_name_the_problem_and_write_nothing(fam, tmp_path):

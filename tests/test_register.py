@@ -254,6 +254,27 @@ def test_stray_knows_the_file_names_checkpoint_and_lora_read():
 
     assert (stray.MODEL, stray.MODEL_INDEX) == (checkpoint.SINGLE, checkpoint.INDEX)
     assert (stray.ADAPTER_CONFIG, stray.ADAPTER, stray.ADAPTER_INDEX) == (lora.CONFIG, lora.SINGLE, lora.INDEX)
+    from mergedb import manifest
+
+    assert stray.OUTPUT_MANIFEST == manifest.MANIFEST
+
+
+def test_an_output_inside_the_family_folder_is_not_registered_as_an_expert(tmp_path):
+    """`register ./fam` again (to add an expert) after a merge was written into fam/merged registered
+    the merge as one more expert, and `plan --all` merged it with the experts it sums (two reviews,
+    2026-12-02). Refused with the way out, catalog unchanged; named by its own path it registers."""
+    from mergedb.planner import PlanRequest
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=3)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic", "all"))
+    cat.execute(plan.plan_id, fam / "merged")
+    before = snapshot(cat)
+    with pytest.raises(MergeDBError, match=r"fam/merged: a mergedb output .*move it out of .*fam, or register it by"):
+        cat.register([fam], base_model="base")
+    assert snapshot(cat) == before
+    assert cat.register([fam / "merged"], base_model="base").registered == ("merged",)
 
 
 def test_a_moved_family_keeps_its_rows_and_plans(tmp_path):

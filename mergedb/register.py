@@ -26,7 +26,7 @@ import duckdb
 import pyarrow as pa
 
 from . import lora, lorascan, scan, staging
-from .checkpoint import Checkpoint, discover, gone, open_checkpoint
+from .checkpoint import Checkpoint, discover, file_info, fingerprint, gone, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback
 from .layout import Block, FamilyTensor, vocab_size
@@ -274,6 +274,7 @@ def register(
                 stage.add(e.name, st.blocks, st.tensors)
                 st.blocks, st.tensors = [], []
         stage.finish()  # before the catalog is opened: a full disk is refused with nothing written
+        _refuse_changed_while_read([*todo_bases, *(e for e, _ in results)])
 
         # Phase 2: one transaction. Another process may have registered some of these meanwhile:
         # identical ones are skipped, conflicting ones refused (nothing is written then).
@@ -362,6 +363,26 @@ def register(
         )
     finally:
         stage.close()
+
+
+def _refuse_changed_while_read(scanned: list[Any]) -> None:
+    """Refuse, before anything is written, a checkpoint or adapter whose files changed while they were
+    read (a training job still saving, a copy still running): their statistics would describe neither
+    version, and nothing would tell until the next check (review, 2026-12-02). Compared by the
+    fingerprint taken when reading began: sizes, times (a remote file's version) and headers."""
+    for c in scanned:
+        try:
+            if isinstance(c, lora.Adapter):
+                now = lora.adapter_fingerprint(c.path)
+            else:
+                now = fingerprint(tuple(file_info(c.root, f.relpath) for f in c.files))
+        except (OSError, MergeDBError):
+            now = None
+        if now != c.fingerprint:
+            raise ChangedFileError(
+                f"{c.path} changed while it was being registered (its files' sizes, times or headers are not "
+                "those reading began with); nothing was written: run the command again once nothing writes it"
+            )
 
 
 # DuckDB keeps a transaction's inserted rows in memory until COMMIT: ~60 MB per expert of 20k tensors,

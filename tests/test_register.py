@@ -259,6 +259,32 @@ def test_stray_knows_the_file_names_checkpoint_and_lora_read():
     assert stray.OUTPUT_MANIFEST == manifest.MANIFEST
 
 
+def test_a_file_rewritten_while_it_is_registered_is_refused(tmp_path):
+    """An expert's file rewritten in place while registration reads it (same header and size, other
+    bytes: a save still running) was stored with statistics of neither version (review, 2026-12-02).
+    Its fingerprint is taken again before anything is written: refused, catalog unchanged."""
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=3)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base"], base=True)
+    f = fam / "expert_00" / "model.safetensors"
+    other = synth.make_family(tmp_path / "other", experts=1, size="tiny", seed=4) / "expert_00" / "model.safetensors"
+    assert other.stat().st_size == f.stat().st_size
+    before = snapshot(cat)
+    rewritten = []
+
+    def rewrite(_):
+        if not rewritten:
+            with open(f, "r+b") as h:  # in place, never shorter (a truncated read is refused otherwise)
+                h.write(other.read_bytes())
+            os.utime(f, ns=(0, f.stat().st_mtime_ns + 10**9))  # a clock that ticks slower than the test
+            rewritten.append(1)
+
+    with pytest.raises(ChangedFileError, match=r"expert_00 changed while it was being registered.*nothing was written"):
+        cat.register([fam / "expert_00"], base_model="base", progress=rewrite)
+    assert rewritten and snapshot(cat) == before
+    assert cat.register([fam / "expert_00"], base_model="base").registered == ("expert_00",)
+
+
 def test_an_output_inside_the_family_folder_is_not_registered_as_an_expert(tmp_path):
     """`register ./fam` again (to add an expert) after a merge was written into fam/merged registered
     the merge as one more expert, and `plan --all` merged it with the experts it sums (two reviews,

@@ -37,7 +37,11 @@ def make_plans(
     stored, and the summaries have no plan_id (None: the ids they had are given to the next plans
     stored). Kept plans of a named request are named `NAME@BUDGET`."""
     planner.check_request(request)
+    if not isinstance(keep, bool):  # keep="no" would be true
+        raise PlanError(f"frontier() keep is True or False, got {keep!r}")
     budgets = [budgets] if isinstance(budgets, str) else budgets  # one budget, not its letters
+    if not isinstance(budgets, (list, tuple)):  # a generator was used up by the check below: no plans
+        raise PlanError(f"frontier() budgets are a list or tuple of budgets (or one), got {type(budgets).__name__}")
     twice = [b for b, n in Counter(map(str, budgets)).items() if n > 1]
     if twice:  # kept and named, the second plan's name would collide with the first's
         raise PlanError(f"budget {twice[0]!r} is listed twice; give each budget once")

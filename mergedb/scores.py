@@ -6,13 +6,14 @@ execution: ok with its bytes and seconds, or failed with its error)."""
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import TYPE_CHECKING
 
 import duckdb
 
 from . import plans
-from .errors import CatalogError, MergeDBError
+from .errors import CatalogError, MergeDBError, PlanError
 from .resources import query
 
 if TYPE_CHECKING:
@@ -53,7 +54,21 @@ def record(cat: Catalog, plan: int | str | plans.PlanSummary, metric: str, value
 def record_run(
     cat: Catalog, plan_id: int, out: str | os.PathLike[str], result: ExecuteResult | None, error: str | None
 ) -> int:
-    """Store one execution of a plan (ok with its measurements, or failed with its error); the new run_id."""
+    """Store one execution of a plan (ok with its measurements, or failed with its error); the new run_id.
+    A plan id that is not stored is refused (its run was an orphan row `mergedb check` then reported
+    as damage), and so are arguments of the wrong type."""
+    if isinstance(plan_id, bool) or not isinstance(plan_id, numbers.Integral):
+        raise MergeDBError(f"record_run() takes a stored plan's id (an int), got {plan_id!r}")
+    if not isinstance(out, (str, os.PathLike)):
+        raise MergeDBError(f"record_run() out is the output folder (str or Path), got {type(out).__name__}")
+    if error is not None and not isinstance(error, str):
+        raise MergeDBError(f"record_run() error is a message (str) or None, got {type(error).__name__}")
+    if result is not None:
+        from .executor import ExecuteResult  # loaded already by whoever has a result
+
+        if not isinstance(result, ExecuteResult):
+            raise MergeDBError(f"record_run() result is an ExecuteResult or None, got {type(result).__name__}")
+    plan_id = int(plan_id)
     r = result
     row = {
         "plan_id": plan_id,
@@ -70,6 +85,8 @@ def record_run(
     }
     try:
         with cat.duckdb_connection(write=True) as con:
+            if not con.execute("SELECT count(*) FROM plans WHERE plan_id = ?", [plan_id]).fetchall()[0][0]:
+                raise PlanError(f"no plan {plan_id} in catalog {cat.path}; record_run() takes a stored plan's id")
             rid = int(con.execute("SELECT coalesce(max(run_id), 0) + 1 FROM runs").fetchall()[0][0])
             row = {"run_id": rid, **row}
             con.execute(f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", list(row.values()))

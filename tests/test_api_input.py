@@ -170,3 +170,34 @@ def test_weights_of_any_number_type_make_one_plan(cat):
     assert len(hashes) == 1
     with pytest.raises(PlanError, match="weight 1 of .* is True"):
         cat.plan(mergedb.PlanRequest("base", None, "task_arithmetic", weights=(True,) + (1.0,) * (n - 1)))
+
+
+def test_record_run_and_frontier_refuse_what_they_cannot_use(cat, tmp_path):
+    """record_run() stored a run for a plan that does not exist (`mergedb check` then called the catalog
+    damaged) and took out=None or error=5 to a bare TypeError; frontier() made no plans from a
+    generator of budgets (a check used it up) and stored them for keep="no" (review, 2026-12-02)."""
+    from mergedb.check import check_catalog
+
+    runs = cat.sql("SELECT count(*) AS n FROM runs").column("n")[0].as_py()
+    for args, words in (
+        ((-1, tmp_path / "o"), "no plan -1 in catalog"),
+        ((999, tmp_path / "o"), "no plan 999 in catalog"),
+        (("1", tmp_path / "o"), "takes a stored plan's id"),
+        ((True, tmp_path / "o"), "takes a stored plan's id"),
+        ((1, None), "out is the output folder"),
+        ((1, tmp_path / "o", 5), "result is an ExecuteResult or None"),
+        ((1, tmp_path / "o", None, 5), "error is a message"),
+    ):
+        with pytest.raises(MergeDBError, match=words):
+            cat.record_run(*args)
+    assert cat.sql("SELECT count(*) AS n FROM runs").column("n")[0].as_py() == runs
+    assert check_catalog(cat) == []
+    assert cat.record_run(np.int64(1), tmp_path / "o", error="failed") > 0  # a numpy id is an id
+    req = PlanRequest("base", None, "task_arithmetic")
+    plans = _plans(cat)
+    with pytest.raises(PlanError, match="budgets are a list or tuple"):
+        cat.frontier(req, (b for b in ["10%", "50%"]))
+    with pytest.raises(PlanError, match="keep is True or False"):
+        cat.frontier(req, ["10%"], keep="no")
+    assert _plans(cat) == plans
+    assert len(cat.frontier(req, ("10%", "50%"))) == 2

@@ -189,6 +189,12 @@ def _rehash(ckpt: Checkpoint, rows: list[tuple], base: bool = False) -> list[Pro
     return out
 
 
+def _loader_reads(name: str) -> bool:
+    """A file transformers reads from a model folder beside the weights, by name (a tokenizer, config or
+    chat template; not code, which only auto_map names, nor a licence)."""
+    return is_side_name(name) and not name.endswith(".py") and not name.startswith("LICENSE")
+
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".index.json")  # what loaders read
 
 
@@ -220,7 +226,7 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     invalid = manifest.manifest_problems(doc, mask)
     if invalid:  # an edited manifest: report it, and hash nothing against fields that cannot be trusted
         return [*problems, f"{path}: {invalid[0]}"]
-    seen, where = {}, {}
+    seen, where, sizes = {}, {}, {}
     shapes = {t["name"]: tuple(t["shape"]) for t in doc["layout"]}
     # the dtype each tensor is written in: the output's for a merged tensor, else its own (layout.output_dtype)
     dtypes = {t["name"]: (doc.get("dtype") or t["dtype"]) if t["mergeable"] else t["dtype"] for t in doc["layout"]}
@@ -250,6 +256,15 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
                     "could read them instead of the output's: move them out"
                 )
         weights = [p for p in weights if p.name in listed]
+        loaded = [p.name for p in folder.iterdir() if _loader_reads(p.name)]
+        if (folder / TEMPLATES).is_dir():
+            loaded += [f"{TEMPLATES}/{p.name}" for p in (folder / TEMPLATES).iterdir()]
+        listed_side = set(listed) | (set(side) if isinstance(side, dict) else set())
+        for name in sorted(n for n in loaded if n not in listed_side):
+            problems.append(
+                f"{folder / name}: not part of this output (its manifest does not list it), but a loader reads it "
+                "with the output (a tokenizer, config or chat template): move it out"
+            )
     for f in (p for p in weights if p.name.endswith(".safetensors")):
         try:
             h = read_header(f)
@@ -265,16 +280,24 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
                 if t.name in dtypes and t.dtype != dtypes[t.name] and doc.get("lora") is None:
                     problems.append(f"{f}: tensor {t.name!r} is {t.dtype}, the manifest says {dtypes[t.name]}")
                 where[t.name] = f.name
+                sizes[t.name] = t.nbytes
                 fh.seek(t.start)
                 seen[t.name] = xxhash.xxh3_128_hexdigest(fh.read(t.nbytes))
     index = folder / INDEX
     if index.is_file() or len(set(where.values())) > 1:  # shards: the index must send each tensor to its file
         try:
-            wmap = jsondoc.parse(read_small(index))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
-            wmap = None
+            idoc = jsondoc.parse(read_small(index))
+            wmap, total = idoc["weight_map"], idoc.get("metadata", {}).get("total_size")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            wmap, total = None, None
         if not isinstance(wmap, dict) or {n: wmap.get(n) for n in where} != where:
             problems.append(f"{index}: missing, or its weight_map does not say which shard holds each tensor")
+        elif set(wmap) != set(where):  # a loader opens every shard the map names: one not there fails to load
+            extra = sorted(set(wmap) - set(where))
+            problems.append(f"{index}: its weight_map names tensors no shard of the output holds: {extra[:3]}")
+        held = sum(sizes.values())
+        if wmap is not None and total is not None and total != held:
+            problems.append(f"{index}: metadata.total_size is {total!r}, the shards' tensors hold {held}")
     lora = doc.get("lora")  # an --as-lora output (loraout.py): its adapter keys are hashed there
     if isinstance(lora, dict) and isinstance(lora.get("config"), dict):  # its scaling lives in the config
         try:

@@ -765,3 +765,32 @@ def test_check_output_names_a_tensor_the_manifest_does_not_list(setup, tmp_path)
     save_file(tensors, out / "model.safetensors")
     found = check_output(out)
     assert len(found) == 1 and "tensor 'extra.bias' is not in the manifest" in found[0], found
+
+
+def test_check_output_names_index_entries_and_side_files_a_loader_would_trip_on(setup, tmp_path):
+    """A sharded output's index naming a tensor no shard holds (transformers then fails to load), or a
+    wrong metadata.total_size; a chat template or tokenizer file dropped into the output (transformers
+    picks it up): all passed check --output (review, 2026-12-02). A user's own notes or code do not."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q", "--max-shard-size", "300KB")[0] == 0
+    assert check_output(out) == []
+    index = out / "model.safetensors.index.json"
+    good = index.read_text()
+    doc = json.loads(good)
+    doc["weight_map"]["zzz.extra"] = sorted(set(doc["weight_map"].values()))[-1]
+    index.write_text(json.dumps(doc))
+    found = check_output(out)
+    assert len(found) == 1 and "weight_map names tensors no shard of the output holds: ['zzz.extra']" in found[0]
+    doc = json.loads(good)
+    doc["metadata"]["total_size"] = 1
+    index.write_text(json.dumps(doc))
+    found = check_output(out)
+    assert len(found) == 1 and "metadata.total_size is 1, the shards' tensors hold" in found[0], found
+    index.write_text(good)
+    (out / "NOTES.md").write_text("mine")
+    (out / "train.py").write_text("print()")
+    assert check_output(out) == []
+    (out / "chat_template.jinja").write_text("{{ messages }}")
+    found = check_output(out)
+    assert len(found) == 1 and "chat_template.jinja: not part of this output" in found[0], found

@@ -529,13 +529,21 @@ def replay(
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder to re-create the model in."),
     force: bool = typer.Option(False, "--force", help="Replace a previous mergedb output in --out."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+    catalog: Path | None = CatalogOpt,
+    wait: float = WaitOpt,
 ) -> None:
-    """Re-execute a merge from its manifest and mask alone, and verify every tensor hash.
+    """Re-execute a merge from its manifest and mask alone, and verify every tensor hash. Where a
+    catalog is (--catalog, else ./mergedb.duckdb if there), --out is refused over its checkpoints.
 
     Example: mergedb replay ./merged/mergedb_manifest.json --out ./merged-again
     """
-    from . import loraout
+    from . import loraout, outdir
 
+    cat = _catalog(catalog, wait)
+    if catalog is not None or cat.path.exists():  # as execute: never into, over or around a registered checkpoint
+        registered = cat.sql("SELECT path, root FROM checkpoints").to_pylist()
+        with outdir.named("--out"):
+            outdir.check_clear_of(out_dir, [p for r in registered for p in r.values()], "a registered checkpoint")
     with _held_progress(quiet, "replay") as (advance, on_total):  # a model (executor.replay) or an adapter
         res = loraout.replay(manifest, out_dir, force=force, progress=advance, on_total=on_total)
     if not quiet:

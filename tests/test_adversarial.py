@@ -87,6 +87,12 @@ def test_force_never_overwrites_a_registered_checkpoint(setup, tmp_path, as_url)
         code, text = _cli("execute", pid, "--out", target, "--force", "-c", db, "-q")
         assert code == 1 and "overlaps" in text, text
     assert _snapshot(tmp_path) == before
+    # replay with a catalog: the same rule (it replaced the registered output's model file; review)
+    other = tmp_path.parent / f"{tmp_path.name}-other"
+    assert _cli("execute", plan["half"], "--out", other, "-c", db, "-q")[0] == 0
+    code, text = _cli("replay", other / "mergedb_manifest.json", "--out", out, "--force", "-c", db, "-q")
+    assert code == 1 and "--out" in text and "overlaps" in text and "a registered checkpoint" in text, text
+    assert _snapshot(tmp_path) == before
     # the executor alone (no catalog) refuses the plan's own inputs too
     xp = Catalog(db).execution_plan(pid)
     with pytest.raises(MergeDBError, match="an input of this plan"):

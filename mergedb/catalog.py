@@ -114,6 +114,8 @@ class Catalog:
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise CatalogError(f"a catalog path is a str or a path, got {type(path).__name__}")
         self.path = Path(path) if path is not None else default_path()
+        if "\x00" in os.fsdecode(self.path):  # os calls raise a bare ValueError for it
+            raise CatalogError(f"the catalog path {os.fsdecode(self.path)!r} holds a NUL byte; pass one without it")
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:  # NaN fails >= too
             raise CatalogError(f"--wait must be a number of seconds ≥ 0 (inf: as long as it takes), got {wait!r}")
         try:

@@ -61,6 +61,8 @@ def check_out_arg(out: object, who: str) -> None:
     """Refuse, before anything is read, an output folder argument that is not a path (`who` calls it)."""
     if not isinstance(out, (str, os.PathLike)):
         raise MergeDBError(f"{who} writes into a folder path (str or Path), got {type(out).__name__}")
+    if "\x00" in os.fsdecode(out):  # os calls raise a bare ValueError for it
+        raise MergeDBError(f"{who} writes into a folder path, got {os.fsdecode(out)!r}, which holds a NUL byte")
     if isinstance(out, str) and not out.strip():  # Path("") is the current folder
         raise MergeDBError(f"{who} writes into a folder path, got an empty one; name the output folder")
 

@@ -18,6 +18,7 @@ from .errors import CatalogError, ChangedFileError, PlanError
 from .layout import TensorLayout, n_rows
 from .manifest import ExecutionPlan, Source, mask_digest
 from .tensorparams import COLUMNS as TENSOR_PARAM_COLUMNS
+from .units import utf8
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ def validate_plan_name(name: str) -> None:
     why = None
     if not name.strip() or name != name.strip() or any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
         why = "is empty, has leading or trailing spaces, or control characters"
+    elif not utf8(name):  # a name from bytes in another encoding: DuckDB refuses it deep in a statement
+        why = "is not valid UTF-8 (bytes in another encoding)"
     elif name.isdigit():
         why = "looks like a plan id"
     elif len(name) >= 6 and set(name) <= _HEX:
@@ -105,6 +108,8 @@ def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str | PlanSummary) 
             "(frontier(..., keep=True), `mergedb frontier --keep`); pass a stored plan's id, name or hash"
         )
     text = str(plan).strip()
+    if not utf8(text):
+        raise PlanError(f"no plan matching {text!r}: it is not valid UTF-8 (bytes in another encoding)")
     if text.isascii() and text.isdigit():  # not "²": int() refuses other digits
         rows = con.execute("SELECT plan_id FROM plans WHERE plan_id = ?", [int(text)]).fetchall()
         if rows:

@@ -79,6 +79,9 @@ def register(
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths  # one path, not its letters
     if not isinstance(paths, (list, tuple)) or not all(isinstance(p, (str, os.PathLike)) for p in paths):
         raise MergeDBError(f"register() takes a list of paths (str or Path), got {shown(paths)}")
+    for p in paths:
+        if "\x00" in os.fsdecode(p):  # os calls raise a bare ValueError for it
+            raise MergeDBError(f"register() path {os.fsdecode(p)!r} holds a NUL byte; pass the folder's real name")
     if not paths:
         raise MergeDBError("register() needs a path: a model folder, a .safetensors file, or a folder of them")
     for k, v in (("base", base), ("refresh", refresh)):  # a str such as "no" would be taken as true

@@ -15,6 +15,7 @@ import duckdb
 from . import plans
 from .errors import CatalogError, MergeDBError, PlanError
 from .resources import query
+from .units import utf8
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -32,6 +33,8 @@ def record(cat: Catalog, plan: int | str | plans.PlanSummary, metric: str, value
             f"metric {metric!r} must be a name of 1 to {MAX_METRIC} characters without leading or trailing "
             "spaces, e.g. loss"
         )
+    if not utf8(metric):
+        raise MergeDBError(f"metric {metric!r} is not valid UTF-8 (bytes in another encoding); use a plain name")
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in metric):
         raise MergeDBError(f"metric {metric!r} has control characters; use a plain name, e.g. loss")
     try:

@@ -92,6 +92,10 @@ def _stop(con: duckdb.DuckDBPyConnection, finished: threading.Event, lock: Any, 
 def check_statement(con: duckdb.DuckDBPyConnection, text: str) -> None:
     """Refuse anything but exactly one query (see the module's docstring)."""
     try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes in another encoding (a shell argument): DuckDB raised a TypeError
+        raise MergeDBError(f"the SQL text {text!r} is not valid UTF-8; write it in UTF-8") from None
+    try:
         statements = con.extract_statements(text)
     except duckdb.Error as e:
         raise MergeDBError(f"SQL error: {e}") from None

@@ -201,3 +201,21 @@ def test_record_run_and_frontier_refuse_what_they_cannot_use(cat, tmp_path):
         cat.frontier(req, ["10%"], keep="no")
     assert _plans(cat) == plans
     assert len(cat.frontier(req, ("10%", "50%"))) == 2
+
+
+def test_text_that_is_not_utf8_and_paths_with_nul_are_refused_by_name(cat, tmp_path):
+    """A command-line argument in another encoding reaches Python as lone surrogates, which DuckDB
+    refused deep in a statement (InvalidInputException, a TypeError for SQL); a NUL byte in a path made
+    os calls raise a bare ValueError (review, 2026-12-02). MergeDBErrors naming the value now."""
+    bad = "p\udcff"
+    for call, words in (
+        (lambda: cat.sql(f"SELECT '{bad}'"), "is not valid UTF-8"),
+        (lambda: cat.get_plan(bad), "is not valid UTF-8"),
+        (lambda: cat.plan(PlanRequest("base", None, "linear", name=bad)), "is not valid UTF-8"),
+        (lambda: cat.record_score(1, bad, 1.0), "is not valid UTF-8"),
+        (lambda: Catalog(tmp_path / "c\x00.duckdb"), "holds a NUL byte"),
+        (lambda: cat.register([tmp_path / "f\x00"], base_model="base"), "holds a NUL byte"),
+        (lambda: cat.execute(1, tmp_path / "o\x00"), "holds a NUL byte"),
+    ):
+        with pytest.raises(MergeDBError, match=words):
+            call()

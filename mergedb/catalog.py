@@ -372,7 +372,7 @@ class Catalog:
 
                 def run() -> pa.Table:
                     result = con.sql(text, params=values)
-                    return result.to_arrow_table() if result is not None else pa.table({})
+                    return usersql.as_text(result).to_arrow_table() if result is not None else pa.table({})
 
                 return usersql.interruptibly(con, run)
             except duckdb.Error as e:

@@ -89,6 +89,20 @@ def _stop(con: duckdb.DuckDBPyConnection, finished: threading.Event, lock: Any, 
             continue
 
 
+TEXT_TYPES = ("BIT", "INTERVAL")  # Arrow has them as DuckDB's own bytes (BIT) or a triple: text is what they say
+
+
+def as_text(rel: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
+    """`rel` with its BIT and INTERVAL columns as text (a BIT's bits '1010…', not the hex of DuckDB's
+    encoding, which read like another bit string; an INTERVAL as '3 days'). A result whose column names
+    repeat is left as it is (a projection could not tell them apart)."""
+    types = [str(t) for t in rel.types]
+    if not any(t in TEXT_TYPES for t in types) or len(set(rel.columns)) < len(rel.columns):
+        return rel
+    quoted = ['"' + c.replace('"', '""') + '"' for c in rel.columns]
+    return rel.project(", ".join(f"{q}::VARCHAR AS {q}" if t in TEXT_TYPES else q for q, t in zip(quoted, types)))
+
+
 def check_statement(con: duckdb.DuckDBPyConnection, text: str) -> None:
     """Refuse anything but exactly one query (see the module's docstring)."""
     try:

@@ -55,6 +55,22 @@ def test_json_is_json_and_numbers_are_numbers(world):
     assert rows == [["l", "s"], ["[1, 2]", '{"k": "\\u00fc"}']]  # JSON text, not Python's repr
 
 
+def test_bits_blobs_and_intervals_print_as_what_they_say(world):
+    """A plan's mask bits (BIT) came out as the hex of DuckDB's encoding (a 32-block tensor's as
+    '00a19104af', which reads like another bit string), a BLOB in CSV inside literal quotes, an INTERVAL
+    as a JSON triple (review, 2026-12-02). Now the bit string, plain hex, the interval's text."""
+    root, cat, plan = world
+    query = "SELECT '1011'::BIT AS b, '\\xAA'::BLOB AS x, INTERVAL 3 DAY AS i, 1 AS n"
+    doc = json.loads(run("sql", query, "-c", cat.path, "-f", "json"))
+    assert doc == [{"b": "1011", "x": "aa", "i": "3 days", "n": 1}]
+    rows = list(csv.reader(io.StringIO(run("sql", query, "-c", cat.path, "-f", "csv"))))
+    assert rows == [["b", "x", "i", "n"], ["1011", "aa", "3 days", "1"]]
+    bits = cat.sql(
+        "SELECT selected, selected::VARCHAR AS want FROM plan_mask_bits WHERE plan_id = $1", [plan.plan_id]
+    ).to_pylist()
+    assert bits and all(r["selected"] == r["want"] and set(r["want"]) <= {"0", "1"} for r in bits)
+
+
 def test_machine_formats_carry_what_the_table_shows(world, tmp_path):
     root, cat, plan = world
     doc = json.loads(run("show-plan", plan.plan_id, "-c", cat.path, "-f", "json"))

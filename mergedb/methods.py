@@ -135,6 +135,8 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
         raise PlanError("slerp takes no weights: t sets the mix of base and expert (--t 0.5, or t: 0.5 in a config)")
     if len(weights) != n_experts:
         raise PlanError(f"{len(weights)} weights for {n_experts} experts; give one weight per expert, in order")
+    # numpy scalars as Python numbers: a float16 compared with the limits warned of overflow on stderr
+    weights = [w.item() if isinstance(w, (np.floating, np.integer)) else w for w in weights]
     for i, w in enumerate(weights):
         number = isinstance(w, (int, float, np.floating, np.integer)) and not isinstance(w, (bool, np.bool_))
         if not (number and abs(w) <= MAX_SCALE and math.isfinite(w)):  # abs first: 10**400 is no float

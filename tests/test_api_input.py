@@ -168,6 +168,12 @@ def test_weights_of_any_number_type_make_one_plan(cat):
         for w in ((1,) * n, (1.0,) * n, tuple(np.float32(1) for _ in range(n)), np.ones(n, np.int64))
     }
     assert len(hashes) == 1
+    import warnings
+
+    with warnings.catch_warnings():  # float16 weights compared with the limits warned of overflow on stderr
+        warnings.simplefilter("error")
+        half = cat.plan(mergedb.PlanRequest("base", None, "task_arithmetic", weights=(np.float16(1),) * n))
+    assert {half.plan_hash} == hashes
     with pytest.raises(PlanError, match="weight 1 of .* is True"):
         cat.plan(mergedb.PlanRequest("base", None, "task_arithmetic", weights=(True,) + (1.0,) * (n - 1)))
 

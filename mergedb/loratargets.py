@@ -82,9 +82,7 @@ def targeted(cfg: dict[str, Any], module: str) -> bool:
     if not patterns:
         match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
     else:
-        match = next(
-            (x for x in (re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module) for p in patterns) if x), None
-        )
+        match = next((x for x in (re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module) for p in patterns) if x), None)
     if match is None:
         return False
     idx = int(match["idx"])

@@ -474,8 +474,15 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
     mine = [r for r in existing.values() if r[2] == "base" or r[3] == base_id]
     seen = {(r[2], _where(r[9]), r[4]): r[0] for r in mine}
     at = {(r[2], _where(r[6])): r[0] for r in mine}
+    by_files = {(r[2], r[4]): r for r in mine}  # the same fingerprint (sizes, times, headers) elsewhere: a copy
     for role, todo in (("base", bases), ("expert", experts)):
         for c in todo:
+            r = by_files.get((role, c.fingerprint))
+            if r is not None and r[0] != c.name and _where(r[9]) != _where(c.root.resolve()) and not _moved(r[6], c):
+                raise CatalogError(
+                    f"{c.path} is a copy of {role} {r[0]!r} (registered from {r[6]}: the same files, sizes and "
+                    f"times); register a model once (plans over all experts would count it twice): use {r[0]!r}"
+                )
             other = seen.setdefault((role, _where(c.root.resolve()), c.fingerprint), c.name)
             if other != c.name:
                 raise CatalogError(

@@ -259,6 +259,23 @@ def test_stray_knows_the_file_names_checkpoint_and_lora_read():
     assert stray.OUTPUT_MANIFEST == manifest.MANIFEST
 
 
+def test_a_copy_of_a_registered_expert_under_another_name_is_refused(tmp_path):
+    """`cp -a fam/expert_00 copy` then `register copy` registered the same model a second time, which
+    plans over all experts counted twice (the same folder under two names was already refused; review,
+    2026-12-02). A copy keeps sizes, times and headers: its fingerprint names it. A move (the registered
+    folder gone) is still allowed under a new name."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=3)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    shutil.copytree(fam / "expert_00", tmp_path / "copy_of_expert_00")  # copy2: file times kept
+    before = snapshot(cat)
+    with pytest.raises(MergeDBError, match=r"copy_of_expert_00 is a copy of expert 'expert_00' .*use 'expert_00'"):
+        cat.register([tmp_path / "copy_of_expert_00"], base_model="base")
+    assert snapshot(cat) == before
+    shutil.move(fam / "expert_01", tmp_path / "e1")
+    assert cat.register([tmp_path / "e1"], base_model="base").registered == ("e1",)
+
+
 def test_a_file_rewritten_while_it_is_registered_is_refused(tmp_path):
     """An expert's file rewritten in place while registration reads it (same header and size, other
     bytes: a save still running) was stored with statistics of neither version (review, 2026-12-02).

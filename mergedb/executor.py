@@ -360,8 +360,9 @@ def _write(
     if expect_side is not None and side != expect_side:
         bad = sorted(n for n in side.keys() | expect_side.keys() if side.get(n) != expect_side.get(n))
         raise MergeDBError(
-            f"the base's side files {bad} differ from those {out} was first written with (edited since?); nothing "
-            "was installed: restore them, or execute the plan again for an output with the current ones"
+            f"the base's side files {bad} differ from those the replayed output was written with (edited since?); "
+            f"nothing was installed in {out}: restore them, or execute the plan again for an output with the "
+            "current ones"
         )
     pq.write_table(mask_table(xp), tmp / MASK)
     if expect_hashes is not None and hashes != expect_hashes:

@@ -338,10 +338,15 @@ def _edited(out: Path, names: set[str]) -> list[str]:
 def _refuse_edited(out: Path, names: set[str]) -> None:
     edited = _edited(out, names)
     if edited:
+        what = (
+            "is a symbolic link, not the file mergedb wrote there"
+            if (out / edited[0]).is_symlink()
+            else "was changed since mergedb wrote it (its size or time differ from the manifest's record: e.g. "
+            "save_pretrained over the output)"
+        )
         raise MergeDBError(
-            f"{out / edited[0]} was changed since mergedb wrote it (its size or time differ from the manifest's "
-            "record: e.g. save_pretrained over the output), so it is yours and --force does not replace it; "
-            f"nothing was installed: move it away (or choose another {_FLAG.get()}) and retry"
+            f"{out / edited[0]} {what}, so it is yours and --force does not replace it; nothing was installed: "
+            f"move it away (or choose another {_FLAG.get()}) and retry"
         )
 
 
@@ -472,9 +477,14 @@ def install(tmp: Path, out: Path, force: bool = False) -> None:
     if TEMPLATES in ours:  # the folder moves whole: only if it holds nothing but the templates mergedb wrote
         clash += _not_our_templates(out)
     if clash:
+        why = (  # a link under a listed name: mergedb wrote a file there, not a link
+            "is a symbolic link, not the file mergedb wrote there"
+            if (out / clash[0]).is_symlink() and clash[0] in _listed_files(out)
+            else "is not a file of the mergedb output there (its manifest does not list it as one)"
+        )
         raise MergeDBError(
-            f"{out / clash[0]} is not a file of the mergedb output there (its manifest does not list it as one) "
-            "and is in the way of the new output; nothing was installed: move it away and retry"
+            f"{out / clash[0]} {why} and is in the way of the new output; nothing was installed: move it away "
+            "and retry"
         )
     old = _partner(out, tmp, OLD)
     old.mkdir()

@@ -727,6 +727,10 @@ def test_force_never_replaces_a_file_rewritten_since_mergedb_wrote_it(setup, tmp
     assert code == 1 and f"{name} was changed since mergedb wrote it" in text, text
     assert (out / name).read_bytes() == data + b" " and _leftovers(out) == []
     monkeypatch.setattr(executor, "_write", real)
+    (out / name).rename(tmp_path / "mine")  # a link in its place: named as a link, not as unlisted
+    (out / name).symlink_to(tmp_path / "mine")
+    code, text = _cli("execute", plan["half"], "--out", out, "--force", "-c", db, "-q")
+    assert code == 1 and f"{name} is a symbolic link, not the file mergedb wrote there" in text, text
     (out / name).unlink()  # the user took their file away: the output is replaced
     assert _cli("execute", plan["half"], "--out", out, "--force", "-c", db, "-q")[0] == 0
     assert check_output(out) == []

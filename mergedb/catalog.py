@@ -14,6 +14,7 @@ statistics code (tests/test_help.py checks).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import stat
@@ -532,6 +533,8 @@ class Catalog:
         `write_shards`: see executor.execute (rayexec.shard_writer runs the shards on Ray)."""
         from . import executor, outdir  # the merge kernels are heavy to import; planning does not need them
 
+        if isinstance(max_shard_size, numbers.Integral) and not isinstance(max_shard_size, bool):
+            max_shard_size = int(max_shard_size)  # a numpy whole number is one
         _check_execute_args(
             out,
             max_shard_size,

@@ -11,6 +11,7 @@ CLI and the library share: thread counts, block layouts, checkpoint names, and b
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -182,7 +183,9 @@ def check_same_layout(base: str, have: BlockSizes, asked: BlockSizes) -> None:
 
 
 def check_threads(n: int) -> int:
-    """A worker-thread count: 1 to MAX_THREADS."""
+    """A worker-thread count: 1 to MAX_THREADS (a numpy whole number as an int)."""
+    if isinstance(n, numbers.Integral) and not isinstance(n, bool):
+        n = int(n)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
         raise MergeDBError(f"threads must be a whole number from 1 to {MAX_THREADS}, got {n!r}; e.g. --threads 4")
     return n

@@ -225,3 +225,13 @@ def test_text_that_is_not_utf8_and_paths_with_nul_are_refused_by_name(cat, tmp_p
     ):
         with pytest.raises(MergeDBError, match=words):
             call()
+
+
+def test_numpy_whole_numbers_are_whole_numbers(cat, tmp_path):
+    """seed, threads and max_shard_size given as numpy integers were refused as "not a whole number"
+    (review, 2026-12-02); they are taken as the ints they are, and plan the same as Python ints."""
+    a = cat.plan(PlanRequest("base", None, "dare_ties", "50%", seed=np.int64(5)))
+    b = cat.plan(PlanRequest("base", None, "dare_ties", "50%", seed=5))
+    assert a.plan_hash == b.plan_hash and isinstance(PlanRequest("base", None, "linear", seed=np.uint8(5)).seed, int)
+    res = cat.execute(a.plan_id, tmp_path / "o", threads=np.int64(1), max_shard_size=np.int64(10**9))
+    assert res.manifest["tensor_hashes"]

@@ -144,10 +144,8 @@ def _write_json(doc: Any) -> None:
 
 def _csv_value(v: Any) -> Any:
     """A CSV field: nested values as their JSON text (not Python's repr), bytes as hex (no quotes)."""
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        return bytes(v).hex()
-    if isinstance(v, (dict, list, tuple)):
-        return json.dumps(_plain(v))
+    if isinstance(v, (dict, list, tuple, bytes, bytearray, memoryview)):
+        return json.dumps(_plain(v)) if isinstance(v, (dict, list, tuple)) else bytes(v).hex()
     return v
 
 

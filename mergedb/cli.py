@@ -277,8 +277,8 @@ def show(
     """
     cat = _catalog(catalog, wait)
     row = cat.checkpoint(name)
-    if render.check_format(fmt) != "table":  # csv, json: the per-tensor rows (none for a base)
-        render.print_table(cat.tensor_summary(name) if row.role == "expert" else _empty(), fmt)
+    if render.check_format(fmt) != "table":  # csv, json: the per-tensor rows (a base has none: the header only)
+        render.print_table(cat.tensor_summary(name), fmt)
         return
     render.line(f" ({row.role}{', base ' + row.base if row.base else ''}) {row.path}", f"[bold]{escape(row.name)}[/]")
     render.line(f"{row.n_tensors} tensors, {row.dtype}, {format_size(row.bytes)}, fingerprint {row.fingerprint[:16]}")
@@ -739,12 +739,6 @@ def score(
     """
     score_id = _catalog(catalog, wait).record_score(plan_ref, metric, value)
     render.line(f"score {score_id}: {metric} = {value!r} for plan {plan_ref}")
-
-
-def _empty() -> Any:
-    import pyarrow as pa
-
-    return pa.table({})
 
 
 _PROCESS = False  # running as the `mergedb` command (main), not inside another program

@@ -90,6 +90,8 @@ class PlanRequest:
                 raise PlanError(f"PlanRequest {f} must be {want}, got {shown(getattr(self, f))}")
         if isinstance(self.seed, np.integer):  # a numpy whole number is one: stored (and hashed) as an int
             object.__setattr__(self, "seed", int(self.seed))
+        if isinstance(self.min_coverage, (np.floating, np.integer)):  # np.float32(0.1) as the number it is
+            object.__setattr__(self, "min_coverage", self.min_coverage.item())
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise PlanError(f"seed must be a whole number from 0 to 2^63 - 1, got {shown(self.seed)}; e.g. --seed 42")
         if self.strategy not in STRATEGIES:

@@ -235,3 +235,13 @@ def test_numpy_whole_numbers_are_whole_numbers(cat, tmp_path):
     assert a.plan_hash == b.plan_hash and isinstance(PlanRequest("base", None, "linear", seed=np.uint8(5)).seed, int)
     res = cat.execute(a.plan_id, tmp_path / "o", threads=np.int64(1), max_shard_size=np.int64(10**9))
     assert res.manifest["tensor_hashes"]
+
+
+def test_numpy_min_coverage_is_a_number(cat):
+    """min_coverage given as np.float32 was refused as "must be a number" (a float64 passed, being a
+    float subclass); it plans the same as the Python float it equals."""
+    c = float(np.float32(0.25))
+    a = cat.plan(PlanRequest("base", None, "linear", "50%", min_coverage=np.float32(0.25)))
+    b = cat.plan(PlanRequest("base", None, "linear", "50%", min_coverage=c))
+    assert a.plan_hash == b.plan_hash
+    assert type(PlanRequest("base", None, "linear", min_coverage=np.float16(1)).min_coverage) is float

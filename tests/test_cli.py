@@ -37,6 +37,11 @@ def test_register_ls_show_sql(tmp_path):
     assert res.exit_code == 0 and "expert_01" in res.output
     res = runner.invoke(app, ["show", "expert_00", "-c", db])
     assert res.exit_code == 0 and "lm_head" in res.output
+    # a base has no per-tensor delta rows: csv still gives the expert's header, json an empty list
+    header = runner.invoke(app, ["show", "expert_00", "-c", db, "-f", "csv"]).output.splitlines()[0]
+    res = runner.invoke(app, ["show", "base", "-c", db, "-f", "csv"])
+    assert res.exit_code == 0 and res.output.splitlines() == [header] and "tensor" in header
+    assert json.loads(runner.invoke(app, ["show", "base", "-c", db, "-f", "json"]).output) == []
     res = runner.invoke(
         app, ["sql", "SELECT expert, total_bytes FROM expert_costs ORDER BY expert", "-c", db, "-f", "json"]
     )

@@ -483,8 +483,7 @@ def install(tmp: Path, out: Path, force: bool = False) -> None:
             else "is not a file of the mergedb output there (its manifest does not list it as one)"
         )
         raise MergeDBError(
-            f"{out / clash[0]} {why} and is in the way of the new output; nothing was installed: move it away "
-            "and retry"
+            f"{out / clash[0]} {why} and is in the way of the new output; nothing was installed: move it away and retry"
         )
     old = _partner(out, tmp, OLD)
     old.mkdir()

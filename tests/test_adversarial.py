@@ -720,9 +720,7 @@ def test_force_never_replaces_a_file_rewritten_since_mergedb_wrote_it(setup, tmp
     # changed while the merge ran (after the check before it): refused at the swap, nothing moved
     (out / name).write_bytes(data)
     os.utime(out / name, ns=(0, json.loads((out / "mergedb_manifest.json").read_text())["run"]["file_stats"][name][1]))
-    monkeypatch.setattr(
-        executor, "_write", lambda *a, **k: ((out / name).write_bytes(data + b" "), real(*a, **k))[1]
-    )
+    monkeypatch.setattr(executor, "_write", lambda *a, **k: ((out / name).write_bytes(data + b" "), real(*a, **k))[1])
     code, text = _cli("execute", plan["half"], "--out", out, "--force", "-c", db, "-q")
     assert code == 1 and f"{name} was changed since mergedb wrote it" in text, text
     assert (out / name).read_bytes() == data + b" " and _leftovers(out) == []

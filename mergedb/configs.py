@@ -102,6 +102,8 @@ class MergeConfig:
 
 
 def _load(text_or_path: str | PathLike[str]) -> tuple[Any, str]:
+    if not isinstance(text_or_path, (str, PathLike)):  # bytes read as the text "b'...'", a mapping as its repr
+        raise ConfigError(f"a config is YAML text or a path to a YAML file, got {shown(text_or_path)}")
     one_line = isinstance(text_or_path, str) and "\n" not in text_or_path
     if isinstance(text_or_path, PathLike) or (
         one_line and (":" not in text_or_path or text_or_path.strip().lower().endswith((".yml", ".yaml")))
@@ -111,6 +113,8 @@ def _load(text_or_path: str | PathLike[str]) -> tuple[Any, str]:
             text, where = path.read_text(encoding="utf-8"), str(path)
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from None
+        except ValueError as e:  # a NUL byte in the path
+            raise ConfigError(f"cannot read config {str(path)!r}: {e}; give the file's path") from None
     else:
         text, where = str(text_or_path), "config"
     try:

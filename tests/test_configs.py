@@ -605,6 +605,15 @@ def test_a_config_path_with_a_colon_is_a_path(tmp_path):
     assert parse_config(str(path)).resolve(NAMES).weights == (1.0,)  # was read as the YAML text 'v1:ties.yml'
 
 
+def test_a_config_that_is_neither_text_nor_a_path_is_refused_by_name(tmp_path):
+    """bytes were read as the YAML text "b'...'" (then refused as "not a mapping"), a NUL in a path
+    raised a bare ValueError."""
+    with pytest.raises(ConfigError, match="YAML text or a path to a YAML file, got b'"):
+        parse_config(str(tmp_path / "a.yml").encode())
+    with pytest.raises(ConfigError, match=r"cannot read config '.*a\\x00b.yml': .*give the file's path"):
+        parse_config(str(tmp_path / "a\0b.yml"))
+
+
 _TIES = "merge_method: ties\nbase_model: base\n"
 _ONE = "models:\n  - model: a\n"
 

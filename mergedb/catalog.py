@@ -552,7 +552,12 @@ class Catalog:
         with self.duckdb_connection() as con:  # one connection (~30 ms each) for the plan and the paths
             xp = plans.execution_plan(con, plans.resolve_plan(con, plan))
             registered = con.execute("SELECT path, root FROM checkpoints").fetchall()
+            side = con.execute("SELECT root, side_files FROM checkpoints WHERE name = ?", [xp.base.name]).fetchall()
         plans.refuse_gone(xp)
+        if side and "://" not in side[0][0]:
+            from . import sidefiles  # the executor's import already
+
+            sidefiles.refuse_lost(xp.base.name, *side[0])
         with outdir.named("--as-lora" if as_lora else "--out"):  # the option its messages name
             outdir.check_clear_of(Path(out), [p for row in registered for p in row], "a registered checkpoint")
         if self.path.exists() and not os.access(self.path, os.W_OK):

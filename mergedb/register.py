@@ -30,6 +30,7 @@ from .checkpoint import Checkpoint, discover, file_info, fingerprint, gone, open
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback
 from .layout import Block, FamilyTensor, vocab_size
+from .sidefiles import side_record
 from .units import DEFAULT_LAYOUT, BlockSizes, block_sizes, check_name, check_same_layout, check_threads, shown
 
 if TYPE_CHECKING:
@@ -358,6 +359,11 @@ def register(
                 )
                 stage.insert(con, e.name, cid)  # its expert_blocks and expert_tensors rows (an adapter's costs)
                 done.append(e.name)
+            for b in bases:  # its side files as they are now, however it was registered (016_base_side_files)
+                con.execute(
+                    "UPDATE checkpoints SET side_files = ? WHERE name = ? AND role = 'base'",
+                    [side_record(b.root), b.name],
+                )
             return done
 
         done = _transaction(cat, new, blank, stage.rows, dim, write)

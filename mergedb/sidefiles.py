@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import jsondoc, remote
+from .errors import ChangedFileError
 from .plainfile import leads_inside, link_roots, read_small
 from .remote import RemotePath
 
@@ -154,6 +155,27 @@ def side_files(root: Path) -> list[str]:
 
 
 _TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}  # safetensors dtype -> config.json's
+
+
+def side_record(root: Path | RemotePath) -> str | None:
+    """What the catalog records of a base's side files (checkpoints.side_files): a JSON list of
+    `side_files(root)`; None for a remote base (not listed at registration)."""
+    return None if isinstance(root, RemotePath) else json.dumps(side_files(root))
+
+
+def refuse_lost(base: str, root: str, record: str | None) -> None:
+    """Refuse to merge when the base `base` has lost a side file it held when it was registered
+    (`record`, checkpoints.side_files): the output would lack it (a model without config.json does not
+    load) and look complete. Files added since are copied as ever; an edited file is the user's."""
+    names = [] if record is None else json.loads(record)
+    lost = [n for n in names if n not in side_files(Path(root))]
+    if lost:
+        raise ChangedFileError(
+            f"base {base!r} ({root}) no longer holds {', '.join(lost[:5])}{' …' if len(lost) > 5 else ''}, which it "
+            f"held when it was registered, and the merged model would lack {'it' if len(lost) == 1 else 'them'}; "
+            f"restore {'it' if len(lost) == 1 else 'them'}, or register the base again (mergedb register {root} "
+            f"--base --name {base}) to merge without (nothing was merged)"
+        )
 
 
 def copy_side_files(root: Path | RemotePath, dest: Path, dtype: str | None = None) -> list[str]:

@@ -320,6 +320,27 @@ def test_an_output_inside_the_family_folder_is_not_registered_as_an_expert(tmp_p
     assert cat.register([fam / "merged"], base_model="base").registered == ("merged",)
 
 
+def test_a_base_side_file_lost_after_registration_is_refused(tmp_path):
+    """A base's config.json (or tokenizer) deleted between register and execute gave a merged model
+    without it, which looked complete and did not load. The loss is refused with nothing merged or
+    recorded; registering the base again accepts it as it is; a side file added since is copied."""
+    from mergedb.planner import PlanRequest
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=3)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "linear"))
+    (fam / "base" / "config.json").unlink()
+    before = snapshot(cat)
+    with pytest.raises(ChangedFileError, match=r"base 'base' \(.*\) no longer holds config.json, which it held"):
+        cat.execute(plan.plan_id, tmp_path / "o")
+    assert snapshot(cat) == before and not (tmp_path / "o").exists()
+    (fam / "base" / "vocab.txt").write_text("a\n")  # added since: not a loss
+    assert cat.register([fam / "base"], base=True).unchanged == ("base",)  # records what it holds now
+    cat.execute(plan.plan_id, tmp_path / "o")
+    assert not (tmp_path / "o" / "config.json").exists() and (tmp_path / "o" / "vocab.txt").exists()
+
+
 def test_a_moved_family_keeps_its_rows_and_plans(tmp_path):
     """Registering a family where it is now, under the same names, after its folder moved: the paths
     are updated, nothing is read again, and a plan made before the move merges the same bytes."""

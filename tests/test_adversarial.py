@@ -802,3 +802,27 @@ def test_check_output_names_index_entries_and_side_files_a_loader_would_trip_on(
     (out / "chat_template.jinja").write_text("{{ messages }}")
     found = check_output(out)
     assert len(found) == 1 and "chat_template.jinja: not part of this output" in found[0], found
+
+
+@pytest.mark.parametrize("who", ["expert_01", "base"])
+def test_an_input_rewritten_while_execute_reads_it_is_never_installed(setup, tmp_path, monkeypatch, who):
+    """A training job saving into an expert's file while `execute` read it: the output (a merge of
+    neither version) was installed and its run recorded ok, and `check --output` passed it, since it
+    compares an output with its own manifest (review, 2026-12-02). The inputs' fingerprints are taken
+    again after the last read: a change is refused, nothing installed, the failed run recorded."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    victim = fam / who / "model.safetensors"
+    real = executor._write
+
+    def write_then_save(*a, **k):
+        res = real(*a, **k)
+        data = victim.read_bytes()
+        victim.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # the job's next save: same size, new time
+        return res
+
+    monkeypatch.setattr(executor, "_write", write_then_save)
+    code, text = _cli("execute", plan["half"], "--out", out, "-c", db, "-q")
+    assert code == 1 and f"{who} ({fam / who}) changed while this merge read it" in text, text
+    assert not out.exists() and _leftovers(out) == []
+    assert Catalog(db).sql("SELECT status FROM runs").column(0).to_pylist() == ["failed"]

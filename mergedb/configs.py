@@ -365,11 +365,17 @@ def bind_models(config: MergeConfig, rows: list[Any], cwd: str | PathLike[str] |
             for r in rows:
                 if Path(r.path).resolve() == rp:
                     return r
-            if is_checkpoint(p):
+            if is_checkpoint(p):  # a copy of a registered one (cp -a): the same sizes, times and headers
                 fp = open_checkpoint(p).fingerprint
-                for r in rows:
-                    if r.fingerprint == fp:
-                        return r
+                same = [r for r in rows if r.fingerprint == fp]
+                if len(same) > 1:  # a family unpacked from an archive: distinct experts, equal sizes and times
+                    raise ConfigError(
+                        f"model {ref!r} is not registered by this path, and its files' sizes, times and headers "
+                        f"match {len(same)} registered checkpoints ({', '.join(r.name for r in same[:4])}), so it "
+                        "cannot tell which it is a copy of; write the registered path or the name instead"
+                    )
+                if same:
+                    return same[0]
             if ref in by_name:
                 raise ConfigError(
                     f"model {ref!r} is a folder here that is not registered, and the name of the checkpoint "

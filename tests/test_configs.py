@@ -329,6 +329,25 @@ models:
         bind_models(parse_config("merge_method: linear\nmodels: [{model: base}]"), rows)
 
 
+def test_a_copy_matching_several_registered_checkpoints_is_refused_not_guessed(registered, tmp_path):
+    """Experts unpacked from an archive share sizes, headers and whole-second times: a copy of one
+    matched the first registered row with its fingerprint, so a config asking for expert_01 merged
+    expert_00, silently (review, 2026-12-03). Several matches are refused; the name or the
+    registered path still binds."""
+    import dataclasses
+
+    root, rows = registered
+    copy = tmp_path / "copy_of_01"
+    shutil.copytree(root / "family" / "expert_01", copy)
+    fp = next(r.fingerprint for r in rows if r.name == "expert_01")
+    twins = [dataclasses.replace(r, fingerprint=fp) if r.name == "expert_00" else r for r in rows]
+    cfg = "merge_method: linear\nbase_model: base\nmodels: [{model: %s}]"
+    with pytest.raises(ConfigError, match=r"match 2 registered checkpoints \(expert_00, expert_01\)"):
+        bind_models(parse_config(cfg % copy), twins)
+    assert [m.model for m in bind_models(parse_config(cfg % copy), rows).models] == ["expert_01"]
+    assert [m.model for m in bind_models(parse_config(cfg % "expert_01"), twins).models] == ["expert_01"]
+
+
 def test_accepted_spellings():
     cfg = parse_config(TA + W % "'1e-3'" + "tokenizer_source: base\ndtype: torch.float16\n")
     assert cfg.output_dtype == "fp16" and cfg.tokenizer_source == "base"

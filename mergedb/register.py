@@ -109,7 +109,10 @@ def register(
     cat.wait_while_created()  # another registration making this catalog right now: its file, not a leftover
     new = not cat.path.exists() or (cat.path.is_file() and cat.path.stat().st_size == 0)  # made with the rows
     existing: dict[str, tuple] = {}  # name -> the row of these columns:
-    cols = "name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size, vocab_block_rows, root"
+    cols = (
+        "name, checkpoint_id, role, base_id, fingerprint, block_size, path, vocab_block_size, vocab_block_rows, root, "
+        "content_hash"
+    )
     cat.check_creatable()  # before anything is read
     blank = new  # no catalog yet: made in the transaction that writes the rows (catalog.make_if_blank)
     if not new:
@@ -211,7 +214,7 @@ def register(
     moved_bases = [c for c in moved if any(c is b for b in bases)]  # a move is checked as a new path is
     moved_experts = [c for c in moved if all(c is not b for b in bases)]
     base_id = existing.get(base_ckpt_name or "", (0, None))[1]
-    _refuse_copies(todo_bases + moved_bases, todo_experts + moved_experts, existing, base_id)
+    suspects = _refuse_copies(todo_bases + moved_bases, todo_experts + moved_experts, existing, base_id)
     if asked:  # a layout asked for must be the one the bases involved get or already have
         involved = [c.name for c in bases] + ([base_ckpt_name] if experts and base_ckpt_name else [])
         owned = {c.name for c in todo_bases}
@@ -279,6 +282,8 @@ def register(
                 st.blocks, st.tensors = [], []
         stage.finish()  # before the catalog is opened: a full disk is refused with nothing written
         _refuse_changed_while_read([*todo_bases, *(e for e, _ in results)])
+        scanned = [(b, scan.content_hash(families[b.name][2])) for b in todo_bases if b.name in suspects]
+        _refuse_confirmed_copies(suspects, scanned + [(e, st.content_hash) for e, st in results if e.name in suspects])
 
         # Phase 2: one transaction. Another process may have registered some of these meanwhile:
         # identical ones are skipped, conflicting ones refused (nothing is written then).
@@ -474,9 +479,13 @@ def _limit_bytes(text: str) -> float:
     return float(m.group(1)) * (1024 if m.group(3) else 1000) ** power
 
 
-def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> None:
+def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> dict[str, tuple]:
     """Refuse files registered (or being registered) under another name in the same role, for the
-    same base: a model named twice would count twice in every plan over all experts."""
+    same base: a model named twice would count twice in every plan over all experts. Returned: the
+    checkpoints whose files elsewhere match a registered one's sizes, times and headers (a copy, cp -a),
+    by name -> that one's row, refused by `_refuse_confirmed_copies` once their bytes hash the same
+    (distinct experts unpacked from one archive match too: equal sizes, headers and whole-second times)."""
+    suspects = {}
     mine = [r for r in existing.values() if r[2] == "base" or r[3] == base_id]
     seen = {(r[2], _where(r[9]), r[4]): r[0] for r in mine}
     at = {(r[2], _where(r[6])): r[0] for r in mine}
@@ -485,10 +494,7 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
         for c in todo:
             r = by_files.get((role, c.fingerprint))
             if r is not None and r[0] != c.name and _where(r[9]) != _where(c.root.resolve()) and not _moved(r[6], c):
-                raise CatalogError(
-                    f"{c.path} is a copy of {role} {r[0]!r} (registered from {r[6]}: the same files, sizes and "
-                    f"times); register a model once (plans over all experts would count it twice): use {r[0]!r}"
-                )
+                suspects[c.name] = r
             other = seen.setdefault((role, _where(c.root.resolve()), c.fingerprint), c.name)
             if other != c.name:
                 raise CatalogError(
@@ -501,6 +507,19 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
                     f"{c.path} is registered as {role} {other!r} and its files changed since; re-scan it "
                     f"under that name (mergedb register {c.path} --refresh --name {other}), not under a new one"
                 )
+    return suspects
+
+
+def _refuse_confirmed_copies(suspects: dict[str, tuple], scanned: list[tuple[Any, str]]) -> None:
+    """Refuse each scanned (checkpoint, content hash) that is a copy of the registered checkpoint
+    `suspects` names for it (see `_refuse_copies`): the same files, sizes, times and bytes."""
+    for c, content_hash in scanned:
+        r = suspects[c.name]
+        if content_hash == r[10]:
+            raise CatalogError(
+                f"{c.path} is a copy of {r[2]} {r[0]!r} (registered from {r[6]}: the same files, sizes, times and "
+                f"bytes); register a model once (plans over all experts would count it twice): use {r[0]!r}"
+            )
 
 
 def _moved(registered: str, c: Checkpoint | lora.Adapter) -> bool:

@@ -262,8 +262,9 @@ def test_stray_knows_the_file_names_checkpoint_and_lora_read():
 def test_a_copy_of_a_registered_expert_under_another_name_is_refused(tmp_path):
     """`cp -a fam/expert_00 copy` then `register copy` registered the same model a second time, which
     plans over all experts counted twice (the same folder under two names was already refused; review,
-    2026-12-02). A copy keeps sizes, times and headers: its fingerprint names it. A move (the registered
-    folder gone) is still allowed under a new name."""
+    2026-12-02). A copy keeps sizes, times and headers: its fingerprint suspects it, its bytes (hashed
+    as registration reads them) confirm it. A move (the registered folder gone) is still allowed under
+    a new name."""
     fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=3)
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([fam], base_model="base")
@@ -274,6 +275,21 @@ def test_a_copy_of_a_registered_expert_under_another_name_is_refused(tmp_path):
     assert snapshot(cat) == before
     shutil.move(fam / "expert_01", tmp_path / "e1")
     assert cat.register([tmp_path / "e1"], base_model="base").registered == ("e1",)
+
+
+def test_distinct_experts_with_equal_sizes_headers_and_times_both_register(tmp_path):
+    """Experts unpacked from one archive share sizes, headers and whole-second times, so their
+    fingerprints are equal: the second, registered in its own call, was refused as "a copy" of the
+    first although its bytes differ (review, 2026-12-03). A copy is now confirmed by its bytes."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=3)
+    for e in ("expert_00", "expert_01"):
+        os.utime(fam / e / "model.safetensors", ns=(1767225600 * 10**9,) * 2)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base"], base=True)
+    assert cat.register([fam / "expert_00"], base_model="base").registered == ("expert_00",)
+    fps = {c.name: c.fingerprint for c in cat.checkpoints()}
+    assert cat.register([fam / "expert_01"], base_model="base").registered == ("expert_01",)
+    assert {c.name: c.fingerprint for c in cat.checkpoints()}["expert_01"] == fps["expert_00"]  # the case itself
 
 
 def test_a_file_rewritten_while_it_is_registered_is_refused(tmp_path):

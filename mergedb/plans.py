@@ -352,8 +352,8 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int, merge: bool = True)
             f"plan {pid} merges an expert the catalog no longer holds (its checkpoint rows are gone); the "
             f"catalog is damaged: `mergedb check` lists what is missing"
         )
-    for name, _, planned, planned_content, _, _, current, content in experts:
-        if planned != current or planned_content != content:  # content: a --refresh of bytes changed in place
+    for name, _, _, planned_content, _, _, _, content in experts:
+        if planned_content != content:  # re-registered with other bytes (--refresh of a file changed in place)
             raise ChangedFileError(f"expert {name!r} was re-registered after this plan was made; plan again")
     tensors = con.execute(
         "SELECT ft.tensor_idx, ft.name, ft.dtype, ft.shape, ft.mergeable, "
@@ -400,7 +400,9 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int, merge: bool = True)
         params=params,
         seed=p[3],
         base=Source(p[5], p[6], p[7], p[8]),
-        experts=tuple(Source(n, path, fp, ch, w, c) for n, path, fp, ch, w, c, _, _ in experts),
+        # each expert's files as registered now: a re-registration of the same bytes (moved, new file times:
+        # --refresh) keeps its plans, as a base's does; the hash holds the fingerprints as planned
+        experts=tuple(Source(n, path, fp, ch, w, c) for n, path, _, ch, w, c, fp, _ in experts),
         tensors=tuple(
             TensorLayout(n, d, tuple(s), m, tuple(zip(r0, r1)), tuple(h)) for _, n, d, s, m, r0, r1, h in tensors
         ),

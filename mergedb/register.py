@@ -198,7 +198,8 @@ def register(
             if not refresh:
                 raise ChangedFileError(
                     f"{c.name!r} ({c.path}) changed since it was registered; "
-                    "pass --refresh to re-scan it (plans made before then will ask to be made again)"
+                    "pass --refresh to re-scan it (plans made before then still execute if its bytes are the same, "
+                    "else they ask to be made again)"
                 )
             if role == "base":
                 if _only_times_changed(cat, c, threads):  # a copy, `touch`, a checkout: its bytes are the same

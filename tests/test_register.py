@@ -124,6 +124,27 @@ def test_refresh_invalidates_old_plans(tmp_path):
     assert cat.execution_plan(new.plan_id).experts[0].name == "expert_00"
 
 
+def test_refresh_of_the_same_bytes_keeps_old_plans(tmp_path):
+    """A family copied without its file times (cp without -p), the old folder deleted, registered again
+    with --refresh as advised: every plan made before was refused as "re-registered", though the
+    README says its plans execute as before (a base's always did; review, 2026-12-03). Only other
+    bytes (test_refresh_invalidates_old_plans) make a plan stale; the same plan writes the same model."""
+    from mergedb.planner import PlanRequest
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=18)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    old = cat.plan(PlanRequest("base", None, "ties", "50%"))
+    before = cat.execute(old.plan_id, tmp_path / "before").manifest["tensor_hashes"]
+    shutil.copytree(fam, tmp_path / "moved", copy_function=shutil.copy)  # new file times
+    shutil.rmtree(fam)
+    with pytest.raises(ChangedFileError, match="still execute if its bytes are the same"):
+        cat.register([tmp_path / "moved"], base_model="base")
+    r = cat.register([tmp_path / "moved"], base_model="base", refresh=True)
+    assert r.moved == ("base", "expert_00", "expert_01")
+    assert cat.execute(old.plan_id, tmp_path / "after").manifest["tensor_hashes"] == before
+
+
 @pytest.mark.parametrize(
     "files, words",
     [

@@ -177,8 +177,8 @@ def _rehash(ckpt: Checkpoint, rows: list[tuple], base: bool = False) -> list[Pro
                     Problem(
                         f"checkpoint {ckpt.name}",
                         f"block {block} of {tensor!r} differs from its registered hash",
-                        "the file was modified in place: restore it, or register the new base under a new --name "
-                        "(its experts with it)"
+                        "the file was modified in place: restore it, or register the new base and its experts in "
+                        "a new catalog (--catalog NEW.duckdb)"
                         if base
                         else f"the file was modified in place: restore it or mergedb register {ckpt.path} --refresh "
                         f"--name {ckpt.name}",

@@ -207,8 +207,7 @@ def register(
                     continue
                 raise ChangedFileError(
                     f"base {c.name!r} ({c.path}) changed since it was registered (its files, not only their times: "
-                    "rewritten, re-sharded or edited); its experts' statistics depend on it. Register the new base "
-                    "under a new --name"
+                    f"rewritten, re-sharded or edited); {_NEW_BASE}"
                 )
         (todo_bases if role == "base" else todo_experts).append(c)
 
@@ -480,6 +479,15 @@ def _limit_bytes(text: str) -> float:
     return float(m.group(1)) * (1024 if m.group(3) else 1000) ** power
 
 
+# what to do with a base whose bytes changed at its registered path (a newer release saved over it)
+_NEW_BASE = (
+    "its experts' statistics were measured against the old one, so it is not re-scanned in place, nor registered "
+    "again from that path under a new name. Register the new base and its experts in a new catalog (--catalog "
+    "NEW.duckdb), or put the new base in another folder and register it there under a new --name (then its "
+    "experts against it, each under a new --name)"
+)
+
+
 def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> dict[str, tuple]:
     """Refuse files registered (or being registered) under another name in the same role, for the
     same base: a model named twice would count twice in every plan over all experts. Returned: the
@@ -503,6 +511,8 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
                     f"model once (plans over all experts would count it twice): use {other!r} (--name {other})"
                 )
             other = at.get((role, _where(c.path)), c.name)
+            if other != c.name and role == "base":  # a base is never re-scanned: its experts depend on it
+                raise CatalogError(f"{c.path} is registered as base {other!r} and its files changed since; {_NEW_BASE}")
             if other != c.name:  # the same path, its files changed since: a re-scan, not a second model
                 raise CatalogError(
                     f"{c.path} is registered as {role} {other!r} and its files changed since; re-scan it "

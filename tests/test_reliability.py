@@ -25,7 +25,7 @@ from mergedb.catalog import Catalog
 from mergedb.check import check_catalog, check_output
 from mergedb.checkpoint import open_checkpoint
 from mergedb.cli import app
-from mergedb.errors import ChangedFileError, FormatError, MergeDBError
+from mergedb.errors import CatalogError, ChangedFileError, FormatError, MergeDBError
 from mergedb.planner import PlanRequest
 from mergedb.tensorfile import MAX_HEADER_BYTES, read_header
 from tests.test_bad_input import snapshot
@@ -514,10 +514,16 @@ def test_a_base_whose_files_were_only_touched_is_kept_by_refresh(registered):
     assert after == before and check_catalog(cat) == []
     _poke_in_place(f)  # its times kept: only check --deep sees it, and advises what works for a base
     found = [p for p in check_catalog(cat, deep=True) if p.where == "checkpoint base"]
-    assert found and all("register the new base under a new --name" in p.fix for p in found), found
+    assert found and all("its experts in a new catalog (--catalog NEW.duckdb)" in p.fix for p in found), found
     os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
     with pytest.raises(ChangedFileError, match="its files, not only their times: rewritten, re-sharded or edited"):
         cat.register([fam / "base"], base=True, refresh=True)
+    # every way out a message names works: the advice was a new --name, which was refused at that path as
+    # "re-scan it under that name", which was refused as above, in a loop (review, 2026-12-03)
+    with pytest.raises(CatalogError, match="registered as base 'base' and its files changed since; .* a new catalog"):
+        cat.register([fam / "base"], base=True, name="base2")
+    fresh = Catalog(tmp / "new.duckdb")
+    assert fresh.register([fam], base_model="base").registered == ("base", "expert_00", "expert_01")
 
 
 @pytest.mark.parametrize("sig, code", [(2, 130), (15, 143)])

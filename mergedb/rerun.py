@@ -55,6 +55,22 @@ def check(
         everyone[b].append(e)
     if not all(_same(s, named[n][0], everyone[named[n][0].base]) for n, s in stored.items()):
         return
+    with cat.duckdb_connection() as con:  # re-registered with other bytes since: the earlier run merged those
+        changed = [
+            r[0]
+            for r in con.execute(
+                "SELECT DISTINCT c.name FROM plans p JOIN plan_experts pe USING (plan_id) "
+                "JOIN checkpoints c USING (checkpoint_id) WHERE list_contains(?, p.name) "
+                "AND pe.content_hash <> c.content_hash ORDER BY c.name",
+                [list(stored)],
+            ).fetchall()
+        ]
+    if changed:
+        raise PlanExistsError(
+            f"the plans of this sweep are stored already by an earlier run of it, but {_names(changed)} "
+            f"{'was' if len(changed) == 1 else 'were'} registered again with other weights since: those plans and "
+            "their outputs merge the old ones; another --name plans the sweep again over the weights registered now"
+        )
     order = [n for n in named if n in stored]  # the sweep's order
     state = {n: _output_state(root / n, stored[n]) for n in order}
     complete = [n for n in order if state[n] == "complete"]

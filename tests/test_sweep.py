@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from mergedb import sweep as sw
 from mergedb.catalog import Catalog
 from mergedb.check import check_output
 from mergedb.cli import app
-from mergedb.errors import MergeDBError, PlanError
+from mergedb.errors import MergeDBError, PlanError, PlanExistsError
 from mergedb.manifest import MANIFEST
 from mergedb.planner import PlanRequest
 
@@ -768,6 +769,26 @@ def test_a_rerun_with_many_outputs_missing_gets_one_loop(tmp_path):
     cat.register([more / "expert_02"], base_model="base")
     with pytest.raises(PlanError, match="a plan named 'm-density=0.1' exists already; choose another --name"):
         sw.sweep(cat, req, tmp_path / "o", dtype="fp16")
+
+
+def test_a_rerun_after_an_expert_was_registered_again_with_other_weights(tmp_path):
+    """An expert retrained in place and registered again (--refresh) between two runs of a sweep: the
+    rerun called the stored plans "an earlier run of it (same … experts …)", counted the old outputs
+    complete and advised `mergedb execute` commands that were then refused as stale (review,
+    2026-12-03). It says the plans merge the old weights and that another --name plans anew."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=9)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    req = grid.grid_requests(PlanRequest("base", None, "ties", "50%"), {"density": [0.2, 0.3]}, "sw")
+    sw.sweep(cat, grid.plan_all(cat, req)[:1], tmp_path / "o")
+    other = synth.make_family(tmp_path / "other", experts=1, size="tiny", seed=4) / "expert_00" / "model.safetensors"
+    shutil.copy(other, fam / "expert_00" / "model.safetensors")
+    assert cat.register([fam], base_model="base", refresh=True).registered == ("expert_00",)
+    n = _plan_count(cat)
+    with pytest.raises(PlanExistsError, match="but expert_00 was registered again with other weights since") as e:
+        sw.sweep(cat, req, tmp_path / "o")
+    assert "mergedb execute" not in str(e.value) and "another --name plans the sweep again" in str(e.value)
+    assert _plan_count(cat) == n
 
 
 def test_an_output_in_the_way_gets_advice_a_sweep_can_follow(fam, tmp_path):

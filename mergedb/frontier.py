@@ -72,8 +72,10 @@ def candidates(cat: Catalog, request: planner.PlanRequest) -> pa.Table:
 def records(summaries: list[PlanSummary]) -> list[dict[str, Any]]:
     """One record per plan: budget, bytes read, and the deviation numbers ‖θ_B − θ_F‖ it predicts.
 
-    `bound` is the bound on the output as written (rounded to the base's dtype) when the planner
-    computed it, else the float32 block-wise bound; None for methods the planner does not bound."""
+    `bound` is the bound on the output as written (rounded to the base's dtype); None where the
+    planner did not compute it (a method it does not bound; blocks that could overflow the output
+    dtype; a base registered before its norms were stored): the float32 block-wise bound
+    (`bound_blockwise`) is no bound on the written output then, so it is not shown as one."""
     return [
         {
             "budget": p.budget_spec,
@@ -82,7 +84,7 @@ def records(summaries: list[PlanSummary]) -> list[dict[str, Any]]:
             "full_bytes": p.full_bytes,
             "share": p.selected_bytes / p.full_bytes if p.full_bytes else 1.0,
             "est_error": p.est_error,
-            "bound": p.bound_rounded if p.bound_rounded is not None else p.bound_blockwise,
+            "bound": p.bound_rounded,
             "bound_blockwise": p.bound_blockwise,
             "bound_sum": p.bound_sum,
         }

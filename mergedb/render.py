@@ -281,7 +281,7 @@ PLAN_COLS = (
     Col("budget_spec", "budget"),
     Col("selected_bytes", "read", size, "expert bytes the plan reads", right=True),
     Col("coverage", "of full", lambda v: DASH if v is None else f"{100 * v:.3g}%", "share of the full read", True),
-    Col("bound", "bound", num, "bound on ‖θB−θF‖ of the written output", right=True),
+    Col("bound", "bound", num, "bound on ‖θB−θF‖ of the written output (–: not computed; show-plan says why)", True),
     Col("plan_hash", "hash", lambda v: v[:12]),
 )
 
@@ -306,7 +306,7 @@ def plan_record(p: PlanSummary) -> dict[str, Any]:
         "selected_bytes": p.selected_bytes,
         "full_bytes": p.full_bytes,
         "coverage": p.selected_bytes / p.full_bytes if p.full_bytes else None,
-        "bound": p.bound_rounded if p.bound_rounded is not None else p.bound_blockwise,
+        "bound": p.bound_rounded,  # of the written output; None when not computed (show-plan says why)
         "bound_blockwise": p.bound_blockwise,
         "bound_sum": p.bound_sum,
         "est_error": p.est_error,
@@ -433,7 +433,7 @@ FRONTIER_COLS = (
         True,
     ),
     Col("est_error", "estimate", num, "estimate of ‖θB−θF‖ of the float32 merge, before rounding (– : none)", True),
-    Col("bound", "bound", num, "bound on ‖θB−θF‖ of the output as written (– : method not bounded yet)", True),
+    Col("bound", "bound", num, "bound on ‖θB−θF‖ of the output as written (–: not computed; show-plan says why)", True),
 )
 
 
@@ -447,7 +447,7 @@ SWEEP_COLS = (
     Col("plan_id", "id", str, right=True),
     Col("name", "plan"),
     Col("selected_bytes", "read", size, "expert bytes the plan reads (alone)", right=True),
-    Col("bound", "bound", num, "bound on ‖θB−θF‖ of the written output", right=True),
+    Col("bound", "bound", num, "bound on ‖θB−θF‖ of the written output (–: not computed; show-plan says why)", True),
 )
 
 

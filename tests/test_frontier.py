@@ -178,3 +178,32 @@ def test_a_summary_from_another_catalog_is_not_taken_for_a_plan_of_this_one(cata
     with pytest.raises(PlanError, match=rf"plan {mine.plan_id} of this catalog is not the plan summarised"):
         other.get_plan(mine)
     assert other.get_plan(theirs) == theirs
+
+
+def test_a_bound_not_computed_for_the_written_output_is_shown_as_none(tmp_path):
+    """Where the planner computes no bound on the written output (here: fp16 blocks whose norms pass
+    fp16's largest value, "could overflow"), `plans`, `show-plan --format json` and the frontier showed
+    the float32 block-wise bound under "bound on ‖θB−θF‖ of the written output", which the written
+    output exceeded (review, 2026-12-03). They show none; the float32 one keeps its own name."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    base = {f"layers.{i}.w": (rng.uniform(-1000, 1000, (128, 128))).astype(np.float16) for i in range(2)}
+    for name, ts in (("base", base), ("e0", {k: np.nextafter(v, np.float16(np.inf)) for k, v in base.items()})):
+        (tmp_path / name).mkdir()
+        save_file(ts, str(tmp_path / name / "model.safetensors"))
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([tmp_path / "base"], base=True)
+    cat.register([tmp_path / "e0"], base_model="base")
+    p = cat.plan(PlanRequest("base", None, "task_arithmetic", "50%", name="half"))
+    assert p.bound_rounded is None and "could overflow" in p.bound_note and p.bound_blockwise is not None
+    for args in (["plans", "-f", "json"], ["show-plan", "half", "-f", "json"]):
+        out = runner.invoke(app, [*args, "-c", str(cat.path)]).output
+        doc = json.loads(out)
+        rec = doc[0] if isinstance(doc, list) else doc
+        assert rec["bound"] is None and rec.get("bound_blockwise", p.bound_blockwise) == p.bound_blockwise, rec
+    from mergedb.frontier import records
+
+    (r,) = records(cat.frontier(PlanRequest("base", None, "task_arithmetic"), ["50%"]))
+    assert r["bound"] is None and r["bound_blockwise"] == p.bound_blockwise

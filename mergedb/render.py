@@ -280,7 +280,7 @@ PLAN_COLS = (
     Col("experts", "K", str, "number of experts", right=True),
     Col("budget_spec", "budget"),
     Col("selected_bytes", "read", size, "expert bytes the plan reads", right=True),
-    Col("coverage", "of full", lambda v: DASH if v is None else f"{100 * v:.3g}%", "share of the full read", True),
+    Col("coverage", "of all", lambda v: DASH if v is None else f"{100 * v:.3g}%", "share of all expert bytes", True),
     Col("bound", "bound", num, "bound on ‖θB−θF‖ of the written output (–: not computed; show-plan says why)", True),
     Col("plan_hash", "hash", lambda v: v[:12]),
 )
@@ -345,7 +345,7 @@ def print_plan(p: PlanSummary, fmt: str = "table") -> None:
         soft_wrap=True,  # one line, as the other lines: a pipe's 80 columns split the hash off it
     )
     line(
-        f"expert bytes: {size(p.selected_bytes)} selected of {size(p.full_bytes)} full read "
+        f"expert bytes: {size(p.selected_bytes)} selected of {size(p.full_bytes)} in all "
         f"({pct(p.selected_bytes, p.full_bytes)}), budget {p.budget_spec} = {size(p.budget_bytes)}"
     )
     line(

@@ -208,7 +208,7 @@ _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 def parse_budget(spec: str, full_bytes: int) -> int:
     """Budget bytes from `500MB`, `2GiB`, `25%`, `all` or `0`."""
     text = str(spec).strip()
-    example = "write a size with a unit (500MB, 2GiB), a percentage of the full read (25%), or all"
+    example = "write a size with a unit (500MB, 2GiB), a percentage of all expert bytes (25%), or all"
     if text.lower() == "all":
         return full_bytes
     m = _PERCENT.match(text)
@@ -224,7 +224,7 @@ def parse_budget(spec: str, full_bytes: int) -> int:
     try:
         return parse_size(text, what="budget")  # at most units.MAX_BYTES; more than the full read means all
     except MergeDBError as e:
-        raise PlanError(f"{e}; or a percentage of the full read (25%), or all") from None
+        raise PlanError(f"{e}; or a percentage of all expert bytes (25%), or all") from None
 
 
 def reads_everything(spec: str) -> bool:

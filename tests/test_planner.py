@@ -670,3 +670,15 @@ def test_a_wait_past_floats_range_waits_as_long_as_it_takes(tmp_path):
     from mergedb.catalog import Catalog
 
     assert Catalog(tmp_path / "c.duckdb", wait=10**400).wait == float("inf")
+
+
+def test_a_percentage_budget_is_of_all_expert_bytes_blocks_equal_to_the_base_included(registered):
+    """What the README says a percentage is of (a review read "of the bytes the full merge reads",
+    which skips blocks equal to the base, and found '50%' allowing 54% of those): every expert byte the
+    catalog counts (expert_costs.total_bytes), free blocks included; `all` reads every non-free one."""
+    cat = registered[0]
+    half = cat.plan(PlanRequest("base", None, "task_arithmetic", "50%"))
+    every = cat.sql("SELECT CAST(sum(total_bytes) AS BIGINT) AS n FROM expert_costs").column("n")[0].as_py()
+    assert half.free_blocks > 0 and half.full_bytes == every and half.budget_bytes == every // 2
+    changed = cat.sql("SELECT CAST(sum(changed_bytes) AS BIGINT) AS n FROM expert_costs").column("n")[0].as_py()
+    assert cat.plan(PlanRequest("base", None, "task_arithmetic", "all")).selected_bytes == changed < every

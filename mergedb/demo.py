@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import synth
+from . import methods, synth
 from .catalog import Catalog
 from .errors import MergeDBError
 from .planner import PlanRequest
@@ -30,6 +30,7 @@ from .tensorfile import DTYPES, as_float32, pread_into, read_header
 
 MARKER = ".mergedb-demo"
 BUDGETS = ("100%", "50%", "10%")
+PARAMS = {"lambda": 0.5}  # the merged delta at half scale: every plan of the demo
 CATALOG = "mergedb.duckdb"
 # What the demo writes into its folder, and so all a rerun may remove.
 OWNED = ("family", CATALOG, f"{CATALOG}.wal", *(f"merged-{b.rstrip('%')}" for b in BUDGETS))
@@ -91,6 +92,9 @@ def demo(
         raise MergeDBError(f"demo() progress is a function or None, got {type(progress).__name__}")
     if not 1 <= experts <= synth.MAX_EXPERTS:  # before anything is written: no experts, nothing to merge
         raise MergeDBError(f"--experts must be from 1 to {synth.MAX_EXPERTS} for a demo, got {experts}")
+    if size not in synth.SIZES:  # before the folder is prepared: a rerun's results are cleared there
+        raise MergeDBError(f"unknown size {size!r}; choose one of {', '.join(synth.SIZES)}")
+    methods.validate(method, PARAMS, [1.0] * experts, experts)  # the plans' request, refused before too
     say = progress or (lambda step: None)
     workdir = Path(workdir)
     prepare_workdir(workdir)
@@ -101,7 +105,7 @@ def demo(
     say("registering the family")
     cat.register([fam], base_model="base")
     say(f"planning at {', '.join(BUDGETS)}")
-    plans = {b: cat.plan(PlanRequest("base", None, method, b, params={"lambda": 0.5})) for b in BUDGETS}
+    plans = {b: cat.plan(PlanRequest("base", None, method, b, params=PARAMS)) for b in BUDGETS}
     times: dict[str, list[float]] = {b: [] for b in BUDGETS}
     physical: dict[str, list[int]] = {b: [] for b in BUDGETS}
     results = {}

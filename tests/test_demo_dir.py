@@ -185,3 +185,19 @@ def test_demo_says_each_step_as_it_starts(tmp_path, monkeypatch):
         assert res.exit_code == 0, res.output
     assert [s for _, s in shown][:2] == ["generating a base and 2 tiny experts", "registering the family"]
     assert len(shown) == 3 + 9 + 1  # the default 3 runs of 3 budgets; none with -q
+
+
+@pytest.mark.parametrize("bad", [{"size": "huge"}, {"method": "no_such_method"}, {"method": "linear"}])
+def test_a_refused_demo_leaves_an_earlier_run_as_it_was(tmp_path, bad):
+    """`demo --size huge` was refused only after the folder was prepared for a new run, which removed
+    the earlier run's family, catalog and merges (review, 2026-12-03); and an unknown method (or one
+    that takes no lambda) after a whole family was generated. Refused first; nothing touched."""
+    d = tmp_path / "demo"
+    run_demo(d, **TINY)
+    before = _snapshot(d)
+    with pytest.raises(MergeDBError, match="unknown size 'huge'|no_such_method|no parameter 'lambda'"):
+        run_demo(d, **{**TINY, **bad})
+    assert _snapshot(d) == before
+    with pytest.raises(MergeDBError):
+        run_demo(tmp_path / "new", **{**TINY, **bad})
+    assert not (tmp_path / "new").exists()

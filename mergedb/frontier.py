@@ -9,7 +9,9 @@ shows what any plan of a request would choose from, also rolled back.
 
 from __future__ import annotations
 
+import errno
 import os
+import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -93,8 +95,8 @@ def records(summaries: list[PlanSummary]) -> list[dict[str, Any]]:
 
 
 def check_plot_path(path: str | os.PathLike[str]) -> Path:
-    """Refuse a picture path `plot` could not write (not .png, its folder missing, a folder itself, no
-    matplotlib), before any plan is made: `frontier --keep` stores its plans first."""
+    """Refuse a picture path `plot` could not write (not .png, its folder missing or not writable, a
+    folder itself, no matplotlib), before any plan is made: `frontier --keep` stores its plans first."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise MergeDBError(f"--out {path}: the frontier picture is a PNG; give a file name ending in .png")
@@ -103,6 +105,16 @@ def check_plot_path(path: str | os.PathLike[str]) -> Path:
             f"--out {path}: {'is a folder' if path.is_dir() else 'its folder does not exist'}; "
             "give a .png file in an existing folder"
         )
+    try:  # a file made and removed beside it: what `plot` will need (a folder's mode says less, as root)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, "the file is read-only")
+    except OSError as e:
+        raise MergeDBError(
+            f"--out {path}: cannot write there ({e.strerror or e}); give a .png file in a folder you can write"
+        ) from None
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -87,7 +88,10 @@ def test_cli_table_json_and_png(catalog, tmp_path):
 
 def test_keep_with_a_bad_picture_path_stores_nothing(catalog, tmp_path):
     before = _n_plans(catalog)
-    for out, words in ((tmp_path / "f.txt", "PNG"), (tmp_path / "no" / "f.png", "its folder does not exist")):
+    cases = [(tmp_path / "f.txt", "PNG"), (tmp_path / "no" / "f.png", "its folder does not exist")]
+    # a folder not even root can write in: the plans were stored, then the picture refused (review, 2026-12-03)
+    cases.append((Path("/proc/frontier.png"), "/proc/frontier.png: cannot write there"))
+    for out, words in cases:
         res = runner.invoke(
             app,
             ["frontier", "--base", "base", "-m", "linear", "--keep", "--name", "kk", "-c", str(catalog.path),

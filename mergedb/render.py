@@ -9,19 +9,15 @@ is imported at module level, so `mergedb --help` stays fast.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
-import math
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
+
+from .formats import write_csv, write_json
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -121,34 +117,6 @@ def middle(text: str, width: int) -> str:
     return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
 
 
-def _plain(v: Any) -> Any:
-    """A value as JSON can carry it: NaN and ±inf as null (JSON has neither), DuckDB's HUGEINT and
-    DECIMAL (Python Decimal) as numbers, bytes as hex, nested lists and structs element by element;
-    anything else (dates, intervals) as its text."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, Decimal):
-        return int(v) if v == v.to_integral_value() else float(v)
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        return bytes(v).hex()
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    return v if v is None or isinstance(v, (str, int, bool)) else str(v)
-
-
-def _write_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(_plain(doc), allow_nan=False) + "\n")
-
-
-def _csv_value(v: Any) -> Any:
-    """A CSV field: nested values as their JSON text (not Python's repr), bytes as hex (no quotes)."""
-    if isinstance(v, (dict, list, tuple, bytes, bytearray, memoryview)):
-        return json.dumps(_plain(v)) if isinstance(v, (dict, list, tuple)) else bytes(v).hex()
-    return v
-
-
 def cell(v: Any) -> str:
     """Any SQL value as a table cell: floats with three significant digits, long lists elided."""
     if isinstance(v, float):
@@ -183,14 +151,10 @@ def print_records(
 ) -> None:
     """Print records (dicts of raw values): csv and json carry the raw values, a table shows them."""
     if fmt == "json":
-        _write_json([{c.key: r.get(c.key) for c in cols} for r in records])
+        write_json([{c.key: r.get(c.key) for c in cols} for r in records])
         return
     if fmt == "csv":
-        buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerows(
-            [[c.key for c in cols], *[[_csv_value(r.get(c.key)) for c in cols] for r in records]]
-        )
-        sys.stdout.write(buf.getvalue())
+        write_csv([[c.key for c in cols], *[[r.get(c.key) for c in cols] for r in records]])
         return
     rows = [[c.show(r.get(c.key)) for c in cols] for r in records]
     legend = [f"{c.header}: {c.legend}" for c in cols if c.legend]
@@ -208,11 +172,9 @@ def print_table(table: pa.Table, fmt: str = "table", title: str | None = None) -
     names, rows = table.column_names, table_rows(table)
     if fmt == "json":
         keys = distinct_names(names)
-        _write_json([dict(zip(keys, r)) for r in rows])
+        write_json([dict(zip(keys, r)) for r in rows])
     elif fmt == "csv":
-        buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerows([names, *([_csv_value(v) for v in r] for r in rows)])
-        sys.stdout.write(buf.getvalue())
+        write_csv([names, *rows])
     else:
         _print_grid(names, [[cell(v) for v in r] for r in rows], title, [False] * len(names), [False] * len(names))
 
@@ -332,7 +294,7 @@ def print_plan(p: PlanSummary, fmt: str = "table") -> None:
         doc |= {"bound_rounded": p.bound_rounded, "base_bytes": p.base_bytes, "experts": experts}
         keys = ("seed", "strategy", "value_model", "min_coverage", "n_candidates", "n_selected", "free_blocks")
         doc |= {k: getattr(p, k) for k in (*keys, "bound_note", "est_kind", "planning_seconds")}  # all the table says
-        _write_json(doc)
+        write_json(doc)
         return
     if fmt == "csv":
         print_records(EXPERT_COLS, experts, "csv")
@@ -415,7 +377,7 @@ def print_demo(res: Any, fmt: str, workdir: str) -> None:
     records = [asdict(r) for r in res.rows]
     if fmt == "json":
         doc = {k: v for k, v in asdict(res).items() if k != "rows"}
-        _write_json({**doc, "rows": records})
+        write_json({**doc, "rows": records})
         return
     title = f"{res.method}, {res.experts} expert{'s' * (res.experts != 1)} ({res.size} family in {workdir})"
     footer = f"demo took {res.seconds:.0f}s; the outputs are in {workdir}/merged-*"

@@ -55,6 +55,17 @@ def test_json_is_json_and_numbers_are_numbers(world):
     assert rows == [["l", "s"], ["[1, 2]", '{"k": "\\u00fc"}']]  # JSON text, not Python's repr
 
 
+def test_csv_quotes_a_carriage_return_so_rows_read_back_whole(world):
+    """A field holding a bare \r (a checkpoint path may) was written unquoted, so csv.reader and
+    DuckDB's read_csv split its row (review, 2026-12-03). Lines still end in \n."""
+    root, cat, _ = world
+    text = run(
+        "sql", "SELECT 'a' || chr(13) || 'b' AS v, 'c' || chr(10) || 'd' AS w, 1 AS n", "-c", cat.path, "-f", "csv"
+    )
+    assert list(csv.reader(io.StringIO(text, newline=""))) == [["v", "w", "n"], ["a\rb", "c\nd", "1"]]
+    assert text.endswith('"c\nd",1\n') and "\r\n" not in text
+
+
 def test_bits_blobs_and_intervals_print_as_what_they_say(world):
     """A plan's mask bits (BIT) came out as the hex of DuckDB's encoding (a 32-block tensor's as
     '00a19104af', which reads like another bit string), a BLOB in CSV inside literal quotes, an INTERVAL

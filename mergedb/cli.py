@@ -654,9 +654,11 @@ def sweep(
     grid: list[str] = typer.Option(
         [], "--grid", help="NAME=V1,V2,...: values of density, lambda, gamma, epsilon, normalize, budget or seed."
     ),
-    budget: str = typer.Option("all", "--budget", "-b", help="Expert bytes each plan may read: 500MB, 25%, all."),
+    budget: str | None = typer.Option(
+        None, "--budget", "-b", help="Expert bytes each plan may read: 500MB, 25%, all. [default: all]"
+    ),
     weights: str | None = typer.Option(None, "--weights", help="Comma-separated weights, one per expert."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random drops (DARE, DELLA)."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the random drops (DARE, DELLA). [default: 0]"),
     name: str | None = typer.Option(
         None, "--name", help="Prefix of the plans' names [default: METHOD-sweepN; with --configs none]."
     ),
@@ -692,7 +694,7 @@ def sweep(
             raise MergeDBError(f"{clash[0]} cannot be combined with --configs: each config sets it; change it there")
         from .mkplan import config_requests
 
-        pairs = config_requests(cat, config_files or [], budget, name, seed=seed)
+        pairs = config_requests(cat, config_files or [], budget or "all", name, seed=seed or 0)
         requests = [r for r, _ in pairs]
         dtypes = [dtype or d for _, d in pairs]  # --dtype overrides every config's
     else:
@@ -701,8 +703,15 @@ def sweep(
         if base is None or method is None:
             raise MergeDBError("give --base and --method (or mergekit configs: --configs a.yml b.yml)")
         names, w = _experts_and_weights(experts, all_experts, weights)
-        template = PlanRequest(base, names, method, budget, w, seed=seed)
-        requests = grids.grid_requests(template, grids.parse_grid(grid), name or grids.default_prefix(cat, method))
+        axes = grids.parse_grid(grid)
+        for key, given_value in (("budget", budget), ("seed", seed)):  # one of them would be dropped, silently
+            if key in axes and given_value is not None:
+                raise MergeDBError(
+                    f"--{key} {given_value} and --grid {key}=… both set each plan's {key}; give its values in the "
+                    f"grid only (with {given_value}: --grid {key}={','.join(map(str, [given_value, *axes[key]][:3]))})"
+                )
+        template = PlanRequest(base, names, method, budget or "all", w, seed=seed or 0)
+        requests = grids.grid_requests(template, axes, name or grids.default_prefix(cat, method))
     for attempt in range(5):
         try:
             with _held_progress(quiet, "sweep") as (advance, on_total):

@@ -326,6 +326,26 @@ def test_cli_sweep_and_score(fam, tmp_path):
     assert cat.sql("SELECT count(*) AS n FROM scores").to_pylist() == n
     r = runner.invoke(app, ["sweep", "--base", "base", "--all", "-m", "ties", "--grid", "density", "--out", "z", *c])
     assert r.exit_code == 1 and "NAME=V1,V2" in r.output
+    # --budget or --seed beside a grid of that key was dropped, silently (review, 2026-12-03): refused
+    plans_before = cat.sql("SELECT count(*) AS n FROM plans").to_pylist()
+    for opt, axis in (["--budget", "30%"], "budget=10%,20%"), (["--seed", "7"], "seed=1,2"):
+        sweep = [
+            "sweep",
+            "--base",
+            "base",
+            "--all",
+            "-m",
+            "dare_ties",
+            "--grid",
+            axis,
+            *opt,
+            "--out",
+            str(tmp_path / "z"),
+        ]
+        sweep += c
+        r = runner.invoke(app, sweep)
+        assert r.exit_code == 1 and f"{' '.join(opt)} and --grid {axis[:4]}" in r.output, r.output
+    assert cat.sql("SELECT count(*) AS n FROM plans").to_pylist() == plans_before and not (tmp_path / "z").exists()
 
 
 def test_a_default_prefix_taken_meanwhile_moves_to_the_next(fam, tmp_path, monkeypatch):

@@ -291,6 +291,10 @@ def discover(paths: list[str | os.PathLike[str]]) -> list[Path | RemotePath]:
                     f"{p}: holds no checkpoint ({SINGLE}, {INDEX} or .safetensors files in it or its subfolders)"
                 )
             found.extend(subs)
+        elif p.is_file() and p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf"):
+            raise FormatError(f"{p}: weights mergedb does not read (pickled or GGUF): save them as safetensors")
+        elif p.exists():  # a config.json named by mistake: it is there, just not a checkpoint
+            raise FormatError(f"{p}: not a checkpoint; give a .safetensors file or a model folder")
         else:
             raise FormatError(f"{p}: no such file or folder")
     return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -203,6 +204,25 @@ def test_a_sharded_model_named_itself_without_its_index_is_refused(tmp_path, ind
         cat.register([str(base) if where == "local" else f"file://{base}"], base=True)
     assert "base" in str(e.value)
     assert not (tmp_path / "c.duckdb").exists()  # a refused first registration leaves no catalog
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("config.json", "not a checkpoint; give a .safetensors file or a model folder"),
+        ("pytorch_model.bin", "weights mergedb does not read (pickled or GGUF): save them as safetensors"),
+        ("missing.safetensors", "no such file or folder"),
+    ],
+)
+def test_a_path_that_is_no_checkpoint_is_named_for_what_it_is(tmp_path, name, words):
+    """`register fam/base/config.json` (a file that is there) said "no such file or folder" (review,
+    2026-12-03)."""
+    if name != "missing.safetensors":
+        (tmp_path / name).write_bytes(b"{}")
+    cat = Catalog(tmp_path / "c.duckdb")
+    with pytest.raises(MergeDBError, match=f"{name}: {re.escape(words)}"):
+        cat.register([tmp_path / name], base=True)
+    assert not (tmp_path / "c.duckdb").exists()
 
 
 def test_a_folder_that_cannot_be_listed_is_refused(tmp_path, monkeypatch):

@@ -318,7 +318,7 @@ def print_plan(p: PlanSummary, fmt: str = "table") -> None:
         estimate = (
             f"sketch estimate {num(p.est_error)}"
             if p.est_error is not None
-            else "sketch estimate skipped (too many omitted blocks; --estimate computes it)"
+            else "sketch estimate not computed (--no-estimate, or skipped for a large plan; --estimate computes it)"
         )
         why = p.bound_note or "the plan predates it"
         written = f"≤ {num(p.bound_rounded)}" if p.bound_rounded is not None else f"not computed ({why})"

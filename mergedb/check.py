@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,10 +63,16 @@ _KEYS = [
 ]
 
 
-def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
+def check_catalog(
+    cat: Catalog,
+    deep: bool = False,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> list[Problem]:
     """Verify the catalog against itself and the files: orphaned or missing rows, missing or
     changed files, and with `deep` every block's bytes against its registered hash and every plan's
-    rows against its hash."""
+    rows against its hash. With `deep`, `on_total(n)` is told the registered bytes to re-read first,
+    then `progress(k)` each block's bytes as they are hashed (a read as long as registering them)."""
     problems: list[Problem] = []
     with cat.duckdb_connection() as con:
         for table, cond in _ORPHANS:
@@ -120,6 +127,8 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
                         "WHERE eb.checkpoint_id = ?",
                         [base_id, cid],
                     ).fetchall()
+    if deep and on_total is not None:
+        on_total(sum(r[3] for rows in hashes.values() for r in rows))
     for cid, name, path, fp, role, _ in ckpts:
         if is_adapter(path):  # a LoRA adapter: its files against the fingerprint (no block rehash yet)
             try:
@@ -158,11 +167,13 @@ def check_catalog(cat: Catalog, deep: bool = False) -> list[Problem]:
             )
             continue
         if deep:
-            problems += _rehash(ckpt, hashes[cid], base=role == "base")
+            problems += _rehash(ckpt, hashes[cid], role == "base", progress)
     return problems
 
 
-def _rehash(ckpt: Checkpoint, rows: list[tuple], base: bool = False) -> list[Problem]:
+def _rehash(
+    ckpt: Checkpoint, rows: list[tuple], base: bool = False, progress: Callable[[int], None] | None = None
+) -> list[Problem]:
     where = {t.name: (fi, t) for fi, t in ckpt.tensors}
     out = []
     group = Sources()
@@ -172,6 +183,8 @@ def _rehash(ckpt: Checkpoint, rows: list[tuple], base: bool = False) -> list[Pro
             fi, t = where[tensor]
             buf = np.empty(nbytes, np.uint8)
             srcs[fi].read_into(memoryview(buf), t.start + start)
+            if progress is not None:
+                progress(nbytes)
             if xxhash.xxh3_128_hexdigest(buf) != want:
                 out.append(
                     Problem(

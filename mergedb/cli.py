@@ -618,6 +618,7 @@ def frontier(
 def check(
     output: list[Path] = typer.Option([], "--output", help="Also verify a merged output against its manifest."),
     deep: bool = typer.Option(False, "--deep", help="Re-hash every registered block (reads all files)."),
+    quiet: bool = QuietOpt,
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,
 ) -> None:
@@ -629,7 +630,11 @@ def check(
 
     cat = _catalog(catalog, wait)
     alone = bool(output) and catalog is None and not cat.path.exists()  # an output checked on its own machine
-    problems = [] if alone else [f"{p.where}: {p.what} (fix: {p.fix})" for p in check_catalog(cat, deep)]
+    found = []
+    if not alone:
+        with render.progress(quiet or not deep, "check") as (advance, set_total):  # --deep reads every file
+            found = check_catalog(cat, deep, advance, set_total)
+    problems = [f"{p.where}: {p.what} (fix: {p.fix})" for p in found]
     for o in output:
         problems += check_output(o)
     for p in problems:

@@ -856,3 +856,22 @@ def test_plans_made_before_schema_004_execute_with_their_hash(registered):
     con.close()
     with pytest.raises(MergeDBError, match="no longer give its hash"):
         cat.execute(plan.plan_id, tmp / "out2")
+
+
+def test_check_deep_reports_its_progress_in_bytes(tmp_path):
+    """`check --deep` re-reads every registered byte, as long as registering them, and said nothing
+    until the end (review, 2026-12-03). It reports the bytes to read, then each block's."""
+    from mergedb import synth
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=5)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    totals, ticks = [], []
+    assert check_catalog(cat, deep=True, progress=ticks.append, on_total=totals.append) == []
+    base_bytes = cat.sql("SELECT CAST(sum(nbytes) AS BIGINT) AS n FROM blocks").column("n")[0].as_py()
+    expert_bytes = cat.sql(
+        "SELECT CAST(sum(bl.nbytes) AS BIGINT) AS n FROM expert_blocks eb JOIN checkpoints c USING (checkpoint_id) "
+        "JOIN blocks bl ON bl.base_id = c.base_id AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx"
+    ).column("n")[0].as_py()
+    assert totals == [base_bytes + expert_bytes] and sum(ticks) == totals[0] and len(ticks) > 2
+    assert check_catalog(cat, progress=ticks.append, on_total=totals.append) == [] and len(totals) == 1

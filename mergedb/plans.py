@@ -121,8 +121,11 @@ def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str | PlanSummary) 
         rows = con.execute("SELECT plan_id FROM plans WHERE starts_with(plan_hash, ?)", [text.lower()]).fetchall()
         if len(rows) == 1:
             return int(rows[0][0])
-    what = "no plan" if not rows else "several plans"
-    raise PlanError(f"{what} matching {text!r}; `mergedb plans` lists them")
+    if rows:  # the same request planned twice has one hash: its prefix can never pick one of them
+        ids = sorted(int(r[0]) for r in rows)
+        shown = ", ".join(map(str, ids[:5])) + (" …" if len(ids) > 5 else "")
+        raise PlanError(f"several plans match {text!r} (ids {shown}); give one by its id, e.g. {ids[0]}")
+    raise PlanError(f"no plan matching {text!r}; `mergedb plans` lists them")
 
 
 def load_plan(con: duckdb.DuckDBPyConnection, plan_id: int) -> PlanSummary:

@@ -492,6 +492,14 @@ def test_resolve_plan_order_id_then_name_then_hash(world, tmp_path):
     assert mine.get_plan(second.plan_hash[:10]).plan_id == second.plan_id
     with pytest.raises(PlanError, match="no plan matching"):
         mine.get_plan("fffffffffffffffffff")
+    # the same request planned twice shares its hash: the prefix names both, and the message their ids
+    # (it said "several plans matching …; `mergedb plans` lists them", whose hash column cannot tell them apart)
+    again = mine.plan(PlanRequest("base", None, "task_arithmetic", "30%"))
+    assert again.plan_hash == second.plan_hash
+    with pytest.raises(
+        PlanError, match=rf"several plans match .* \(ids {second.plan_id}, {again.plan_id}\); give one by"
+    ):
+        mine.get_plan(second.plan_hash[:10])
 
 
 def test_results_too_large_for_memory_say_what_to_do():

@@ -36,7 +36,7 @@ from .resources import migrations
 from .units import BlockSizes, shown
 
 if TYPE_CHECKING:
-    from . import planner, register
+    from . import forget, planner, register
     from .executor import ExecuteResult, WriteShards
     from .manifest import ExecutionPlan
 
@@ -486,6 +486,13 @@ class Catalog:
         from . import frontier
 
         return frontier.make_plans(self, request, frontier.BUDGETS if budgets is None else budgets, keep=keep)
+
+    def forget(self, names: Sequence[str], with_plans: bool = False) -> forget.Forgotten:
+        """Remove checkpoints from the catalog (a base with all its experts); plans that merge them
+        are refused unless `with_plans`, which removes them too. Reads no weights; see forget.py."""
+        from . import forget
+
+        return forget.forget(self, names, with_plans)
 
     def plans(self) -> list[plans.PlanSummary]:
         """Every stored plan, oldest first."""

@@ -755,6 +755,22 @@ def score(
     render.line(f"score {score_id}: {metric} = {value!r} for plan {plan_ref}")
 
 
+@app.command()
+def forget(
+    names: list[str] = typer.Argument(..., metavar="NAME...", help="Registered checkpoints to remove."),
+    with_plans: bool = typer.Option(False, "--with-plans", help="Also remove the stored plans that merge them."),
+    catalog: Path | None = CatalogOpt,
+    wait: float = WaitOpt,
+) -> None:
+    """Remove checkpoints from the catalog (an expert deleted from disk); a base only with all its experts.
+
+    Example: mergedb forget expert_03 --with-plans
+    """
+    res = _catalog(catalog, wait).forget(names, with_plans)
+    plans_gone = f" and {len(res.plans)} plan{'s' * (len(res.plans) != 1)} ({', '.join(map(str, res.plans))})"
+    render.line(f"forgot {', '.join(res.checkpoints)}{plans_gone if res.plans else ''}; no file was touched")
+
+
 _PROCESS = False  # running as the `mergedb` command (main), not inside another program
 _TERMINATED = 0  # the signal _terminated received, if any
 

@@ -869,9 +869,13 @@ def test_check_deep_reports_its_progress_in_bytes(tmp_path):
     totals, ticks = [], []
     assert check_catalog(cat, deep=True, progress=ticks.append, on_total=totals.append) == []
     base_bytes = cat.sql("SELECT CAST(sum(nbytes) AS BIGINT) AS n FROM blocks").column("n")[0].as_py()
-    expert_bytes = cat.sql(
-        "SELECT CAST(sum(bl.nbytes) AS BIGINT) AS n FROM expert_blocks eb JOIN checkpoints c USING (checkpoint_id) "
-        "JOIN blocks bl ON bl.base_id = c.base_id AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx"
-    ).column("n")[0].as_py()
+    expert_bytes = (
+        cat.sql(
+            "SELECT CAST(sum(bl.nbytes) AS BIGINT) AS n FROM expert_blocks eb JOIN checkpoints c USING (checkpoint_id) "
+            "JOIN blocks bl ON bl.base_id = c.base_id AND bl.tensor_idx = eb.tensor_idx AND bl.block_idx = eb.block_idx"
+        )
+        .column("n")[0]
+        .as_py()
+    )
     assert totals == [base_bytes + expert_bytes] and sum(ticks) == totals[0] and len(ticks) > 2
     assert check_catalog(cat, progress=ticks.append, on_total=totals.append) == [] and len(totals) == 1

@@ -1,0 +1,83 @@
+"""`mergedb forget`: an expert deleted from the disk leaves the catalog without a trace, its plans
+only when asked; a refused call changes nothing (review, 2026-12-03: there was no way out but a
+new catalog, every `plan --all` kept the gone expert and `check` reported it for good)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from mergedb import synth
+from mergedb.catalog import Catalog
+from mergedb.check import check_catalog
+from mergedb.cli import app
+from mergedb.errors import CatalogError, MergeDBError
+from mergedb.planner import PlanRequest
+from tests.test_bad_input import snapshot
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def world(tmp_path):
+    fam = synth.make_family(tmp_path / "fam", experts=3, size="tiny", seed=12)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    every = cat.plan(PlanRequest("base", None, "ties", "50%", name="every"))
+    two = cat.plan(PlanRequest("base", ("expert_00", "expert_01"), "task_arithmetic", name="two"))
+    cat.execute(every.plan_id, tmp_path / "out-every")
+    cat.record_score("every", "loss", 1.5)
+    return fam, cat, every, two
+
+
+def _n(cat: Catalog, table: str) -> int:
+    return cat.sql(f"SELECT count(*) AS n FROM {table}").column("n")[0].as_py()
+
+
+def test_an_expert_deleted_from_disk_is_forgotten_with_its_plans(world, tmp_path):
+    fam, cat, every, two = world
+    shutil.rmtree(fam / "expert_02")
+    assert any(p.where == "checkpoint expert_02" for p in check_catalog(cat))
+    before = snapshot(cat)
+    with pytest.raises(CatalogError, match=r"1 stored plan \(1\) merges it .* pass --with-plans"):
+        cat.forget(["expert_02"])
+    assert snapshot(cat) == before
+    res = cat.forget(["expert_02"], with_plans=True)
+    assert (res.checkpoints, res.plans) == (("expert_02",), (every.plan_id,))
+    assert check_catalog(cat, deep=True) == []  # no orphaned row, nothing missing
+    assert [c.name for c in cat.checkpoints()] == ["base", "expert_00", "expert_01"]
+    assert [p.plan_id for p in cat.plans()] == [two.plan_id] and _n(cat, "runs") == 0 and _n(cat, "scores") == 0
+    again = cat.plan(PlanRequest("base", None, "ties", "50%"))  # --all no longer names the gone expert
+    assert [e.name for e in again.experts] == ["expert_00", "expert_01"]
+    cat.execute(two.plan_id, tmp_path / "out-two")  # a plan without it is untouched
+    assert (fam / "expert_00" / "model.safetensors").exists()  # no file touched
+
+
+def test_a_base_goes_only_with_all_its_experts(world):
+    fam, cat, _, _ = world
+    before = snapshot(cat)
+    with pytest.raises(CatalogError, match=r"base 'base' has experts not named here \(expert_02\)"):
+        cat.forget(["base", "expert_00", "expert_01"], with_plans=True)
+    for bad, words in (
+        (["nope"], "no checkpoint named 'nope'"),
+        ("expert_00", "a list of checkpoint names"),
+        ([], "a list of checkpoint names"),
+    ):
+        with pytest.raises(MergeDBError, match=words):
+            cat.forget(bad)
+    assert snapshot(cat) == before
+    res = cat.forget(["expert_02", "base", "expert_00", "expert_01", "base"], with_plans=True)
+    assert res.checkpoints == ("expert_02", "base", "expert_00", "expert_01") and len(res.plans) == 2
+    assert cat.checkpoints() == [] and check_catalog(cat) == []
+    assert all(_n(cat, t) == 0 for t in ("blocks", "family_tensors", "expert_blocks", "files", "plan_mask_bits"))
+    assert cat.register([fam], base_model="base").registered == ("base", "expert_00", "expert_01", "expert_02")
+
+
+def test_cli_forget(world):
+    _, cat, every, _ = world
+    r = runner.invoke(app, ["forget", "expert_02", "-c", str(cat.path)])
+    assert r.exit_code == 1 and "--with-plans" in r.output, r.output
+    r = runner.invoke(app, ["forget", "expert_02", "--with-plans", "-c", str(cat.path)])
+    assert r.exit_code == 0 and f"forgot expert_02 and 1 plan ({every.plan_id}); no file was touched" in r.output

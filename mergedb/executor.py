@@ -170,8 +170,14 @@ def execute(
     `read_block` serves expert blocks instead of reading them (merger.ReadBlock; a sweep's shared reads),
     `fold_block` their folded sums (merger.FoldBlock; a sweep's shared folds).
     `write_shards` writes the shards elsewhere than in this process (rayexec.py; see WriteShards):
-    `threads`, `unit_order_seed`, `read_block` and `fold_block` are then its business, not this function's."""
+    `threads`, `unit_order_seed`, `read_block` and `fold_block` are then its business, not this function's;
+    `verify=True` then needs a writer that verifies (rayexec.shard_writer(verify=True)), else is refused."""
     _check_plan(xp, "execute")
+    if verify and write_shards is not None and not getattr(write_shards, "verifies", False):
+        raise MergeDBError(  # silently unverified before: the shards' writer reads the experts, not this call
+            "verify=True with write_shards: the shards' writer reads the experts, so it must verify them "
+            "(rayexec.shard_writer(..., verify=True)); nothing was read or written"
+        )
     outdir.check_out_arg(out, "executor.execute()")
     if threads is not None:
         check_threads(threads)

@@ -217,6 +217,7 @@ def shard_writer(
             None if all(d.remote_fetched is None for d in done) else sum(d.remote_fetched or 0 for d in done),
         )
 
+    write.verifies = verify  # type: ignore[attr-defined]  # executor.execute(verify=True) asks for it
     return write
 
 

@@ -297,3 +297,28 @@ def test_ray_over_http_records_the_bytes_fetched(tmp_path):
     served = sum(e.body for e in server.log if e.path == "base/model.safetensors" and e.start >= start)
     tasks = len(_shards(tmp_path / "ray"))
     assert tasks > 2 and served <= base.stat().st_size - start + tasks * RemoteOptions().gap_bytes
+
+
+def test_verify_reaches_the_shards_writer_or_is_refused(tmp_path):
+    """verify=True beside a Ray shard writer built without it was ignored: an expert changed in place
+    (size and time kept) was merged, installed and recorded ok (review, 2026-12-03). A writer that
+    does not verify is refused before anything is read; one that does finds the change."""
+    folder = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=4)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([folder], base_model="base", block_size="64KiB")
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic", "all"))
+    f = folder / "expert_01" / "model.safetensors"
+    st = f.stat()
+    data = bytearray(f.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    lo, hi = json.loads(data[8 : 8 + n])["lm_head.weight"]["data_offsets"]
+    data[8 + n + (lo + hi) // 2] ^= 0x40  # a byte inside a changed tensor: same size, the time put back below
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    out = tmp_path / "out"
+    with pytest.raises(MergeDBError, match=r"verify=True with write_shards: .*shard_writer\(\.\.\., verify=True\)"):
+        cat.execute(plan.plan_id, out, verify=True, write_shards=rayexec.shard_writer())
+    assert not out.exists() and _leftovers(out) == []
+    with pytest.raises(MergeDBError, match="does not match its registered hash"):
+        cat.execute(plan.plan_id, out, verify=True, write_shards=rayexec.shard_writer(verify=True))
+    assert not out.exists() and _leftovers(out) == []

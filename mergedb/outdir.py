@@ -72,10 +72,19 @@ def _shown(p: Path | str) -> str:
     return os.fsencode(p).decode("utf-8", "backslashreplace")
 
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/")  # scheme:// (its // made one / by Path)
+
+
 def resolve_out(out: Path) -> Path:
     """`out` as an absolute path with its parents' links resolved, after refusing what mergedb
     cannot safely write or replace: a symlink (a swap would move files out of its target), the
-    current folder or one holding it (it cannot be replaced while in use), a name not in UTF-8."""
+    current folder or one holding it (it cannot be replaced while in use), a name not in UTF-8, a URL."""
+    if _URL.match(os.fspath(out)):  # s3://b/x as a Path is s3:/b/x: a folder "s3:" here, not the bucket
+        raise MergeDBError(
+            f"{_FLAG.get()} {out}: outputs are written to a folder on this machine or a shared file system, not "
+            "to a URL; write it to a folder and upload that (e.g. aws s3 cp --recursive), or, for a folder of this "
+            f"name here, give its absolute path ({Path.cwd() / out})"
+        )
     try:
         os.fspath(out).encode("utf-8")
     except UnicodeEncodeError:

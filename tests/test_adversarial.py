@@ -535,6 +535,27 @@ def test_symlink_and_current_folder_out_refused(setup, tmp_path, monkeypatch):
     assert _snapshot(tmp_path) == before
 
 
+def test_an_out_that_is_a_url_is_refused_not_written_as_a_local_folder(setup, tmp_path, monkeypatch):
+    """`--out s3://models/merged` exited 0 having written a local folder ./s3:/models/merged (a Path
+    makes its // one /), and replay did the same (review, 2026-12-03). Refused for execute, replay and
+    sweep; the absolute path of such a folder still works."""
+    fam, db, plan = setup
+    monkeypatch.chdir(tmp_path)
+    done = tmp_path / "done"
+    assert _cli("execute", plan["all"], "--out", done, "-c", db, "-q")[0] == 0
+    n_plans = Catalog(db).sql("SELECT count(*) FROM plans").column(0).to_pylist()
+    for args in (
+        ("execute", plan["all"], "--out", "s3://models/merged", "-c", db),
+        ("replay", done / "mergedb_manifest.json", "--out", "file://x/again"),
+        ("sweep", "--base", "base", "--all", "-m", "ties", "--grid", "density=0.5", "--out", "gs://b/sw", "-c", db),
+    ):
+        code, text = _cli(*args)
+        assert code == 1 and "are written to a folder on this machine or a shared file system, not to a URL" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.duckdb", "done", "fam"])
+    assert Catalog(db).sql("SELECT count(*) FROM plans").column(0).to_pylist() == n_plans
+    assert _cli("execute", plan["all"], "--out", tmp_path / "s3:" / "m", "-c", db, "-q")[0] == 0
+
+
 @pytest.mark.parametrize("force", [False, True])
 def test_a_folder_filled_while_the_merge_runs_is_left_as_it_is(setup, tmp_path, force):
     """--out was empty when the merge started, and another program wrote into it meanwhile: the

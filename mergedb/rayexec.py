@@ -76,6 +76,12 @@ def session(address: str | None) -> Iterator[Any]:
             f"cannot connect to Ray at {address!r} ({e}); pass --ray local to start one on this machine, "
             "--ray auto to join this machine's cluster, or the head's address (e.g. ray://head:10001)"
         ) from None
+    except OSError as e:  # its session folder: not the output's fault, which an OSError would be taken for
+        where = os.environ.get("RAY_TMPDIR") or "/tmp/ray"
+        raise MergeDBError(
+            f"Ray could not start ({e.strerror or e}: {e.filename or where}); its session folder ({where}) may "
+            "belong to another user or not be a folder: set RAY_TMPDIR to a folder of yours and retry"
+        ) from None
     try:
         yield ray
     finally:
@@ -94,12 +100,30 @@ def _check_reachable(address: str | None) -> None:
             "head:6379) or ray://HOST:PORT (Ray Client, e.g. ray://head:10001)"
         )
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            greeting = _greeting(conn)
     except OSError as e:
         raise MergeDBError(
             f"cannot reach the Ray head at {address} ({e.strerror or e}); check the address and that the "
             "cluster is up (`ray status` on the head), or pass --ray local to start one on this machine"
         ) from None
+    tls = os.environ.get("RAY_USE_TLS", "").lower() in ("1", "true")  # a TLS server waits for the client
+    if not tls and not (len(greeting) >= 9 and greeting[3] == 4):  # no HTTP/2 SETTINGS frame: not gRPC
+        raise MergeDBError(
+            f"{address} answers, but not as a Ray head (Ray's GCS and Ray Client speak gRPC, which greets at "
+            "once; ray.init would wait on it forever): pass the head's GCS address (head:6379) or Ray Client's "
+            "(ray://head:10001), not the dashboard's (8265)"
+        )
+
+
+def _greeting(conn: socket.socket, seconds: float = 3.0) -> bytes:
+    """The first bytes a server sends unasked (b"" if none within `seconds`): a gRPC server sends an
+    HTTP/2 SETTINGS frame (9-byte header, type 4) as soon as a connection is accepted."""
+    conn.settimeout(seconds)
+    try:
+        return conn.recv(64)
+    except TimeoutError:
+        return b""
 
 
 # -- execution ---------------------------------------------------------------------------------
@@ -178,7 +202,8 @@ def shard_writer(
     """An executor.WriteShards that runs one Ray task per shard, each asking Ray for `threads`
     CPUs and merging on that many threads; for executor.execute(write_shards=...)."""
     check_threads(threads)
-    _ray()  # without Ray, fail before anything is read or written
+    if not _ray().is_initialized():  # without Ray, or with no head at `address`: fail before anything is
+        _check_reachable(address)  # read or written, and before execute takes the output's lock
 
     def write(
         xp: ExecutionPlan,

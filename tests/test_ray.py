@@ -242,6 +242,39 @@ def test_unreachable_or_malformed_address_is_refused_quickly(monkeypatch):
             pass
 
 
+def test_an_address_that_answers_but_is_no_ray_head_is_refused_quickly(monkeypatch, tmp_path):
+    """--ray host:8265 (the dashboard) or any server that is not Ray's: the TCP check passed and
+    ray.init waited forever, holding the output's lock (review, 2026-12-03). gRPC greets at once with
+    an HTTP/2 SETTINGS frame; a server that does not is refused, before execute takes the lock."""
+    import http.server
+    import threading
+    import time
+
+    gcs = ray.get_runtime_context().gcs_address
+    rayexec._check_reachable(gcs)  # the real head passes
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(MergeDBError, match=f"{address} answers, but not as a Ray head .* not the dashboard"):
+            rayexec.shard_writer(address)
+        with pytest.raises(MergeDBError, match="not as a Ray head"), rayexec.session(f"ray://{address}"):
+            pass
+    finally:
+        server.shutdown()
+    assert time.monotonic() - t0 < 20
+
+    def no_session_folder(**kw):
+        raise PermissionError(13, "Permission denied", "/tmp/ray-of-another-user/ray")
+
+    monkeypatch.setattr(ray, "init", no_session_folder)  # Ray's session folder is another user's
+    with pytest.raises(MergeDBError, match="Ray could not start .*set RAY_TMPDIR to a folder of yours"):
+        with rayexec.session("local"):
+            pass
+
+
 def test_mergedb_works_without_ray_and_says_how_to_get_it(tmp_path):
     """In a process where `import ray` fails: mergedb imports and runs, --ray names the extra."""
     code = (

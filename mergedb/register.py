@@ -214,7 +214,7 @@ def register(
     moved_bases = [c for c in moved if any(c is b for b in bases)]  # a move is checked as a new path is
     moved_experts = [c for c in moved if all(c is not b for b in bases)]
     base_id = existing.get(base_ckpt_name or "", (0, None))[1]
-    suspects = _refuse_copies(todo_bases + moved_bases, todo_experts + moved_experts, existing, base_id)
+    _refuse_copies(todo_bases + moved_bases, todo_experts + moved_experts, existing, base_id)
     if asked:  # a layout asked for must be the one the bases involved get or already have
         involved = [c.name for c in bases] + ([base_ckpt_name] if experts and base_ckpt_name else [])
         owned = {c.name for c in todo_bases}
@@ -282,8 +282,8 @@ def register(
                 st.blocks, st.tensors = [], []
         stage.finish()  # before the catalog is opened: a full disk is refused with nothing written
         _refuse_changed_while_read([*todo_bases, *(e for e, _ in results)])
-        scanned = [(b, scan.content_hash(families[b.name][2])) for b in todo_bases if b.name in suspects]
-        _refuse_confirmed_copies(suspects, scanned + [(e, st.content_hash) for e, st in results if e.name in suspects])
+        scanned = [("base", b, scan.content_hash(families[b.name][2])) for b in todo_bases]
+        _refuse_same_weights(scanned + [("expert", e, st.content_hash) for e, st in results], existing, base_id)
 
         # Phase 2: one transaction. Another process may have registered some of these meanwhile:
         # identical ones are skipped, conflicting ones refused (nothing is written then).
@@ -488,22 +488,15 @@ _NEW_BASE = (
 )
 
 
-def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> dict[str, tuple]:
+def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> None:
     """Refuse files registered (or being registered) under another name in the same role, for the
-    same base: a model named twice would count twice in every plan over all experts. Returned: the
-    checkpoints whose files elsewhere match a registered one's sizes, times and headers (a copy, cp -a),
-    by name -> that one's row, refused by `_refuse_confirmed_copies` once their bytes hash the same
-    (distinct experts unpacked from one archive match too: equal sizes, headers and whole-second times)."""
-    suspects = {}
+    same base: a model named twice would count twice in every plan over all experts. Copies
+    elsewhere are refused once read (`_refuse_same_weights`)."""
     mine = [r for r in existing.values() if r[2] == "base" or r[3] == base_id]
     seen = {(r[2], _where(r[9]), r[4]): r[0] for r in mine}
     at = {(r[2], _where(r[6])): r[0] for r in mine}
-    by_files = {(r[2], r[4]): r for r in mine}  # the same fingerprint (sizes, times, headers) elsewhere: a copy
     for role, todo in (("base", bases), ("expert", experts)):
         for c in todo:
-            r = by_files.get((role, c.fingerprint))
-            if r is not None and r[0] != c.name and _where(r[9]) != _where(c.root.resolve()) and not _moved(r[6], c):
-                suspects[c.name] = r
             other = seen.setdefault((role, _where(c.root.resolve()), c.fingerprint), c.name)
             if other != c.name:
                 raise CatalogError(
@@ -518,18 +511,24 @@ def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_
                     f"{c.path} is registered as {role} {other!r} and its files changed since; re-scan it "
                     f"under that name (mergedb register {c.path} --refresh --name {other}), not under a new one"
                 )
-    return suspects
 
 
-def _refuse_confirmed_copies(suspects: dict[str, tuple], scanned: list[tuple[Any, str]]) -> None:
-    """Refuse each scanned (checkpoint, content hash) that is a copy of the registered checkpoint
-    `suspects` names for it (see `_refuse_copies`): the same files, sizes, times and bytes."""
-    for c, content_hash in scanned:
-        r = suspects[c.name]
-        if content_hash == r[10]:
+def _refuse_same_weights(scanned: list[tuple[str, Any, str]], existing: dict[str, tuple], base_id: int | None) -> None:
+    """Refuse a scanned (role, checkpoint, content hash) whose weights hash as those of another checkpoint of
+    its role (experts: of the same base) registered under another name, or scanned in this call: a copy
+    (`cp -a`, or with new file times) would count twice in every plan over all experts. A registered
+    one whose folder is gone is not held against it: that is a move, which may take a new name."""
+    seen = {
+        (r[2], r[10]): (r[0], r[6])
+        for r in existing.values()
+        if (r[2] == "base" or r[3] == base_id) and ("://" in r[6] or not gone(r[6]))
+    }
+    for role, c, content_hash in scanned:
+        name, where = seen.setdefault((role, content_hash), (c.name, str(c.path)))
+        if name != c.name:
             raise CatalogError(
-                f"{c.path} is a copy of {r[2]} {r[0]!r} (registered from {r[6]}: the same files, sizes, times and "
-                f"bytes); register a model once (plans over all experts would count it twice): use {r[0]!r}"
+                f"{c.path} holds the same weights as {role} {name!r} (from {where}): a copy; register a model "
+                f"once (plans over all experts would count it twice): use {name!r}"
             )
 
 

@@ -694,7 +694,10 @@ def test_an_out_through_a_loop_of_links_is_refused_by_name(setup, tmp_path):
     with pytest.raises(MergeDBError, match="loop of symbolic links"):
         executor.execute(xp, tmp_path / "a" / "merged")
     gone = tmp_path / "gone"  # a registered expert whose folder is now a loop: other executes still run
-    shutil.copytree(fam / "expert_00", gone, copy_function=shutil.copy)  # new file times: not a copy of expert_00
+    shutil.copytree(fam / "expert_00", gone)
+    data = bytearray((gone / "model.safetensors").read_bytes())
+    data[-1] ^= 1  # other weights: a copy of expert_00 is refused as registering one model twice
+    (gone / "model.safetensors").write_bytes(bytes(data))
     Catalog(db).register([gone], base_model="base", name="gone")
     shutil.rmtree(gone)
     gone.symlink_to(tmp_path / "a")

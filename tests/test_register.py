@@ -37,8 +37,10 @@ def test_changed_file_refused_then_refresh(tmp_path):
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([fam], base_model="base")
     norm_before = cat.sql("SELECT delta_norm FROM expert_costs WHERE expert = 'expert_00'").column(0)[0].as_py()
-    # replace expert_00 by expert_01's weights (same layout, different content)
-    shutil.copy(fam / "expert_01" / "model.safetensors", fam / "expert_00" / "model.safetensors")
+    # replace expert_00 by another family's weights (same layout, different content; expert_01's would be a
+    # copy of expert_01, refused as registering one model twice)
+    other = synth.make_family(tmp_path / "other", experts=1, size="tiny", seed=13)
+    shutil.copy(other / "expert_00" / "model.safetensors", fam / "expert_00" / "model.safetensors")
     before = snapshot(cat)
     with pytest.raises(ChangedFileError, match="expert_00.*--refresh"):
         cat.register([fam], base_model="base")
@@ -46,7 +48,7 @@ def test_changed_file_refused_then_refresh(tmp_path):
     r = cat.register([fam], base_model="base", refresh=True)
     assert r.registered == ("expert_00",)
     norms = {r["expert"]: r["delta_norm"] for r in cat.sql("SELECT * FROM expert_costs").to_pylist()}
-    assert norms["expert_00"] == norms["expert_01"] != norm_before
+    assert norms["expert_00"] != norm_before
 
 
 def test_changed_base_refused(tmp_path):
@@ -117,7 +119,8 @@ def test_refresh_invalidates_old_plans(tmp_path):
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([fam], base_model="base")
     old = cat.plan(PlanRequest("base", None, "linear"))
-    shutil.copy(fam / "expert_01" / "model.safetensors", fam / "expert_00" / "model.safetensors")
+    other = synth.make_family(tmp_path / "other", experts=1, size="tiny", seed=19)
+    shutil.copy(other / "expert_00" / "model.safetensors", fam / "expert_00" / "model.safetensors")
     cat.register([fam], base_model="base", refresh=True)
     with pytest.raises(ChangedFileError, match="re-registered after this plan"):
         cat.execution_plan(old.plan_id)
@@ -303,16 +306,30 @@ def test_stray_knows_the_file_names_checkpoint_and_lora_read():
 def test_a_copy_of_a_registered_expert_under_another_name_is_refused(tmp_path):
     """`cp -a fam/expert_00 copy` then `register copy` registered the same model a second time, which
     plans over all experts counted twice (the same folder under two names was already refused; review,
-    2026-12-02). A copy keeps sizes, times and headers: its fingerprint suspects it, its bytes (hashed
-    as registration reads them) confirm it. A move (the registered folder gone) is still allowed under
-    a new name."""
+    2026-12-02). Its bytes, hashed as registration reads them, name it, whether the copy kept its file
+    times (cp -a) or not (cp: a new fingerprint, registered as one more expert until 2026-12-03; an
+    expert whose weights equal another's, in one call, too). A move (the registered folder gone) is
+    still allowed under a new name."""
     fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=3)
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([fam], base_model="base")
     shutil.copytree(fam / "expert_00", tmp_path / "copy_of_expert_00")  # copy2: file times kept
+    shutil.copytree(fam / "expert_01", tmp_path / "new_times" / "e01", copy_function=shutil.copy)
+    shutil.copytree(fam / "expert_01", tmp_path / "new_times" / "e01b", copy_function=shutil.copy)
     before = snapshot(cat)
-    with pytest.raises(MergeDBError, match=r"copy_of_expert_00 is a copy of expert 'expert_00' .*use 'expert_00'"):
-        cat.register([tmp_path / "copy_of_expert_00"], base_model="base")
+    for paths, name in (
+        ([tmp_path / "copy_of_expert_00"], "expert_00"),
+        ([tmp_path / "new_times" / "e01"], "expert_01"),
+        ([tmp_path / "new_times"], "expert_01"),
+    ):
+        with pytest.raises(MergeDBError, match=rf"holds the same weights as expert '{name}' .*use '{name}'"):
+            cat.register(paths, base_model="base")
+        assert snapshot(cat) == before
+    other = synth.make_family(tmp_path / "other", experts=1, size="tiny", seed=4) / "expert_00"
+    for n in ("a", "b"):  # one new model twice in one call: the second is refused
+        shutil.copytree(other, tmp_path / "pair" / n, copy_function=shutil.copy)
+    with pytest.raises(MergeDBError, match=r"pair/b holds the same weights as expert 'a' \(from .*pair/a\)"):
+        cat.register([tmp_path / "pair"], base_model="base")
     assert snapshot(cat) == before
     shutil.move(fam / "expert_01", tmp_path / "e1")
     assert cat.register([tmp_path / "e1"], base_model="base").registered == ("e1",)
@@ -458,7 +475,8 @@ def test_a_model_file_named_model_safetensors_takes_its_folders_name(tmp_path):
     cat = Catalog(tmp_path / "c.duckdb")
     cat.register([fam / "base" / "model.safetensors"], base=True)
     cat.register([fam / "expert_00" / "model.safetensors"], base_model="base")
-    shutil.copy(fam / "expert_00" / "model.safetensors", tmp_path / "e.safetensors")
+    other = synth.make_family(tmp_path / "other", experts=1, size="tiny", seed=18)  # not a copy of expert_00
+    shutil.copy(other / "expert_00" / "model.safetensors", tmp_path / "e.safetensors")
     assert cat.register([tmp_path / "e.safetensors"], base_model="base").registered == ("e",)
     assert [c.name for c in cat.checkpoints()] == ["base", "e", "expert_00"]
 

@@ -33,16 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import jsondoc, loratargets
+from . import jsondoc, loraconfig, loratargets
 from .checkpoint import Checkpoint, FileInfo, file_info, fingerprint, is_checkpoint
 from .errors import AlignmentError, FormatError
 from .plainfile import leads_inside, link_roots, read_small
 from .remote import is_url
 from .stray import refuse_output, refuse_stray_weights
 from .tensorfile import FLOAT_DTYPES, TensorInfo
-from .units import finite
 
-CONFIG = "adapter_config.json"
+CONFIG = loraconfig.CONFIG
 SINGLE = "adapter_model.safetensors"
 INDEX = "adapter_model.safetensors.index.json"
 PREFIX = "base_model.model."
@@ -147,7 +146,7 @@ def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | Non
     root = Path(path)
     if not is_adapter(root):
         raise FormatError(f"{root}: not a PEFT adapter folder (needs {CONFIG} and {SINGLE} or {INDEX})")
-    cfg, cfg_bytes = _read_config(root)
+    cfg, cfg_bytes = loraconfig.read_config(root)
     files = _files(root)
     tensors: dict[str, tuple[int, TensorInfo]] = {}
     for i, f in enumerate(files):
@@ -213,6 +212,13 @@ def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | Non
                 f"selects with new factors instead: fix target_modules in {CONFIG}, or save the adapter again"
             )
         target = f"{module}.weight"
+        tied = module.rsplit(".", 1)[-1] == "lm_head" and any(n.endswith(_EMBEDDINGS) for n in base_t)
+        if target not in base_t and tied:  # the head is the input embedding (tie_word_embeddings)
+            raise AlignmentError(
+                f"{root}: the factors of {module!r} adapt the output layer, which base {base.name!r} ties to its "
+                "input embedding (tie_word_embeddings: it holds no lm_head.weight); peft writes that delta into the "
+                "shared tensor, which mergedb does not do: train the adapter without lm_head in target_modules"
+            )
         if target not in base_t:
             raise AlignmentError(
                 f"{root}: the factors of {module!r} adapt {target!r}, which base {base.name!r} does not have; "
@@ -222,6 +228,7 @@ def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | Non
             raise FormatError(f"{root}: {target!r} is both LoRA-adapted and saved whole; save the adapter again")
         conv1d = _conv1d(base.architecture, module)
         factors[target] = _factor(root, module, p[need[0]], p[need[1]], emb, cfg, base_t[target], conv1d)
+    _refuse_undecided_layouts(root, base, cfg, factors, base_t)
     for target, (_, t) in dense.items():
         bt = base_t[target]
         if t.shape != bt.shape:
@@ -242,7 +249,7 @@ def adapter_fingerprint(path: str | os.PathLike[str]) -> str:
     root = Path(path)
     if not is_adapter(root):
         raise FormatError(f"{root}: not a PEFT adapter folder (needs {CONFIG} and {SINGLE} or {INDEX})")
-    return _fingerprint(_files(root), _read_config(root)[1])
+    return _fingerprint(_files(root), loraconfig.read_config(root)[1])
 
 
 def _files(root: Path) -> tuple[FileInfo, ...]:
@@ -323,6 +330,28 @@ def _factor(
     return LoraFactor(a, b, r, scale, fifo, embedding)
 
 
+def _refuse_undecided_layouts(
+    root: Any, base: Any, cfg: dict[str, Any], factors: dict[str, LoraFactor], base_t: dict[str, TensorInfo]
+) -> None:
+    """Refuse an adapter with a square module over a base whose architecture is unknown (no config.json)
+    when the adapter shows signs of Conv1D layers (a module that fits only transposed, or
+    `fan_in_fan_out: true`, which peft saves for them): (in, out) or (out, in) cannot be told apart
+    there, and GPT-2's square c_proj was merged untransposed, silently (review, 2026-12-03)."""
+    if base.architecture:
+        return
+    square = [t for t, f in factors.items() if not f.embedding and base_t[t].shape[0] == base_t[t].shape[1]]
+    conv_like = cfg.get("fan_in_fan_out") is True or any(f.fan_in_fan_out for f in factors.values())
+    if square and conv_like:
+        raise AlignmentError(
+            f"{root}: base {base.name!r} has no architecture (no config.json beside its weights), so the layout "
+            f"of square module {square[0]!r} cannot be told: a Conv1D (GPT-2: (in, out), as this adapter's other "
+            "modules or its fan_in_fan_out suggest) or a Linear (out, in); register the base's folder with its "
+            "config.json (mergedb register BASE_FOLDER --base)"
+        )
+
+
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")  # input embeddings
+
 # transformers' models whose attention and MLP use Conv1D (weights stored (in, out)), and its modules
 CONV1D_ARCHITECTURES = ("GPT2", "OpenAIGPT", "ImageGPT", "DecisionTransformer")
 CONV1D_MODULES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
@@ -344,60 +373,6 @@ def _dense_target(rest: str, base_t: dict[str, TensorInfo]) -> str | None:
         return rest
     cut = re.sub(r"\.modules_to_save(\.[^.]+)?(?=\.[^.]+$)", "", rest)
     return cut if cut in base_t else None
-
-
-def _read_config(root: Path) -> tuple[dict[str, Any], bytes]:
-    path = root / CONFIG
-    try:
-        raw = read_small(path)
-        cfg = jsondoc.parse(raw)
-        if not isinstance(cfg, dict):
-            raise TypeError
-    except (OSError, ValueError, TypeError):
-        raise FormatError(f"{path}: not a valid adapter config (expected a JSON object)") from None
-    peft_type = cfg.get("peft_type", "LORA")
-    if str(peft_type).upper() != "LORA":
-        raise FormatError(f"{path}: peft_type {peft_type!r} is not supported; mergedb merges LORA adapters only")
-    if cfg.get("use_dora"):
-        raise FormatError(f"{path}: use_dora is true; DoRA adapters are not supported (train a plain LoRA)")
-    init = str(cfg.get("init_lora_weights", "")).lower()
-    if init.startswith(("pissa", "olora", "corda", "loftq")):  # trained against a changed base
-        raise FormatError(
-            f"{path}: init_lora_weights is {cfg['init_lora_weights']!r}: the adapter is a delta of a base that "
-            "initialisation changed, not of the registered one; save it again with peft's "
-            "save_pretrained(..., path_initial_model_for_weight_conversion=...), which makes it a plain LoRA"
-        )
-    if cfg.get("target_parameters"):
-        raise FormatError(
-            f"{path}: target_parameters {cfg['target_parameters']!r} is not supported; "
-            "only adapters on modules (target_modules) can be merged"
-        )
-    for flag in ("lora_bias", "layer_replication", "trainable_token_indices"):
-        if cfg.get(flag):
-            raise FormatError(f"{path}: {flag} is set; LoRA adapters with {flag} are not supported")
-    for key in ("r", "lora_alpha"):
-        v = cfg.get(key)
-        if v is not None and not _positive(v, whole=key == "r"):
-            raise FormatError(f"{path}: {key} is {v!r}; expected a positive {'whole ' if key == 'r' else ''}number")
-    loratargets.check_config(path, cfg)
-    for key in ("rank_pattern", "alpha_pattern"):  # module regex -> r or alpha (pattern_value)
-        pats = cfg.get(key) or {}
-        if not isinstance(pats, dict):
-            raise FormatError(f"{path}: {key} is {pats!r}; expected an object of module pattern -> number")
-        for pat, v in pats.items():
-            try:
-                re.compile(pat)
-            except re.error as e:
-                raise FormatError(f"{path}: {key} has the pattern {pat!r}, not a regular expression ({e})") from None
-            if not _positive(v, whole=key == "rank_pattern"):
-                raise FormatError(f"{path}: {key}[{pat!r}] is {v!r}; expected a positive number")
-    return cfg, raw
-
-
-def _positive(v: Any, whole: bool) -> bool:
-    """A finite number > 0 (a whole one for a rank): NaN, inf, 4.7 as r, a str or a bool is not."""
-    f = finite(v)
-    return f is not None and f > 0 and (not whole or f.is_integer())
 
 
 def _shards(root: Path) -> list[str]:

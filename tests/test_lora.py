@@ -218,6 +218,32 @@ def test_fan_in_fan_out_follows_the_module_type_as_peft_does(base_dir, tmp_path)
         ref = (merged[name].double() - orig[name].double()).numpy()
         assert ad.factors[name].fan_in_fan_out
         assert np.linalg.norm(full_delta(ad, name) - ref) <= 1e-6 * np.linalg.norm(ref), name
+    # the same adapter over the base's weights alone (no config.json, so no architecture): the square c_proj
+    # was merged untransposed, silently (review, 2026-12-03); its layout cannot be told there: refused
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "gpt2.safetensors").write_bytes((tmp_path / "gpt2" / "model.safetensors").read_bytes())
+    with pytest.raises(AlignmentError, match=r"no architecture .*square module 'transformer.h.0.attn.c_proj.weight'"):
+        open_adapter(tmp_path / "gad", open_checkpoint(bare / "gpt2.safetensors"))
+
+
+def test_an_adapter_on_a_tied_output_layer_is_refused_by_name(tmp_path):
+    """A base with tie_word_embeddings holds no lm_head.weight; an adapter on lm_head was told to register
+    against "the base it was trained on", which it was (review, 2026-12-03). The tie is named."""
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file(
+        {"model.embed_tokens.weight": torch.ones(50, lf.HIDDEN), "model.norm.weight": torch.ones(lf.HIDDEN)},
+        str(base / "model.safetensors"),
+    )
+    head = "base_model.model.lm_head"
+    ad = _write(
+        tmp_path / "ad",
+        {f"{head}.lora_A.weight": torch.ones(4, lf.HIDDEN), f"{head}.lora_B.weight": torch.ones(50, 4)},
+        target_modules=["lm_head"],
+    )
+    with pytest.raises(AlignmentError, match="ties to its input embedding .* without lm_head in target_modules"):
+        open_adapter(ad, open_checkpoint(base))
 
 
 # -- refusals: hand-written adapters, one line each ---------------------------------------------------
@@ -247,6 +273,20 @@ def _ok_pair(rank: int = 4, cols: int = lf.HIDDEN, rows: int = lf.HIDDEN) -> dic
         (_ok_pair(), {"peft_type": "IA3"}, FormatError, "peft_type 'IA3'"),
         (_ok_pair(), {"init_lora_weights": "pissa_niter_4"}, FormatError, "init_lora_weights is 'pissa_niter_4'"),
         (_ok_pair(), {"init_lora_weights": "olora"}, FormatError, "path_initial_model_for_weight_conversion"),
+        # variants and inits merged as a plain LoRA until 2026-12-03 (review): refused by name
+        (_ok_pair(), {"init_lora_weights": "lora_ga"}, FormatError, "init_lora_weights is 'lora_ga'"),
+        (_ok_pair(), {"lora_ga_config": {"direction": "ArB2r"}}, FormatError, "a base that initialisation changed"),
+        (
+            _ok_pair(),
+            {"alora_invocation_tokens": [1, 2]},
+            FormatError,
+            "alora_invocation_tokens is set: a LoRA variant",
+        ),
+        (_ok_pair(), {"kasa_config": {"k": 1}}, FormatError, "kasa_config is set: a LoRA variant (KaSA"),
+        (_ok_pair(), {"arrow_config": {"top_k": 1}}, FormatError, "arrow_config is set"),
+        (_ok_pair(), {"init_lora_weights": "mica"}, FormatError, "'mica': a LoRA variant (MiCA)"),
+        (_ok_pair(), {"bias": "all"}, FormatError, "bias is 'all': the adapter trains the base's biases too"),
+        (_ok_pair(), {"bias": "lora_only"}, FormatError, "bias is 'lora_only'"),
         (_ok_pair(cols=lf.HIDDEN + 1), {}, AlignmentError, "[4, 65]"),
         (_ok_pair(rank=3), {}, FormatError, "its factors have rank 3 but adapter_config.json says r = 4"),
         ({f"{Q}.lora_A.weight": torch.ones(4, lf.HIDDEN)}, {}, FormatError, "expected ['lora_A', 'lora_B']"),

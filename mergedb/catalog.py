@@ -376,8 +376,9 @@ class Catalog:
                     return usersql.as_text(result).to_arrow_table() if result is not None else pa.table({})
 
                 return usersql.interruptibly(con, run)
-            except duckdb.Error as e:
-                raise (faults.diagnose(self.path, e) or usersql.sql_error(e)) from None
+            except duckdb.Error as e:  # the file's faults are told by its reading, the query's by its text:
+                storage = isinstance(e, usersql.STORAGE_ERRORS)  # a typo naming 'checksum' is not damage
+                raise ((faults.diagnose(self.path, e) if storage else None) or usersql.sql_error(e)) from None
             except MemoryError:  # Arrow's copy of the rows is outside DuckDB's memory limit
                 raise MergeDBError(usersql.TOO_BIG) from None
 

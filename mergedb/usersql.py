@@ -125,13 +125,14 @@ def check_statement(con: duckdb.DuckDBPyConnection, text: str) -> None:
         if inner not in (duckdb.StatementType.SELECT,):
             what = f"a {inner.name} statement" if inner is not None else "that statement"
             raise MergeDBError(f"mergedb sql explains queries only, and {what} is not one; allowed: {ALLOWED}")
-    if kind == duckdb.StatementType.MULTI and text.lstrip().upper().startswith("PIVOT"):
+    if kind == duckdb.StatementType.MULTI:  # a PIVOT without IN, whatever comment or WITH comes first
         raise MergeDBError(
             "mergedb sql runs PIVOT with its values listed, e.g. PIVOT plans ON method IN ('ties', 'linear') "
             "USING count(*): without IN, DuckDB first creates a type, which the read-only catalog refuses"
         )
     if kind not in STATEMENTS:
         what = f"a {kind.name} statement" if kind is not None else "that statement"
+        what = "an INSTALL or LOAD statement" if kind == duckdb.StatementType.LOAD else what  # DuckDB's one kind
         raise MergeDBError(f"mergedb sql only reads the catalog, and {what} is not a query; allowed: {ALLOWED}")
 
 
@@ -171,6 +172,9 @@ def _explained(con: duckdb.DuckDBPyConnection, text: str) -> duckdb.StatementTyp
 
 
 TOO_BIG = "the query's result does not fit in memory: add a LIMIT, select fewer or shorter columns, or aggregate"
+# what DuckDB raises when the catalog file itself fails (damage, a full disk, permissions); anything
+# else a query raises is about its own text or values, whatever words those hold
+STORAGE_ERRORS = (duckdb.IOException, duckdb.SerializationException, duckdb.FatalException, duckdb.InternalException)
 
 
 def sql_error(e: duckdb.Error) -> MergeDBError:
@@ -179,6 +183,11 @@ def sql_error(e: duckdb.Error) -> MergeDBError:
         hint = " (mergedb sql reads the catalog only: other files, extensions and settings are off limits)"
     if "arrow_large_buffer_size" in str(e):  # DuckDB suggests a SET, which the sandbox refuses
         return MergeDBError(f"SQL error: a column's text adds up to more than 2 GB; {TOO_BIG}")
+    if isinstance(e, duckdb.OutOfMemoryException):  # its advice (SET memory_limit, threads) is refused here
+        return MergeDBError(f"SQL error: {str(e).splitlines()[0]}; {TOO_BIG}")
+    if "INSTALL " in str(e) and "LOAD " in str(e):  # a function of an extension: its advice is refused here
+        first = str(e).split("\n")[0].rstrip(".")
+        return MergeDBError(f"SQL error: {first} (extensions are off limits in mergedb sql, which reads the catalog)")
     return MergeDBError(f"SQL error: {e}{hint}")
 
 

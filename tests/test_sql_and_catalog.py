@@ -132,8 +132,23 @@ def test_sql_refusals_say_why(world):
         cat.sql("DROP TABLE plans")
     with pytest.raises(MergeDBError, match="reads the catalog only"):
         cat.sql(f"SELECT * FROM read_csv('{side}/table.csv')")
-    with pytest.raises(MergeDBError, match=r"runs PIVOT with its values listed, e.g. PIVOT plans ON method IN"):
-        cat.sql("PIVOT plans ON method USING count(*)")
+    for pivot in ("PIVOT plans ON method USING count(*)", "-- a note\nPIVOT plans ON method USING count(*)"):
+        with pytest.raises(MergeDBError, match=r"runs PIVOT with its values listed, e.g. PIVOT plans ON method IN"):
+            cat.sql(pivot)  # after a comment it was "a MULTI statement is not a query" (review, 2026-12-03)
+    with pytest.raises(MergeDBError, match="an INSTALL or LOAD statement is not a query"):
+        cat.sql("INSTALL spatial")
+    # a query's own text naming a checksum or a permission was reported as a damaged catalog, a full disk
+    # or a read-only folder, with advice to restore it from a backup (review, 2026-12-03)
+    for query, words in (
+        ("SELECT name, checksum FROM checkpoints", 'Referenced column "checksum" not found'),
+        ("SELECT 'Permission denied'::DATE", "Conversion Error"),
+        ("SELECT CAST('No space left on device' AS INT)", "Conversion Error"),
+    ):
+        with pytest.raises(MergeDBError, match=f"^SQL error: .*{words}") as e:
+            cat.sql(query)
+        assert not isinstance(e.value, CatalogError) and "backup" not in str(e.value)
+    with pytest.raises(MergeDBError, match="exists in the spatial extension .extensions are off limits in mergedb sql"):
+        cat.sql("SELECT st_point(1, 2)")
     with pytest.raises(MergeDBError, match="explains queries only, and a CREATE statement is not one"):
         cat.sql("EXPLAIN ANALYZE CREATE TEMP MACRO m() AS 1")
     for query in ("EXPLAIN ANALYZE SELECT count(*) FROM plans", "EXPLAIN (FORMAT json) SELECT 1", "EXPLAIN (SELECT 1)"):

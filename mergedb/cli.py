@@ -716,6 +716,12 @@ def sweep(
                     f"grid only (with {given_value}: --grid {key}={','.join(map(str, [given_value, *axes[key]][:3]))})"
                 )
         template = PlanRequest(base, names, method, budget or "all", w, seed=seed or 0)
+        if name is None:  # the same command run again: its earlier run's plans are under METHOD-sweepN
+            from . import rerun
+
+            for earlier in grids.earlier_prefixes(cat, method):
+                again = grids.grid_requests(template, axes, earlier)
+                rerun.check(cat, again, out_dir, [dtype] * len(again), shard)  # raises if they are this sweep's
         requests = grids.grid_requests(template, axes, name or grids.default_prefix(cat, method))
     for attempt in range(5):
         try:

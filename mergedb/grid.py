@@ -134,6 +134,15 @@ def _label(v: Any, digits: int | None) -> str:
     return str(v)
 
 
+def earlier_prefixes(cat: Catalog, method: str) -> list[str]:
+    """The `METHOD-sweepN` prefixes of stored plans' names, by N: where an earlier run of a sweep
+    without --name put its plans (rerun.check tells whether they are this sweep's)."""
+    names = [r["name"] for r in cat.sql("SELECT name FROM plans WHERE name IS NOT NULL").to_pylist()]
+    pattern = re.compile(rf"{re.escape(method)}-sweep([1-9][0-9]*)(-.*)?", re.DOTALL)
+    found = {int(m.group(1)) for m in map(pattern.fullmatch, names) if m}
+    return [f"{method}-sweep{n}" for n in sorted(found)]
+
+
 def default_prefix(cat: Catalog, method: str) -> str:
     """`METHOD-sweepN` with the first N no stored plan name starts with."""
     names = {r["name"] for r in cat.sql("SELECT name FROM plans WHERE name IS NOT NULL").to_pylist()}

@@ -823,3 +823,22 @@ def test_an_output_in_the_way_gets_advice_a_sweep_can_follow(fam, tmp_path):
     assert r.exit_code == 1 and "--force" not in msg, msg
     assert f"{tmp_path}/o/w-density=0.2 exists and is not empty; choose another --out or --name" in msg, msg
     assert "or move that folder away" in msg and _plan_count(cat) == n
+
+
+def test_the_same_sweep_without_a_name_run_again_is_its_earlier_run(fam, tmp_path):
+    """Without --name a sweep takes the first free METHOD-sweepN, so running the same command again
+    (after Ctrl-C, or to finish it) planned and wrote the whole sweep a second time under the next N
+    (review, 2026-12-03). Its earlier run's plans are found under their prefix; another grid is new."""
+    root, cat = fam
+    c = ["-c", str(cat.path)]
+    cmd = ["sweep", "--base", "base", "--all", "-m", "ties", "-b", "40%", "--out", str(tmp_path / "o"), *c]
+    assert runner.invoke(app, [*cmd, "--grid", "density=0.2,0.4"]).exit_code == 0
+    n = _plan_count(cat)
+    first = sorted(p.name for p in (tmp_path / "o").iterdir())
+    shutil.rmtree(tmp_path / "o" / first[1])  # one output lost: the rerun says how to write it
+    r = runner.invoke(app, [*cmd, "--grid", "density=0.2,0.4"])
+    msg = " ".join(r.output.split())
+    assert r.exit_code == 1 and "2 plans of this sweep are stored already by an earlier run of it" in msg, msg
+    assert f"mergedb execute {first[1]}" in msg and _plan_count(cat) == n
+    assert runner.invoke(app, [*cmd, "--grid", "density=0.3"]).exit_code == 0  # another sweep: the next prefix
+    assert _plan_count(cat) == n + 1

@@ -285,20 +285,37 @@ def _refuse_adapters(rows: list[dict[str, Any]], requests: Sequence[planner.Plan
 
 
 def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None]) -> int:
-    """Refuse, before anything runs, a sweep whose outputs' tensors alone exceed the free space where
-    they go (N outputs of a model's size each: a disk that fills half-way fails the plans late).
-    Returns those bytes."""
+    """Refuse, before anything runs, a sweep whose outputs exceed the free space where they go (N
+    outputs of a model's size each: a disk that fills half-way fails the plans late). Counted: the
+    tensors, and a bound on the rest of each output (the base's side files, which a real tokenizer
+    makes megabytes; safetensors headers, manifest and mask; a file-system block per file), which the
+    tensors alone left out (review, 2026-12-03: a sweep that fitted by its tensors filled the disk).
+    Returns the tensors' bytes (what the progress bar counts)."""
     from .layout import output_dtype
+    from .sidefiles import side_files
     from .tensorfile import normalize_dtype, tensor_nbytes
 
     need = sum(
         tensor_nbytes(output_dtype(t, normalize_dtype(dt)), t.shape) for xp, dt in zip(xps, dtypes) for t in xp.tensors
     )
+    extra = 0
+    for xp in xps:
+        base = Path(xp.base.path)
+        folder = base if base.is_dir() else base.parent
+        try:
+            side = side_files(folder) if "://" not in xp.base.path else []
+            sides = sum((folder / f).stat().st_size for f in side)
+        except OSError:
+            side, sides = [], 0
+        headers = sum(len(t.name) + 200 for t in xp.tensors)  # a header entry; the manifest's per tensor
+        files = len(side) + 4 + sum(tensor_nbytes(t.dtype, t.shape) for t in xp.tensors) // (1 << 30)  # + shards
+        extra += sides + 3 * headers + xp.mask.nbytes + (64 << 10) + files * 4096
     where = _nearest(root)
     free = shutil.disk_usage(where).free
-    if need > free:
+    if need + extra > free:
+        whole = need + extra
         raise MergeDBError(
-            f"the sweep's {len(xps)} outputs need {format_size(need)} ({need:,} bytes) under {root} but its disk has "
+            f"the sweep's {len(xps)} outputs need {format_size(whole)} ({whole:,} bytes) under {root} but its disk has "
             f"{format_size(free)} ({free:,} bytes) free; free space, choose another DIR, or sweep fewer plans "
             "(nothing was stored)"
         )

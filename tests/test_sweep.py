@@ -696,6 +696,16 @@ def test_a_sweep_that_would_not_fit_stores_no_plan(fam, tmp_path, monkeypatch):
     assert cat.sql("SELECT count(*) AS n FROM plans").column("n")[0].as_py() == n
     monkeypatch.undo()
     assert len(sw.sweep(cat, req, tmp_path / "out").runs) == 2  # the same names: none was taken
+    # room for the tensors alone: the outputs' headers, manifests, masks and side files did not fit, and
+    # a plan failed late on a full disk (review, 2026-12-03); what the outputs really took fits in what is asked
+    written = sum(f.stat().st_size for f in (tmp_path / "out").rglob("*") if f.is_file())
+    tensors = sum(f.stat().st_size for f in (tmp_path / "out").rglob("*.safetensors"))
+    req2 = grid.grid_requests(PlanRequest("base", None, "ties"), {"density": [0.2, 0.4]}, "fit2")
+    monkeypatch.setattr(sw.shutil, "disk_usage", lambda p: real(p)._replace(free=tensors))
+    with pytest.raises(MergeDBError, match=r"the sweep's 2 outputs need .* \(nothing was stored\)") as e:
+        sw.sweep(cat, req2, tmp_path / "out2")
+    asked = int(str(e.value).split("need ")[1].split("(")[1].split(" bytes")[0].replace(",", ""))
+    assert asked >= written > tensors
 
 
 def test_a_sweep_over_moved_inputs_says_so_and_stores_nothing(tmp_path):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -39,12 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import grid, outdir, planner, plans, rerun
+from . import grid, outdir, outspace, planner, plans, rerun
 from .errors import MergeDBError, PlanError, RunNotRecordedError
 from .lora import is_adapter
 from .manifest import ExecutionPlan
 from .sweepwave import Slot, Wave, Work
-from .units import check_threads, format_size
+from .units import check_threads
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -154,6 +153,7 @@ def sweep(
     rows = cat.sql("SELECT name, role, base_id, checkpoint_id, path, root FROM checkpoints").to_pylist()
     registered = [p for row in rows for p in (row["path"], row["root"])]
     _refuse_adapters(rows, requests)
+    outspace.check_space_early(cat, root, requests, dtypes)  # a grid of thousands is planned for minutes otherwise
     _check_outs(registered, [_out(root, r.name) for r in requests if isinstance(r, planner.PlanRequest) and r.name])
     outs: list[Path] = []
     need: list[int] = []
@@ -162,7 +162,7 @@ def sweep(
         _refuse(xps)
         outs[:] = [_out(root, s.name or f"plan-{s.plan_id}") for s in summaries]
         _check_outs(registered, outs)
-        need.append(_check_space(root, xps, dtypes))
+        need.append(outspace.check_space(root, xps, dtypes))
 
     summaries, xps = grid.plan_and_load(cat, requests, check=refuse)
     total = need[0]
@@ -284,44 +284,6 @@ def _refuse_adapters(rows: list[dict[str, Any]], requests: Sequence[planner.Plan
                 )
 
 
-def _check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None]) -> int:
-    """Refuse, before anything runs, a sweep whose outputs exceed the free space where they go (N
-    outputs of a model's size each: a disk that fills half-way fails the plans late). Counted: the
-    tensors, and a bound on the rest of each output (the base's side files, which a real tokenizer
-    makes megabytes; safetensors headers, manifest and mask; a file-system block per file), which the
-    tensors alone left out (review, 2026-12-03: a sweep that fitted by its tensors filled the disk).
-    Returns the tensors' bytes (what the progress bar counts)."""
-    from .layout import output_dtype
-    from .sidefiles import side_files
-    from .tensorfile import normalize_dtype, tensor_nbytes
-
-    need = sum(
-        tensor_nbytes(output_dtype(t, normalize_dtype(dt)), t.shape) for xp, dt in zip(xps, dtypes) for t in xp.tensors
-    )
-    extra = 0
-    for xp in xps:
-        base = Path(xp.base.path)
-        folder = base if base.is_dir() else base.parent
-        try:
-            side = side_files(folder) if "://" not in xp.base.path else []
-            sides = sum((folder / f).stat().st_size for f in side)
-        except OSError:
-            side, sides = [], 0
-        headers = sum(len(t.name) + 200 for t in xp.tensors)  # a header entry; the manifest's per tensor
-        files = len(side) + 4 + sum(tensor_nbytes(t.dtype, t.shape) for t in xp.tensors) // (1 << 30)  # + shards
-        extra += sides + 3 * headers + xp.mask.nbytes + (64 << 10) + files * 4096
-    where = _nearest(root)
-    free = shutil.disk_usage(where).free
-    if need + extra > free:
-        whole = need + extra
-        raise MergeDBError(
-            f"the sweep's {len(xps)} outputs need {format_size(whole)} ({whole:,} bytes) under {root} but its disk has "
-            f"{format_size(free)} ({free:,} bytes) free; free space, choose another DIR, or sweep fewer plans "
-            "(nothing was stored)"
-        )
-    return need
-
-
 RECORD_WAIT = 30.0  # seconds a finished merge waits for the catalog to record its run
 
 
@@ -350,7 +312,7 @@ def _check_root(root: Path) -> None:
     """Refuse, before any plan is stored, a sweep folder that cannot be made or written: under a
     file, or where the nearest existing folder is read-only (its plans were stored, then the rerun
     with another --out was refused for their names)."""
-    at = _nearest(root)
+    at = outspace.nearest(root)
     if not at.is_dir():
         where = "" if at == root else f": {at}"
         raise MergeDBError(f"--out {root}{where} is a file, not a folder; a sweep writes a folder per plan in --out")
@@ -358,13 +320,6 @@ def _check_root(root: Path) -> None:
         raise MergeDBError(
             f"--out {root}: {at} cannot be written (read-only); choose an --out in a folder you can write"
         )
-
-
-def _nearest(path: Path) -> Path:
-    """`path`, or its nearest ancestor that exists (a link counts, dangling or not)."""
-    while not os.path.lexists(path) and path != path.parent:
-        path = path.parent
-    return path
 
 
 def _check_outs(registered: list[str], outs: list[Path]) -> None:

@@ -22,6 +22,7 @@ from .errors import PlanExistsError
 from .manifest import MANIFEST
 from .plainfile import read_small
 from .planner import PlanRequest
+from .tensorfile import normalize_dtype
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -72,10 +73,11 @@ def check(
             "their outputs merge the old ones; another --name plans the sweep again over the weights registered now"
         )
     order = [n for n in named if n in stored]  # the sweep's order
-    state = {n: _output_state(root / n, stored[n]) for n in order}
+    state = {n: _output_state(root / n, stored[n], named[n][1], max_shard_size) for n in order}
     complete = [n for n in order if state[n] == "complete"]
     todo = [n for n in order if state[n] != "complete"]
     in_way = [n for n in order if state[n] == "in the way"]
+    other = [n for n in order if state[n] == "other settings"]
     new = [n for n in named if n not in stored]
     k = len(order)
     head = f"{k} of the {len(named)} plans" if new else f"the {k} plan{'s' * (k != 1)}"
@@ -86,7 +88,13 @@ def check(
     if not todo:
         msg += f": {'its output is' if k == 1 else f'all {k} outputs are'} complete under {root}"
     else:
-        msg += f"; under {root}: {len(complete)} complete{_few(complete)}, {len(todo) - len(in_way)} missing"
+        missing = len(todo) - len(in_way) - len(other)
+        msg += f"; under {root}: {len(complete)} complete{_few(complete)}, {missing} missing"
+        if other:
+            msg += (
+                f", {len(other)} written with another --dtype or --max-shard-size{_few(other)}: move them away, or "
+                "run the sweep with the options they were written with"
+            )
         if in_way:
             msg += f", {len(in_way)} in the way{_few(in_way)}: a folder that holds no output of its plan, move it away"
         dts = [named[n][1] for n in todo]
@@ -113,16 +121,22 @@ def _same(s: PlanSummary, r: PlanRequest, every_expert: list[str]) -> bool:
     )
 
 
-def _output_state(out: Path, s: PlanSummary) -> str:
-    """'complete' (its manifest is this plan's: installed whole, manifest last), 'missing' (no folder,
-    or an empty one), or 'in the way' (anything else)."""
+def _output_state(out: Path, s: PlanSummary, dtype: str | None, max_shard_size: int) -> str:
+    """'complete' (its manifest is this plan's, written with `dtype` and `max_shard_size`: installed
+    whole, manifest last), 'other settings' (this plan's, written with another dtype or shard size:
+    it was called complete, review 2026-12-03), 'missing' (no folder, or an empty one), or 'in the
+    way' (anything else)."""
     try:
         if not out.exists() or (out.is_dir() and not any(out.iterdir())):
             return "missing"
         doc = jsondoc.parse(read_small(out / MANIFEST))
     except (OSError, ValueError):
         return "in the way"
-    return "complete" if isinstance(doc, dict) and doc.get("plan_hash") == s.plan_hash else "in the way"
+    if not isinstance(doc, dict) or doc.get("plan_hash") != s.plan_hash:
+        return "in the way"
+    run = doc.get("run") if isinstance(doc.get("run"), dict) else {}
+    same = doc.get("dtype") == normalize_dtype(dtype) and run.get("max_shard_size") == max_shard_size
+    return "complete" if same else "other settings"
 
 
 def _few(names: list[str]) -> str:

@@ -853,3 +853,16 @@ def test_the_same_sweep_without_a_name_run_again_is_its_earlier_run(fam, tmp_pat
     assert f"mergedb execute {first[1]}" in msg and _plan_count(cat) == n
     assert runner.invoke(app, [*cmd, "--grid", "density=0.3"]).exit_code == 0  # another sweep: the next prefix
     assert _plan_count(cat) == n + 1
+
+
+def test_a_rerun_with_another_dtype_does_not_call_the_old_outputs_complete(fam, tmp_path):
+    """Outputs of the stored plans written in bf16 were called complete by a rerun asking for fp32 (or
+    another shard size), leaving a sweep folder of mixed dtypes (review, 2026-12-03)."""
+    root, cat = fam
+    req = grid.grid_requests(PlanRequest("base", None, "ties", "50%"), {"density": [0.2, 0.4]}, "mixed")
+    sw.sweep(cat, grid.plan_all(cat, req)[:1], tmp_path / "o")  # one output of the two, in the base's dtype
+    for kw in ({"dtype": "fp32"}, {"max_shard_size": 100_000}):
+        with pytest.raises(PlanExistsError, match=r"0 complete, 1 missing, 1 written with another --dtype or --max"):
+            sw.sweep(cat, req, tmp_path / "o", **kw)
+    with pytest.raises(PlanExistsError, match=r"1 complete \(mixed-density=0.2\), 1 missing"):
+        sw.sweep(cat, req, tmp_path / "o")

@@ -46,7 +46,11 @@ def parse_grid(specs: Sequence[str]) -> dict[str, list[Any]]:
 
 
 def _grid_value(key: str, v: str, spec: str) -> Any:
-    if key == "budget":
+    if key == "budget":  # refused as a budget here, not later as a plan name that holds it (review, 2026-12-03)
+        try:
+            parse_budget(v, 1)
+        except MergeDBError as e:
+            raise PlanError(f"--grid {spec!r}: {e}") from None
         return v
     if key == "seed":
         if not (v.isascii() and v.isdigit()):

@@ -187,6 +187,9 @@ def test_grid_names_and_bad_grids():
         (["density=0.1", "density=0.2"], "twice"),
         (["density=abc"], "not a number"),
         (["seed=1.5"], "whole numbers"),
+        # blamed on the plan name 'b-budget=1/2' as "not a folder name" (review, 2026-12-03)
+        (["budget=10%,1/2"], r"--grid 'budget=10%,1/2': cannot read budget '1/2'"),
+        (["budget=150%"], "budget=150%"),
     ]:
         with pytest.raises(PlanError, match=match):
             grid.parse_grid(bad)

@@ -214,6 +214,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".i
 def check_output(folder: str | os.PathLike[str]) -> list[str]:
     """Problems of a merged output against its manifest (empty when it is intact)."""
     folder = Path(folder)
+    if folder.name == manifest.MANIFEST and folder.is_file():  # its manifest named: the output is its folder
+        folder = folder.parent
     path = folder / manifest.MANIFEST
     if not path.is_file():
         return [f"{folder}: no {manifest.MANIFEST}: not a complete mergedb output"]
@@ -231,6 +233,8 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     problems = []
     if hashed != doc.get("content_hash"):
         problems.append(f"{path}: content_hash does not match the manifest's contents (edited?)")
+    elif manifest.run_problem(doc):
+        problems.append(f"{path}: {manifest.run_problem(doc)}")
     mask = None
     try:
         mask = manifest.read_mask(folder / manifest.MASK, doc)  # its digest is checked by manifest_problems
@@ -260,6 +264,9 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
         if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() != want:
             problems.append(f"{f}: differs from the file the output was written with")
     listed = run.get("files") if isinstance(run, dict) and isinstance(run.get("files"), list) else None
+    if listed is not None and not all(isinstance(n, str) for n in listed):  # a set of them raised TypeError
+        problems.append(f"{path}: run.files holds entries that are not file names (edited?)")
+        listed = [n for n in listed if isinstance(n, str)]
     weights = sorted(p for p in folder.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES))  # a pipe too: named
     if listed is not None:  # only the output's own files are what it serves; others are named
         for p in weights:

@@ -525,7 +525,7 @@ def execute(
 
 @app.command()
 def replay(
-    manifest: Path = typer.Argument(..., help="An output's mergedb_manifest.json."),
+    manifest: Path = typer.Argument(..., help="An output's mergedb_manifest.json (or the output's folder)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder to re-create the model in."),
     force: bool = typer.Option(False, "--force", help="Replace a previous mergedb output in --out."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),

@@ -43,6 +43,7 @@ from .manifest import (
     content_hash,
     mask_table,
     plan_from_manifest,
+    run_seal,
 )
 from .sidefiles import TEMPLATES, copy_side_files
 from .tensorfile import DTYPES, FileRange, SafetensorsWriter, normalize_dtype, tensor_nbytes
@@ -411,7 +412,9 @@ def _write(
         "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
         "file_stats": outdir.file_stats(tmp),  # what --force may replace: the files as written (outdir._edited)
     }
-    return _with_rng(xp, build_manifest(xp, out_dt, hashes)), run, shards
+    doc = {**_with_rng(xp, build_manifest(xp, out_dt, hashes)), "sealed_run": True}  # run_seal covers run's
+    doc["content_hash"] = content_hash(doc)
+    return doc, {**run, "seal": run_seal(doc, run)}, shards
 
 
 def _with_rng(xp: ExecutionPlan, doc: dict[str, Any]) -> dict[str, Any]:

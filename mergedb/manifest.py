@@ -166,6 +166,29 @@ def content_hash(doc: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+# what replay and `check --output` take from the manifest's `run` section, which `content_hash` leaves
+# out (its timings and byte counts differ run to run): sealed with the content hash, so an edit of them
+# is told (review, 2026-12-03: emptied side_files made a replay delete config.json and report success)
+RUN_SEALED = ("side_files", "files", "max_shard_size")
+
+
+def run_seal(doc: dict[str, Any], run: dict[str, Any]) -> str:
+    """sha256 of `run`'s RUN_SEALED fields with the manifest's content hash."""
+    sealed = {"content_hash": doc.get("content_hash"), **{k: run.get(k) for k in RUN_SEALED}}
+    return hashlib.sha256(json.dumps(sealed, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def run_problem(doc: dict[str, Any]) -> str | None:
+    """Why the `run` section of a manifest that says it is sealed (`sealed_run`, hashed) is not as
+    written; None when it is, or for manifests written before seals."""
+    if doc.get("sealed_run") is not True:
+        return None
+    run = doc.get("run")
+    if not isinstance(run, dict) or run.get("seal") != run_seal(doc, run):
+        return "its run section (side_files, files, max_shard_size) was edited or removed since it was written"
+    return None
+
+
 def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str, str]) -> dict[str, Any]:
     """The deterministic part of the manifest, with a content hash over all of it."""
     doc: dict[str, Any] = {
@@ -215,6 +238,8 @@ def read_manifest(manifest_path: str | os.PathLike[str]) -> tuple[dict[str, Any]
     validated field by field (types, ranges, references), so that a manifest edited and re-hashed
     consistently still cannot crash a replay or make it allocate more than the files hold."""
     path = Path(manifest_path)
+    if path.is_dir() and (path / MANIFEST).is_file():  # the output's folder: its manifest
+        path = path / MANIFEST
     try:
         doc = json.loads(read_small(path))
     except (OSError, ValueError) as e:
@@ -236,6 +261,9 @@ def read_manifest(manifest_path: str | os.PathLike[str]) -> tuple[dict[str, Any]
     except (OSError, ValueError) as e:
         raise MergeDBError(f"cannot read {path.parent / MASK}: {e}") from None
     problems = manifest_problems(doc, mask)
+    sealed = run_problem(doc)
+    if sealed:
+        raise MergeDBError(f"{path}: {sealed}; restore the manifest, or re-execute the plan")
     if problems:
         raise MergeDBError(f"{path}: {problems[0]}; the manifest was edited or damaged: re-execute the plan")
     return doc, mask

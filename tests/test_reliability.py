@@ -879,3 +879,46 @@ def test_check_deep_reports_its_progress_in_bytes(tmp_path):
     )
     assert totals == [base_bytes + expert_bytes] and sum(ticks) == totals[0] and len(ticks) > 2
     assert check_catalog(cat, progress=ticks.append, on_total=totals.append) == [] and len(totals) == 1
+
+
+def test_an_edited_run_section_is_told_by_replay_and_check(registered):
+    """`content_hash` leaves the manifest's `run` out (timings differ run to run), and replay and
+    `check --output` trusted its side_files, files and max_shard_size: side_files emptied made a replay
+    delete config.json and report success, and `check --output` pass an edited config.json; run removed
+    turned off the stray-weights check (review, 2026-12-03). Those fields are sealed with the hash."""
+    from mergedb import manifest as mf
+
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "ties", "50%"))
+    out = tmp / "sealed"
+    executor.execute(cat.execution_plan(plan.plan_id), out)
+    path = out / "mergedb_manifest.json"
+    good = path.read_bytes()
+    for edit in (
+        lambda d: d["run"].update(side_files={}),
+        lambda d: d["run"].update(max_shard_size=1),
+        lambda d: d["run"].update(files=d["run"]["files"][:-1]),
+        lambda d: d.pop("run"),
+    ):
+        doc = json.loads(good)
+        edit(doc)
+        path.write_text(json.dumps(doc))
+        assert any("run section (side_files, files, max_shard_size) was edited" in p for p in check_output(out))
+        with pytest.raises(MergeDBError, match="run section .* was edited or removed"):
+            executor.replay(path, tmp / "again")
+        assert not (tmp / "again").exists()
+    doc = json.loads(good)  # run.files with a list in it: check raised TypeError (review, 2026-12-03)
+    doc["run"]["files"].append(["x"])
+    path.write_text(json.dumps(doc))
+    assert any("run.files holds entries that are not file names" in p for p in check_output(out))
+    path.write_bytes(good)
+    assert check_output(out) == []
+    # a manifest written before seals (no sealed_run in its hashed part) is read as before
+    doc = json.loads(good)
+    del doc["sealed_run"], doc["run"]["seal"]
+    doc["content_hash"] = mf.content_hash(doc)
+    path.write_text(json.dumps(doc))
+    assert check_output(out) == [] and executor.replay(path, tmp / "again").manifest["tensor_hashes"]
+    # the folder and its manifest's path, swapped: each taken for what it names (review, 2026-12-03: "no
+    # mergedb_manifest.json" of the manifest itself; replay of a folder: "it is a folder")
+    assert check_output(path) == [] and executor.replay(out, tmp / "again2").manifest["tensor_hashes"]

@@ -261,11 +261,11 @@ def read_manifest(manifest_path: str | os.PathLike[str]) -> tuple[dict[str, Any]
     except (OSError, ValueError) as e:
         raise MergeDBError(f"cannot read {path.parent / MASK}: {e}") from None
     problems = manifest_problems(doc, mask)
+    if problems:
+        raise MergeDBError(f"{path}: {problems[0]}; the manifest was edited or damaged: re-execute the plan")
     sealed = run_problem(doc)
     if sealed:
         raise MergeDBError(f"{path}: {sealed}; restore the manifest, or re-execute the plan")
-    if problems:
-        raise MergeDBError(f"{path}: {problems[0]}; the manifest was edited or damaged: re-execute the plan")
     return doc, mask
 
 
@@ -464,6 +464,31 @@ def _mask_problems(doc: dict[str, Any], mask: pa.Table, k: int) -> list[str]:
         return [f"{MASK} row (position {pos[i]}, tensor_idx {ti[i]}, block_idx {b[i]}) appears twice"]
     if mask_digest(mask) != doc["mask_digest"]:
         return [f"{MASK} does not match the manifest's mask digest"]
+    return _described(doc, mask, pos, ti, b)
+
+
+def _described(doc: dict[str, Any], mask: pa.Table, pos: np.ndarray, ti: np.ndarray, b: np.ndarray) -> list[str]:
+    """Problems of the mask's descriptive columns (expert, tensor, row range), which the digest leaves
+    out, against the hashed manifest: a reader of mask.parquet trusts them (review, 2026-12-03)."""
+    first = np.concatenate([[0], np.cumsum([len(t["rows"]) for t in doc["layout"]])]).astype(np.int64)
+    rows = np.array([r for t in doc["layout"] for r in t["rows"]], np.int64).reshape(-1, 2)
+    want = {
+        "expert": np.array([e["name"] for e in doc["experts"]], object)[pos],
+        "tensor": np.array([t["name"] for t in doc["layout"]], object)[ti],
+        "row_start": rows[first[ti] + b, 0] if len(rows) else np.zeros(0, np.int64),
+        "row_end": rows[first[ti] + b, 1] if len(rows) else np.zeros(0, np.int64),
+    }
+    for col, expected in want.items():
+        if col not in mask.column_names:  # a mask written without it
+            continue
+        try:
+            got = np.asarray(mask.column(col).to_numpy(zero_copy_only=False), expected.dtype)
+        except (ValueError, TypeError, pa.ArrowException):
+            return [f"{MASK} column {col} holds values of the wrong type (edited?)"]
+        wrong = np.flatnonzero(got != expected)
+        if wrong.size:
+            i = int(wrong[0])
+            return [f"{MASK} row {i}: {col} is {got[i]!r}, the manifest says {expected[i]!r} (edited?)"]
     return []
 
 

@@ -922,3 +922,26 @@ def test_an_edited_run_section_is_told_by_replay_and_check(registered):
     # the folder and its manifest's path, swapped: each taken for what it names (review, 2026-12-03: "no
     # mergedb_manifest.json" of the manifest itself; replay of a folder: "it is a folder")
     assert check_output(path) == [] and executor.replay(out, tmp / "again2").manifest["tensor_hashes"]
+
+
+def test_edited_descriptive_mask_columns_are_reported(registered):
+    """mask.parquet's expert, tensor and row columns are outside the mask digest: rewritten, they passed
+    `check --output` (review, 2026-12-03). They are compared with the hashed manifest's layout."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fam, cat, tmp = registered
+    plan = cat.plan(PlanRequest("base", None, "ties", "50%"))
+    out = tmp / "maskcols"
+    executor.execute(cat.execution_plan(plan.plan_id), out)
+    good = pq.read_table(out / "mask.parquet")
+    for col, value in (("expert", "someone"), ("tensor", "lm_head.weight.x"), ("row_start", 7)):
+        t = good.set_column(
+            good.column_names.index(col), col, pa.array([value] * good.num_rows, good.schema.field(col).type)
+        )
+        pq.write_table(t, out / "mask.parquet")
+        assert any(f"{col} is" in p and "the manifest says" in p for p in check_output(out)), col
+        with pytest.raises(MergeDBError, match=f"{col} is"):
+            executor.replay(out / "mergedb_manifest.json", tmp / "again")
+    pq.write_table(good, out / "mask.parquet")
+    assert check_output(out) == []

@@ -206,8 +206,9 @@ def _shards_from_index(folder: Path) -> list[str]:
     weight_map = jsondoc.weight_map(raw, index_path)
     roots = link_roots(folder)  # the folder, or a Hugging Face cache snapshot's own blobs/
     first: dict[str, str] = {}  # each shard, checked once (a 20k-tensor index names a few hundred shards), by
-    for tensor, shard in weight_map.items():  # the first tensor that names it
-        first.setdefault(shard, tensor)
+    spelled: dict[str, str] = {}  # one file named two ways (s1.safetensors, ./s1.safetensors) is one shard,
+    for tensor, shard in weight_map.items():  # under its first spelling; by the first tensor that names it
+        first.setdefault(spelled.setdefault(os.path.normpath(shard), shard), tensor)
     for shard, tensor in first.items():
         try:  # a missing shard resolves as far as it can; a link loop has no file at its end
             where = None if "\x00" in shard or os.path.isabs(shard) else (folder / shard).resolve()

@@ -519,3 +519,19 @@ def test_an_index_checks_each_shard_once_not_each_tensor(tmp_path, monkeypatch):
     (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(FormatError, match="tensor 't52' points to missing shard 'gone.safetensors'"):
         checkpoint._shards_from_index(m)
+
+
+def test_one_shard_named_two_ways_in_the_index_is_one_shard(tmp_path):
+    """weight_map naming s1.safetensors for some tensors and ./s1.safetensors for others: the file was
+    opened twice and refused as "a tensor in two shards; remove one copy" (review, 2026-12-03)."""
+    from safetensors.numpy import save_file
+
+    from mergedb.checkpoint import open_checkpoint
+
+    save_file({n: np.ones((2, 2), np.float32) for n in ("a.weight", "b.weight")}, str(tmp_path / "s1.safetensors"))
+    save_file({"c.weight": np.ones((2, 2), np.float32)}, str(tmp_path / "s2.safetensors"))
+    weight_map = {"a.weight": "s1.safetensors", "b.weight": "./s1.safetensors", "c.weight": "s2.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    ckpt = open_checkpoint(tmp_path)
+    assert sorted(t.name for _, t in ckpt.tensors) == ["a.weight", "b.weight", "c.weight"]
+    assert [f.relpath for f in ckpt.files] == ["s1.safetensors", "s2.safetensors"]

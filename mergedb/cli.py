@@ -763,7 +763,7 @@ def score(
 
 @app.command()
 def forget(
-    names: list[str] = typer.Argument(..., metavar="NAME...", help="Registered checkpoints to remove."),
+    names: list[str] = typer.Argument(..., metavar="NAME", help="Registered checkpoints to remove."),
     with_plans: bool = typer.Option(False, "--with-plans", help="Also remove the stored plans that merge them."),
     catalog: Path | None = CatalogOpt,
     wait: float = WaitOpt,

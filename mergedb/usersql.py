@@ -11,6 +11,7 @@ RESET or PRAGMA cannot change that because the configuration is locked.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -28,7 +29,7 @@ SANDBOX = {
     "lock_configuration": True,
 }
 STATEMENTS = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
-ALLOWED = "SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN"
+ALLOWED = "SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN, PIVOT … IN (…)"
 T = TypeVar("T")
 
 
@@ -132,7 +133,9 @@ def check_statement(con: duckdb.DuckDBPyConnection, text: str) -> None:
         )
     if kind not in STATEMENTS:
         what = f"a {kind.name} statement" if kind is not None else "that statement"
-        what = "an INSTALL or LOAD statement" if kind == duckdb.StatementType.LOAD else what  # DuckDB's one kind
+        if kind in (duckdb.StatementType.LOAD, duckdb.StatementType.CALL, duckdb.StatementType.SET):
+            word = _first_word(text)  # DuckDB's kind of CHECKPOINT is CALL, of USE and RESET SET, of INSTALL LOAD
+            what = f"{'an' if word[:1] in 'AEIO' else 'a'} {word} statement"  # a USE, an INSTALL
         raise MergeDBError(f"mergedb sql only reads the catalog, and {what} is not a query; allowed: {ALLOWED}")
 
 
@@ -169,6 +172,12 @@ def _explained(con: duckdb.DuckDBPyConnection, text: str) -> duckdb.StatementTyp
     except duckdb.Error:
         return None
     return _kind(inner[0]) if len(inner) == 1 else None
+
+
+def _first_word(text: str) -> str:
+    """The statement's first keyword, past comments (what the user typed, not DuckDB's kind of it)."""
+    rest = re.sub(r"\A(?:\s+|--[^\n]*(?:\n|\Z)|/\*.*?\*/)*", "", text, flags=re.DOTALL)
+    return (rest.split(None, 1) or ["?"])[0].rstrip(";").upper()
 
 
 TOO_BIG = "the query's result does not fit in memory: add a LIMIT, select fewer or shorter columns, or aggregate"

@@ -135,8 +135,13 @@ def test_sql_refusals_say_why(world):
     for pivot in ("PIVOT plans ON method USING count(*)", "-- a note\nPIVOT plans ON method USING count(*)"):
         with pytest.raises(MergeDBError, match=r"runs PIVOT with its values listed, e.g. PIVOT plans ON method IN"):
             cat.sql(pivot)  # after a comment it was "a MULTI statement is not a query" (review, 2026-12-03)
-    with pytest.raises(MergeDBError, match="an INSTALL or LOAD statement is not a query"):
-        cat.sql("INSTALL spatial")
+    for text, word in (
+        ("INSTALL spatial", "an INSTALL"),
+        ("CHECKPOINT", "a CHECKPOINT"),
+        ("/* x */ USE memory", "a USE"),
+    ):
+        with pytest.raises(MergeDBError, match=f"{word} statement is not a query"):  # not DuckDB's LOAD, CALL, SET
+            cat.sql(text)
     # a query's own text naming a checksum or a permission was reported as a damaged catalog, a full disk
     # or a read-only folder, with advice to restore it from a backup (review, 2026-12-03)
     for query, words in (

@@ -11,9 +11,11 @@ transformers loads (see `open_checkpoint`). A checkpoint without a single tensor
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -412,3 +414,26 @@ class PlanInputs:
 
     def close(self) -> None:
         self.sources.close()
+
+
+def file_times(inputs: Iterable[tuple[str, str]]) -> dict[tuple[str, str], tuple[int, int] | None]:
+    """(size, mtime_ns) of each local (name, path) input's files, by (name, file): a checkpoint's
+    file, or the .safetensors and .json files of its folder and the shards its index names (remote
+    paths are skipped). A stat, not a header read: taken before and after a merge it costs
+    microseconds per file, where a fingerprint of a 20k-tensor checkpoint parses its whole header."""
+    out: dict[tuple[str, str], tuple[int, int] | None] = {}
+    for name, path in inputs:
+        if "://" in path:
+            continue
+        p = Path(path)
+        try:
+            files = [p] if p.is_file() else [f for f in p.iterdir() if f.suffix in (".safetensors", ".json")]
+            for index in (f for f in files if f.name.endswith(".index.json")):
+                shards = json.loads(index.read_bytes()).get("weight_map", {}).values()
+                files += [p / s for s in set(shards) if isinstance(s, str)]
+            for f in files:
+                st = f.stat()
+                out[(name, str(f))] = (st.st_size, st.st_mtime_ns)
+        except (OSError, ValueError, AttributeError):
+            out[(name, path)] = None
+    return out

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from . import fetchplan, methods, outdir
-from .checkpoint import INDEX, open_checkpoint
+from .checkpoint import INDEX, file_times, open_checkpoint
 from .errors import ChangedFileError, MergeDBError
 from .jsondoc import write_json
 from .layout import output_dtype, shard_groups, shard_names
@@ -193,6 +193,7 @@ def execute(
         outdir.check_out(out, force)
         t0, phys0 = time.perf_counter(), physical_read_bytes()
         tmp = outdir.temp_folder(out)
+        inputs = file_times((src.name, src.path) for src in (xp.base, *xp.experts))  # compared after the merge
         merger = prefetch = None
         ok = False
         try:
@@ -210,7 +211,7 @@ def execute(
                 xp, write_shards, tmp, out, out_dt, max_shard_size, progress, expect_hashes, expect_side
             )
             written = shards.written
-            _refuse_changed_while_read(xp)  # before the output is installed as a merge of the plan's inputs
+            _refuse_changed_while_read(xp, inputs)  # before the output is installed as a merge of its inputs
             run["seconds"] = time.perf_counter() - t0
             run["physical_read_bytes"] = physical_read_bytes() - phys0 + shards.physical_bytes
             write_json(tmp / MANIFEST, {**manifest, "run": run})
@@ -240,26 +241,21 @@ def execute(
     )
 
 
-def _refuse_changed_while_read(xp: ExecutionPlan) -> None:
+def _refuse_changed_while_read(xp: ExecutionPlan, before: dict[tuple[str, str], Any]) -> None:
     """Refuse an output whose local inputs changed while they were read (a training job saving into an
     expert's file): it would merge neither version, yet look complete and pass `check --output`, which
-    compares the output with its own manifest. Their fingerprints (sizes, times, headers) were checked
-    when they were opened; they are taken again here, after the last read."""
-    from .lora import adapter_fingerprint, is_adapter
-
-    for src in (xp.base, *xp.experts):
-        if "://" in src.path:
-            continue  # an object replaced mid-read: --verify (README, remote checkpoints)
-        try:
-            now = adapter_fingerprint(src.path) if is_adapter(src.path) else open_checkpoint(src.path).fingerprint
-        except (OSError, MergeDBError):
-            now = None
-        if now != src.fingerprint:
-            raise ChangedFileError(
-                f"{src.name} ({src.path}) changed while this merge read it (its files' sizes, times or headers); "
-                "nothing was installed: run again once nothing writes it (re-register it with `mergedb register "
-                "--refresh` and plan again if its new weights are to be merged)"
-            )
+    compares the output with its own manifest. Their fingerprints were checked when they were opened
+    (after `before` was taken); their files' sizes and times are compared again after the last read."""
+    after = file_times((src.name, src.path) for src in (xp.base, *xp.experts))
+    changed = [k for k in before.keys() | after.keys() if before.get(k) != after.get(k)]
+    if changed:
+        name, _ = min(changed)
+        src = next(s for s in (xp.base, *xp.experts) if s.name == name)
+        raise ChangedFileError(
+            f"{src.name} ({src.path}) changed while this merge read it (its files' sizes or times); "
+            "nothing was installed: run again once nothing writes it (re-register it with `mergedb register "
+            "--refresh` and plan again if its new weights are to be merged)"
+        )
 
 
 @dataclass(frozen=True)

@@ -173,8 +173,9 @@ RUN_SEALED = ("side_files", "files", "max_shard_size")
 
 
 def run_seal(doc: dict[str, Any], run: dict[str, Any]) -> str:
-    """sha256 of `run`'s RUN_SEALED fields with the manifest's content hash."""
-    sealed = {"content_hash": doc.get("content_hash"), **{k: run.get(k) for k in RUN_SEALED}}
+    """sha256 of `run`'s RUN_SEALED fields (not of the content hash: a deterministic part edited and
+    re-hashed is refused by its own checks, with their more telling messages)."""
+    sealed = {k: run.get(k) for k in RUN_SEALED}
     return hashlib.sha256(json.dumps(sealed, sort_keys=True, default=str).encode()).hexdigest()
 
 

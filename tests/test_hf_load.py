@@ -312,14 +312,18 @@ def test_replay_of_an_output_written_with_fewer_side_files_writes_those(tmp_path
     """An output written by a mergedb that copied fewer side files (before additional_chat_templates/,
     tekken.json, custom code): its replay was refused ('the base's side files … differ … edited
     since?') though nothing was edited. A replay writes the side files its output had."""
+    from mergedb import manifest as mf
+
     base, expert = _tiny_pair(tmp_path, chat_templates=True)
     db, res = _merge_cli(tmp_path, base, expert)
     assert res.exit_code == 0, res.output
     out = tmp_path / "out"
     manifest = out / "mergedb_manifest.json"
-    doc = json.loads(manifest.read_text())  # as an older mergedb wrote it: no templates (run is not hashed)
+    doc = json.loads(manifest.read_text())  # as an older mergedb wrote it: no templates, no run seal
     doc["run"]["side_files"] = {k: v for k, v in doc["run"]["side_files"].items() if "/" not in k}
     doc["run"]["files"] = [f for f in doc["run"]["files"] if f != "additional_chat_templates"]
+    del doc["sealed_run"], doc["run"]["seal"]
+    doc["content_hash"] = mf.content_hash(doc)
     manifest.write_text(json.dumps(doc))
     shutil.rmtree(out / "additional_chat_templates")
     res = runner.invoke(app, ["replay", str(manifest), "--out", str(tmp_path / "again")])

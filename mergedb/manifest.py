@@ -167,7 +167,7 @@ def content_hash(doc: dict[str, Any]) -> str:
 
 
 # what replay and `check --output` take from the manifest's `run` section, which `content_hash` leaves
-# out (its timings and byte counts differ run to run): sealed with the content hash, so an edit of them
+# out (its timings and byte counts differ run to run): sealed (`run.seal`, their sha256), so an edit of them
 # is told (review, 2026-12-03: emptied side_files made a replay delete config.json and report success)
 RUN_SEALED = ("side_files", "files", "max_shard_size")
 

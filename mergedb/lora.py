@@ -165,6 +165,7 @@ def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | Non
         rest = key[len(PREFIX) :] if key.startswith(PREFIX) else key
         m = _FACTOR.match(rest)
         if m is None and rest.endswith(".base_layer.weight"):
+            _refuse_tied_head(root, base, rest[: -len(".base_layer.weight")], base_t)  # the reason, not a resave
             raise FormatError(
                 f"{root}: key {key!r} is a saved copy of the base layer under a LoRA-adapted module (peft's "
                 "save_embedding_layers); mergedb merges deltas against the registered base: save the adapter "
@@ -212,13 +213,7 @@ def open_adapter(path: str | os.PathLike[str], base: Checkpoint, name: str | Non
                 f"selects with new factors instead: fix target_modules in {CONFIG}, or save the adapter again"
             )
         target = f"{module}.weight"
-        tied = module.rsplit(".", 1)[-1] == "lm_head" and any(n.endswith(_EMBEDDINGS) for n in base_t)
-        if target not in base_t and tied:  # the head is the input embedding (tie_word_embeddings)
-            raise AlignmentError(
-                f"{root}: the factors of {module!r} adapt the output layer, which base {base.name!r} ties to its "
-                "input embedding (tie_word_embeddings: it holds no lm_head.weight); peft writes that delta into the "
-                "shared tensor, which mergedb does not do: train the adapter without lm_head in target_modules"
-            )
+        _refuse_tied_head(root, base, module, base_t)
         if target not in base_t:
             raise AlignmentError(
                 f"{root}: the factors of {module!r} adapt {target!r}, which base {base.name!r} does not have; "
@@ -347,6 +342,18 @@ def _refuse_undecided_layouts(
             f"of square module {square[0]!r} cannot be told: a Conv1D (GPT-2: (in, out), as this adapter's other "
             "modules or its fan_in_fan_out suggest) or a Linear (out, in); register the base's folder with its "
             "config.json (mergedb register BASE_FOLDER --base)"
+        )
+
+
+def _refuse_tied_head(root: Any, base: Any, module: str, base_t: dict[str, TensorInfo]) -> None:
+    """Refuse an adapter of an output layer the base ties to its input embedding (it holds no
+    `lm_head.weight`): peft writes that delta into the shared tensor, which mergedb does not do."""
+    tied = module.rsplit(".", 1)[-1] == "lm_head" and any(n.endswith(_EMBEDDINGS) for n in base_t)
+    if tied and f"{module}.weight" not in base_t:
+        raise AlignmentError(
+            f"{root}: the adapter adapts {module!r}, the output layer, which base {base.name!r} ties to its input "
+            "embedding (tie_word_embeddings: it holds no lm_head.weight); peft writes that delta into the shared "
+            "tensor, which mergedb does not do: train the adapter without lm_head in target_modules"
         )
 
 

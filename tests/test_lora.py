@@ -244,6 +244,11 @@ def test_an_adapter_on_a_tied_output_layer_is_refused_by_name(tmp_path):
     )
     with pytest.raises(AlignmentError, match="ties to its input embedding .* without lm_head in target_modules"):
         open_adapter(ad, open_checkpoint(base))
+    # saved the peft default way (a copy of the tied layer beside the factors): the tie, not a re-save advice
+    tensors = {f"{head}.lora_A.weight": torch.ones(4, lf.HIDDEN), f"{head}.lora_B.weight": torch.ones(50, 4)}
+    saved = _write(tmp_path / "ad2", {**tensors, f"{head}.base_layer.weight": torch.ones(50, lf.HIDDEN)})
+    with pytest.raises(AlignmentError, match="ties to its input embedding"):
+        open_adapter(saved, open_checkpoint(base))
 
 
 # -- refusals: hand-written adapters, one line each ---------------------------------------------------

@@ -233,8 +233,8 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
     problems = []
     if hashed != doc.get("content_hash"):
         problems.append(f"{path}: content_hash does not match the manifest's contents (edited?)")
-    elif manifest.run_problem(doc):
-        problems.append(f"{path}: {manifest.run_problem(doc)}")
+    elif sealed := manifest.run_problem(doc):
+        problems.append(f"{path}: {sealed}")
     mask = None
     try:
         mask = manifest.read_mask(folder / manifest.MASK, doc)  # its digest is checked by manifest_problems

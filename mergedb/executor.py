@@ -40,7 +40,6 @@ from .manifest import (
     MASK,
     ExecutionPlan,
     build_manifest,
-    content_hash,
     mask_table,
     plan_from_manifest,
     run_seal,
@@ -408,19 +407,11 @@ def _write(
         "files": sorted(p.name for p in tmp.iterdir()) + [MANIFEST],
         "file_stats": outdir.file_stats(tmp),  # what --force may replace: the files as written (outdir._edited)
     }
-    doc = {**_with_rng(xp, build_manifest(xp, out_dt, hashes)), "sealed_run": True}  # run_seal covers run's
-    doc["content_hash"] = content_hash(doc)
-    return doc, {**run, "seal": run_seal(doc, run)}, shards
-
-
-def _with_rng(xp: ExecutionPlan, doc: dict[str, Any]) -> dict[str, Any]:
-    """The manifest of a DARE/DELLA output names its random stream (`rng`, deterministic part), so a
-    replay by a mergedb that draws differently refuses instead of writing other bytes."""
-    if not methods.get_method(xp.method).draws:
-        return doc
-    doc = {**doc, "rng": methods.RNG}
-    doc["content_hash"] = content_hash(doc)
-    return doc
+    # a DARE/DELLA output names its random stream (`rng`), so a replay by a mergedb that draws differently
+    # refuses instead of writing other bytes; `sealed_run`: run_seal covers what replay and check take from run
+    extra = {"rng": methods.RNG} if methods.get_method(xp.method).draws else {}
+    doc = build_manifest(xp, out_dt, hashes, {**extra, "sealed_run": True})
+    return doc, {**run, "seal": run_seal(run)}, shards
 
 
 def _check_rng(path: str | os.PathLike[str], xp: ExecutionPlan, doc: dict[str, Any]) -> None:

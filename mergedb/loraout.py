@@ -59,7 +59,6 @@ from .manifest import (
     MASK,
     ExecutionPlan,
     build_manifest,
-    content_hash,
     mask_table,
     plan_from_manifest,
 )
@@ -349,8 +348,7 @@ def _write(
             errors.append(err or 0.0)
         written = w.total_size
     pq.write_table(mask_table(xp), tmp / MASK)
-    doc = build_manifest(xp, out_dt, hashes)
-    doc["lora"] = {
+    facts_doc = {
         "format": "peft-lora",
         "rank": rank,
         "exact": rank is None,
@@ -359,7 +357,7 @@ def _write(
         "key_hashes": key_hashes,
         "max_rel_error": max(errors, default=0.0),
     }
-    doc["content_hash"] = content_hash(doc)
+    doc = build_manifest(xp, out_dt, hashes, {"lora": facts_doc})
     run = {
         "expert_bytes_logical": read,
         "base_bytes": 0,

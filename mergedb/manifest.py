@@ -172,7 +172,7 @@ def content_hash(doc: dict[str, Any]) -> str:
 RUN_SEALED = ("side_files", "files", "max_shard_size")
 
 
-def run_seal(doc: dict[str, Any], run: dict[str, Any]) -> str:
+def run_seal(run: dict[str, Any]) -> str:
     """sha256 of `run`'s RUN_SEALED fields (not of the content hash: a deterministic part edited and
     re-hashed is refused by its own checks, with their more telling messages)."""
     sealed = {k: run.get(k) for k in RUN_SEALED}
@@ -185,13 +185,16 @@ def run_problem(doc: dict[str, Any]) -> str | None:
     if doc.get("sealed_run") is not True:
         return None
     run = doc.get("run")
-    if not isinstance(run, dict) or run.get("seal") != run_seal(doc, run):
+    if not isinstance(run, dict) or run.get("seal") != run_seal(run):
         return "its run section (side_files, files, max_shard_size) was edited or removed since it was written"
     return None
 
 
-def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str, str]) -> dict[str, Any]:
-    """The deterministic part of the manifest, with a content hash over all of it."""
+def build_manifest(
+    xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str, str], extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The deterministic part of the manifest, with `extra` keys (rng, sealed_run, lora), and a content
+    hash over all of it (computed once: a 20k-tensor manifest is megabytes of JSON)."""
     doc: dict[str, Any] = {
         "format": FORMAT,
         "plan_hash": xp.plan_hash,
@@ -218,6 +221,7 @@ def build_manifest(xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str
         "tensor_params": xp.tensor_params.to_pylist() if xp.tensor_params is not None else None,
         "mask_digest": mask_digest(xp.mask),
         "tensor_hashes": tensor_hashes,
+        **(extra or {}),
     }
     doc["content_hash"] = content_hash(doc)
     return doc

@@ -11,7 +11,6 @@ transformers loads (see `open_checkpoint`). A checkpoint without a single tensor
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 from collections import Counter
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import jsondoc, remote
-from .errors import ChangedFileError, FormatError
+from .errors import ChangedFileError, FormatError, MergeDBError
 from .plainfile import file_kind, leads_inside, link_roots, read_small
 from .remote import RemotePath
 from .sources import LocalFile, RemoteFile, RemoteOptions, Sources
@@ -429,11 +428,10 @@ def file_times(inputs: Iterable[tuple[str, str]]) -> dict[tuple[str, str], tuple
         try:
             files = [p] if p.is_file() else [f for f in p.iterdir() if f.suffix in (".safetensors", ".json")]
             for index in (f for f in files if f.name.endswith(".index.json")):
-                shards = json.loads(index.read_bytes()).get("weight_map", {}).values()
-                files += [p / s for s in set(shards) if isinstance(s, str)]
+                files += [p / s for s in set(jsondoc.weight_map(read_small(index), index).values())]
             for f in files:
                 st = f.stat()
                 out[(name, str(f))] = (st.st_size, st.st_mtime_ns)
-        except (OSError, ValueError, AttributeError):
+        except (OSError, MergeDBError):
             out[(name, path)] = None
     return out

@@ -33,27 +33,22 @@ def check_space(root: Path, xps: list[ExecutionPlan], dtypes: list[str | None]) 
     need = sum(
         tensor_nbytes(output_dtype(t, normalize_dtype(dt)), t.shape) for xp, dt in zip(xps, dtypes) for t in xp.tensors
     )
+    per_base: dict[str, tuple[int, int]] = {}  # base path -> (its side files, their bytes): listed once
     extra = 0
     for xp in xps:
-        base = Path(xp.base.path)
-        folder = base if base.is_dir() else base.parent
-        try:
-            side = side_files(folder) if "://" not in xp.base.path else []
-            sides = sum((folder / f).stat().st_size for f in side)
-        except OSError:
-            side, sides = [], 0
+        if xp.base.path not in per_base:
+            base = Path(xp.base.path)
+            folder = base if base.is_dir() else base.parent
+            try:
+                side = side_files(folder) if "://" not in xp.base.path else []
+                per_base[xp.base.path] = (len(side), sum((folder / f).stat().st_size for f in side))
+            except OSError:
+                per_base[xp.base.path] = (0, 0)
+        n_side, sides = per_base[xp.base.path]
         headers = sum(len(t.name) + 200 for t in xp.tensors)  # a header entry; the manifest's per tensor
-        files = len(side) + 4 + sum(tensor_nbytes(t.dtype, t.shape) for t in xp.tensors) // (1 << 30)  # + shards
+        files = n_side + 4 + sum(tensor_nbytes(t.dtype, t.shape) for t in xp.tensors) // (1 << 30)  # + shards
         extra += sides + 3 * headers + xp.mask.nbytes + (64 << 10) + files * 4096
-    where = nearest(root)
-    free = shutil.disk_usage(where).free
-    if need + extra > free:
-        whole = need + extra
-        raise MergeDBError(
-            f"the sweep's {len(xps)} outputs need {format_size(whole)} ({whole:,} bytes) under {root} but its disk has "
-            f"{format_size(free)} ({free:,} bytes) free; free space, choose another DIR, or sweep fewer plans "
-            "(nothing was stored)"
-        )
+    _refuse_short(root, len(xps), need + extra, "", "stored")
     return need
 
 
@@ -82,12 +77,16 @@ def check_space_early(cat: Catalog, root: Path, requests: list[Any], dtypes: lis
             tensor_nbytes(out_dt if t["mergeable"] and out_dt else t["dtype"], t["shape"])
             for t in by_base.get(base, [])
         )
+    _refuse_short(root, len(asked), need, "at least ", "planned")
+
+
+def _refuse_short(root: Path, n: int, need: int, least: str, nothing: str) -> None:
     free = shutil.disk_usage(nearest(root)).free
     if need > free:
         raise MergeDBError(
-            f"the sweep's {len(asked)} outputs need at least {format_size(need)} ({need:,} bytes) under {root} but "
-            f"its disk has {format_size(free)} ({free:,} bytes) free; free space, choose another DIR, or sweep "
-            "fewer plans (nothing was planned)"
+            f"the sweep's {n} outputs need {least}{format_size(need)} ({need:,} bytes) under {root} but its disk "
+            f"has {format_size(free)} ({free:,} bytes) free; free space, choose another DIR, or sweep fewer plans "
+            f"(nothing was {nothing})"
         )
 
 

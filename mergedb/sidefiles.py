@@ -168,7 +168,8 @@ def refuse_lost(base: str, root: str, record: str | None) -> None:
     (`record`, checkpoints.side_files): the output would lack it (a model without config.json does not
     load) and look complete. Files added since are copied as ever; an edited file is the user's."""
     names = [] if record is None else json.loads(record)
-    lost = [n for n in names if n not in side_files(Path(root))]
+    now = set(side_files(Path(root))) if names else set()  # listed once (it reads configs for auto_map)
+    lost = [n for n in names if n not in now]
     if lost:
         raise ChangedFileError(
             f"base {base!r} ({root}) no longer holds {', '.join(lost[:5])}{' …' if len(lost) > 5 else ''}, which it "

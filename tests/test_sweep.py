@@ -869,3 +869,17 @@ def test_a_rerun_with_another_dtype_does_not_call_the_old_outputs_complete(fam, 
             sw.sweep(cat, req, tmp_path / "o", **kw)
     with pytest.raises(PlanExistsError, match=r"1 complete \(mixed-density=0.2\), 1 missing"):
         sw.sweep(cat, req, tmp_path / "o")
+
+
+def test_a_sweep_over_a_base_that_lost_a_side_file_is_refused(tmp_path):
+    """execute refuses a base whose config.json went missing since registration (schema 016); a
+    sweep writes through the executor without that check, so it wrote outputs lacking config.json."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=9)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    (fam / "base" / "config.json").unlink()
+    req = grid.grid_requests(PlanRequest("base", None, "ties"), {"density": [0.2, 0.4]}, "lost")
+    n = _plan_count(cat)
+    with pytest.raises(MergeDBError, match=r"base 'base' .* no longer holds config.json"):
+        sw.sweep(cat, req, tmp_path / "o")
+    assert _plan_count(cat) == n and not (tmp_path / "o").exists()

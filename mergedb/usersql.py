@@ -11,7 +11,6 @@ RESET or PRAGMA cannot change that because the configuration is locked.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -150,9 +149,7 @@ def _kind(statement: Any) -> duckdb.StatementType | None:
 
 def _explained(con: duckdb.DuckDBPyConnection, text: str) -> duckdb.StatementType | None:
     """The type of the statement an EXPLAIN [ANALYZE] [(options)] text explains (None: unknown)."""
-    tokens = duckdb.tokenize(text)
-    words = [(at, text[at:end].upper()) for (at, kind), end in zip(tokens, [t[0] for t in tokens[1:]] + [len(text)])
-             if kind != duckdb.token_type.comment]  # fmt: skip
+    words = _words(text)
     i = 1  # after EXPLAIN
     if i < len(words) and words[i][1].strip() == "ANALYZE":
         i += 1
@@ -174,10 +171,17 @@ def _explained(con: duckdb.DuckDBPyConnection, text: str) -> duckdb.StatementTyp
     return _kind(inner[0]) if len(inner) == 1 else None
 
 
+def _words(text: str) -> list[tuple[int, str]]:
+    """(offset, upper-cased text) of each token of `text` that is not a comment (DuckDB's tokenizer)."""
+    tokens = duckdb.tokenize(text)
+    return [(at, text[at:end].upper()) for (at, kind), end in zip(tokens, [t[0] for t in tokens[1:]] + [len(text)])
+            if kind != duckdb.token_type.comment]  # fmt: skip
+
+
 def _first_word(text: str) -> str:
     """The statement's first keyword, past comments (what the user typed, not DuckDB's kind of it)."""
-    rest = re.sub(r"\A(?:\s+|--[^\n]*(?:\n|\Z)|/\*.*?\*/)*", "", text, flags=re.DOTALL)
-    return (rest.split(None, 1) or ["?"])[0].rstrip(";").upper()
+    words = _words(text)
+    return words[0][1].strip().rstrip(";") if words else "?"
 
 
 TOO_BIG = "the query's result does not fit in memory: add a LIMIT, select fewer or shorter columns, or aggregate"

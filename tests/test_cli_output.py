@@ -155,3 +155,20 @@ def test_register_says_which_checkpoints_moved(tmp_path):
     shutil.move(fam, tmp_path / "moved")
     out = run("register", tmp_path / "moved", "--base-model", "base", "-c", db)
     assert "registered 0 (-), unchanged 2 (moved here: base, expert_00); read 0 B" in out, out
+
+
+def test_a_table_stops_at_its_row_cap_and_says_how_to_get_every_row(world):
+    """Rich laid out every row: `mergedb sql` of a million rows as a table took 226 s (csv 2.4 s).
+    A table shows the first render.TABLE_ROWS rows and says how many it left out; csv prints all."""
+    from mergedb import render
+
+    _, cat, _ = world
+    n = render.TABLE_ROWS + 7
+    query = f"SELECT range AS i FROM range({n})"
+    lines = run("sql", query, "-c", cat.path).splitlines()
+    shown = [ln.strip() for ln in lines if ln.strip().isdigit()]
+    assert shown == [str(i) for i in range(render.TABLE_ROWS)]
+    assert lines[-1].startswith("… 7 more rows") and "--format csv" in lines[-1], lines[-1]
+    every = list(csv.reader(io.StringIO(run("sql", query, "-c", cat.path, "-f", "csv"))))
+    assert every == [["i"], *([str(i)] for i in range(n))]
+    assert "more rows" not in run("sql", f"SELECT range AS i FROM range({render.TABLE_ROWS})", "-c", cat.path)

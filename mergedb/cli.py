@@ -164,11 +164,11 @@ def register(
         "--refresh",
         help="Re-scan experts whose files changed, and an expert named itself (bytes changed in place: --verify).",
     ),
-    threads: int = typer.Option(
-        os.cpu_count() or 1,
+    threads: int | None = typer.Option(
+        None,
         "--threads",
         show_default=False,
-        help="Worker threads (1 to 1024) [default: this machine's cores].",
+        help="Worker threads (1 to 1024) [default: this machine's cores; with --ray, 1 per expert's task].",
     ),
     ray: str | None = RayOpt,
     catalog: Path | None = CatalogOpt,
@@ -183,12 +183,13 @@ def register(
     rule = None  # the default for a new base, and an existing base's own layout
     if block_size is not None or vocab_block_size is not None:  # checked here, before any read
         rule = block_sizes("auto" if block_size is None else block_size, vocab_block_size)
-    check_threads(threads)
+    if threads is not None:
+        check_threads(threads)
     scanner = None
     if ray is not None:
         from .rayexec import expert_scanner  # one Ray task per expert; this process writes the catalog
 
-        scanner = expert_scanner(ray)
+        scanner = expert_scanner(ray, threads_per_task=threads or 1)  # as execute --ray: --threads cores a task
     with _held_progress(quiet, "register") as (advance, on_total):
         r = _catalog(catalog, wait).register(
             paths,
@@ -197,7 +198,7 @@ def register(
             name=name,
             block_size=rule,
             refresh=refresh,
-            threads=threads,
+            threads=threads or os.cpu_count() or 1,
             progress=advance,
             on_total=on_total,
             scanner=scanner,

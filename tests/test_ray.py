@@ -228,6 +228,19 @@ def test_cli_execute_and_register_with_ray(tmp_path):
     assert [x["status"] for x in runs] == ["ok", "ok"] and runs[0]["expert_bytes"] == runs[1]["expert_bytes"]
 
 
+def test_cli_register_with_ray_gives_each_expert_task_its_threads(tmp_path):
+    """`register --ray ADDRESS --threads N` ran every expert's scan on 1 CPU and 1 thread, --threads
+    dropped without a word (code-health review): each task asks for N CPUs now, as execute --ray's do,
+    so more than any node has is refused before anything is stored."""
+    folder = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=6)
+    db = tmp_path / "c.duckdb"
+    n = int(ray.cluster_resources().get("CPU", 0)) if ray.is_initialized() else os.cpu_count()
+    args = ["register", str(folder), "--base-model", "base", "--ray", "local", "-c", str(db), "-q"]
+    r = CliRunner().invoke(app, [*args, "--threads", str(n + 1)])
+    assert r.exit_code == 1 and f"--threads {n + 1} asks each Ray task for {n + 1} CPUs" in r.output, r.output
+    assert not db.exists() or Catalog(db).sql("SELECT count(*) FROM checkpoints").column(0)[0].as_py() == 0
+
+
 def test_unreachable_or_malformed_address_is_refused_quickly(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process
     with socket.socket() as s:  # a port nothing listens on

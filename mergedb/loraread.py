@@ -110,11 +110,15 @@ def delta_rows(f: LoraFactor, left: np.ndarray, right: np.ndarray, out: np.ndarr
     return out
 
 
-def dense_rows(files: AdapterFiles, where: tuple[int, TensorInfo], row_bytes: int, r0: int, r1: int) -> np.ndarray:
-    """Rows r0..r1 of a modules_to_save tensor, decoded to float32 (flat)."""
+def dense_rows(
+    files: AdapterFiles, where: tuple[int, TensorInfo], shape: tuple[int, ...], r0: int, r1: int, out: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows r0..r1 of a modules_to_save tensor of `shape`, decoded to float32 into `out` (flat), and
+    the raw bytes read for them."""
     t = where[1]
-    raw = files.read(where, r0 * row_bytes, (r1 - r0) * row_bytes, np.empty((r1 - r0) * row_bytes, np.uint8))
-    return _decode(raw, t.dtype)
+    rb = t.nbytes // shape[0] if len(shape) > 1 else t.nbytes  # bytes per row of the replacement
+    raw = files.read(where, r0 * rb, (r1 - r0) * rb, np.empty((r1 - r0) * rb, np.uint8))
+    return as_float32(raw.view(DTYPES[t.dtype][1]), t.dtype, out), raw
 
 
 def full_delta(adapter: Adapter, name: str) -> np.ndarray:

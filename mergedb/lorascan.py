@@ -30,7 +30,7 @@ from . import scan, stats
 from .checkpoint import Checkpoint
 from .layout import FamilyTensor, element_offset
 from .lora import Adapter
-from .loraread import AdapterFiles, delta_rows, read_fixed, read_rows
+from .loraread import AdapterFiles, delta_rows, dense_rows, read_fixed, read_rows
 from .readahead import in_order
 from .sources import RemoteOptions, Sources
 from .tensorfile import DTYPES, as_float32
@@ -202,12 +202,7 @@ def block_values(
     (the block's read cost)."""
     factor = ad.factors.get(name)
     if factor is None:
-        where = ad.dense[name]
-        t = where[1]
-        rb = t.nbytes // shape[0] if len(shape) > 1 else t.nbytes  # bytes per row of the replacement
-        raw = af.read(where, r0 * rb, (r1 - r0) * rb, np.empty((r1 - r0) * rb, np.uint8))
-        as_float32(raw.view(DTYPES[t.dtype][1]), t.dtype, out)
-        return out, raw
+        return dense_rows(af, ad.dense[name], shape, r0, r1, out)
     assert right is not None  # read_fixed's R for every adapted tensor (callers pass it)
     left, raw = read_rows(af, factor, r0, r1)  # (rows, rank) float32
     d = delta_rows(factor, left, right, out.reshape(r1 - r0, -1))  # (rows, cols) float32 ΔW

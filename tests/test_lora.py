@@ -136,7 +136,9 @@ def test_modules_to_save_and_embedding_adapter(base_dir, tmp_path):
     merged = lf.merged_state(base_dir, ad_dir)["lm_head.weight"].numpy()
     files = AdapterFiles(ad)
     try:
-        got = dense_rows(files, ad.dense["lm_head.weight"], lf.HIDDEN * 4, 0, lf.VOCAB).reshape(lf.VOCAB, lf.HIDDEN)
+        out = np.empty(lf.VOCAB * lf.HIDDEN, np.float32)
+        shape = (lf.VOCAB, lf.HIDDEN)
+        got = dense_rows(files, ad.dense["lm_head.weight"], shape, 0, lf.VOCAB, out)[0].reshape(shape)
     finally:
         files.close()
     np.testing.assert_array_equal(got, merged)

@@ -89,6 +89,12 @@ NEGATIVE_CONSENSUS = (
 )
 
 
+def cancel(total: Any, magnitude: Any) -> Any:
+    """Whether weights summing to `total`, of absolute sum `magnitude`, cancel for linear's
+    normalize: relative to their size (1e-13 and 1e-13 are fine; 1 and -1 are not). Works elementwise."""
+    return np.abs(total) <= 1e-12 * magnitude
+
+
 def validate(method: str, params: dict[str, Any], weights: list[float], n_experts: int) -> dict[str, Any]:
     """Fill defaults and check every parameter; returns the full, canonical parameter dict."""
     m = get_method(method)
@@ -156,8 +162,8 @@ def validate(method: str, params: dict[str, Any], weights: list[float], n_expert
         raise PlanError(f"weight {i + 1} of {n_experts} is {weights[i]:g}: {NEGATIVE_CONSENSUS.format(method=method)}")
     if method == "model_stock" and any(w != 1.0 for w in weights):
         raise PlanError("model_stock takes no weights: its ratio t comes from the angles between the experts' deltas")
-    if method == "linear" and p["normalize"] and abs(sum(weights)) < 1e-12:
-        raise PlanError("linear with normalize needs weights that do not sum to zero")
+    if method == "linear" and p["normalize"] and cancel(sum(weights), sum(abs(w) for w in weights)):
+        raise PlanError(f"linear with normalize needs weights that do not sum to zero; these sum to {sum(weights):g}")
     big = [c for c in coefficients(method, p, list(weights)) if abs(c) > MAX_SCALE]
     if big:
         raise PlanError(

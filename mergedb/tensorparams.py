@@ -242,11 +242,19 @@ def _check(
         if "epsilon" in full:
             e = full["epsilon"]
             refuse(~((e >= 0) & (d - e > 0) & (d + e <= 1)), "epsilon must keep density ± epsilon inside (0, 1]")
+    if "weight" in full:  # as methods.validate: float32's sums lose a weight below its normal range
+        w, tiny = full["weight"], np.finfo(np.float32).tiny
+        refuse(
+            merge & (w != 0) & (np.abs(w) < tiny),
+            f"a weight below float32's normal range ({tiny:.3g}), where the merge's float32 sums lose it; "
+            "give 0 or scale the weights up",
+        )
     if methods.get_method(method).consensus:
         refuse(merge & (full["weight"] < 0), "a negative weight: " + methods.NEGATIVE_CONSENSUS.format(method=method))
     if method == "linear" and normalize:
+        w = full["weight"]
         refuse(
-            merge & (np.abs(full["weight"].sum(axis=0)) < 1e-12),
+            merge & methods.cancel(w.sum(axis=0), np.abs(w).sum(axis=0)),
             "linear with normalize needs weights that do not sum to zero",
         )
 

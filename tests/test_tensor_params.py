@@ -239,6 +239,8 @@ BAD = [
     ("ties", [(1, T0, "density", 1.5)], rf"'expert_01' in tensor '{T0}': density must be in \(0, 1\]"),
     ("dare_ties", [(2, T0, "density", 0.0)], r"'expert_02' in tensor .*density must be in \(0, 1\]"),
     ("task_arithmetic", [(0, T0, "weight", 1e7)], r"weight outside ±1e\+06"),
+    # accepted per tensor where refused per plan: float32 made w·Δ 0 but counted w, so TIES kept the base (review)
+    ("ties", [(1, T0, "weight", 1e-41)], rf"'expert_01' in tensor '{T0}': a weight below float32's normal range"),
     # sign election sorts experts by the sign of Δ, not of w·Δ: a negative weight dropped the delta
     ("ties", [(1, T0, "weight", -0.5)], rf"'expert_01' in tensor '{T0}': a negative weight: ties elects"),
     ("breadcrumbs_ties", [(0, T0, "weight", -1.0)], r"a negative weight: breadcrumbs_ties elects each element"),
@@ -398,3 +400,25 @@ def test_linear_weights_may_cancel_without_normalize(family, loaded, tmp_path):
     np.testing.assert_allclose(np.asarray(got[T0], np.float64), want, rtol=0, atol=np.abs(want).max() * 2**-7)
     with pytest.raises(PlanError, match="linear with normalize needs weights that do not sum to zero"):
         cat.plan(PlanRequest("base", tuple(EXPERTS[:2]), "linear", "all", (1.0, -1.0)))
+
+
+def test_linear_normalize_takes_small_weights_that_do_not_cancel(family, tmp_path):
+    """Weights of 1e-13 each were refused as summing to zero (an absolute 1e-12 test); normalized they
+    are 0.5 each: the merge of (1, 1). Cancelling is judged against the weights' own size, per tensor too."""
+    kind, folder, cat = family
+    pair = tuple(EXPERTS[:2])
+    want = cat.plan(PlanRequest("base", pair, "linear", "all", (1.0, 1.0)))
+    small = cat.plan(PlanRequest("base", pair, "linear", "all", (1e-13, 1e-13)))
+    rows = pa.table(
+        {"position": pa.array([0, 1], pa.int32()), "tensor": [T0, T0], "param": ["weight"] * 2, "value": [1e-13] * 2}
+    )
+    per_tensor = cat.plan(PlanRequest("base", pair, "linear", "all", (1.0, 1.0), tensor_params=rows))
+    for name, plan in (("want", want), ("small", small), ("per_tensor", per_tensor)):
+        cat.execute(plan.plan_id, tmp_path / name)
+    assert _tensors(tmp_path / "small") == _tensors(tmp_path / "want") == _tensors(tmp_path / "per_tensor")
+    with pytest.raises(PlanError, match=r"do not sum to zero; these sum to 1(\.\d+)?e-13"):
+        cat.plan(PlanRequest("base", pair, "linear", "all", (1.0, -1.0 + 1e-13)))
+
+
+def _tensors(out) -> dict[str, bytes]:
+    return {k: np.asarray(v).tobytes() for k, v in load_model(out).items()}

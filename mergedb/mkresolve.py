@@ -186,8 +186,9 @@ def mergekit_params(cfg: MergeConfig, names: list[str]) -> dict[str, tuple[dict[
     m, base = cfg.merge_method, cfg.base_model
     spec = MERGEKIT_DEFAULTS[m]
     inputs = list(cfg.models)
-    if m == "linear" and base is not None and not cfg.base_inferred and base not in [e.model for e in inputs]:
-        inputs.append(ModelEntry(base))  # mergekit adds base_model as an input
+    listed = cfg.layer_range is None and not cfg.base_inferred  # models: form; a slice's sources: as written
+    if m == "linear" and base is not None and listed and base not in [e.model for e in inputs]:
+        inputs.append(ModelEntry(base))  # mergekit adds base_model as an input to a models: list only
     shared_scopes = (cfg.slice_parameters, cfg.parameters)  # mergekit's sources(None): never a model's own
     out = {}
     for tensor in names:

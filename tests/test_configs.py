@@ -152,6 +152,17 @@ models: [{model: a, parameters: {weight: 1}}, {model: b, parameters: {weight: 2}
 parameters: {weight: 1}
 """).resolve(NAMES)
     assert lin.weights == (0.25, 0.5) and lin.params == {"normalize": False}
+    # ... but not to a slice's sources, which mergekit merges as written: (a + 2b) / 3, no base (review)
+    sliced = parse_config(f"""
+merge_method: linear
+base_model: base
+slices:
+  - sources:
+      - {{model: a, layer_range: [0, {LAYERS}], parameters: {{weight: 1}}}}
+      - {{model: b, layer_range: [0, {LAYERS}], parameters: {{weight: 2}}}}
+parameters: {{weight: 1}}
+""").resolve(NAMES)
+    assert sliced.weights == pytest.approx((1 / 3, 2 / 3), abs=1e-15) and sliced.params == {"normalize": False}
     lin2 = parse_config("""
 merge_method: linear
 models: [{model: a, parameters: {weight: [1, 3]}}, {model: b, parameters: {weight: 1}}]

@@ -37,7 +37,8 @@ _STORED = {"weight": "weight", "density": "density", "epsilon": "epsilon", "gamm
 
 
 def tensor_names(cat: Catalog, base: str) -> list[str]:
-    """The tensor names of registered base `base`'s family, in file order."""
+    """The names of registered base `base`'s float tensors, in file order: what a config is evaluated
+    over (integer buffers pass through from the base; mergekit plans none of them)."""
     with cat.duckdb_connection() as con:
         names = [r[0] for r in con.execute(query("family_tensor_names"), [base]).fetchall()]
     if not names:

@@ -194,6 +194,30 @@ def test_config_from_a_path_at_a_budget(family, tmp_path, monkeypatch):
     assert plan.selected_bytes <= plan.budget_bytes < plan.full_bytes and plan.name == "ta40"
 
 
+def test_a_config_need_not_give_values_for_integer_buffers(family, tmp_path, monkeypatch):
+    """Filters covering every float tensor were refused for the int64 buffer position_ids ("no t
+    for tensor 'model.rotary_emb.position_ids'"), which mergekit never plans and mergedb copies from
+    the base (mergekit review). The buffer comes out as the base's, the filtered tensors merged."""
+    root, db, models = family
+    monkeypatch.chdir(root)
+    ints = [n for n, t in models["base"].items() if not t.is_floating_point()]
+    assert ints  # the family has one, or this test tests nothing
+    (tmp_path / "w.yml").write_text(
+        "merge_method: task_arithmetic\nbase_model: family/base\nmodels:\n"
+        "  - model: family/expert_00\n    parameters:\n      weight: [{filter: weight, value: 0.5}]\n"
+    )
+    res = runner.invoke(app, ["plan", "--config", str(tmp_path / "w.yml"), "-c", str(db)])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["execute", str(_plans(db)), "--out", str(out), "-c", str(db), "-q"]).exit_code == 0
+    got = load(out)
+    for n in ints:
+        assert torch.equal(got[n], models["base"][n]), n
+    n = "model.layers.0.mlp.up_proj.weight"
+    want = as64(models["base"][n]) + 0.5 * (as64(models["expert_00"][n]) - as64(models["base"][n]))
+    np.testing.assert_allclose(as64(got[n]), want, rtol=0, atol=np.abs(want).max() * 2**-7)
+
+
 @pytest.mark.parametrize(
     "args,config,needle",
     [

@@ -152,6 +152,12 @@ def plan_to_mergekit(cat: Catalog, plan: int | str) -> str:
     ckpts = cat.checkpoints()
     base_dtype = next((r.dtype for r in ckpts if r.name == summary.base), None)
     adapters = {e.name for e in xp.experts if is_adapter(e.path)}  # mergekit: BASE+ADAPTER, the base with it applied
+    for src in (xp.base, *xp.experts):  # mergekit reads PATH@REVISION and MODEL+LORA in any name it is given
+        if "@" in str(src.path) or "+" in str(src.path):
+            raise ConfigError(
+                f"{src.name!r} is registered at {src.path}, whose '@' or '+' mergekit reads as a revision or a "
+                "LoRA to apply, naming another model: register it from a path without them to export this plan"
+            )
     paths = {r.name: f"{xp.base.path}+{r.path}" if r.name in adapters else r.path for r in ckpts}
     text = to_mergekit_yaml(res, paths, [t.name for t in xp.tensors], base_dtype)
     notes = []  # what mergekit cannot express: it reads every block, and draws DARE's drops from its own seed

@@ -387,5 +387,4 @@ def export_dict(res: Resolution, paths: dict[str, str], names: list[str], base_d
     if out_dtype:  # mergedb computes in float32 and writes out_dtype (by default the base's dtype)
         out["dtype"] = "float32"
         out["out_dtype"] = {v: k for k, v in DTYPES.items()}[out_dtype]
-    out["tokenizer_source"] = "base"
-    return out
+    return out  # no tokenizer_source: with one, mergekit rebuilds the embeddings with a row per token

@@ -194,6 +194,19 @@ def test_config_from_a_path_at_a_budget(family, tmp_path, monkeypatch):
     assert plan.selected_bytes <= plan.budget_bytes < plan.full_bytes and plan.name == "ta40"
 
 
+def test_a_plan_over_a_path_mergekit_would_misread_is_not_exported(tmp_path):
+    """A registered path holding '@' was written back as it is: mergekit reads PATH@REVISION (and
+    MODEL+LORA) in any name, so the "equivalent" config named another model (mergekit review)."""
+    root = tmp_path / "models@v2"
+    synth.make_family(root / "family", experts=2, size="tiny", seed=3)
+    db = str(tmp_path / "c.duckdb")
+    assert runner.invoke(app, ["register", str(root / "family"), "--base-model", "base", "-c", db, "-q"]).exit_code == 0
+    assert runner.invoke(app, ["plan", "--base", "base", "--all", "-m", "task_arithmetic", "-c", db]).exit_code == 0
+    res = runner.invoke(app, ["show-plan", "1", "--format", "mergekit", "-c", db])
+    assert res.exit_code == 1 and "'@' or '+' mergekit reads as a revision" in res.output, res.output
+    assert "models@v2" in res.output and "merge_method" not in res.output
+
+
 def test_a_config_need_not_give_values_for_integer_buffers(family, tmp_path, monkeypatch):
     """Filters covering every float tensor were refused for the int64 buffer position_ids ("no t
     for tensor 'model.rotary_emb.position_ids'"), which mergekit never plans and mergedb copies from

@@ -620,6 +620,7 @@ def test_stored_plan_exports_to_a_config_that_resolves_to_it(registered, method,
     text = to_mergekit_yaml(plan_resolution(plan), {r.name: r.path for r in rows}, names, base_dtype="BF16")
     back = bind_models(parse_config(text), rows).resolve(names)
     assert back.experts == ("expert_00", "expert_01") and back.output_dtype == "bf16"
+    assert "tokenizer_source" not in text  # with one, mergekit resizes the embeddings to the tokenizer (review)
     # what mergedb will compute: linear's coefficients w / Σw; otherwise the plan's own weights
     want = [w / sum(weights) for w in weights] if method == "linear" else list(weights)
     for n in names:

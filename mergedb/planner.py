@@ -412,7 +412,7 @@ def _store(
         req.strategy,
         (inp.base_fingerprint, inp.base_content),
         list(zip(inp.fingerprints, inp.contents, inp.weights)),
-        sel.trims,
+        plans.trims_by_position(sel.trims, inp.ids),
         sel.mask_digest(),  # the digest thread has run beside the inserts above
         per_tensor,
         inp.method.unit,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,8 +204,8 @@ def plan_hash(
 ) -> str:
     """A plan's identity: sha256 of what it merges and how. Its method, parameters, seed, budget and
     strategy (None: left out, as plans made before schema 004 were hashed); the base's and each
-    expert's (fingerprint, content) as planned, with the weights; its thresholds (checkpoint_id,
-    tensor_idx, t_lo, t_hi, exact, by checkpoint and tensor); its mask (manifest.mask_digest);
+    expert's (fingerprint, content) as planned, with the weights; its thresholds (trims_by_position:
+    position, tensor_idx, t_lo, t_hi, exact; by checkpoint_id before 2026-12-03); its mask (manifest.mask_digest);
     per-tensor values where it has them; its unit of selection when it is not the block (methods.Method.
     unit: model_stock's plans by whole tensors since 2026-12-02; its older plans, per block, keep the hash
     they had). The planner makes it, and `refuse_altered` makes it again
@@ -231,6 +232,20 @@ def _canonical_table(t: pa.Table) -> bytes:
     return json.dumps(t.to_pylist(), sort_keys=True, default=str).encode()
 
 
+def trims_by_position(trims: pa.Table, ids: Sequence[int]) -> pa.Table:
+    """A plan's thresholds keyed by expert position (as its manifest keys them), in (position,
+    tensor_idx) order: what its hash covers since 2026-12-03, so that one plan over the same
+    experts has one hash in every catalog whatever order they were registered in (checkpoint ids
+    follow that order). `ids`: the plan's expert checkpoint ids, by position."""
+    at = {int(c): p for p, c in enumerate(ids)}
+    rows = sorted(
+        ({"position": at[r["checkpoint_id"]], **{k: v for k, v in r.items() if k != "checkpoint_id"}}
+         for r in trims.to_pylist()),
+        key=lambda r: (r["position"], r["tensor_idx"]),
+    )  # fmt: skip
+    return pa.Table.from_pylist(rows) if rows else pa.table({})
+
+
 def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
     """Refuse a plan whose stored rows no longer give its hash: a catalog edited or damaged since it
     was planned, which would merge another model than the plan's, even past its budget (its mask)."""
@@ -238,9 +253,11 @@ def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
     base_fp, base_content, strategy = con.execute(
         "SELECT base_fingerprint, base_content, strategy FROM plans WHERE plan_id = ?", [pid]
     ).fetchall()[0]
-    experts = con.execute(
-        "SELECT fingerprint, content_hash, weight FROM plan_experts WHERE plan_id = ? ORDER BY position", [pid]
+    rows = con.execute(
+        "SELECT fingerprint, content_hash, weight, checkpoint_id FROM plan_experts WHERE plan_id = ? ORDER BY position",
+        [pid],
     ).fetchall()
+    experts = [r[:3] for r in rows]
     trims = con.sql(
         "SELECT checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM plan_thresholds WHERE plan_id = $1 "
         "ORDER BY checkpoint_id, tensor_idx",
@@ -256,9 +273,12 @@ def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
     method = methods.METHODS.get(xp.method)
     units = [method.unit, "block"] if method is not None and method.unit != "block" else ["block"]
     base = (base_fp, base_content)
+    # thresholds by expert position; plans made before 2026-12-03 hashed them by checkpoint id
+    forms = [trims_by_position(trims, [r[3] for r in rows]), trims] if trims.num_rows else [trims]
     if not any(  # lazily: the first (today's) description is the usual match
-        plan_hash(xp.method, xp.params, xp.seed, xp.budget_bytes, s, base, ws, trims, mask, xp.tensor_params, u)
+        plan_hash(xp.method, xp.params, xp.seed, xp.budget_bytes, s, base, ws, t, mask, xp.tensor_params, u)
         == xp.plan_hash
+        for t in forms
         for u in units
         for ws in weighed
         for s in strategies

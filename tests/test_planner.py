@@ -682,3 +682,51 @@ def test_a_percentage_budget_is_of_all_expert_bytes_blocks_equal_to_the_base_inc
     assert half.free_blocks > 0 and half.full_bytes == every and half.budget_bytes == every // 2
     changed = cat.sql("SELECT CAST(sum(changed_bytes) AS BIGINT) AS n FROM expert_costs").column("n")[0].as_py()
     assert cat.plan(PlanRequest("base", None, "task_arithmetic", "all")).selected_bytes == changed < every
+
+
+def test_a_plans_hash_does_not_depend_on_the_order_its_experts_were_registered_in(tmp_path):
+    """A trimming plan hashed its thresholds keyed by checkpoint id, which follows registration order:
+    the same plan over the same experts had two hashes in two catalogs (planner review). They are keyed
+    by expert position now; a plan hashed the old way still verifies (refuse_altered tries both)."""
+    from mergedb import plans, synth
+    from mergedb.planner import PlanRequest
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=5)
+    cats = []
+    for name, order in (("ab", ("expert_00", "expert_01")), ("ba", ("expert_01", "expert_00"))):
+        cat = Catalog(tmp_path / f"{name}.duckdb")
+        cat.register([fam / "base"], base=True)
+        for e in order:
+            cat.register([fam / e], base_model="base")
+        cats.append(cat)
+    ids = [c.sql("SELECT checkpoint_id FROM checkpoints WHERE name = 'expert_00'").column(0)[0].as_py() for c in cats]
+    assert ids == [2, 3]  # the ids differ, or this tests nothing
+    for method, params in (("ties", {"density": 0.3}), ("breadcrumbs_ties", {"density": 0.5, "gamma": 0.01})):
+        req = PlanRequest("base", ("expert_00", "expert_01"), method, "50%", params=params)
+        a, b = (c.plan(req) for c in cats)
+        assert a.plan_hash == b.plan_hash, method
+    cat = cats[1]
+    xp = cat.execution_plan(b.plan_id)
+    with cat.duckdb_connection() as con:
+        trims = con.sql(
+            "SELECT checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM plan_thresholds WHERE plan_id = $1 "
+            "ORDER BY checkpoint_id, tensor_idx",
+            params=[b.plan_id],
+        ).to_arrow_table()
+    assert trims.num_rows
+    old = plans.plan_hash(
+        xp.method,
+        xp.params,
+        xp.seed,
+        xp.budget_bytes,
+        "ranked",
+        (xp.base.fingerprint, xp.base.content_hash),
+        [(e.fingerprint, e.content_hash, e.weight) for e in xp.experts],
+        trims,
+        plans.mask_digest(xp.mask),
+        None,
+    )
+    assert old != b.plan_hash
+    with cat.duckdb_connection(write=True) as con:
+        con.execute("UPDATE plans SET plan_hash = ? WHERE plan_id = ?", [old, b.plan_id])
+    assert cat.execution_plan(b.plan_id).plan_hash == old

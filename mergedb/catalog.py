@@ -33,7 +33,7 @@ import pyarrow as pa
 from . import faults, plans, schemaversion, scores, usersql
 from .errors import CatalogError, MergeDBError, PlanError, RunNotRecordedError
 from .resources import migrations
-from .units import BlockSizes, shown
+from .units import BlockSizes
 
 if TYPE_CHECKING:
     from . import forget, planner, register
@@ -92,31 +92,16 @@ class _Elsewhere:
         return fn if cat is None else fn.__get__(cat, owner)
 
 
-def _check_execute_args(out: Any, max_shard_size: Any, flags: dict[str, Any], calls: dict[str, Any]) -> None:
-    """Refuse, before anything is read, an execute() argument of the wrong type (a str flag such
-    as "no" would be taken as true, a non-callable progress would fail mid-merge)."""
-    from . import outdir  # imported by execute() already
-
-    outdir.check_out_arg(out, "execute()")
-    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 0:
-        raise MergeDBError(f"max_shard_size is a whole number of bytes ≥ 0, got {shown(max_shard_size)}")
-    for k, v in flags.items():
-        if not isinstance(v, bool):
-            raise MergeDBError(f"execute() {k} is True or False, got {shown(v)}")
-    for k, v in calls.items():
-        if v is not None and not callable(v):
-            raise MergeDBError(f"execute() {k} is a function or None, got {type(v).__name__}")
-
-
 class Catalog:
     """A mergedb catalog file. Cheap to create: nothing is opened until an operation needs it."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, wait: float = 0.0, sketch_dim: int | None = None):
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise CatalogError(f"a catalog path is a str or a path, got {type(path).__name__}")
-        self.path = Path(path) if path is not None else default_path()
-        if "\x00" in os.fsdecode(self.path):  # os calls raise a bare ValueError for it
-            raise CatalogError(f"the catalog path {os.fsdecode(self.path)!r} holds a NUL byte; pass one without it")
+        given = Path(path) if path is not None else default_path()
+        if "\x00" in os.fsdecode(given):  # os calls raise a bare ValueError for it
+            raise CatalogError(f"the catalog path {os.fsdecode(given)!r} holds a NUL byte; pass one without it")
+        self.path = Path(os.path.abspath(given))  # as given, the catalog would follow a later os.chdir
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:  # NaN fails >= too
             raise CatalogError(f"--wait must be a number of seconds ≥ 0 (inf: as long as it takes), got {wait!r}")
         try:
@@ -543,7 +528,8 @@ class Catalog:
 
         if isinstance(max_shard_size, numbers.Integral) and not isinstance(max_shard_size, bool):
             max_shard_size = int(max_shard_size)  # a numpy whole number is one
-        _check_execute_args(
+        outdir.check_run_args(
+            "execute()",
             out,
             max_shard_size,
             flags={"verify": verify, "force": force, "as_lora": as_lora},
@@ -560,12 +546,8 @@ class Catalog:
         with self.duckdb_connection() as con:  # one connection (~30 ms each) for the plan and the paths
             xp = plans.execution_plan(con, plans.resolve_plan(con, plan))
             registered = con.execute("SELECT path, root FROM checkpoints").fetchall()
-            side = con.execute("SELECT root, side_files FROM checkpoints WHERE name = ?", [xp.base.name]).fetchall()
         plans.refuse_gone(xp)
-        if side and "://" not in side[0][0]:
-            from . import sidefiles  # the executor's import already
-
-            sidefiles.refuse_lost(xp.base.name, *side[0])
+        executor.refuse_lost_side_files(xp)  # before a run is recorded: nothing merged, nothing recorded
         with outdir.named("--as-lora" if as_lora else "--out"):  # the option its messages name
             outdir.check_clear_of(Path(out), [p for row in registered for p in row], "a registered checkpoint")
         if self.path.exists() and not os.access(self.path, os.W_OK):

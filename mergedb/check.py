@@ -213,6 +213,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".i
 
 def check_output(folder: str | os.PathLike[str]) -> list[str]:
     """Problems of a merged output against its manifest (empty when it is intact)."""
+    if not isinstance(folder, (str, os.PathLike)):  # Path(None) was a bare TypeError
+        raise MergeDBError(f"check_output() takes an output folder (str or Path), got {type(folder).__name__}")
     folder = Path(folder)
     if folder.name == manifest.MANIFEST and folder.is_file():  # its manifest named: the output is its folder
         folder = folder.parent

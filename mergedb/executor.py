@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import xxhash
 
-from . import fetchplan, methods, outdir
+from . import fetchplan, methods, outdir, sidefiles
 from .checkpoint import INDEX, file_times, open_checkpoint
 from .errors import ChangedFileError, MergeDBError
 from .jsondoc import write_json
@@ -117,6 +117,8 @@ def merge_to_dict(
     `on_tensor` is called after each tensor (a sweep paces its plans with it); `fold_block`: see
     merger.FoldBlock."""
     _check_plan(xp, "merge_to_dict")
+    if on_tensor is not None and not callable(on_tensor):  # it would fail after the first tensor
+        raise MergeDBError(f"merge_to_dict() on_tensor is a function or None, got {type(on_tensor).__name__}")
     from .merger import Merger
 
     m = Merger(xp, dtype, threads=threads, read_block=read_block, fold_block=fold_block)
@@ -138,6 +140,14 @@ def tensor_array(dt: str, shape: tuple[int, ...], data: np.ndarray) -> np.ndarra
         return data
     arr = data.view(np.dtype(DTYPES[dt][1])).reshape(shape)
     return (arr.astype(np.uint32) << 16).view(np.float32) if dt == "BF16" else arr
+
+
+def refuse_lost_side_files(xp: ExecutionPlan) -> None:
+    """Refuse a plan whose local base lost a side file (config.json, tokenizer) since it was
+    registered: the output would lack it and look complete (a model without config.json does not
+    load). Known for plans read from a catalog (ExecutionPlan.side_files), not for a manifest's."""
+    if xp.side_files is not None and "://" not in xp.side_files[0]:
+        sidefiles.refuse_lost(xp.base.name, *xp.side_files)
 
 
 def execute(
@@ -172,13 +182,20 @@ def execute(
     `write_shards` writes the shards elsewhere than in this process (rayexec.py; see WriteShards):
     `threads`, `unit_order_seed`, `read_block` and `fold_block` are then its business, not this function's;
     `verify=True` then needs a writer that verifies (rayexec.shard_writer(verify=True)), else is refused."""
+    outdir.check_run_args(
+        "executor.execute()",
+        out,
+        max_shard_size,
+        flags={"verify": verify, "force": force},
+        calls={"progress": progress, "on_total": on_total, "write_shards": write_shards},
+    )
     _check_plan(xp, "execute")
+    refuse_lost_side_files(xp)
     if verify and write_shards is not None and not getattr(write_shards, "verifies", False):
         raise MergeDBError(  # silently unverified before: the shards' writer reads the experts, not this call
             "verify=True with write_shards: the shards' writer reads the experts, so it must verify them "
             "(rayexec.shard_writer(..., verify=True)); nothing was read or written"
         )
-    outdir.check_out_arg(out, "executor.execute()")
     if threads is not None:
         check_threads(threads)
     shown = Path(out)
@@ -434,6 +451,10 @@ def replay(
 ) -> ExecuteResult:
     """Re-execute an output from its manifest and mask, installing it only if every tensor hash
     matches; `progress` and `on_total` as execute's."""
+    calls = {"progress": progress, "on_total": on_total}
+    outdir.check_run_args("replay()", out, 0, flags={"force": force}, calls=calls)
+    if not isinstance(manifest_path, (str, os.PathLike)):  # Path(None) was a bare TypeError
+        raise MergeDBError(f"replay() reads an output's manifest (str or Path), got {type(manifest_path).__name__}")
     xp, doc = plan_from_manifest(manifest_path)
     if "lora" in doc:  # an --as-lora output: an adapter folder, not a model
         raise MergeDBError(

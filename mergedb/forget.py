@@ -40,8 +40,10 @@ class Forgotten:
 def forget(cat: Catalog, names: Sequence[str], with_plans: bool = False) -> Forgotten:
     """Remove the checkpoints `names` from the catalog (see the module note); nothing is changed
     when anything is refused."""
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names) or not names:
-        raise MergeDBError(f"forget takes a list of checkpoint names, got {shown(names)}")
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names) or not names:
+        raise MergeDBError(f"forget takes a list of checkpoint names, got {shown(names)}")  # a generator: used up
+    if not isinstance(with_plans, bool):  # "no" would be taken as true, and remove the plans
+        raise MergeDBError(f"forget's with_plans is True or False, got {shown(with_plans)}")
     names = list(dict.fromkeys(names))  # each once, in the order given
     with cat.duckdb_connection(write=True) as con:
         con.execute("BEGIN")

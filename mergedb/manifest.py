@@ -69,6 +69,8 @@ class ExecutionPlan:
     # from sketches, with j == k rows holding the exact ‖Δ_k‖² of the whole tensor
     tensor_params: pa.Table | None = None  # per-(position, tensor_idx) effective values (the columns
     # of tensorparams.COLUMNS) of a plan whose values differ by tensor; None: per expert (Source, params)
+    side_files: tuple[str, str | None] | None = None  # the base's (root, checkpoints.side_files) from a
+    # catalog: execute refuses a base that lost one since it was registered; None: not known (a manifest's plan)
 
     def tensor_values(self) -> dict[tuple[int, int], tensorparams.TensorParams]:
         """(position, tensor_idx) -> the values the merge uses there; pairs absent from the plan's

@@ -75,6 +75,8 @@ def plan_from_config(
     estimate). The plan does not record the config's output dtype: pass `cfg.output_dtype` to
     `execute(dtype=...)` when it is not None."""
     cfg = config if isinstance(config, MergeConfig) else parse_config(config)
+    if cwd is not None and not isinstance(cwd, (str, PathLike)):  # a bare TypeError from pathlib
+        raise MergeDBError(f"plan_from_config() cwd is a folder (str or Path) or None, got {type(cwd).__name__}")
     bound = bind_models(cfg, cat.checkpoints(), cwd)
     req = config_request(bound, tensor_names(cat, bound.base_model), budget, name, **options)
     return cat.plan(req, explain=explain)

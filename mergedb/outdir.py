@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import errno
 import fcntl
+import numbers
 import os
 import re
 import stat
@@ -35,6 +36,7 @@ from .errors import MergeDBError
 from .manifest import MANIFEST, MASK
 from .plainfile import read_small
 from .sidefiles import TEMPLATES, is_side_name
+from .units import shown
 
 # Names beside `out` (in its parent folder) that mergedb makes while writing it:
 #   .OUT.mergedb-lock           held (flock) for the whole run: one writer per output at a time
@@ -65,6 +67,21 @@ def check_out_arg(out: object, who: str) -> None:
         raise MergeDBError(f"{who} writes into a folder path, got {os.fsdecode(out)!r}, which holds a NUL byte")
     if isinstance(out, str) and not out.strip():  # Path("") is the current folder
         raise MergeDBError(f"{who} writes into a folder path, got an empty one; name the output folder")
+
+
+def check_run_args(who: str, out: Any, max_shard_size: Any, flags: dict[str, Any], calls: dict[str, Any]) -> None:
+    """Refuse, before anything is read, an argument of the wrong type to `who` (execute(), replay()):
+    a str flag such as "no" would be taken as true, a negative shard size would be recorded, a
+    non-callable progress would fail mid-merge."""
+    check_out_arg(out, who)
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, numbers.Integral) or max_shard_size < 0:
+        raise MergeDBError(f"max_shard_size is a whole number of bytes ≥ 0, got {shown(max_shard_size)}")
+    for k, v in flags.items():
+        if not isinstance(v, bool):
+            raise MergeDBError(f"{who} {k} is True or False, got {shown(v)}")
+    for k, v in calls.items():
+        if v is not None and not callable(v):
+            raise MergeDBError(f"{who} {k} is a function or None, got {type(v).__name__}")
 
 
 def _shown(p: Path | str) -> str:

@@ -360,7 +360,8 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int, merge: bool = True)
     mergedb's too (a plan read for anything else, e.g. as a mergekit config, draws nothing here)."""
     p = con.execute(
         "SELECT p.plan_hash, p.method, p.params, p.seed, p.budget_bytes, b.name, b.path, b.fingerprint, "
-        "b.content_hash, p.base_id, p.rng, p.name FROM plans p JOIN checkpoints b ON b.checkpoint_id = p.base_id "
+        "b.content_hash, p.base_id, p.rng, p.name, b.root, b.side_files FROM plans p "
+        "JOIN checkpoints b ON b.checkpoint_id = p.base_id "
         "WHERE p.plan_id = ?",
         [pid],
     ).fetchall()[0]
@@ -434,6 +435,7 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int, merge: bool = True)
         budget_bytes=p[4],
         stock=stock,
         tensor_params=per_tensor if per_tensor.num_rows else None,
+        side_files=(p[12], p[13]),
     )
     refuse_altered(con, xp)
     if merge:  # after the hash: `check --deep` reads every plan for its hash, whatever its stream

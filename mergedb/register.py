@@ -91,6 +91,8 @@ def register(
     for k, v in (("progress", progress), ("on_total", on_total), ("scanner", scanner)):
         if v is not None and not callable(v):  # it would fail mid-scan
             raise MergeDBError(f"register() {k} is a function or None, got {type(v).__name__}")
+    if base_model is not None and not isinstance(base_model, str):  # a list was a bare "unhashable" TypeError
+        raise MergeDBError(f"register() base_model is a registered base's name (a str), got {shown(base_model)}")
     threads = check_threads(os.cpu_count() or 1 if threads is None else threads)
     asked = block_size is not None or vocab_block_size is not None  # else: a new base gets the default
     rule = block_sizes(DEFAULT_LAYOUT if block_size is None else block_size, vocab_block_size)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import grid, outdir, outspace, planner, plans, rerun, sidefiles
+from . import grid, outdir, outspace, planner, plans, rerun
 from .errors import MergeDBError, PlanError, RunNotRecordedError
 from .lora import is_adapter
 from .manifest import ExecutionPlan
@@ -150,7 +150,7 @@ def sweep(
     _check_root(root)
     outdir.remove_stale_in(root)  # a killed sweep's temporary folders, before the space is counted
     rerun.check(cat, requests, root, dtypes, max_shard_size)  # an interrupted sweep run again: how to finish it
-    rows = cat.sql("SELECT name, role, base_id, checkpoint_id, path, root, side_files FROM checkpoints").to_pylist()
+    rows = cat.sql("SELECT name, role, base_id, checkpoint_id, path, root FROM checkpoints").to_pylist()
     registered = [p for row in rows for p in (row["path"], row["root"])]
     _refuse_adapters(rows, requests)
     outspace.check_space_early(cat, root, requests, dtypes)  # a grid of thousands is planned for minutes otherwise
@@ -160,10 +160,8 @@ def sweep(
 
     def refuse(summaries: list[PlanSummary], xps: list[ExecutionPlan]) -> None:  # before the plans are stored
         _refuse(xps)
-        for name in {xp.base.name for xp in xps}:  # a base that lost config.json since: as execute refuses it
-            row = next(r for r in rows if r["name"] == name)
-            if "://" not in row["root"]:
-                sidefiles.refuse_lost(name, row["root"], row["side_files"])
+        for xp in {xp.base.name: xp for xp in xps}.values():  # a base that lost config.json since, once per base
+            executor.refuse_lost_side_files(xp)
         outs[:] = [_out(root, s.name or f"plan-{s.plan_id}") for s in summaries]
         _check_outs(registered, outs)
         need.append(outspace.check_space(root, xps, dtypes))

@@ -101,6 +101,8 @@ def normalize_dtype(dtype: str | None) -> str | None:
     """An output dtype option (bf16 | fp16 | fp32, or BF16 | F16 | F32) as a safetensors dtype."""
     if dtype is None:
         return None
+    if not isinstance(dtype, str):  # a list was a bare "unhashable" TypeError
+        raise MergeDBError(f"an output dtype is bf16, fp16, fp32 or None, got {dtype!r:.60}")
     out = OUT_DTYPES.get(dtype, dtype)
     if out not in OUT_DTYPES.values():
         raise MergeDBError(f"unknown --dtype {dtype!r}; use bf16, fp16 or fp32")

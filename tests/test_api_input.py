@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mergedb
-from mergedb import synth
+from mergedb import check, executor, synth
 from mergedb.catalog import Catalog
 from mergedb.errors import CatalogError, MergeDBError, PlanError
 from mergedb.planner import PlanRequest
@@ -81,7 +81,15 @@ def test_execute_sql_score_register_and_connect_arguments(cat, tmp_path):
     ):
         with pytest.raises(MergeDBError, match=words):
             cat.execute(1, **{"out": tmp_path / "o", **kw})
+        # the README's library route checked none of them: force="no" replaced an output (embed review)
+        with pytest.raises(MergeDBError, match=words):
+            executor.execute(cat.execution_plan(1), **{"out": tmp_path / "o", **kw})
     assert not (tmp_path / "o").exists()
+    executor.execute(cat.execution_plan(1), tmp_path / "o")
+    for kw, words in (({"force": "no"}, "force is True or False"), ({"progress": 5}, "progress is a function")):
+        with pytest.raises(MergeDBError, match=words):
+            executor.replay(tmp_path / "o", tmp_path / "o", **kw)
+    assert check.check_output(tmp_path / "o") == []
     with pytest.raises(MergeDBError, match="takes the query as a str"):
         cat.sql(None)
     with pytest.raises(MergeDBError, match="params are a list"):
@@ -245,3 +253,36 @@ def test_numpy_min_coverage_is_a_number(cat):
     b = cat.plan(PlanRequest("base", None, "linear", "50%", min_coverage=c))
     assert a.plan_hash == b.plan_hash
     assert type(PlanRequest("base", None, "linear", min_coverage=np.float16(1)).min_coverage) is float
+
+
+def test_a_catalog_named_by_a_relative_path_stays_where_it_was_when_the_folder_changes(tmp_path, monkeypatch):
+    """Catalog('catalog.duckdb') resolved its path again at every call: after os.chdir it reported
+    "no catalog", and a register created a second catalog in the new folder (embed review)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=8)
+    monkeypatch.chdir(tmp_path / "a")
+    cat = Catalog("catalog.duckdb")
+    cat.register([fam], base_model="base")
+    monkeypatch.chdir(tmp_path / "b")
+    assert [c.name for c in cat.checkpoints()] == ["base", "expert_00"]
+    cat.plan(PlanRequest("base", None, "linear"))
+    assert not (tmp_path / "b" / "catalog.duckdb").exists() and len(cat.plans()) == 1
+    assert repr(cat) == f"Catalog({str(tmp_path / 'a' / 'catalog.duckdb')!r})"
+
+
+def test_arguments_of_the_wrong_type_get_a_mergedb_error_not_a_type_error(cat, tmp_path):
+    """Each of these escaped as a bare TypeError from deep inside (embed review)."""
+    xp = cat.execution_plan(1)
+    for call, words in (
+        (lambda: cat.register([tmp_path], base_model=["base"]), "base_model is a registered base's name"),
+        (lambda: cat.execute(1, tmp_path / "o", dtype=["bf16"]), "an output dtype is bf16, fp16, fp32 or None"),
+        (lambda: executor.merge_to_dict(xp, dtype=["bf16"]), "an output dtype is bf16"),
+        (lambda: executor.merge_to_dict(xp, on_tensor=5), "on_tensor is a function or None"),
+        (lambda: cat.plan_from_config("merge_method: linear\nmodels: [{model: base}]", cwd=5), "cwd is a folder"),
+        (lambda: check.check_output(None), "check_output\\(\\) takes an output folder"),
+        (lambda: executor.replay(None, tmp_path / "o"), "replay\\(\\) reads an output's manifest"),
+    ):
+        with pytest.raises(MergeDBError, match=words):
+            call()
+    assert not (tmp_path / "o").exists()

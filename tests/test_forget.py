@@ -64,9 +64,13 @@ def test_a_base_goes_only_with_all_its_experts(world):
         (["nope"], "no checkpoint named 'nope'"),
         ("expert_00", "a list of checkpoint names"),
         ([], "a list of checkpoint names"),
+        (5, "a list of checkpoint names"),  # a bare TypeError
+        ((n for n in ["expert_02"]), "a list of checkpoint names"),  # used up by the check: forgot nothing, said ok
     ):
         with pytest.raises(MergeDBError, match=words):
             cat.forget(bad)
+    with pytest.raises(MergeDBError, match="with_plans is True or False"):  # "no" removed the plans (embed review)
+        cat.forget(["expert_02"], with_plans="no")
     assert snapshot(cat) == before
     res = cat.forget(["expert_02", "base", "expert_00", "expert_01", "base"], with_plans=True)
     assert res.checkpoints == ("expert_02", "base", "expert_00", "expert_01") and len(res.plans) == 2

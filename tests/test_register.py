@@ -409,6 +409,11 @@ def test_a_base_side_file_lost_after_registration_is_refused(tmp_path):
     with pytest.raises(ChangedFileError, match=r"base 'base' \(.*\) no longer holds config.json, which it held"):
         cat.execute(plan.plan_id, tmp_path / "o")
     assert snapshot(cat) == before and not (tmp_path / "o").exists()
+    from mergedb import executor  # the README's library route (executor.execute) refused it too (embed review)
+
+    with pytest.raises(ChangedFileError, match=r"no longer holds config.json"):
+        executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "o")
+    assert snapshot(cat) == before and not (tmp_path / "o").exists()
     (fam / "base" / "vocab.txt").write_text("a\n")  # added since: not a loss
     assert cat.register([fam / "base"], base=True).unchanged == ("base",)  # records what it holds now
     cat.execute(plan.plan_id, tmp_path / "o")

@@ -216,7 +216,8 @@ def register(
     moved_bases = [c for c in moved if any(c is b for b in bases)]  # a move is checked as a new path is
     moved_experts = [c for c in moved if all(c is not b for b in bases)]
     base_id = existing.get(base_ckpt_name or "", (0, None))[1]
-    _refuse_copies(todo_bases + moved_bases, todo_experts + moved_experts, existing, base_id)
+    named = (todo_bases + moved_bases, todo_experts + moved_experts)  # checked again at the write
+    _refuse_copies(*named, existing, base_id)
     if asked:  # a layout asked for must be the one the bases involved get or already have
         involved = [c.name for c in bases] + ([base_ckpt_name] if experts and base_ckpt_name else [])
         owned = {c.name for c in todo_bases}
@@ -285,11 +286,13 @@ def register(
         stage.finish()  # before the catalog is opened: a full disk is refused with nothing written
         _refuse_changed_while_read([*todo_bases, *(e for e, _ in results)])
         scanned = [("base", b, scan.content_hash(families[b.name][2])) for b in todo_bases]
-        _refuse_same_weights(scanned + [("expert", e, st.content_hash) for e, st in results], existing, base_id)
+        scanned += [("expert", e, st.content_hash) for e, st in results]
+        _refuse_same_weights(scanned, existing, base_id)
 
         # Phase 2: one transaction. Another process may have registered some of these meanwhile:
         # identical ones are skipped, conflicting ones refused (nothing is written then).
         n_unchanged = len(unchanged)
+        read_against = base_id  # write() has a base_id of its own
 
         def write(con: duckdb.DuckDBPyConnection) -> list[str]:  # in one transaction (_transaction)
             del unchanged[n_unchanged:]  # a second try starts over
@@ -301,6 +304,11 @@ def register(
                     "vocab_block_rows, path, content_hash FROM checkpoints"
                 ).fetchall()
             }
+            fresh = {r[0]: r for r in con.execute(f"SELECT {cols} FROM checkpoints").fetchall()}
+            if fresh != existing:  # another process registered or forgot meanwhile: what was refused before, again
+                _refuse_base_changed(base_ckpt_name, [b.name for b in todo_bases], existing, fresh)
+                _refuse_copies(*named, fresh, read_against)
+                _refuse_same_weights(scanned, fresh, read_against)
             ids = {}
             # a moved checkpoint is the same one where it is now: its rows and plans hold (a re-scan
             # below rewrites it)
@@ -488,6 +496,22 @@ _NEW_BASE = (
     "NEW.duckdb), or put the new base in another folder and register it there under a new --name (then its "
     "experts against it, each under a new --name)"
 )
+
+
+def _refuse_base_changed(
+    name: str | None, scanning: list[str], existing: dict[str, tuple], fresh: dict[str, tuple]
+) -> None:
+    """Refuse to write experts scanned against registered base `name` when another process forgot it
+    or registered it again (other files or layout) meanwhile: their rows are per block of the base
+    they were read against (existing, fresh: rows of register's columns, before the scan and now)."""
+    if name is None or name in scanning or name not in existing:
+        return
+    was, now = existing[name], fresh.get(name)
+    if now is None or now[1] != was[1] or now[4] != was[4] or (now[5], *now[7:9]) != (was[5], *was[7:9]):
+        raise CatalogError(
+            f"base {name!r} was forgotten or registered again by another process while its experts were read; "
+            "nothing was written: run the command again"
+        )
 
 
 def _refuse_copies(bases: list, experts: list, existing: dict[str, tuple], base_id: int | None) -> None:

@@ -572,3 +572,49 @@ def test_names_not_in_utf8_are_refused_before_the_scan(tmp_path):
     assert "\\ud800" in cfg.read_text()
     assert open_checkpoint(fam / "expert_00").architecture is None
     cat.register([fam / "expert_00"], base_model="base")
+
+
+def test_what_another_process_registers_or_forgets_during_a_scan_is_checked_at_the_write(tmp_path):
+    """The copy refusals and the base ran against the rows read before the scan (concurrency review):
+    a copy of an expert registered by another process meanwhile was stored too (plans over all
+    experts merged it twice), and a base forgotten meanwhile gave a TypeError, or, registered again
+    with another layout, a catalog whose expert rows matched no block of it."""
+    from mergedb.errors import CatalogError
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=13)
+    shutil.copytree(fam / "expert_00", tmp_path / "copy_of_expert_00")
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base"], base=True)
+
+    def meanwhile(action):
+        done = []
+
+        def progress(_n):
+            if not done:  # once, mid-scan, through another Catalog (the catalog is not held meanwhile)
+                done.append(action(Catalog(cat.path)))
+
+        return progress
+
+    before = snapshot(cat)
+    with pytest.raises(CatalogError, match=r"holds the same weights as expert 'copy_of_expert_00'.*a copy"):
+        cat.register(
+            [fam / "expert_00"],
+            base_model="base",
+            progress=meanwhile(lambda other: other.register([tmp_path / "copy_of_expert_00"], base_model="base")),
+        )
+    assert [c.name for c in cat.checkpoints()] == ["base", "copy_of_expert_00"]  # only the other's write
+    cat.forget(["copy_of_expert_00"])
+    assert snapshot(cat) == before
+    for action in (
+        lambda other: other.forget(["base"]),
+        lambda other: (other.forget(["base"]), other.register([fam / "base"], base=True, block_size="1KiB")),
+    ):
+        with pytest.raises(CatalogError, match="base 'base' was forgotten or registered again by another process"):
+            cat.register([fam / "expert_01"], base_model="base", progress=meanwhile(action))
+        assert "expert_01" not in [c.name for c in cat.checkpoints()]
+        if any(c.name == "base" for c in cat.checkpoints()):
+            cat.forget(["base"])
+        cat.register([fam / "base"], base=True)
+    from mergedb.check import check_catalog
+
+    assert check_catalog(cat) == []

@@ -581,12 +581,12 @@ class Catalog:
                 )
         except MergeDBError as e:
             try:
-                self.record_run(xp.plan_id, out, error=str(e), wait=max(self.wait, RECORD_WAIT))
+                self.record_run(xp.plan_id, out, error=str(e), wait=max(self.wait, RECORD_WAIT), plan_hash=xp.plan_hash)
             except MergeDBError as rec:  # the merge's error is the one to see
                 e.args = (f"{e} (recording this failed run in the catalog failed too: {rec})",)
             raise
         try:
-            self.record_run(xp.plan_id, out, res, wait=max(self.wait, RECORD_WAIT))
+            self.record_run(xp.plan_id, out, res, wait=max(self.wait, RECORD_WAIT), plan_hash=xp.plan_hash)
         except MergeDBError as rec:
             raise RunNotRecordedError(
                 f"the merge into {out} is complete and good (`mergedb check --output {out}` verifies it), "
@@ -602,11 +602,13 @@ class Catalog:
         error: str | None = None,
         *,
         wait: float | None = None,
+        plan_hash: str | None = None,
     ) -> int:
         """Store one execution: ok with its measurements, or failed with its error. Waits up to
-        `wait` seconds (default: the catalog's) for a catalog another process holds."""
+        `wait` seconds (default: the catalog's) for a catalog another process holds. `plan_hash`
+        (default: the result's manifest's): the plan executed, refused if `plan_id` is another now."""
         cat = self if wait is None else Catalog(self.path, wait=wait, sketch_dim=self._sketch_dim)
-        return scores.record_run(cat, plan_id, out, result, error)
+        return scores.record_run(cat, plan_id, out, result, error, plan_hash)
 
     plan_candidates = _Elsewhere("frontier", "candidates")  # a request's scored candidates, nothing stored
     sweep = _Elsewhere("sweep", "in_memory")  # many plans merged in memory, each expert block read once

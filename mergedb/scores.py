@@ -55,11 +55,17 @@ def record(cat: Catalog, plan: int | str | plans.PlanSummary, metric: str, value
 
 
 def record_run(
-    cat: Catalog, plan_id: int, out: str | os.PathLike[str], result: ExecuteResult | None, error: str | None
+    cat: Catalog,
+    plan_id: int,
+    out: str | os.PathLike[str],
+    result: ExecuteResult | None,
+    error: str | None,
+    plan_hash: str | None = None,
 ) -> int:
     """Store one execution of a plan (ok with its measurements, or failed with its error); the new run_id.
     A plan id that is not stored is refused (its run was an orphan row `mergedb check` then reported
-    as damage), and so are arguments of the wrong type."""
+    as damage), and so is one whose plan is not `plan_hash` (default: the result's manifest's), the
+    executed plan's id taken by another after a `forget`; and arguments of the wrong type."""
     if isinstance(plan_id, bool) or not isinstance(plan_id, numbers.Integral):
         raise MergeDBError(f"record_run() takes a stored plan's id (an int), got {plan_id!r}")
     if not isinstance(out, (str, os.PathLike)):
@@ -71,6 +77,10 @@ def record_run(
 
         if not isinstance(result, ExecuteResult):
             raise MergeDBError(f"record_run() result is an ExecuteResult or None, got {type(result).__name__}")
+    if plan_hash is not None and not isinstance(plan_hash, str):
+        raise MergeDBError(f"record_run() plan_hash is a plan's hash (str) or None, got {type(plan_hash).__name__}")
+    if plan_hash is None and result is not None:
+        plan_hash = result.manifest.get("plan_hash")  # the plan the output was merged from
     plan_id = int(plan_id)
     r = result
     row = {
@@ -88,8 +98,14 @@ def record_run(
     }
     try:
         with cat.duckdb_connection(write=True) as con:
-            if not con.execute("SELECT count(*) FROM plans WHERE plan_id = ?", [plan_id]).fetchall()[0][0]:
+            stored = con.execute("SELECT plan_hash FROM plans WHERE plan_id = ?", [plan_id]).fetchall()
+            if not stored:
                 raise PlanError(f"no plan {plan_id} in catalog {cat.path}; record_run() takes a stored plan's id")
+            if plan_hash is not None and stored[0][0] != plan_hash:  # ids are reused after `forget --with-plans`
+                raise PlanError(
+                    f"plan {plan_id} of catalog {cat.path} is another plan now ({stored[0][0][:16]}, not the "
+                    f"{plan_hash[:16]} executed): the plan was forgotten meanwhile and its id taken by a new one"
+                )
             rid = int(con.execute("SELECT coalesce(max(run_id), 0) + 1 FROM runs").fetchall()[0][0])
             row = {"run_id": rid, **row}
             con.execute(f"INSERT INTO runs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", list(row.values()))

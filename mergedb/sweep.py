@@ -180,7 +180,7 @@ def sweep(
     def record(i: int, res: ExecuteResult | None, error: str | None = None) -> None:
         if not why:
             try:
-                cat.record_run(xps[i].plan_id, outs[i], res, error=error, wait=RECORD_WAIT)
+                cat.record_run(xps[i].plan_id, outs[i], res, error=error, wait=RECORD_WAIT, plan_hash=xps[i].plan_hash)
                 return
             except MergeDBError as rec:
                 why.append(rec)

@@ -85,3 +85,27 @@ def test_cli_forget(world):
     assert r.exit_code == 1 and "--with-plans" in r.output, r.output
     r = runner.invoke(app, ["forget", "expert_02", "--with-plans", "-c", str(cat.path)])
     assert r.exit_code == 0 and f"forgot expert_02 and 1 plan ({every.plan_id}); no file was touched" in r.output
+
+
+def test_a_run_is_not_recorded_against_a_new_plan_that_took_the_forgotten_ones_id(world, tmp_path):
+    """Plan ids are max + 1: a plan forgotten while it was executed gives its id to the next plan made,
+    and the run was recorded as an ok run of that other plan, which `check` then passed (concurrency
+    review). The run's plan hash is compared now: the output is complete, its run not recorded."""
+    from mergedb.errors import RunNotRecordedError
+
+    fam, cat, every, two = world
+    done = []
+
+    def progress(_n):
+        if not done:  # mid-merge, another process forgets the plan and plans something else
+            other = Catalog(cat.path)
+            other.forget(["expert_02"], with_plans=True)
+            done.append(other.plan(PlanRequest("base", ("expert_00",), "linear", name="new")))
+
+    last = cat.plan(PlanRequest("base", None, "task_arithmetic", name="last"))  # the highest id: the next plan's
+    runs = _n(cat, "runs")
+    with pytest.raises(RunNotRecordedError, match=r"complete and good.*another plan now.*forgotten meanwhile"):
+        cat.execute(last.plan_id, tmp_path / "o", progress=progress)
+    assert done[0].plan_id == last.plan_id  # the id was taken, or this tests nothing
+    assert _n(cat, "runs") == runs - 1  # `every`'s run went with it; none added
+    assert check_catalog(cat) == []

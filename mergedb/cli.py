@@ -58,6 +58,11 @@ class _Group(TyperGroup):
             if _TERMINATED:
                 raise SystemExit(128 + _TERMINATED) from None
             raise
+        except RuntimeError as e:  # an interrupt raised inside a lock's release (Thread.start): "release unlocked
+            cause = e.__context__  # lock" replaced it as it unwound, after the same clean-up ran
+            if _TERMINATED or isinstance(cause, KeyboardInterrupt):
+                raise SystemExit(128 + _TERMINATED if _TERMINATED else 130) from None
+            raise
 
 
 _METAVARS = {"int": "N", "float": "X", "str": "TEXT", "path": "PATH", "list[Path]": "PATH"}

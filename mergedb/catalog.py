@@ -146,8 +146,8 @@ class Catalog:
         self._check_path(create=write and create)
         try:
             con = self._open(read_only=not write, sandbox=sandbox)
-        except CatalogError as e:
-            if new and "disk is full" in str(e):  # DuckDB could not even write the new file's header
+        except BaseException as e:  # an interrupt, or DuckDB could not even write the new file's header
+            if new and (not isinstance(e, Exception) or "disk is full" in str(e)):
                 self._remove_new()
             raise
         version = -1
@@ -163,7 +163,7 @@ class Catalog:
                 con = self._open(read_only=True, sandbox=sandbox)
         except BaseException as e:
             con.close()
-            if new and version == 0:  # creating the catalog failed: leave no half-made file behind
+            if new and version <= 0:  # creating the catalog failed (-1: while reading it): no half-made file
                 self._remove_new()
             if _interrupted(e):
                 raise KeyboardInterrupt from None
@@ -175,13 +175,15 @@ class Catalog:
             raise err from None
         try:
             yield con
-        except duckdb.Error as e:
-            err = self._explain(e)
-            if err is e:
-                raise
-            raise err from None
-        except RuntimeError as e:
-            if _interrupted(e):
+        except BaseException as e:
+            if new:  # the registration that made it failed or was interrupted before writing a checkpoint
+                self.discard_if_empty(con)
+            if isinstance(e, duckdb.Error):
+                err = self._explain(e)
+                if err is e:
+                    raise
+                raise err from None
+            if isinstance(e, RuntimeError) and _interrupted(e):
                 raise KeyboardInterrupt from None
             raise
         finally:

@@ -618,3 +618,41 @@ def test_what_another_process_registers_or_forgets_during_a_scan_is_checked_at_t
     from mergedb.check import check_catalog
 
     assert check_catalog(cat) == []
+
+
+@pytest.mark.parametrize("where", ["open", "version", "transaction"])
+def test_an_interrupt_while_the_first_registration_makes_the_catalog_leaves_no_file(tmp_path, monkeypatch, where):
+    """SIGTERM or Ctrl-C while the first registration opened the new file (DuckDB's connect, reading
+    its version, or before the transaction began) left an empty DuckDB file, which every command but
+    register then refused (concurrency review). The interrupt is simulated at each place."""
+    from mergedb import catalog, schemaversion
+
+    fam = synth.make_family(tmp_path / "fam", experts=1, size="tiny", seed=2)
+    cat = Catalog(tmp_path / "c.duckdb")
+    if where == "open":
+        opened = catalog.Catalog._open
+
+        def interrupted_open(self, *args, **kwargs):
+            con = opened(self, *args, **kwargs)  # the file exists now
+            con.close()
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(catalog.Catalog, "_open", interrupted_open)
+    elif where == "version":
+        monkeypatch.setattr(schemaversion, "read", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt()))
+    else:
+        calls = []
+        blank = catalog.Catalog.is_blank
+
+        def interrupted_blank(con):
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return blank(con)
+
+        monkeypatch.setattr(catalog.Catalog, "is_blank", staticmethod(interrupted_blank))
+    with pytest.raises(KeyboardInterrupt):
+        cat.register([fam], base_model="base")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fam"]
+    monkeypatch.undo()
+    assert cat.register([fam], base_model="base").registered == ("base", "expert_00")

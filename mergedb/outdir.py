@@ -225,6 +225,24 @@ def output_lock(out: Path) -> Iterator[None]:
                 folder.rmdir()
 
 
+def writer(out: Path) -> int | None:
+    """The process writing `out` now (output_lock's pid, while that process lives), or None. Read
+    without taking the lock: a lock taken only to test it would make the writer's own attempt fail."""
+    try:
+        pid = int(read_small(out.parent / f".{out.name}{LOCK}").strip() or 0)
+    except (OSError, ValueError):
+        return None
+    if pid <= 0 or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:  # a killed run's lock file: the next run into `out` removes it
+        return None
+    except PermissionError:  # alive, another user's
+        pass
+    return pid
+
+
 def os_advice(e: OSError, out: Path) -> str:
     """An OSError's reason and what fixes it."""
     why = e.strerror or str(e)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import jsondoc, plans
+from . import jsondoc, outdir, plans
 from .errors import PlanExistsError
 from .manifest import MANIFEST
 from .plainfile import read_small
@@ -73,6 +73,12 @@ def check(
             "their outputs merge the old ones; another --name plans the sweep again over the weights registered now"
         )
     order = [n for n in named if n in stored]  # the sweep's order
+    live = [(n, pid) for n in order if (pid := outdir.writer(root / n)) is not None]
+    if live:  # its advice (execute the missing ones) would collide with the outputs that run writes next
+        raise PlanExistsError(
+            f"an earlier run of this sweep is still writing its outputs under {root} (process {live[0][1]} is "
+            f"writing {live[0][0]}); wait for it to finish, then run the command again to see what is left"
+        )
     state = {n: _output_state(root / n, stored[n], named[n][1], max_shard_size) for n in order}
     complete = [n for n in order if state[n] == "complete"]
     todo = [n for n in order if state[n] != "complete"]

@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -767,6 +769,21 @@ def test_a_rerun_of_an_interrupted_sweep_says_how_to_finish_it(tmp_path):
     commands = [f"mergedb execute kk-density={d} --out {out}/kk-density={d} -c {cat.path}" for d in ("0.3", "0.4")]
     assert all(f"`{x}`" in msg for x in commands), msg
     assert _plan_count(cat) == n and _files(out / "kk-density=0.2") == done
+    # the earlier run still writing: executing its missing outputs meanwhile made it fail (concurrency review)
+    lock = out / ".kk-density=0.3.mergedb-lock"
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(f"{writer.pid}\n")  # what output_lock writes while it holds the output
+        r = runner.invoke(app, [*cmd, "--grid", "density=0.2,0.3,0.4"])
+        msg = " ".join(r.output.split())
+        assert r.exit_code == 1 and f"still writing its outputs under {out} (process {writer.pid}" in msg, msg
+        assert "mergedb execute" not in msg
+    finally:
+        writer.kill()
+        writer.wait()
+    r = runner.invoke(app, [*cmd, "--grid", "density=0.2,0.3,0.4"])  # a killed run's lock file: not a writer
+    assert r.exit_code == 1 and "2 missing" in " ".join(r.output.split()), r.output
+    lock.unlink()
     for x in commands:  # the catalog named: a plan of that name in the default catalog is another plan
         r = runner.invoke(app, x.split()[1:])
         assert r.exit_code == 0, r.output

@@ -95,7 +95,19 @@ class _Elsewhere:
 class Catalog:
     """A mergedb catalog file. Cheap to create: nothing is opened until an operation needs it."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, wait: float = 0.0, sketch_dim: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        wait: float = 0.0,
+        sketch_dim: int | None = None,
+        on_wait: Callable[[str], None] | None = None,
+    ):
+        """`wait`: seconds to wait for a catalog another process holds; `on_wait(message)` is told
+        once per opening that has to wait (which process holds it, for how long it will wait)."""
+        if on_wait is not None and not callable(on_wait):
+            raise CatalogError(f"on_wait is a function or None, got {type(on_wait).__name__}")
+        self._on_wait = on_wait
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise CatalogError(f"a catalog path is a str or a path, got {type(path).__name__}")
         given = Path(path) if path is not None else default_path()
@@ -255,15 +267,19 @@ class Catalog:
         deadline = time.monotonic() + self.wait
         delay = 0.05
         config = dict(usersql.SANDBOX) if sandbox else {}
+        told = self._on_wait is None
         while True:
             try:
                 return duckdb.connect(str(self.path), read_only=read_only, config=config)
             except duckdb.IOException as e:
                 if not _LOCK.search(str(e)) or faults.DAMAGED.search(str(e)):
                     raise self._not_opened(e) from None
+                pid = _PID.search(str(e))
+                who = f"process {pid.group(1)}" if pid else "another process"
+                if not told and time.monotonic() < deadline:
+                    told = True
+                    self._on_wait(f"catalog {self.path} is locked by {who}; waiting for it (up to {self.wait:g} s)")
                 if time.monotonic() >= deadline:
-                    pid = _PID.search(str(e))
-                    who = f"process {pid.group(1)}" if pid else "another process"
                     raise CatalogError(
                         f"catalog {self.path} is still locked by {who} after waiting {self.wait:g} s; wait for it "
                         "to finish, or pass a longer --wait"
@@ -589,6 +605,12 @@ class Catalog:
             raise
         try:
             self.record_run(xp.plan_id, out, res, wait=max(self.wait, RECORD_WAIT), plan_hash=xp.plan_hash)
+        except (KeyboardInterrupt, SystemExit) as stop:  # waiting for the catalog: the output is whole all the same
+            stop.add_note(
+                f"the merge into {out} is complete and good (`mergedb check --output {out}` verifies it), but its "
+                "run was not recorded in the catalog (interrupted while recording it)"
+            )
+            raise
         except MergeDBError as rec:
             raise RunNotRecordedError(
                 f"the merge into {out} is complete and good (`mergedb check --output {out}` verifies it), "
@@ -609,7 +631,9 @@ class Catalog:
         """Store one execution: ok with its measurements, or failed with its error. Waits up to
         `wait` seconds (default: the catalog's) for a catalog another process holds. `plan_hash`
         (default: the result's manifest's): the plan executed, refused if `plan_id` is another now."""
-        cat = self if wait is None else Catalog(self.path, wait=wait, sketch_dim=self._sketch_dim)
+        if wait is None:
+            return scores.record_run(self, plan_id, out, result, error, plan_hash)
+        cat = Catalog(self.path, wait=wait, sketch_dim=self._sketch_dim, on_wait=self._on_wait)
         return scores.record_run(cat, plan_id, out, result, error, plan_hash)
 
     plan_candidates = _Elsewhere("frontier", "candidates")  # a request's scored candidates, nothing stored

@@ -54,9 +54,13 @@ class _Group(TyperGroup):
             # escaped: a message's own brackets (pip install 'mergedb[ray]') are text, not rich markup
             Console(stderr=True).print(f"[bold red]Error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             ctx.exit(1)
-        except KeyboardInterrupt:  # also SIGTERM's SystemExit when DuckDB caught it (catalog._interrupted)
+        except KeyboardInterrupt as e:  # also SIGTERM's SystemExit when DuckDB caught it (catalog._interrupted)
+            _notes(e)
             if _TERMINATED:
                 raise SystemExit(128 + _TERMINATED) from None
+            raise
+        except SystemExit as e:  # SIGTERM (_terminated), or the command's own exit
+            _notes(e)
             raise
         except RuntimeError as e:  # an interrupt raised inside a lock's release (Thread.start): "release unlocked
             cause = e.__context__  # lock" replaced it as it unwound, after the same clean-up ran
@@ -142,7 +146,18 @@ def _experts_and_weights(
 def _catalog(path: Path | None, wait: float = 0.0) -> Catalog:
     from .catalog import Catalog, default_path
 
-    return Catalog(path or default_path(), wait=wait)
+    return Catalog(path or default_path(), wait=wait, on_wait=_waiting)  # told only when it waits
+
+
+def _waiting(message: str) -> None:
+    """Said once when a command waits for a catalog another process holds (--wait; execute's record)."""
+    Console(stderr=True).print(escape(message), highlight=False, soft_wrap=True)
+
+
+def _notes(e: BaseException) -> None:
+    """An interrupt's notes (what was complete when it came: catalog.Catalog.execute) on stderr."""
+    for note in getattr(e, "__notes__", ()):
+        Console(stderr=True).print(escape(note), highlight=False, soft_wrap=True)
 
 
 @app.command()

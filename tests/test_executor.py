@@ -643,3 +643,49 @@ def test_an_interrupt_that_breaks_a_lock_as_it_unwinds_exits_as_the_interrupt(mo
     monkeypatch.setattr(cli, "_catalog", lambda *args: types.SimpleNamespace(sql=lambda *a: [][1]))
     other = CliRunner().invoke(cli.app, ["sql", "SELECT 1"])
     assert other.exit_code == 1 and isinstance(other.exception, IndexError)  # any other error is itself
+
+
+def test_a_merge_waiting_to_record_its_run_says_so_and_an_interrupt_then_says_the_output_is_whole(tmp_path):
+    """A finished execute waited up to 30 s for a catalog another process held, saying nothing; Ctrl-C
+    then exited 130 silently, though the output was complete (a rerun was refused: "exists and is not
+    empty") (concurrency review). It says whom it waits for, and the interrupt says what is complete."""
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=5)
+    db = tmp_path / "c.duckdb"
+    cat = Catalog(db)
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "ties", "all"))
+    hold = (
+        "import duckdb, sys, time; con = duckdb.connect(sys.argv[1], read_only=True); "
+        "print(1, flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(db)], stdout=subprocess.PIPE, text=True)
+    out = tmp_path / "out"
+    try:
+        assert holder.stdout.readline().strip() == "1"
+        cmd = [
+            sys.executable,
+            "-m",
+            "mergedb.cli",
+            "execute",
+            str(plan.plan_id),
+            "--out",
+            str(out),
+            "-c",
+            str(db),
+            "-q",
+        ]
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not (out / "mergedb_manifest.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.0)  # the run is recorded after the output is installed: it waits for the catalog now
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+    text = " ".join(err.split())
+    assert proc.returncode == 130, err
+    assert f"is locked by process {holder.pid}; waiting for it (up to 30 s)" in text, err
+    assert f"the merge into {out} is complete and good" in text and "run was not recorded" in text, err
+    assert check_output(out) == [] and cat.sql("SELECT count(*) AS n FROM runs").column("n")[0].as_py() == 0

@@ -23,7 +23,6 @@ from .methods import Method
 
 # the random stream below (Threefry-2x32-20) is named by methods.RNG, which plans and manifests record
 _PARITY = 0x1BD11BDA  # Threefry's key-schedule parity constant (Skein)
-_ROT = (13, 15, 26, 6, 17, 29, 16, 24)  # Threefry-2x32 rotation constants, rounds mod 8
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -49,7 +48,8 @@ def _rounds4(x0, x1, r0, r1, r2, r3):  # pragma: no cover - compiled
 def _draw32(k0, k1, i):  # pragma: no cover - compiled
     """Draw i of stream (k1:k0): word 0 of Threefry-2x32-20 (Salmon et al. 2011, Random123) with
     key (k0, k1) and counter (low, high 32 bits of i). Only 32-bit adds, xors and rotations, so a
-    loop of draws vectorises (8 lanes on AVX2)."""
+    loop of draws vectorises (8 lanes on AVX2). Rotations 13, 15, 26, 6 then 17, 29, 16, 24, four
+    rounds each, a key injection between."""
     k2 = k0 ^ k1 ^ np.uint32(_PARITY)
     x0 = np.uint32(np.uint32(i & np.uint64(0xFFFFFFFF)) + k0)
     x1 = np.uint32(np.uint32(i >> np.uint64(32)) + k1)

@@ -202,15 +202,6 @@ def _factors(files: list[loraread.AdapterFiles], xp: ExecutionPlan, m: Module) -
     return concat(ls, rs, scales)
 
 
-def merged_modules(
-    xp: ExecutionPlan, rank: int | None = None
-) -> Iterator[tuple[Module, np.ndarray, np.ndarray, float | None]]:
-    """(module, A, B in peft's layout float32, relative error of the rank cut or None) per output
-    module, in the base's tensor order. Reads only the planned factor bytes."""
-    adapters, modules = check_plan(xp)
-    return _merge(xp, adapters, modules, rank)
-
-
 def _merge(
     xp: ExecutionPlan, adapters: list[lora.Adapter], modules: list[Module], rank: int | None
 ) -> Iterator[tuple[Module, np.ndarray, np.ndarray, float | None]]:

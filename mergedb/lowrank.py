@@ -50,7 +50,6 @@ class Truncation:
 
     factors: Factors
     rel_error: float  # ‖B'A' − B_R A_R‖_F / ‖B'A'‖_F (0 when B'A' = 0)
-    singular_values: np.ndarray  # (min(Σr, out, in),) float64, descending: all of them, kept and cut
 
 
 def concat(bs: Sequence[np.ndarray], as_: Sequence[np.ndarray], scales: Sequence[float]) -> Factors:
@@ -84,7 +83,7 @@ def truncate(f: Factors, rank: int) -> Truncation:
     total = float(np.sqrt(np.sum(s * s)))
     cut = float(np.sqrt(np.sum(s[keep:] * s[keep:])))
     rel = cut / total if total > 0 else 0.0
-    return Truncation(Factors(b_r.astype(np.float32), a_r.astype(np.float32)), rel, s)
+    return Truncation(Factors(b_r.astype(np.float32), a_r.astype(np.float32)), rel)
 
 
 # OpenBLAS's thread-count entry points under the names numpy's builds export them

@@ -411,7 +411,7 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int, merge: bool = True)
         + "ORDER BY 1, 2",
         params=[pid],
     ).to_arrow_table()
-    stock = _stock_dots(con, pid, len(experts)) if p[1] == "model_stock" else None
+    stock = _stock_dots(con, pid) if p[1] == "model_stock" else None
     per_tensor = con.sql(
         f"SELECT {', '.join(TENSOR_PARAM_COLUMNS)} FROM plan_tensor_params WHERE plan_id = $1 "
         "ORDER BY position, tensor_idx",
@@ -443,7 +443,7 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int, merge: bool = True)
     return xp
 
 
-def _stock_dots(con: duckdb.DuckDBPyConnection, pid: int, k: int) -> pa.Table:
+def _stock_dots(con: duckdb.DuckDBPyConnection, pid: int) -> pa.Table:
     """model_stock inputs per tensor: exact ‖Δ_k‖² (j == k rows) and, for each expert pair, the
     sketch estimate of ⟨Δ_j, Δ_k⟩ over the blocks where the pair is not both read. A block whose Δ
     holds a NaN/Inf (a plan with allow_nonfinite leaves it out) adds to neither: Δ is 0 there, as

@@ -86,7 +86,6 @@ def source(tmp_path_factory):
 # plan_mask's rows before 010: the view's columns, and the per-candidate score and value it no
 # longer has (arbitrary here: 010 drops them)
 _OLD_MASK = "plan_id, checkpoint_id, tensor_idx, block_idx, selected, free, 0.5, 0.25, nbytes"
-MASK_BITS_SINCE = 10
 
 
 def _old_catalog(

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import jsondoc, remote
 from .errors import ChangedFileError, FormatError, MergeDBError
@@ -346,6 +346,17 @@ def _discover_remote(url: str) -> list[RemotePath]:
     return subs
 
 
+def refuse_changed(src: Any, fingerprint: str) -> None:
+    """Refuse a plan's input (a manifest.Source) whose files, opened now, have another `fingerprint`
+    than when it was registered: a merge of them would not be the plan's."""
+    if fingerprint != src.fingerprint:
+        raise ChangedFileError(
+            f"{src.name} ({src.path}) changed since it was registered (its files' sizes, times or headers); "
+            "re-register it with `mergedb register --refresh` and plan again (a replay needs the files as "
+            "they were: a copy keeps their times with cp -p)"
+        )
+
+
 class PlanInputs:
     """Open files of every source of an execution plan, checked against their fingerprints and the
     plan's tensor layout (the merger reads through them; `close` when done). `where[i][tensor]` is
@@ -386,12 +397,7 @@ class PlanInputs:
                     f"{src.name} is no longer readable at {src.path}, where its plan or manifest found it ({e}); "
                     "restore it there, or register it where it is now with `mergedb register --refresh`"
                 ) from None
-            if ckpt.fingerprint != src.fingerprint:
-                raise ChangedFileError(
-                    f"{src.name} ({src.path}) changed since it was registered (its files' sizes, times or headers); "
-                    "re-register it with `mergedb register --refresh` and plan again (a replay needs the files as "
-                    "they were: a copy keeps their times with cp -p)"
-                )
+            refuse_changed(src, ckpt.fingerprint)
             # experts: no kernel readahead past the ranges we ask for
             srcs = [self.sources.open(ckpt.root / f.relpath, random=i > 0) for f in ckpt.files]
             paths = [str(ckpt.root / f.relpath) for f in ckpt.files]  # one string per file, not per tensor

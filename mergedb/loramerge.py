@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import kernels
-from .checkpoint import open_checkpoint
+from .checkpoint import open_checkpoint, refuse_changed
 from .errors import ChangedFileError
 from .lora import Adapter, is_adapter, open_adapter
 from .loraread import AdapterFiles, fixed_from_raw
@@ -49,11 +49,7 @@ class LoraInputs:
             for pos in positions:
                 src = xp.experts[pos]
                 ad = open_adapter(src.path, base, src.name)
-                if ad.fingerprint != src.fingerprint:
-                    raise ChangedFileError(
-                        f"{src.name} ({src.path}) changed since it was registered; re-register it with "
-                        "`mergedb register --refresh` and plan again"
-                    )
+                refuse_changed(src, ad.fingerprint)
                 self.adapters[pos] = (ad, AdapterFiles(ad))
         except BaseException:
             self.close()

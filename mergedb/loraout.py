@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from . import lora, loraread, outdir
-from .checkpoint import open_checkpoint
+from .checkpoint import open_checkpoint, refuse_changed
 from .encoding import encode
 from .errors import ChangedFileError, MergeDBError, PlanError
 from .executor import ExecuteResult, peak_rss, physical_read_bytes
@@ -130,11 +130,7 @@ def check_plan(xp: ExecutionPlan) -> tuple[list[lora.Adapter], list[Module]]:
                 "expert of the plan to be an adapter: plan the adapters alone, or execute without --as-lora"
             )
         ad = lora.open_adapter(src.path, base, src.name)
-        if ad.fingerprint != src.fingerprint:
-            raise ChangedFileError(
-                f"{src.name} ({src.path}) changed since it was registered; re-register it with "
-                "`mergedb register --refresh` and plan again"
-            )
+        refuse_changed(src, ad.fingerprint)
         adapters.append(ad)
     sel = xp.selected()
     values = xp.tensor_values()

@@ -26,7 +26,7 @@ import mergedb
 from mergedb import executor, loraout
 from mergedb.check import check_output
 from mergedb.cli import app
-from mergedb.errors import MergeDBError, PlanError
+from mergedb.errors import ChangedFileError, MergeDBError, PlanError
 from mergedb.planner import PlanRequest
 from tests import lora_fixtures as lf
 
@@ -299,6 +299,15 @@ def test_refusals_name_the_problem_and_write_nothing(fam, tmp_path):
     for opts, words in (({"verify": True}, "verify .--verify. applies to a model"), ({"threads": 2}, "threads")):
         with pytest.raises(PlanError, match=words):  # refused, not silently ignored
             cat.execute(ok.plan_id, tmp_path / "out", as_lora=True, **opts)
+    # an adapter changed since registration, merged into a model or an adapter (one check since the review)
+    z = lf.make_adapter(base, tmp_path / "z", seed=7, target_modules=["q_proj"])
+    cat.register([z], base_model="base")
+    changed = cat.plan(PlanRequest("base", ("z",), "linear", "all"))
+    f = z / "adapter_model.safetensors"
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    for as_lora in (False, True):
+        with pytest.raises(ChangedFileError, match=r"z \(.*\) changed since it was registered .*--refresh"):
+            cat.execute(changed.plan_id, tmp_path / "out", as_lora=as_lora)
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 

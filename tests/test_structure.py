@@ -79,6 +79,27 @@ def test_readme_module_map_names_every_module():
     assert sorted(named - modules) == []  # and names none that is gone
 
 
+def _packages(module: str) -> set[str]:
+    """The top-level packages `module` imports from outside mergedb (at any level, lazily or not)."""
+    out = set()
+    for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out - {"__future__"}
+
+
+def test_the_tensor_math_imports_neither_duckdb_nor_the_file_formats():
+    """What the README's code map says of the tensor math (the check only followed mergedb's own
+    imports, so `import duckdb` in kernels.py would have passed: code-health review)."""
+    graph = _imports()
+    math = {"kernels", "multifold", "deltapass", "stats", "summary", "lowrank", "methods"}
+    for m in sorted(math):
+        assert not _packages(m) & {"duckdb", "pyarrow", "safetensors", "torch", "fsspec", "ray"}, m
+        assert graph[m] <= math | {"errors", "jitload"}, (m, graph[m] - math)
+
+
 def test_layers_never_reach_upward():
     graph = _imports()
     assert not graph["methods"] - {"errors"}, "methods is pure parameter logic"

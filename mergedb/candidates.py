@@ -20,7 +20,6 @@ fixed factor once, exactly, and stay within the budget.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import duckdb
 import numpy as np
@@ -28,7 +27,7 @@ import pyarrow as pa
 
 from . import bounds, freshmem, greedy
 from .errors import CatalogError, PlanError
-from .resources import query
+from .resources import positions, query, statement
 
 _COLUMNS = {
     "position": np.int32,
@@ -39,24 +38,6 @@ _COLUMNS = {
     "read_bytes": np.int64,  # -1: a dense expert's block (its cost is the block's bytes)
 }
 _CAP = 1 - 2**-40  # a carrier's other candidates score at most this × the carrier's score
-
-
-@cache
-def statement(name: str) -> str:
-    """queries/<name>.sql without its header comment lines, for con.sql(): DuckDB's Python layer
-    tokenizes the text of every con.sql() call one character at a time (~3 ms a statement with
-    the header, a small plan's largest cost after the connection)."""
-    return "\n".join(line for line in query(name).splitlines() if not line.lstrip().startswith("--"))
-
-
-def positions(first: int) -> str:
-    """The `_plan_positions(checkpoint_id, position)` the candidate queries read: the plan's experts in
-    plan order, from two list parameters ($first: checkpoint ids, $first+1: 0, 1, …) zipped by unnest.
-    Not a registered Arrow table: registering and unregistering one cost ~1 ms per plan."""
-    return (
-        f"WITH _plan_positions AS (SELECT unnest(${first}::INTEGER[]) AS checkpoint_id, "
-        f"unnest(${first + 1}::INTEGER[]) AS position) "
-    )
 
 
 @dataclass(frozen=True)

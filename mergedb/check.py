@@ -86,7 +86,7 @@ def check_catalog(
                     Problem(f"table {table}", f"{n} ({key}) keys on more than one row", "plan the affected plans again")
                 )
         pids = con.execute("SELECT plan_id FROM plans ORDER BY plan_id").fetchall() if deep else []
-        for (pid,) in pids:  # ~20 ms a plan: its rows against its hash (plans.refuse_altered), its blocks
+        for (pid,) in pids:  # ~20 ms a plan: its rows against its hash (planhash.refuse_altered), its blocks
             try:
                 plans.execution_plan(con, pid, merge=False)
             except CatalogError as e:

@@ -41,7 +41,8 @@ import numpy as np
 import pyarrow as pa
 
 from . import bounds, methods
-from .candidates import histogram_bins, pair_trims, positions, statement
+from .candidates import histogram_bins, pair_trims
+from .resources import positions, statement
 from .tensorparams import TensorValues
 
 DRAWS = 256  # Monte Carlo elements per block

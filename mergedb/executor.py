@@ -18,7 +18,6 @@ import functools
 import hashlib
 import mmap
 import os
-import resource
 import shutil
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from .manifest import (
     plan_from_manifest,
     run_seal,
 )
+from .measure import peak_rss, physical_read_bytes
 from .sidefiles import TEMPLATES, copy_side_files
 from .tensorfile import DTYPES, FileRange, SafetensorsWriter, normalize_dtype, tensor_nbytes
 from .units import check_threads
@@ -62,31 +62,6 @@ class ExecuteResult:
     base_bytes: int
     bytes_written: int
     peak_rss: int
-
-
-def peak_rss() -> int:
-    """This process's peak resident set (VmHWM). Not ru_maxrss: on Linux a child started by fork and
-    exec inherits its parent's high-water mark there, so a small merge run from a big process
-    would report the parent's memory."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def physical_read_bytes() -> int:
-    """Bytes this process has fetched from storage so far (/proc/self/io read_bytes; page-cache
-    hits are not counted). 0 where the kernel does not report it."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def output_shards(xp: ExecutionPlan, max_shard_size: int, dtype: str | None = None) -> list[list[int]]:

@@ -50,7 +50,7 @@ from . import lora, loraread, outdir
 from .checkpoint import open_checkpoint, refuse_changed
 from .encoding import encode
 from .errors import ChangedFileError, MergeDBError, PlanError
-from .executor import ExecuteResult, peak_rss, physical_read_bytes
+from .executor import ExecuteResult
 from .executor import replay as replay_model
 from .jsondoc import write_json
 from .lowrank import Factors, concat, truncate
@@ -62,6 +62,7 @@ from .manifest import (
     mask_table,
     plan_from_manifest,
 )
+from .measure import peak_rss, physical_read_bytes
 from .tensorfile import SafetensorsWriter, normalize_dtype
 
 METHODS = ("linear", "task_arithmetic")

@@ -25,7 +25,7 @@ from . import (
     deviation,
     greedy,
     methods,
-    plans,
+    planhash,
     planstats,
     tensorparams,
     tensorunit,
@@ -404,7 +404,7 @@ def _store(
         "SELECT $1, checkpoint_id, tensor_idx, CAST(bits AS BIT) FROM _plan_bits WHERE present",
         [plan_id],
     )
-    plan_hash = plans.plan_hash(
+    plan_hash = planhash.plan_hash(
         req.method,
         inp.params,
         req.seed,
@@ -412,7 +412,7 @@ def _store(
         req.strategy,
         (inp.base_fingerprint, inp.base_content),
         list(zip(inp.fingerprints, inp.contents, inp.weights)),
-        plans.trims_by_position(sel.trims, inp.ids),
+        planhash.trims_by_position(sel.trims, inp.ids),
         sel.mask_digest(),  # the digest thread has run beside the inserts above
         per_tensor,
         inp.method.unit,

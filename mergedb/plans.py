@@ -3,9 +3,7 @@ value the executor runs. Only reads; plans are made by planner.py."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,11 +11,11 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from . import methods
+from . import methods, planhash
 from .checkpoint import gone
 from .errors import CatalogError, ChangedFileError, PlanError
 from .layout import TensorLayout, n_rows
-from .manifest import ExecutionPlan, Source, mask_digest
+from .manifest import ExecutionPlan, Source
 from .tensorparams import COLUMNS as TENSOR_PARAM_COLUMNS
 from .units import utf8
 
@@ -189,107 +187,6 @@ def _summary(p: tuple, experts: tuple[ExpertSummary, ...]) -> PlanSummary:
     )
 
 
-def plan_hash(
-    method: str,
-    params: dict[str, Any],
-    seed: int,
-    budget_bytes: int,
-    strategy: str | None,
-    base: tuple[str, str],
-    experts: list[tuple[str, str, float]],
-    trims: pa.Table,
-    mask: str,
-    tensor_params: pa.Table | None,
-    unit: str = "block",
-) -> str:
-    """A plan's identity: sha256 of what it merges and how. Its method, parameters, seed, budget and
-    strategy (None: left out, as plans made before schema 004 were hashed); the base's and each
-    expert's (fingerprint, content) as planned, with the weights; its thresholds (trims_by_position:
-    position, tensor_idx, t_lo, t_hi, exact; by checkpoint_id before 2026-12-03); its mask (manifest.mask_digest);
-    per-tensor values where it has them; its unit of selection when it is not the block (methods.Method.
-    unit: model_stock's plans by whole tensors since 2026-12-02; its older plans, per block, keep the hash
-    they had). The planner makes it, and `refuse_altered` makes it again
-    from the stored rows before a plan is executed."""
-    description = {
-        "method": method,
-        "params": params,
-        "seed": seed,
-        "budget_bytes": budget_bytes,
-        **({"strategy": strategy} if strategy is not None else {}),
-        "base": {"fingerprint": base[0], "content": base[1]},
-        "experts": [{"fingerprint": fp, "content": ch, "weight": w} for fp, ch, w in experts],
-        "thresholds": hashlib.sha256(_canonical_table(trims)).hexdigest(),
-        "mask": mask,
-    }
-    if tensor_params is not None:  # plans with per-expert values keep the hash they always had
-        description["tensor_params"] = hashlib.sha256(_canonical_table(tensor_params)).hexdigest()
-    if unit != "block":
-        description["unit"] = unit
-    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
-
-
-def _canonical_table(t: pa.Table) -> bytes:
-    return json.dumps(t.to_pylist(), sort_keys=True, default=str).encode()
-
-
-def trims_by_position(trims: pa.Table, ids: Sequence[int]) -> pa.Table:
-    """A plan's thresholds keyed by expert position (as its manifest keys them), in (position,
-    tensor_idx) order: what its hash covers since 2026-12-03, so that one plan over the same
-    experts has one hash in every catalog whatever order they were registered in (checkpoint ids
-    follow that order). `ids`: the plan's expert checkpoint ids, by position."""
-    at = {int(c): p for p, c in enumerate(ids)}
-    rows = sorted(
-        ({"position": at[r["checkpoint_id"]], **{k: v for k, v in r.items() if k != "checkpoint_id"}}
-         for r in trims.to_pylist()),
-        key=lambda r: (r["position"], r["tensor_idx"]),
-    )  # fmt: skip
-    return pa.Table.from_pylist(rows) if rows else pa.table({})
-
-
-def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
-    """Refuse a plan whose stored rows no longer give its hash: a catalog edited or damaged since it
-    was planned, which would merge another model than the plan's, even past its budget (its mask)."""
-    pid = xp.plan_id
-    base_fp, base_content, strategy = con.execute(
-        "SELECT base_fingerprint, base_content, strategy FROM plans WHERE plan_id = ?", [pid]
-    ).fetchall()[0]
-    rows = con.execute(
-        "SELECT fingerprint, content_hash, weight, checkpoint_id FROM plan_experts WHERE plan_id = ? ORDER BY position",
-        [pid],
-    ).fetchall()
-    experts = [r[:3] for r in rows]
-    trims = con.sql(
-        "SELECT checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM plan_thresholds WHERE plan_id = $1 "
-        "ORDER BY checkpoint_id, tensor_idx",
-        params=[pid],
-    ).to_arrow_table()
-    mask = mask_digest(xp.mask)
-    weighed = [list(experts)]
-    if any(float(w).is_integer() for _, _, w in experts):  # plans made before weights were floats: 1, not 1.0
-        weighed.append([(fp, ch, int(w) if float(w).is_integer() else w) for fp, ch, w in experts])
-    # plans made before schema 004 (every one 'ranked', its default) did not hash their strategy
-    strategies = [strategy, None] if strategy == "ranked" else [strategy]
-    # a method planned by whole tensors (model_stock) was planned per block before 2026-12-02
-    method = methods.METHODS.get(xp.method)
-    units = [method.unit, "block"] if method is not None and method.unit != "block" else ["block"]
-    base = (base_fp, base_content)
-    # thresholds by expert position; plans made before 2026-12-03 hashed them by checkpoint id
-    forms = [trims_by_position(trims, [r[3] for r in rows]), trims] if trims.num_rows else [trims]
-    if not any(  # lazily: the first (today's) description is the usual match
-        plan_hash(xp.method, xp.params, xp.seed, xp.budget_bytes, s, base, ws, t, mask, xp.tensor_params, u)
-        == xp.plan_hash
-        for t in forms
-        for u in units
-        for ws in weighed
-        for s in strategies
-    ):
-        raise CatalogError(
-            f"plan {pid}'s rows in the catalog no longer give its hash ({xp.plan_hash[:12]}…): the catalog was "
-            "edited or damaged since it was planned, and would merge another model; make the plan again "
-            "(`mergedb check --deep` lists the plans so altered)"
-        )
-
-
 def _refuse_other_stream(pid: int, method: str, rng: str | None, name: str | None) -> None:
     """Refuse a DARE/DELLA plan made for another random stream than the one this mergedb draws from
     (schema/014): its merge would write other bytes than the plan's, under the plan's hash."""
@@ -437,7 +334,7 @@ def execution_plan(con: duckdb.DuckDBPyConnection, pid: int, merge: bool = True)
         tensor_params=per_tensor if per_tensor.num_rows else None,
         side_files=(p[12], p[13]),
     )
-    refuse_altered(con, xp)
+    planhash.refuse_altered(con, xp)
     if merge:  # after the hash: `check --deep` reads every plan for its hash, whatever its stream
         _refuse_other_stream(pid, p[1], p[10], p[11])
     return xp

@@ -39,9 +39,10 @@ import pyarrow.compute as pc
 
 from .checkpoint import Checkpoint
 from .errors import MergeDBError
-from .executor import ShardsWritten, WriteShards, peak_rss, physical_read_bytes, write_shard
+from .executor import ShardsWritten, WriteShards, write_shard
 from .layout import FamilyTensor
 from .manifest import ExecutionPlan
+from .measure import peak_rss, physical_read_bytes
 from .merger import Merger, output_dtype
 from .remote import is_url
 from .tensorfile import tensor_nbytes

@@ -28,6 +28,24 @@ def query(name: str) -> str:
 
 
 @cache
+def statement(name: str) -> str:
+    """queries/<name>.sql without its header comment lines, for con.sql(): DuckDB's Python layer
+    tokenizes the text of every con.sql() call one character at a time (~3 ms a statement with
+    the header, a small plan's largest cost after the connection)."""
+    return "\n".join(line for line in query(name).splitlines() if not line.lstrip().startswith("--"))
+
+
+def positions(first: int) -> str:
+    """The `_plan_positions(checkpoint_id, position)` the candidate queries read: the plan's experts in
+    plan order, from two list parameters ($first: checkpoint ids, $first+1: 0, 1, …) zipped by unnest.
+    Not a registered Arrow table: registering and unregistering one cost ~1 ms per plan."""
+    return (
+        f"WITH _plan_positions AS (SELECT unnest(${first}::INTEGER[]) AS checkpoint_id, "
+        f"unnest(${first + 1}::INTEGER[]) AS position) "
+    )
+
+
+@cache
 def migrations() -> tuple[tuple[int, str, str], ...]:
     """(version, name, sql) of every `schema/NNN_name.sql`, in order (read once per process)."""
     return tuple(

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import grid, outdir, outspace, planner, plans, rerun
+from . import grid, measure, outdir, outspace, planner, plans, rerun
 from .errors import MergeDBError, PlanError, RunNotRecordedError
 from .lora import is_adapter
 from .manifest import ExecutionPlan
@@ -170,7 +170,7 @@ def sweep(
     total = need[0]
     if on_total:
         on_total(total)
-    t0, phys0 = time.perf_counter(), executor.physical_read_bytes()
+    t0, phys0 = time.perf_counter(), measure.physical_read_bytes()
     results: list[ExecuteResult | None] = [None] * len(xps)
     read = served = reread = peak = groups = shared_folds = passes = base = 0
     failed: list[str] = []
@@ -251,8 +251,8 @@ def sweep(
         read,
         served,
         reread,
-        executor.physical_read_bytes() - phys0,
-        executor.peak_rss(),
+        measure.physical_read_bytes() - phys0,
+        measure.peak_rss(),
         peak,
         groups,
         shared_folds,

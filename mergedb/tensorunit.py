@@ -45,7 +45,7 @@ import math
 import duckdb
 import numpy as np
 
-from . import bounds, candidates, greedy
+from . import bounds, candidates, greedy, resources
 
 KIND = "omitted tensors, sketched"  # plans.est_kind of a tensor-unit plan's estimate
 CHUNK_BYTES = 64 * 2**20  # updates(): blocks × K × sketch dimension float64 at a time
@@ -57,7 +57,7 @@ def updates(con: duckdb.DuckDBPyConnection, ids: tuple[int, ...], fam: bounds.Fa
     chunks of at most CHUNK_BYTES: memory does not grow with the model's blocks × K."""
     k = len(ids)
     t = con.sql(
-        candidates.positions(2) + candidates.statement("plan_stock_sketches"),
+        resources.positions(2) + resources.statement("plan_stock_sketches"),
         params=[drop, [int(i) for i in ids], list(range(k))],
     ).to_arrow_table()
     tix = t.column("tensor_idx").to_numpy().astype(np.int64)

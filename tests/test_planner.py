@@ -688,7 +688,7 @@ def test_a_plans_hash_does_not_depend_on_the_order_its_experts_were_registered_i
     """A trimming plan hashed its thresholds keyed by checkpoint id, which follows registration order:
     the same plan over the same experts had two hashes in two catalogs (planner review). They are keyed
     by expert position now; a plan hashed the old way still verifies (refuse_altered tries both)."""
-    from mergedb import plans, synth
+    from mergedb import planhash, synth
     from mergedb.planner import PlanRequest
 
     fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=5)
@@ -714,7 +714,7 @@ def test_a_plans_hash_does_not_depend_on_the_order_its_experts_were_registered_i
             params=[b.plan_id],
         ).to_arrow_table()
     assert trims.num_rows
-    old = plans.plan_hash(
+    old = planhash.plan_hash(
         xp.method,
         xp.params,
         xp.seed,
@@ -723,7 +723,7 @@ def test_a_plans_hash_does_not_depend_on_the_order_its_experts_were_registered_i
         (xp.base.fingerprint, xp.base.content_hash),
         [(e.fingerprint, e.content_hash, e.weight) for e in xp.experts],
         trims,
-        plans.mask_digest(xp.mask),
+        planhash.mask_digest(xp.mask),
         None,
     )
     assert old != b.plan_hash

@@ -779,7 +779,7 @@ def test_plans_hashed_with_whole_number_weights_still_execute(registered):
     their stored hash is accepted as made."""
     import duckdb
 
-    from mergedb import plans as P
+    from mergedb import planhash as P
 
     fam, cat, tmp = registered
     plan = cat.plan(PlanRequest("base", None, "task_arithmetic", weights=(1.0, 2.0)))
@@ -813,7 +813,7 @@ def test_plans_hashed_with_whole_number_weights_still_execute(registered):
 def test_plans_made_before_schema_004_execute_with_their_hash(registered):
     """Plans made before schema 004 (plans.strategy) hashed no strategy: the planner of 3502332
     described a plan as below. Such a plan was refused as 'edited or damaged' by every execute. The
-    description here is written out as that planner wrote it, not made by plans.plan_hash."""
+    description here is written out as that planner wrote it, not made by planhash.plan_hash."""
     import hashlib
     import json
 

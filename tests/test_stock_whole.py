@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from mergedb import executor, plans
+from mergedb import executor, planhash, plans
 from mergedb.catalog import Catalog
 from mergedb.errors import PlanError
 from mergedb.planner import PlanRequest
@@ -157,11 +157,11 @@ def test_a_plan_hashed_per_block_still_verifies(fam):
         (xp.base.fingerprint, xp.base.content_hash),
         [(e.fingerprint, e.content_hash, e.weight) for e in xp.experts],
         trims,
-        plans.mask_digest(xp.mask),
+        planhash.mask_digest(xp.mask),
         None,
     )
-    assert plans.plan_hash(*args, "tensor") == plan.plan_hash
-    per_block = plans.plan_hash(*args)
+    assert planhash.plan_hash(*args, "tensor") == plan.plan_hash
+    per_block = planhash.plan_hash(*args)
     assert per_block != plan.plan_hash
     with cat.duckdb_connection(write=True) as con:
         con.execute("UPDATE plans SET plan_hash = ? WHERE plan_id = ?", [per_block, plan.plan_id])

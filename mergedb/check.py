@@ -22,7 +22,7 @@ from .lora import adapter_fingerprint, is_adapter
 from .plainfile import read_small
 from .sidefiles import TEMPLATES, is_side_name
 from .sources import Sources
-from .tensorfile import read_header
+from .tensorfile import PT_METADATA, read_header
 
 if TYPE_CHECKING:
     from .catalog import Catalog
@@ -293,6 +293,8 @@ def check_output(folder: str | os.PathLike[str]) -> list[str]:
         except MergeDBError as e:
             problems.append(str(e))
             continue
+        if h.metadata != PT_METADATA:  # a loader reads it: "tf" or none, and transformers refuses or misreads
+            problems.append(f"{f}: its __metadata__ is {h.metadata}, not the {PT_METADATA} it was written with")
         with open(f, "rb") as fh:
             for t in h.tensors:
                 if t.name in shapes and t.shape != shapes[t.name]:

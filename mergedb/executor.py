@@ -45,7 +45,7 @@ from .manifest import (
 )
 from .measure import peak_rss, physical_read_bytes
 from .sidefiles import TEMPLATES, copy_side_files
-from .tensorfile import DTYPES, FileRange, SafetensorsWriter, normalize_dtype, tensor_nbytes
+from .tensorfile import DTYPES, PT_METADATA, FileRange, SafetensorsWriter, normalize_dtype, tensor_nbytes
 from .units import check_threads
 
 if TYPE_CHECKING:
@@ -285,7 +285,7 @@ def write_shard(
     """Merge the tensors `group` into the safetensors file `path`; (tensor name -> xxh3-128, bytes written)."""
     entries = [(xp.tensors[i].name, output_dtype(xp.tensors[i], dtype), xp.tensors[i].shape) for i in group]
     hashes: dict[str, str] = {}
-    with SafetensorsWriter(path, entries, {"format": "pt"}) as w:
+    with SafetensorsWriter(path, entries, PT_METADATA) as w:
         for name, _, _, data in merger.tensors(group, copy=True):
             if isinstance(data, FileRange):  # untouched: the base's bytes, copied file to file
                 w.copy(name, data)

@@ -63,7 +63,7 @@ from .manifest import (
     plan_from_manifest,
 )
 from .measure import peak_rss, physical_read_bytes
-from .tensorfile import SafetensorsWriter, normalize_dtype
+from .tensorfile import PT_METADATA, SafetensorsWriter, normalize_dtype
 
 METHODS = ("linear", "task_arithmetic")
 PREFIX = "base_model.model."
@@ -322,7 +322,7 @@ def _write(
     facts: list[dict[str, Any]] = []
     errors: list[float] = []
     read = 0
-    with SafetensorsWriter(tmp / lora.SINGLE, entries, {"format": "pt"}) as w:
+    with SafetensorsWriter(tmp / lora.SINGLE, entries, PT_METADATA) as w:
         for m, a, b, err in _merge(xp, adapters, modules, rank):
             both = xxhash.xxh3_128()
             for key, x in zip(m.keys(), (a, b)):

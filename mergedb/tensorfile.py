@@ -95,6 +95,7 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")  # the dtypes mergedb merges; every other 
 
 
 OUT_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}  # --dtype options
+PT_METADATA = {"format": "pt"}  # every shard mergedb writes (transformers reads the format from it)
 
 
 def normalize_dtype(dtype: str | None) -> str | None:

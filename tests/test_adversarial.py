@@ -794,7 +794,7 @@ def test_check_output_names_a_tensor_the_manifest_does_not_list(setup, tmp_path)
     assert check_output(out) == []
     tensors = load_file(out / "model.safetensors")
     tensors["extra.bias"] = torch.ones(4)
-    save_file(tensors, out / "model.safetensors")
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     found = check_output(out)
     assert len(found) == 1 and "tensor 'extra.bias' is not in the manifest" in found[0], found
 
@@ -850,3 +850,20 @@ def test_an_input_rewritten_while_execute_reads_it_is_never_installed(setup, tmp
     assert code == 1 and f"{who} ({fam / who}) changed while this merge read it" in text, text
     assert not out.exists() and _leftovers(out) == []
     assert Catalog(db).sql("SELECT status FROM runs").column(0).to_pylist() == ["failed"]
+
+
+def test_a_shards_metadata_edited_in_place_is_reported(setup, tmp_path):
+    """check --output compared every tensor's bytes, shape and dtype but not a shard's __metadata__:
+    {"format": "tf"} written over {"format": "pt"} (same length) passed it, and transformers reads the
+    format from there (noticed in the last review, closed here)."""
+    fam, db, plan = setup
+    out = tmp_path / "out"
+    assert _cli("execute", plan["all"], "--out", out, "-c", db, "-q")[0] == 0
+    shard = sorted(out.glob("*.safetensors"))[0]
+    raw = bytearray(shard.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    at = raw.index(b'"format":"pt"', 8, 8 + n)
+    raw[at : at + 13] = b'"format":"tf"'
+    shard.write_bytes(bytes(raw))
+    found = check_output(out)
+    assert len(found) == 1 and "its __metadata__ is {'format': 'tf'}, not the {'format': 'pt'}" in found[0], found

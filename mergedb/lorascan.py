@@ -77,9 +77,9 @@ def scan_adapters(
     check_threads(threads)
     bwhere = {t.name: (fi, t) for fi, t in base.tensors}
     group = Sources(RemoteOptions.from_env())  # the base may be local or behind a URL (sources.py)
-    base_files = scan._Files(base, group)
+    base_files = scan.Files(base, group)
     files = [AdapterFiles(a) for a in adapters]
-    scratch = scan._Scratch()
+    scratch = scan.Scratch()
 
     def unit(k: int, ft: FamilyTensor) -> tuple[list[scan.BlockRow], scan.TensorRow, list[str], dict, int]:
         ad, af = adapters[k], files[k]
@@ -113,7 +113,7 @@ def scan_adapters(
             )
             key = (ft.tensor_idx, blk.block_idx)
             if s.nnz == 0 and s.nonfinite == 0:  # Δ = 0 exactly: free, as a block identical to the base
-                rows.append(scan._zero_row(ft.tensor_idx, blk.block_idx, base_hashes[key], sketch_dim))
+                rows.append(scan.zero_row(ft.tensor_idx, blk.block_idx, base_hashes[key], sketch_dim))
                 hashes.append(base_hashes[key])
                 costs[key] = 0
                 continue
@@ -132,7 +132,7 @@ def scan_adapters(
 
     units = [(k, ft) for k, ad in enumerate(adapters) for ft in family if ft.mergeable and ft.name in _touched(ad)]
     units.sort(key=lambda u: (-u[1].nbytes, u[1].tensor_idx, u[0]))  # largest first: a short tail
-    shared = scan._SharedCodes(Counter(ft.tensor_idx for _, ft in units), sketch_dim)
+    shared = scan.SharedCodes(Counter(ft.tensor_idx for _, ft in units), sketch_dim)
 
     def run(u: tuple[int, FamilyTensor]) -> tuple[list[scan.BlockRow], scan.TensorRow, list[str], dict, int]:
         try:
@@ -162,7 +162,7 @@ def scan_adapters(
             pieces += hashes
             if not ft.mergeable:
                 continue
-            rows = [scan._zero_row(ft.tensor_idx, b.block_idx, h, sketch_dim) for b, h in zip(ft.blocks, hashes)]
+            rows = [scan.zero_row(ft.tensor_idx, b.block_idx, h, sketch_dim) for b, h in zip(ft.blocks, hashes)]
             zeros = np.zeros(len(stats.DENSITY_GRID), np.float32)
             trow = scan.TensorRow(ft.tensor_idx, True, zeros, *stats.summary_bins(_zeros(ft)))
             put(k, rows, [trow], [0] * len(rows), [0])  # untouched: Δ = 0, never read

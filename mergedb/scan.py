@@ -136,7 +136,7 @@ class ExpertStats:
     content_hash: str = ""
 
 
-class _Files:
+class Files:
     """Byte sources (local descriptors or remote files, sources.py) of a checkpoint, by file index."""
 
     def __init__(self, ckpt: Checkpoint, group: Sources) -> None:
@@ -144,10 +144,10 @@ class _Files:
 
 
 @contextmanager
-def _opened(ckpts: list[Checkpoint]) -> Iterator[list[_Files]]:
+def _opened(ckpts: list[Checkpoint]) -> Iterator[list[Files]]:
     group = Sources(RemoteOptions.from_env())
     try:
-        yield [_Files(c, group) for c in ckpts]
+        yield [Files(c, group) for c in ckpts]
     finally:
         group.close()
 
@@ -156,7 +156,7 @@ def _where(ckpt: Checkpoint) -> dict[str, tuple[int, TensorInfo]]:
     return {pair[1].name: pair for pair in ckpt.tensors}  # the checkpoint's own (file, tensor) pairs
 
 
-class _Scratch(threading.local):
+class Scratch(threading.local):
     """Per-thread reusable buffers (fresh large allocations cost page faults on every call)."""
 
     def get(self, name: str, nbytes: int) -> np.ndarray:
@@ -215,7 +215,7 @@ class _Shared:
                 self.tensors.pop(tensor_idx, None)
 
 
-_SharedCodes = _Shared  # lorascan shares the codes only (its base blocks are read per adapter)
+SharedCodes = _Shared  # lorascan shares the codes only (its base blocks are read per adapter)
 
 
 class BaseBlocks(list):
@@ -232,7 +232,7 @@ def hash_base(base: Checkpoint, family: list[FamilyTensor], threads: int, progre
     """Hash every block of the base and, for float tensors, decode it: its norm and NaN/Inf count."""
     check_threads(threads)
     where = _where(base)
-    scratch = _Scratch()
+    scratch = Scratch()
 
     def one(ft: FamilyTensor) -> list[tuple[str, float | None, int | None]]:
         fi, t = where[ft.name]
@@ -322,7 +322,7 @@ def _scan(
         check_aligned(base, expert)
     bwhere = _where(base)
     ewhere = [_where(e) for e in experts]
-    scratch = _Scratch()
+    scratch = Scratch()
 
     def one(unit: tuple[int, FamilyTensor]) -> tuple[list[BlockRow], TensorRow | None, list[str]]:
         try:
@@ -385,7 +385,7 @@ def _scan(
             for i, blk in enumerate(group):
                 if out[0][i]:  # the block's bytes equal the base's
                     chash = hash_of(ft.tensor_idx, blk.block_idx, eraw[at[i] : at[i + 1]])
-                    rows.append(_zero_row(ft.tensor_idx, blk.block_idx, chash, sketch_dim))
+                    rows.append(zero_row(ft.tensor_idx, blk.block_idx, chash, sketch_dim))
                 else:
                     all_identical = False
                     chash = xxhash.xxh3_128_hexdigest(eraw[at[i] : at[i + 1]])
@@ -462,7 +462,7 @@ def changed_row(tensor_idx: int, block_idx: int, chash: str, s: stats.BlockStats
     )  # fmt: skip
 
 
-def _zero_row(tensor_idx: int, block_idx: int, chash: str, dim: int) -> BlockRow:
+def zero_row(tensor_idx: int, block_idx: int, chash: str, dim: int) -> BlockRow:
     empty_f = np.zeros(0, np.float32)
     return BlockRow(
         tensor_idx, block_idx, True, 0.0, 0.0, 0, 0, chash, empty_f, empty_f, np.zeros(0, np.int64), np.zeros(0),

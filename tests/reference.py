@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import load_file
 
+MANIFEST = "mergedb_manifest.json"  # written out, not imported: the reference does not use mergedb
+
 
 def load_model(folder: Path) -> dict[str, np.ndarray]:
     """name -> float32 (or raw integer) numpy array, from a model folder or a .safetensors file."""
@@ -216,3 +218,11 @@ def ref_model_stock(base: np.ndarray, experts: list[np.ndarray]) -> np.ndarray:
     for d in deltas:
         acc += np.float32(1.0 / k) * d
     return (b + np.float32(t) * acc).reshape(base.shape)
+
+
+def output_digest(out: Path) -> dict[str, str]:
+    """sha256 of every file of a mergedb output, its manifest by the content hash (the manifest's `run`
+    part, timings and paths, differs between two runs of one plan): equal for byte-identical outputs."""
+    got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.name != MANIFEST}
+    got[MANIFEST] = json.loads((out / MANIFEST).read_text())["content_hash"]
+    return got

@@ -7,10 +7,7 @@ and the grid's own arithmetic (plans per group)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +15,8 @@ import pytest
 from mergedb import executor, foldshare, grid, synth
 from mergedb import sweep as sw
 from mergedb.catalog import Catalog
-from mergedb.manifest import MANIFEST
 from mergedb.planner import PlanRequest
+from tests.reference import output_digest
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +27,6 @@ def fam(tmp_path_factory):
     cat = Catalog(root / "c.duckdb")
     cat.register([root / "fam"], base_model="base", block_size="64KiB")
     return root, cat
-
-
-def _files(out: Path) -> dict[str, str]:
-    got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.name != MANIFEST}
-    got[MANIFEST] = json.loads((out / MANIFEST).read_text())["content_hash"]
-    return got
 
 
 def _folded_blocks(cat: Catalog, plan_id: int) -> int:
@@ -77,7 +68,7 @@ def test_plans_that_differ_in_finish_fold_once_and_write_their_own_bytes(fam, tm
     assert res.folds_shared == (len(reqs) - n_passes) * _folded_blocks(cat, res.runs[0][0].plan_id)
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name, threads=2)
-        assert _files(run.out) == _files(alone.out), plan.name
+        assert output_digest(run.out) == output_digest(alone.out), plan.name
         assert run.expert_bytes == alone.expert_bytes == plan.selected_bytes
 
 
@@ -127,7 +118,7 @@ def test_densities_over_one_mask_decode_each_block_once_and_write_their_own_byte
     assert res.expert_bytes_read == one and res.expert_bytes_served == 4 * one
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name)
-        assert _files(run.out) == _files(alone.out)
+        assert output_digest(run.out) == output_digest(alone.out)
 
 
 def test_a_fold_cap_of_zero_folds_in_every_plan_and_writes_the_same_bytes(fam, tmp_path):
@@ -137,7 +128,7 @@ def test_a_fold_cap_of_zero_folds_in_every_plan_and_writes_the_same_bytes(fam, t
     assert res.fold_groups == 1 and res.folds_shared == 0
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name)
-        assert _files(run.out) == _files(alone.out)
+        assert output_digest(run.out) == output_digest(alone.out)
 
 
 def test_shared_folds_fold_once_finish_all_and_hold_nothing_after():
@@ -203,4 +194,4 @@ def test_more_groups_than_a_pass_holds_fold_in_several_passes(fam, tmp_path):
     assert res.folds_shared == 4 * _folded_blocks(cat, res.runs[0][0].plan_id)
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name)
-        assert _files(run.out) == _files(alone.out)
+        assert output_digest(run.out) == output_digest(alone.out)

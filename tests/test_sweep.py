@@ -6,7 +6,6 @@ with the catalog's block sizes), counted in SQL independently of the sweep."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from mergedb.cli import app
 from mergedb.errors import MergeDBError, PlanError, PlanExistsError
 from mergedb.manifest import MANIFEST
 from mergedb.planner import PlanRequest
+from tests.reference import output_digest
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -38,13 +38,6 @@ def fam(tmp_path_factory):
     cat = Catalog(root / "c.duckdb")
     cat.register([root / "fam"], base_model="base", block_size="64KiB")
     return root, cat
-
-
-def _files(out: Path) -> dict[str, str]:
-    """sha256 of every file of an output, the manifest by its content hash (its `run` part differs)."""
-    got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.name != MANIFEST}
-    got[MANIFEST] = json.loads((out / MANIFEST).read_text())["content_hash"]
-    return got
 
 
 def _union_bytes(cat: Catalog, plan_ids: list[int]) -> int:
@@ -70,7 +63,7 @@ def test_sweep_outputs_are_each_plan_executed_alone(fam, tmp_path, method):
     for plan, run in res.runs:
         assert run.out == tmp_path / "sweep" / plan.name
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name, threads=1)
-        assert _files(run.out) == _files(alone.out), plan.name
+        assert output_digest(run.out) == output_digest(alone.out), plan.name
         assert run.expert_bytes == alone.expert_bytes == plan.selected_bytes
         assert check_output(run.out) == []
     ids = [p.plan_id for p, _ in res.runs]
@@ -105,7 +98,7 @@ def test_a_cache_too_small_rereads_but_writes_the_same_bytes(fam, tmp_path):
     assert res.reread_bytes > 0 and res.expert_bytes_read == res.expert_bytes_served
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name)
-        assert _files(run.out) == _files(alone.out)
+        assert output_digest(run.out) == output_digest(alone.out)
 
 
 def _evict(paths):
@@ -758,7 +751,7 @@ def test_a_rerun_of_an_interrupted_sweep_says_how_to_finish_it(tmp_path):
         cat, grid.grid_requests(PlanRequest("base", None, "ties", "30%"), {"density": [0.2, 0.3, 0.4]}, "kk")
     )
     sw.sweep(cat, [stored[0].plan_id], out)  # the one output the interrupted sweep finished
-    done = _files(out / "kk-density=0.2")
+    done = output_digest(out / "kk-density=0.2")
     n = _plan_count(cat)
     r = runner.invoke(app, [*cmd, "--grid", "density=0.2,0.3,0.4"])
     assert r.exit_code == 1, r.output
@@ -768,7 +761,7 @@ def test_a_rerun_of_an_interrupted_sweep_says_how_to_finish_it(tmp_path):
     assert "--force" not in msg and "choose another --name" not in msg
     commands = [f"mergedb execute kk-density={d} --out {out}/kk-density={d} -c {cat.path}" for d in ("0.3", "0.4")]
     assert all(f"`{x}`" in msg for x in commands), msg
-    assert _plan_count(cat) == n and _files(out / "kk-density=0.2") == done
+    assert _plan_count(cat) == n and output_digest(out / "kk-density=0.2") == done
     # the earlier run still writing: executing its missing outputs meanwhile made it fail (concurrency review)
     lock = out / ".kk-density=0.3.mergedb-lock"
     writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -799,7 +792,7 @@ def test_a_rerun_of_an_interrupted_sweep_says_how_to_finish_it(tmp_path):
     other = [*cmd[:6], "-b", "40%", "--name", "kk", "--out", str(tmp_path / "o2"), *c, "--grid", "density=0.2"]
     r = runner.invoke(app, other)
     assert r.exit_code == 1 and "a plan named 'kk-density=0.2' exists already; choose another --name" in r.output
-    assert _plan_count(cat) == n and _files(out / "kk-density=0.2") == done
+    assert _plan_count(cat) == n and output_digest(out / "kk-density=0.2") == done
 
 
 def test_a_rerun_with_many_outputs_missing_gets_one_loop(tmp_path):

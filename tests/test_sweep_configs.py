@@ -7,7 +7,6 @@ to name their file and to leave the catalog's plans as they were."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from mergedb import synth
 from mergedb.catalog import Catalog
 from mergedb.cli import app
 from mergedb.manifest import MANIFEST
+from tests.reference import output_digest
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -67,12 +67,6 @@ def fam(tmp_path, monkeypatch):
     return tmp_path, cat, list(files)
 
 
-def _files(out: Path) -> dict[str, str]:
-    got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.name != MANIFEST}
-    got[MANIFEST] = json.loads((out / MANIFEST).read_text())["content_hash"]
-    return got
-
-
 def _plans(cat: Catalog) -> list[dict]:
     return cat.sql("SELECT plan_id, name FROM plans ORDER BY plan_id").to_pylist()
 
@@ -92,7 +86,7 @@ def test_configs_sweep_equals_each_config_planned_and_executed_alone(fam):
         dtype = {"ties-c": ["--dtype", "fp16"], "ta": ["--dtype", "fp32"]}.get(stem, [])
         r = runner.invoke(app, ["execute", alone, "--out", f"out-{stem}", "-c", db, "-q", *dtype])
         assert r.exit_code == 0, r.output
-        assert _files(root / "sw" / stem) == _files(root / f"out-{stem}"), stem
+        assert output_digest(root / "sw" / stem) == output_digest(root / f"out-{stem}"), stem
     # the config's output dtype is the plan's: float16 and float32 where asked, the base's elsewhere
     dts = {s: json.loads((root / "sw" / s / MANIFEST).read_text())["dtype"] for s in stems}
     assert dts == {"ties-a": None, "ties-b": None, "ties-c": "F16", "ta": "F32"}

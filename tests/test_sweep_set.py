@@ -8,7 +8,6 @@ base bytes against the base file's own tensor sizes (its safetensors header); st
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import struct
 from pathlib import Path
@@ -20,8 +19,9 @@ from mergedb import executor, grid, setmerge, synth
 from mergedb import sweep as sw
 from mergedb.catalog import Catalog
 from mergedb.errors import MergeDBError
-from mergedb.manifest import MANIFEST, mask_digest
+from mergedb.manifest import mask_digest
 from mergedb.planner import PlanRequest
+from tests.reference import output_digest
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +32,6 @@ def fam(tmp_path_factory):
     cat = Catalog(root / "c.duckdb")
     cat.register([root / "fam"], base_model="base", block_size="64KiB")
     return root, cat
-
-
-def _files(out: Path) -> dict[str, str]:
-    got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir() if p.name != MANIFEST}
-    got[MANIFEST] = json.loads((out / MANIFEST).read_text())["content_hash"]
-    return got
 
 
 def _base_tensor_bytes(base: Path, bf16_as_fp32: bool = False) -> int:
@@ -71,7 +65,7 @@ def test_a_set_reads_the_base_once_and_writes_each_plan_alone(fam, tmp_path, dty
     assert res.base_bytes_read == _base_tensor_bytes(root / "fam" / "base")  # once for 8 plans
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name, dtype=dtype)
-        assert _files(run.out) == _files(alone.out), plan.name
+        assert output_digest(run.out) == output_digest(alone.out), plan.name
         assert run.expert_bytes == alone.expert_bytes == plan.selected_bytes
 
 
@@ -82,7 +76,7 @@ def test_sets_that_do_not_fit_run_plan_by_plan_and_read_the_base_per_plan(fam, t
     assert res.base_bytes_read == 2 * _base_tensor_bytes(root / "fam" / "base")
     for plan, run in res.runs:
         alone = executor.execute(cat.execution_plan(plan.plan_id), tmp_path / "alone" / plan.name)
-        assert _files(run.out) == _files(alone.out)
+        assert output_digest(run.out) == output_digest(alone.out)
 
 
 def test_a_failing_writer_fails_its_plan_alone_and_the_set_finishes(fam, tmp_path, monkeypatch):
@@ -104,7 +98,7 @@ def test_a_failing_writer_fails_its_plan_alone_and_the_set_finishes(fam, tmp_pat
     plans = {p["name"]: p["plan_id"] for p in cat.sql("SELECT name, plan_id FROM plans").to_pylist()}
     for name in ("set-full-lambda=0.5", "set-full-lambda=2"):
         alone = executor.execute(cat.execution_plan(plans[name]), tmp_path / "alone" / name, max_shard_size=600_000)
-        assert _files(tmp_path / "s" / name) == _files(alone.out)
+        assert output_digest(tmp_path / "s" / name) == output_digest(alone.out)
         assert len(list(alone.out.glob("model-*.safetensors"))) > 1
 
 

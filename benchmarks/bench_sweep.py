@@ -253,6 +253,7 @@ def main() -> None:
     if not a.quick and not catalog.exists():
         raise SystemExit(f"no {catalog}: run `python -m benchmarks.run` first")
     k = min(a.k, 4) if a.quick else a.k
+    run_id = time.strftime("%Y-%m-%dT%H:%M:%S")  # every entry says which run measured it (report.py compares)
     doc: dict = {"k": k, "sweeps": [], "load_start": load()}
     if a.mergekit_only:  # the sweeps of an earlier run, measured again against mergekit
         doc = {x: v for x, v in json.loads((RESULTS / "sweep.json").read_text()).items() if x != "machine"}
@@ -263,7 +264,9 @@ def main() -> None:
             Catalog(catalog).register([family], base_model="base")
         for n in a.n if not a.mergekit_only else []:
             for g in a.grids:
-                doc["sweeps"].append(run(n, g, k, family, catalog, Path(work), a.max_parallel, a.separate_runs))
+                doc["sweeps"].append(
+                    {**run(n, g, k, family, catalog, Path(work), a.max_parallel, a.separate_runs), "run": run_id}
+                )
                 last = doc["sweeps"][-1]
                 print(
                     json.dumps({x: last.get(x) for x in ("n", "grid", "sweep_over_one", "sweep_cpu_over_one")}),
@@ -283,7 +286,9 @@ def main() -> None:
                         doc["load_mergekit"] = load()
                         measured = [_mergekit(family, experts, p, Path(work)) for p in pts[: a.mergekit_runs]]
                     runs = measured
-                doc["mergekit"].append({"n": s["n"], "grid": s["grid"], **mergekit_arm(s["n"], runs)})
+                doc["mergekit"].append(
+                    {"n": s["n"], "grid": s["grid"], **mergekit_arm(s["n"], runs), "run": run_id}
+                )  # with --mergekit-only, another run than the sweeps': report.py then shows no ratio
     doc["load_end"] = load()
     print(json.dumps({x: v for x, v in doc.items() if x != "sweeps"}, indent=1, default=str))
     print(save("sweep" + ("-quick" if a.quick else ""), doc))

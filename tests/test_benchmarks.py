@@ -70,3 +70,25 @@ def test_bench_many_tensors_runs_both_sides(tmp_path):
     for side in ("new", "baseline"):
         for step in ("register", "task_arithmetic", "ties"):
             assert doc["summary"][f"{side}/{step}/seconds"] > 0 and doc["summary"][f"{side}/{step}/peak_rss"] > 0
+
+
+def test_the_report_compares_only_measurements_of_one_run():
+    """Ratios between a sweep and mergekit are printed only for entries of one run (bench_sweep writes a
+    run id into each; the guard used to pass any two entries without one, so a --mergekit-only run would
+    have been compared with sweeps of another); the targets table computes no share of a disk rate from
+    another run, and judges planning on the whole call a user waits for (benchmark review, 2026-12-03)."""
+    from benchmarks import report
+
+    doc = json.loads((ROOT / "benchmarks" / "results" / "sweep.json").read_text())
+    assert "faster than mergekit" not in "\n".join(report._sweep(doc))  # mergekit kept from another run
+    for entry in doc["sweeps"] + doc.get("mergekit", []):
+        entry["run"] = "2026-12-03T10:00:00"
+    assert "faster than mergekit" in "\n".join(report._sweep(doc))
+    for entry in doc.get("mergekit", []):
+        del entry["run"]
+    assert "faster than mergekit" not in "\n".join(report._sweep(doc))
+    docs = {n: report._load(n, False) for n in ("scaling", "physical", "planner-small", "execute_targets", "share")}
+    rows = [ln for ln in report._targets(docs) if ln.startswith("| ")]  # the table, not ANALYSIS.md below it
+    assert rows and not [ln for ln in rows if "of sequential read" in ln]
+    planning = [ln for ln in rows if ln.startswith("| planning ≤ 1%")]
+    assert any("whole call" in ln for ln in planning) and any("planner alone (reported)" in ln for ln in planning)

@@ -270,7 +270,8 @@ def sql(
 
     Example: mergedb sql "SELECT * FROM expert_costs"
     """
-    render.print_table(_catalog(catalog, wait).sql(query), render.check_format(fmt))
+    narrow = " (or narrow the query with WHERE or LIMIT)"
+    render.print_table(_catalog(catalog, wait).sql(query), render.check_format(fmt), narrow=narrow)
 
 
 @app.command("ls")

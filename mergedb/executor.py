@@ -164,6 +164,7 @@ def execute(
         flags={"verify": verify, "force": force},
         calls={"progress": progress, "on_total": on_total, "write_shards": write_shards},
     )
+    max_shard_size = int(max_shard_size)  # a numpy whole number is one (it is written into the manifest's JSON)
     _check_plan(xp, "execute")
     refuse_lost_side_files(xp)
     if verify and write_shards is not None and not getattr(write_shards, "verifies", False):

@@ -226,8 +226,9 @@ def output_lock(out: Path) -> Iterator[None]:
 
 
 def writer(out: Path) -> int | None:
-    """The process writing `out` now (output_lock's pid, while that process lives), or None. Read
-    without taking the lock: a lock taken only to test it would make the writer's own attempt fail."""
+    """The process writing `out` now (output_lock's pid, while that process lives and the lock is held),
+    or None. Read without taking the lock: a lock taken only to test it would make the writer's own
+    attempt fail."""
     try:
         pid = int(read_small(out.parent / f".{out.name}{LOCK}").strip() or 0)
     except (OSError, ValueError):
@@ -240,7 +241,23 @@ def writer(out: Path) -> int | None:
         return None
     except PermissionError:  # alive, another user's
         pass
-    return pid
+    held = _flock_held(out.parent / f".{out.name}{LOCK}")
+    return None if held is False else pid  # a live pid over a lock nobody holds: a killed run's, pid reused
+
+
+def _flock_held(path: Path) -> bool | None:
+    """Whether someone holds a flock on `path`, from /proc/locks (which takes no lock); None where the
+    kernel does not say (no /proc)."""
+    try:
+        st = os.stat(path)
+    except OSError:  # gone meanwhile: released
+        return False
+    try:
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any("FLOCK" in line.split() and want in line.split() for line in text.splitlines())
 
 
 def os_advice(e: OSError, out: Path) -> str:

@@ -62,12 +62,15 @@ def _canonical_table(t: pa.Table) -> bytes:
     return json.dumps(t.to_pylist(), sort_keys=True, default=str).encode()
 
 
-def trims_by_position(trims: pa.Table, ids: Sequence[int]) -> pa.Table:
+def trims_by_position(trims: pa.Table, ids: Sequence[int]) -> pa.Table | None:
     """A plan's thresholds keyed by expert position (as its manifest keys them), in (position,
     tensor_idx) order: what its hash covers since 2026-12-03, so that one plan over the same
     experts has one hash in every catalog whatever order they were registered in (checkpoint ids
-    follow that order). `ids`: the plan's expert checkpoint ids, by position."""
+    follow that order). `ids`: the plan's expert checkpoint ids, by position. None when a row names
+    a checkpoint that is not one of them (a catalog edited since: its hash cannot match)."""
     at = {int(c): p for p, c in enumerate(ids)}
+    if not set(trims.column("checkpoint_id").to_pylist()) <= set(at):  # an edited catalog's rows: no such form
+        return None
     rows = sorted(
         ({"position": at[r["checkpoint_id"]], **{k: v for k, v in r.items() if k != "checkpoint_id"}}
          for r in trims.to_pylist()),
@@ -104,7 +107,8 @@ def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:
     units = [method.unit, "block"] if method is not None and method.unit != "block" else ["block"]
     base = (base_fp, base_content)
     # thresholds by expert position; plans made before 2026-12-03 hashed them by checkpoint id
-    forms = [trims_by_position(trims, [r[3] for r in rows]), trims] if trims.num_rows else [trims]
+    keyed = trims_by_position(trims, [r[3] for r in rows]) if trims.num_rows else None
+    forms = [t for t in (keyed, trims) if t is not None]
     if not any(  # lazily: the first (today's) description is the usual match
         plan_hash(xp.method, xp.params, xp.seed, xp.budget_bytes, s, base, ws, t, mask, xp.tensor_params, u)
         == xp.plan_hash

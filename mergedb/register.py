@@ -307,8 +307,9 @@ def register(
             fresh = {r[0]: r for r in con.execute(f"SELECT {cols} FROM checkpoints").fetchall()}
             if fresh != existing:  # another process registered or forgot meanwhile: what was refused before, again
                 _refuse_base_changed(base_ckpt_name, [b.name for b in todo_bases], existing, fresh)
-                _refuse_copies(*named, fresh, read_against)
-                _refuse_same_weights(scanned, fresh, read_against)
+                now_base = fresh.get(base_ckpt_name or "", (0, read_against))[1]  # registered meanwhile too
+                _refuse_copies(*named, fresh, now_base)
+                _refuse_same_weights(scanned, fresh, now_base)
             ids = {}
             # a moved checkpoint is the same one where it is now: its rows and plans hold (a re-scan
             # below rewrites it)
@@ -506,8 +507,8 @@ def _refuse_base_changed(
     they were read against (existing, fresh: rows of register's columns, before the scan and now)."""
     if name is None or name in scanning or name not in existing:
         return
-    was, now = existing[name], fresh.get(name)
-    if now is None or now[1] != was[1] or now[4] != was[4] or (now[5], *now[7:9]) != (was[5], *was[7:9]):
+    was, now = existing[name], fresh.get(name)  # its id, layout and content: not its file times (a re-time)
+    if now is None or now[1] != was[1] or now[10] != was[10] or (now[5], *now[7:9]) != (was[5], *was[7:9]):
         raise CatalogError(
             f"base {name!r} was forgotten or registered again by another process while its experts were read; "
             "nothing was written: run the command again"

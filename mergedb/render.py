@@ -165,10 +165,11 @@ def print_records(
         o.print(escape(line), highlight=False, soft_wrap=False)
 
 
-def print_table(table: pa.Table, fmt: str = "table", title: str | None = None) -> None:
+def print_table(table: pa.Table, fmt: str = "table", title: str | None = None, narrow: str = "") -> None:
     """Print an Arrow result by column position (duplicate names keep their values; json keys get
     _2, _3). Too wide for the terminal as columns: one `name  value` block per row. A table shows
-    the first TABLE_ROWS rows and says how many it left out; csv and json print them all."""
+    the first TABLE_ROWS rows and says how many it left out (`narrow`: the caller's other way to see
+    them); csv and json print them all."""
     from .usersql import distinct_names, table_rows
 
     names = table.column_names
@@ -183,7 +184,7 @@ def print_table(table: pa.Table, fmt: str = "table", title: str | None = None) -
         if table.num_rows > TABLE_ROWS:
             line(
                 f"… {table.num_rows - TABLE_ROWS:,} more rows: a table shows the first {TABLE_ROWS:,} of "
-                f"{table.num_rows:,}; --format csv or json prints every row (or narrow the query with WHERE or LIMIT)"
+                f"{table.num_rows:,}; --format csv or json prints every row{narrow}"
             )
 
 

@@ -5,6 +5,8 @@ bind the weights in no fixed order, a str path was scanned letter by letter, fla
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -85,7 +87,8 @@ def test_execute_sql_score_register_and_connect_arguments(cat, tmp_path):
         with pytest.raises(MergeDBError, match=words):
             executor.execute(cat.execution_plan(1), **{"out": tmp_path / "o", **kw})
     assert not (tmp_path / "o").exists()
-    executor.execute(cat.execution_plan(1), tmp_path / "o")
+    executor.execute(cat.execution_plan(1), tmp_path / "o", max_shard_size=np.int64(10**9))  # a whole number
+    assert json.loads((tmp_path / "o" / "mergedb_manifest.json").read_text())["run"]["max_shard_size"] == 10**9
     for kw, words in (({"force": "no"}, "force is True or False"), ({"progress": 5}, "progress is a function")):
         with pytest.raises(MergeDBError, match=words):
             executor.replay(tmp_path / "o", tmp_path / "o", **kw)

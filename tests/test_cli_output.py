@@ -172,3 +172,14 @@ def test_a_table_stops_at_its_row_cap_and_says_how_to_get_every_row(world):
     every = list(csv.reader(io.StringIO(run("sql", query, "-c", cat.path, "-f", "csv"))))
     assert every == [["i"], *([str(i)] for i in range(n))]
     assert "more rows" not in run("sql", f"SELECT range AS i FROM range({render.TABLE_ROWS})", "-c", cat.path)
+
+
+def test_show_caps_its_table_without_advice_about_queries(world, monkeypatch):
+    """show's per-tensor table (a mixture-of-experts checkpoint has thousands) said to narrow "the query
+    with WHERE or LIMIT", which show has none of (review of the cap)."""
+    from mergedb import render
+
+    _, cat, _ = world
+    monkeypatch.setattr(render, "TABLE_ROWS", 5)
+    last = run("show", "expert_00", "-c", cat.path).splitlines()[-1]
+    assert last.startswith("… ") and "more rows" in last and "--format csv" in last and "WHERE" not in last, last

@@ -619,6 +619,31 @@ def test_what_another_process_registers_or_forgets_during_a_scan_is_checked_at_t
 
     assert check_catalog(cat) == []
 
+    # a base only re-timed meanwhile (same bytes, id and layout) is the base the experts were read against
+    def retime(other):
+        for f in (fam / "base").glob("*.safetensors"):
+            os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+        return other.register([fam / "base"], base=True, refresh=True)
+
+    assert cat.register([fam / "expert_01"], base_model="base", progress=meanwhile(retime)).registered == ("expert_01",)
+    # a copy registered meanwhile under a base this very call registers (new when its scan began; review)
+    fresh = Catalog(tmp_path / "fresh.duckdb")
+
+    def base_and_copy(other):
+        other = Catalog(fresh.path)
+        other.register([fam / "base"], base=True)
+        return other.register([tmp_path / "copy_of_expert_00"], base_model="base")
+
+    done = []
+
+    def progress(_n):
+        if not done:
+            done.append(base_and_copy(None))
+
+    with pytest.raises(CatalogError, match=r"holds the same weights as expert 'copy_of_expert_00'"):
+        fresh.register([fam / "base", fam / "expert_00"], base_model="base", progress=progress)
+    assert [c.name for c in fresh.checkpoints()] == ["base", "copy_of_expert_00"]
+
 
 @pytest.mark.parametrize("where", ["open", "version", "transaction"])
 def test_an_interrupt_while_the_first_registration_makes_the_catalog_leaves_no_file(tmp_path, monkeypatch, where):

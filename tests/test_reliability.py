@@ -744,6 +744,12 @@ def test_holding_ctrl_c_leaves_handlers_python_did_not_install_alone(monkeypatch
             "rows in the catalog no longer give its hash",
         ),
         ("UPDATE plan_thresholds SET t_lo = t_lo * 2 WHERE plan_id = {pid}", "no longer give its hash"),
+        (  # a threshold moved onto a checkpoint the plan does not merge (the base): a KeyError for a while
+            "UPDATE plan_thresholds SET checkpoint_id = (SELECT checkpoint_id FROM checkpoints WHERE role = 'base') "
+            "WHERE plan_id = {pid} AND tensor_idx = (SELECT min(tensor_idx) FROM plan_thresholds WHERE plan_id = {pid})"
+            " AND checkpoint_id = (SELECT min(checkpoint_id) FROM plan_thresholds WHERE plan_id = {pid})",
+            "no longer give its hash",
+        ),
         (
             "UPDATE plan_experts SET weight = weight + 1 WHERE plan_id = {pid} AND position = 0",
             "no longer give its hash",

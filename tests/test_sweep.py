@@ -764,9 +764,14 @@ def test_a_rerun_of_an_interrupted_sweep_says_how_to_finish_it(tmp_path):
     assert _plan_count(cat) == n and output_digest(out / "kk-density=0.2") == done
     # the earlier run still writing: executing its missing outputs meanwhile made it fail (concurrency review)
     lock = out / ".kk-density=0.3.mergedb-lock"
-    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    hold = (  # what output_lock does while it writes the output: its pid in the file, the file flocked
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, f'{os.getpid()}\\n'.encode()); print(1, flush=True); "
+        "time.sleep(60)"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdout=subprocess.PIPE, text=True)
     try:
-        lock.write_text(f"{writer.pid}\n")  # what output_lock writes while it holds the output
+        assert writer.stdout.readline().strip() == "1"
         r = runner.invoke(app, [*cmd, "--grid", "density=0.2,0.3,0.4"])
         msg = " ".join(r.output.split())
         assert r.exit_code == 1 and f"still writing its outputs under {out} (process {writer.pid}" in msg, msg
@@ -774,8 +779,14 @@ def test_a_rerun_of_an_interrupted_sweep_says_how_to_finish_it(tmp_path):
     finally:
         writer.kill()
         writer.wait()
-    r = runner.invoke(app, [*cmd, "--grid", "density=0.2,0.3,0.4"])  # a killed run's lock file: not a writer
-    assert r.exit_code == 1 and "2 missing" in " ".join(r.output.split()), r.output
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # a killed run's lock file naming a live process (its pid reused) that holds no lock: no writer
+        lock.write_text(f"{alive.pid}\n")
+        r = runner.invoke(app, [*cmd, "--grid", "density=0.2,0.3,0.4"])
+        assert r.exit_code == 1 and "2 missing" in " ".join(r.output.split()), r.output
+    finally:
+        alive.kill()
+        alive.wait()
     lock.unlink()
     for x in commands:  # the catalog named: a plan of that name in the default catalog is another plan
         r = runner.invoke(app, x.split()[1:])

@@ -43,7 +43,8 @@ def summary_bins(summary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def threshold_from_summary(codes: np.ndarray, counts: np.ndarray, n: int, density: float) -> float:
     """A keep-threshold for any density: the lower edge of the summary bin holding the k-th largest
-    |Δ|, so every element ≥ the k-th largest is kept (and its bin-mates below it, < 1.6% smaller).
+    |Δ|, so every element ≥ the k-th largest is kept (and its bin-mates below it, < 1.6% smaller for
+    |Δ| ≥ 2^-126; float32's subnormals share wider bins, the lowest, code 0, all of them and zero).
     Most bf16/fp16 deltas sit on bin lower edges, where this is the exact k-th value (ties kept, as
     on the grid), but not all: the float32 difference of two bf16 values can carry more than the
     bins' six mantissa bits (README, "Differences from mergekit"). It never keeps fewer than k, and

@@ -255,6 +255,69 @@ def _decode_chunk(raw, kind, out):  # pragma: no cover - compiled
             out[i] = _f32_bits(raw[i], kind)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _band(src, dst, lo32, hi32):  # pragma: no cover - compiled
+    # dst = src where lo ≤ |src| < hi, else +0 (src and dst may be one array); fold_group's and fold_many's trim
+    zero = np.float32(0.0)
+    for i in range(src.shape[0]):
+        x = src[i]
+        a = abs(x)
+        dst[i] = x if (a >= lo32) & (a < hi32) else zero
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _add_consensus(t, c, tot, pos, neg, pos_w, neg_w):  # pragma: no cover - compiled
+    # branch-free: a sum that starts at +0 is never -0, so adding +0 leaves it unchanged; three loops
+    # over few arrays each, so each vectorises (fewer aliasing checks)
+    zero = np.float32(0.0)
+    m = t.shape[0]
+    for i in range(m):
+        tot[i] += c * t[i]
+    for i in range(m):
+        x = t[i]
+        wd = c * x
+        pos[i] += wd if x > zero else zero
+        pos_w[i] += c if x > zero else zero
+    for i in range(m):
+        x = t[i]
+        wd = c * x
+        neg[i] += wd if x < zero else zero
+        neg_w[i] += c if x < zero else zero
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _finish_chunk(rf, bf, tot, pos, neg, pos_w, neg_w, consensus, normalize, s32, lam32):  # pragma: no cover
+    # rf = s·base + update from one chunk's sums: the elected sign's sum (+1 on zero, mergekit), divided
+    # by its agreeing weights with normalize (only a zero divisor is 1, as mergekit), times λ
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    m = rf.shape[0]
+    if consensus:
+        for i in range(m):
+            a, b = pos[i], neg[i]  # both loaded: a select, not a branch
+            rf[i] = a if tot[i] >= zero else b
+        if normalize:
+            for i in range(m):
+                a, b = pos_w[i], neg_w[i]
+                den = a if tot[i] >= zero else b
+                rf[i] = rf[i] / (one if den == zero else den)
+        for i in range(m):
+            rf[i] = s32 * bf[i] + lam32 * rf[i]
+    else:
+        for i in range(m):
+            rf[i] = s32 * bf[i] + tot[i]
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _round_bf16(bits, out):  # pragma: no cover - compiled
+    # float32 bit patterns to bfloat16, rounded to nearest even; NaN stays NaN (encoding.float32_to_bf16)
+    for i in range(out.shape[0]):
+        x = bits[i]
+        r = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        out[i] = np.uint16(0x7FC0) if nan else np.uint16(r)
+
+
 @numba.njit(nogil=True, cache=True)
 def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc):  # pragma: no cover - compiled
     """Fold experts ex[0..g) (each (n,) raw bits of one block) into the sums `acc`.
@@ -273,7 +336,6 @@ def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks,
     thr = np.ceil(min(max(p, 0.0), 1.0) * 4294967296.0)  # DARE: keep draws r < thr
     keep_all = thr >= 4294967296.0
     thr32 = np.uint32(min(thr, 4294967295.0))
-    zero = np.float32(0.0)
     bbits = np.empty(CHUNK, np.uint32)
     dbits = np.empty(CHUNK, np.uint32)
     rbits = np.empty(CHUNK, np.uint32)  # (m,) the chunk's draws
@@ -287,11 +349,7 @@ def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks,
             for i in range(m):
                 df[i] = df[i] - bf[i]
             if mode == 1:
-                lo32, hi32 = np.float32(lo[k]), np.float32(hi[k])
-                for i in range(m):
-                    x = df[i]
-                    a = abs(x)
-                    df[i] = x if (a >= lo32) & (a < hi32) else zero
+                _band(df, df, np.float32(lo[k]), np.float32(hi[k]))
             elif mode >= 2:
                 # the draws first (a loop of 32-bit integer ops only, vectorised), then the test
                 k0, k1 = np.uint32(keys[k] & np.uint64(0xFFFFFFFF)), np.uint32(keys[k] >> np.uint64(32))
@@ -315,22 +373,9 @@ def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks,
             c = coefs[k]
             tot = acc[0, c0 : c0 + m]
             if consensus:
-                # branch-free: a sum that starts at +0 is never -0, so adding +0 leaves it unchanged;
-                # three loops over few arrays each, so each vectorises (fewer aliasing checks)
                 pos, neg = acc[1, c0 : c0 + m], acc[2, c0 : c0 + m]
                 pos_w, neg_w = acc[3, c0 : c0 + m], acc[4, c0 : c0 + m]
-                for i in range(m):
-                    tot[i] += c * df[i]
-                for i in range(m):
-                    x = df[i]
-                    wd = c * x
-                    pos[i] += wd if x > zero else zero
-                    pos_w[i] += c if x > zero else zero
-                for i in range(m):
-                    x = df[i]
-                    wd = c * x
-                    neg[i] += wd if x < zero else zero
-                    neg_w[i] += c if x < zero else zero
+                _add_consensus(df, c, tot, pos, neg, pos_w, neg_w)
             else:
                 for i in range(m):
                     tot[i] += c * df[i]
@@ -346,8 +391,6 @@ def finish(base, kind, acc, normalize, lam, res, bf16, scale=1.0):  # pragma: no
     consensus = acc.shape[0] == 5
     lam32 = np.float32(lam)
     s32 = np.float32(scale)
-    one = np.float32(1.0)
-    zero = np.float32(0.0)
     to_bf16 = bf16.shape[0] > 0
     bbits = np.empty(CHUNK, np.uint32)
     rbits = np.empty(CHUNK, np.uint32)
@@ -357,28 +400,13 @@ def finish(base, kind, acc, normalize, lam, res, bf16, scale=1.0):  # pragma: no
         rf = rbits[:m].view(np.float32) if to_bf16 else res[c0 : c0 + m]  # (m,) float32 result
         _decode_chunk(base[c0 : c0 + m], kind, bbits[:m])
         tot = acc[0, c0 : c0 + m]
+        pos = neg = pos_w = neg_w = tot  # (unread without consensus)
         if consensus:
             pos, neg = acc[1, c0 : c0 + m], acc[2, c0 : c0 + m]
             pos_w, neg_w = acc[3, c0 : c0 + m], acc[4, c0 : c0 + m]
-            for i in range(m):  # the elected sign's sum; +1 on zero (mergekit)
-                a, b = pos[i], neg[i]  # both loaded: a select, not a branch
-                rf[i] = a if tot[i] >= zero else b
-            if normalize:
-                for i in range(m):
-                    a, b = pos_w[i], neg_w[i]
-                    den = a if tot[i] >= zero else b
-                    rf[i] = rf[i] / (one if den == zero else den)  # mergekit's: only a zero divisor is 1
-            for i in range(m):
-                rf[i] = s32 * bf[i] + lam32 * rf[i]
-        else:
-            for i in range(m):
-                rf[i] = s32 * bf[i] + tot[i]
+        _finish_chunk(rf, bf, tot, pos, neg, pos_w, neg_w, consensus, normalize, s32, lam32)
         if to_bf16:
-            for i in range(m):
-                x = rbits[i]
-                r = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-                bf16[c0 + i] = np.uint16(0x7FC0) if nan else np.uint16(r)
+            _round_bf16(rbits[:m], bf16[c0 : c0 + m])
 
 
 # -- model_stock -------------------------------------------------------------------------------

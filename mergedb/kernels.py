@@ -98,21 +98,6 @@ def _add_scaled(total, d, c):  # pragma: no cover - compiled
         total[i] += c32 * d[i]
 
 
-@numba.njit(nogil=True, cache=True)
-def _add_consensus(total, pos, neg, pos_w, neg_w, d, w):  # pragma: no cover - compiled
-    w32 = np.float32(w)
-    for i in range(d.shape[0]):
-        x = d[i]
-        wd = w32 * x
-        total[i] += wd
-        if x > 0:
-            pos[i] += wd
-            pos_w[i] += w32
-        elif x < 0:
-            neg[i] += wd
-            neg_w[i] += w32
-
-
 def uniform(key: int, offset: int, n: int) -> np.ndarray:
     """Uniform [0, 1) draws for elements offset … offset+n−1 of the stream `key` (float64)."""
     return _uniform(np.uint64(key), np.uint64(offset), n)
@@ -181,7 +166,7 @@ class Accumulator:
         if not self.m.consensus:
             _add_scaled(self.total, d, coef)
             return
-        _add_consensus(self.total, self.pos, self.neg, self.pos_w, self.neg_w, d, weight)
+        _add_consensus(d, np.float32(weight), self.total, self.pos, self.neg, self.pos_w, self.neg_w)
 
     def merged_delta(self) -> np.ndarray:
         """The merged update added to the base (float32)."""

@@ -215,6 +215,13 @@ class Feed:
         if not self.dead:
             self.q.put(item)
 
+    def close(self, error: BaseException) -> None:
+        """End the feed with `error` for its writer (its set's merge never started: the queue is empty)."""
+        try:
+            self.q.put_nowait(error)
+        except queue.Full:  # the merge did start: it ends the feed itself
+            pass
+
     def stop(self) -> None:
         """The writer failed or finished early: unblock the producer and drop what waits."""
         self.dead = True

@@ -306,13 +306,27 @@ class Wave:
         """Run `work(i)` for every plan of the wave at once; their futures in order."""
         n = len(self.idx) + len(self.together)
         with ThreadPoolExecutor(n, thread_name_prefix="mergedb-sweep") as pool:
-            for d in self.together:
-                pool.submit(self.produce, d)
-            futs = [pool.submit(self.run, j, work(i)) for j, i in enumerate(self.idx)]
+            started: set[int] = set()  # sets whose merge was submitted
+            futs: list[Any] = []
             try:
+                for d in self.together:
+                    pool.submit(self.produce, d)
+                    started.add(d)
+                for j, i in enumerate(self.idx):
+                    futs.append(pool.submit(self.run, j, work(i)))
                 yield from futs
             except BaseException:  # the caller stopped (Ctrl-C, an abandoned generator): stop the others
                 self.pace.cancel()  # a set's merge stops at its next tensor and fails its feeds
+                # a Ctrl-C may land between two submits: what waits on one never submitted must not wait
+                # for ever, or the pool's exit does (a set's merge filling a feed no writer reads, a writer
+                # reading a feed no merge fills)
+                stopped = MergeDBError("the sweep was stopped; this plan's output was not installed")
+                for j, feed in self.feeds.items():
+                    if j >= len(futs):  # (its writer may have started as the submit was cut: it gets the error)
+                        feed.stop()
+                        feed.close(stopped)
+                    elif self.set_of[j] not in started:
+                        feed.close(stopped)
                 raise
 
 

@@ -362,7 +362,15 @@ def in_memory(
     if into is not None and not callable(getattr(into, "state_dict", None)):
         raise MergeDBError(f"into= takes a torch module (it has a state_dict), got {type(into).__name__}")
     _refuse_adapters(cat.sql("SELECT name, role, base_id, checkpoint_id, path FROM checkpoints").to_pylist(), requests)
-    summaries, xps = grid.plan_and_load(cat, requests, check=lambda _, xps: _refuse(xps))
+
+    def check(_: Any, xps: list[ExecutionPlan]) -> None:  # before the plans are stored
+        _refuse(xps)
+        if into is not None:  # a model that cannot take the merge: refused with no plan stored
+            target = into.state_dict()
+            for xp in {xp.base.name: xp for xp in xps}.values():
+                _check_model(target, {t.name: tuple(t.shape) for t in xp.tensors})
+
+    summaries, xps = grid.plan_and_load(cat, requests, check=check)
     for idx in _waves(len(xps), max_parallel):
         wave = Wave(xps, idx, cache_bytes, threads, dtypes)
 
@@ -387,24 +395,53 @@ def in_memory(
 def load_into(model: Any, state: dict[str, np.ndarray]) -> Any:
     """Copy `state` into a torch module's parameters and buffers by name, in place; the module.
 
-    Every merged tensor must name an entry of the module's state_dict with the same shape;
-    entries the merge does not name are left as they are."""
+    Every merged tensor must name an entry of the module's state_dict with the same shape, on a real
+    device (not meta); names that share one storage (tied weights, e.g. embed_tokens and lm_head)
+    must be given equal values. All of it is checked before the first copy, so a refused call leaves
+    the model as it was. Entries the merge does not name are left as they are. Each copy is torch's
+    cast of the merged values into the entry's dtype: the output dtype's rounding, as written to disk,
+    when they are the same (--dtype, by default the base's)."""
     import torch
 
     target = model.state_dict()
-    missing = sorted(set(state) - set(target))
+    _check_model(target, {name: arr.shape for name, arr in state.items()})
+    shared: dict[tuple[int, int], str] = {}  # (storage, offset) -> the first merged name there
+    copies = []
+    for name, arr in state.items():
+        t = target[name]
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        first = shared.setdefault(key, name)
+        if first != name:  # tied: one storage, two names
+            if not np.array_equal(state[first], arr, equal_nan=True):
+                raise MergeDBError(
+                    f"the model ties {first!r} and {name!r} (one storage), but the merge gives them different "
+                    "values; untie them in the model (e.g. tie_word_embeddings=False), or merge into a dict"
+                )
+            continue
+        copies.append((t, arr))
+    with torch.no_grad():
+        for t, arr in copies:
+            t.copy_(torch.from_numpy(np.ascontiguousarray(arr)))
+    return model
+
+
+def _check_model(target: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a torch state_dict `target` that cannot take tensors of `shapes` (name -> shape)."""
+    missing = sorted(set(shapes) - set(target))
     if missing:
         raise MergeDBError(
             f"the model has no parameter or buffer named {missing[0]!r} ({len(missing)} merged tensors "
             "missing); pass a model whose state_dict names match the checkpoint's tensors"
         )
-    with torch.no_grad():
-        for name, arr in state.items():
-            t = target[name]
-            if tuple(t.shape) != arr.shape:
-                raise MergeDBError(
-                    f"tensor {name!r} is {list(arr.shape)} in the merge but {list(t.shape)} in the model; "
-                    "pass a model of this family's architecture"
-                )
-            t.copy_(torch.from_numpy(np.ascontiguousarray(arr)))
-    return model
+    for name, shape in shapes.items():
+        t = target[name]
+        if tuple(t.shape) != tuple(shape):
+            raise MergeDBError(
+                f"tensor {name!r} is {list(shape)} in the merge but {list(t.shape)} in the model; "
+                "pass a model of this family's architecture"
+            )
+        if t.is_meta:
+            raise MergeDBError(
+                f"the model's {name!r} is on the meta device, where a copy stores nothing; materialise the "
+                "model first (model.to_empty(device='cpu'))"
+            )

@@ -150,6 +150,45 @@ def test_in_memory_states_equal_merge_to_dict_and_load_into_a_module(fam):
         next(iter(cat.sweep([got[0][0].plan_id], into=other)))
 
 
+def test_into_refuses_what_it_cannot_copy_before_copying_or_storing_anything(fam):
+    """into= a model (search review): tied entries (one storage, two names) took the second merged
+    tensor's values for both; a meta-device model copied nothing and said nothing; a refusal by shape
+    came after the tensors before it were copied; and a refused call had stored its plans, so the same
+    call then failed on their names. All of it is checked first now, and nothing is stored."""
+    torch = pytest.importorskip("torch")
+    root, cat = fam
+    plan = cat.plan(PlanRequest("base", None, "ties", "all", params={"density": 0.5}, name="into-ref"))
+    state = executor.merge_to_dict(cat.execution_plan(plan.plan_id))
+    by_shape: dict = {}
+    for n, v in state.items():
+        if v.ndim == 2 and v.dtype == np.float32:
+            by_shape.setdefault(v.shape, []).append(n)
+    a, b = next(ns for ns in by_shape.values() if len(ns) > 1)[:2]  # two entries of one shape, tied below
+    assert not np.array_equal(state[a], state[b])
+    tied = _module_like(torch, state)
+    *path, leaf = b.split(".")
+    setattr(tied.get_submodule(".".join(path)), leaf, tied.get_parameter(a))
+    with pytest.raises(MergeDBError, match=rf"ties '{a}' and '{b}' \(one storage\)"):
+        next(iter(cat.sweep([plan.plan_id], into=tied)))
+    meta = _module_like(torch, state).to("meta")
+    with pytest.raises(MergeDBError, match="on the meta device"):
+        next(iter(cat.sweep([plan.plan_id], into=meta)))
+    short = _module_like(torch, state)
+    last = list(state)[-1]
+    *path, leaf = last.split(".")
+    setattr(short.get_submodule(".".join(path)), leaf, torch.nn.Parameter(torch.zeros(5, 5, dtype=torch.bfloat16)))
+    before = {k: v.clone() for k, v in short.state_dict().items()}
+    with pytest.raises(MergeDBError, match=rf"tensor '{last}' is .* in the merge but \[5, 5\] in the model"):
+        executor_state = next(iter(cat.sweep([plan.plan_id], into=short)))  # noqa: F841
+    assert all(torch.equal(v, before[k]) for k, v in short.state_dict().items())  # nothing copied
+    n = _plan_count(cat)
+    req = PlanRequest("base", None, "ties", "all", params={"density": 0.3}, name="into-new")
+    with pytest.raises(MergeDBError, match="in the model"):
+        next(iter(cat.sweep([req], into=short)))
+    assert _plan_count(cat) == n  # refused with no plan stored: the same call can be made again
+    assert next(iter(cat.sweep([req])))[0].name == "into-new"
+
+
 def _module_like(torch, state):
     """A torch module whose state_dict names are `state`'s (dots make submodules), in bf16."""
     root = torch.nn.Module()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,9 +41,13 @@ STEP = 0.15  # spread of a later generation around the best candidate
 def setup(workdir: Path, size: str) -> Catalog:
     """The family and its catalog, made once (a rerun finds them)."""
     cat = Catalog(workdir / "search.duckdb", wait=30)
-    if not (workdir / "family" / "base").exists():
-        synth.make_family(workdir / "family", experts=EXPERTS, size=size, seed=1)
-    cat.register([workdir / "family"], base_model="base")  # idempotent
+    family = workdir / "family"
+    if not family.exists():  # made beside it and renamed into place: a run killed while writing it leaves no half
+        partial = workdir / "family.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        synth.make_family(partial, experts=EXPERTS, size=size, seed=1)
+        partial.rename(family)
+    cat.register([family], base_model="base")  # idempotent
     return cat
 
 
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for plan, state in cat.sweep(todo, max_parallel=args.population) if todo else ():
             value = distance(state, target, base)
-            cat.record_score(plan.plan_id, METRIC, value)
+            cat.record_score(plan, METRIC, value)  # the summary: a plan forgotten meanwhile is refused
             done = scores(cat)
         top = min(v for k, v in done.items() if k < f"search-g{gen + 1:03d}")
         print(f"generation {gen}: best {METRIC} {top[0]:.4f} weights {top[1]} density {top[2]}", flush=True)

@@ -97,8 +97,9 @@ def resolve_plan(con: duckdb.DuckDBPyConnection, plan: int | str | PlanSummary) 
             got = con.execute("SELECT plan_hash FROM plans WHERE plan_id = ?", [plan.plan_id]).fetchall()
             if got != [(plan.plan_hash,)]:
                 raise PlanError(
-                    f"plan {plan.plan_id} of this catalog is not the plan summarised ({plan.plan_hash[:12]}…): was "
-                    "it made in another catalog? pass its id, name or hash to the catalog that holds it"
+                    f"plan {plan.plan_id} of this catalog is not the plan summarised ({plan.plan_hash[:12]}…): it was "
+                    "made in another catalog (pass its id, name or hash to the catalog that holds it), or forgotten "
+                    "since (`mergedb forget --with-plans`; its id may now be another plan's)"
                 )
         plan = plan.plan_id
     if plan is None:

@@ -13,7 +13,7 @@ from mergedb import synth
 from mergedb.catalog import Catalog
 from mergedb.check import check_catalog
 from mergedb.cli import app
-from mergedb.errors import CatalogError, MergeDBError
+from mergedb.errors import CatalogError, MergeDBError, PlanError
 from mergedb.planner import PlanRequest
 from tests.test_bad_input import snapshot
 
@@ -109,3 +109,18 @@ def test_a_run_is_not_recorded_against_a_new_plan_that_took_the_forgotten_ones_i
     assert done[0].plan_id == last.plan_id  # the id was taken, or this tests nothing
     assert _n(cat, "runs") == runs - 1  # `every`'s run went with it; none added
     assert check_catalog(cat) == []
+
+
+def test_a_score_by_summary_is_not_given_to_the_plan_that_took_a_forgotten_ones_id(world):
+    """record_score(plan.plan_id, …), as the README's search loop wrote it, scored whatever plan held
+    that id after a `forget --with-plans` and a new plan (search review). The README and the example
+    pass the summary, checked by its hash; its refusal now says the plan may have been forgotten."""
+    fam, cat, every, two = world
+    last = cat.plan(PlanRequest("base", None, "task_arithmetic", name="last"))  # the highest id
+    cat.forget(["expert_02"], with_plans=True)
+    other = cat.plan(PlanRequest("base", ("expert_00",), "linear", name="other"))
+    assert other.plan_id == last.plan_id  # the id was taken, or this tests nothing
+    scores = _n(cat, "scores")
+    with pytest.raises(PlanError, match=r"not the plan summarised .* or forgotten since .*another plan's"):
+        cat.record_score(last, "loss", 0.25)
+    assert _n(cat, "scores") == scores

@@ -51,3 +51,18 @@ def test_search_resumes_after_a_kill(tmp_path):
     assert f"resuming: {len(part)} candidates already scored" in again.stdout
     assert _scores(tmp_path / "b") == want
     assert again.stdout.splitlines()[-1] == whole.stdout.splitlines()[-1]
+
+
+def test_a_run_killed_while_it_writes_its_family_does_not_break_the_next(tmp_path):
+    """A kill while the family was written left family/base with a 0-byte file, which every restart
+    then refused as a broken checkpoint (search review). The family is written beside its place and
+    renamed into it: what a kill leaves is family.partial, which the next run writes again."""
+    (tmp_path / "w" / "family.partial" / "base").mkdir(parents=True)
+    (tmp_path / "w" / "family.partial" / "base" / "model.safetensors").write_bytes(b"")  # a killed run's
+    run = subprocess.run(
+        [sys.executable, str(SEARCH), "--workdir", str(tmp_path / "w"), "--generations", "1", "--population", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    assert not (tmp_path / "w" / "family.partial").exists() and (tmp_path / "w" / "family" / "base").is_dir()

@@ -631,10 +631,16 @@ class Catalog:
         """Store one execution: ok with its measurements, or failed with its error. Waits up to
         `wait` seconds (default: the catalog's) for a catalog another process holds. `plan_hash`
         (default: the result's manifest's): the plan executed, refused if `plan_id` is another now."""
-        if wait is None:
-            return scores.record_run(self, plan_id, out, result, error, plan_hash)
-        cat = Catalog(self.path, wait=wait, sketch_dim=self._sketch_dim, on_wait=self._on_wait)
+        cat = self if wait is None else self.waiting(wait)
         return scores.record_run(cat, plan_id, out, result, error, plan_hash)
+
+    def waiting(self, seconds: float) -> Catalog:
+        """This catalog, waiting `seconds` for a lock another process holds (this one's own wait if
+        longer): where work is done already and only its rows are left to write (a run's record,
+        registration's commit)."""
+        if self.wait >= seconds:
+            return self
+        return Catalog(self.path, wait=seconds, sketch_dim=self._sketch_dim, on_wait=self._on_wait)
 
     plan_candidates = _Elsewhere("frontier", "candidates")  # a request's scored candidates, nothing stored
     sweep = _Elsewhere("sweep", "in_memory")  # many plans merged in memory, each expert block read once

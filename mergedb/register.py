@@ -428,6 +428,9 @@ SKETCH_MEMORY = 128 * 2**10
 KEY_BYTES = 24
 
 
+COMMIT_WAIT = 30.0  # seconds registration waits at its commit for a catalog another process holds
+
+
 def _transaction(
     cat: Catalog,
     new: bool,
@@ -443,7 +446,8 @@ def _transaction(
     CATALOG.tmp/, or more than the estimate will not spill) the transaction runs again under the
     connection's own limit, which is put back afterwards in any case (a process's connections to one
     file share it)."""
-    with cat.duckdb_connection(write=True, create=blank) as con:
+    # every file is read by now: a reader holding the catalog for a moment must not throw that away
+    with cat.waiting(COMMIT_WAIT).duckdb_connection(write=True, create=blank) as con:
         own, threads = con.execute("SELECT current_setting('memory_limit'), current_setting('threads')").fetchall()[0]
         keyed = 0
         if not cat.is_blank(con):

@@ -681,3 +681,35 @@ def test_an_interrupt_while_the_first_registration_makes_the_catalog_leaves_no_f
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fam"]
     monkeypatch.undo()
     assert cat.register([fam], base_model="base").registered == ("base", "expert_00")
+
+
+def test_a_reader_holding_the_catalog_at_the_commit_does_not_throw_the_scan_away(tmp_path):
+    """With the default --wait 0, a registration read every file and then failed at its commit if a
+    reader (a `mergedb sql`, a plan) held the catalog at that moment: minutes of reading lost
+    (concurrency review). The commit waits up to 30 s, as execute's record does, and says so."""
+    import subprocess
+    import sys
+
+    fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=8)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam / "base"], base=True)
+    hold = (
+        "import duckdb, sys, time; con = duckdb.connect(sys.argv[1], read_only=True); "
+        "print(1, flush=True); time.sleep(2)"
+    )
+    holders: list[subprocess.Popen] = []
+
+    def progress(_n):
+        if not holders:  # mid-scan, a reader takes the catalog for 2 s: it holds it at the commit
+            holders.append(subprocess.Popen([sys.executable, "-c", hold, str(cat.path)], stdout=subprocess.PIPE))
+            assert holders[0].stdout.readline().strip() == b"1"
+
+    told: list[str] = []
+    try:
+        res = Catalog(cat.path, on_wait=told.append).register([fam], base_model="base", progress=progress)
+    finally:
+        for h in holders:
+            h.kill()
+            h.wait()
+    assert res.registered == ("expert_00", "expert_01")
+    assert len(told) == 1 and f"is locked by process {holders[0].pid}; waiting for it (up to 30 s)" in told[0]

@@ -690,6 +690,7 @@ def test_a_plans_hash_does_not_depend_on_the_order_its_experts_were_registered_i
     by expert position now; a plan hashed the old way still verifies (refuse_altered tries both)."""
     from mergedb import planhash, synth
     from mergedb.planner import PlanRequest
+    from tests.test_stock_whole import stored_hash_args
 
     fam = synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=5)
     cats = []
@@ -706,26 +707,9 @@ def test_a_plans_hash_does_not_depend_on_the_order_its_experts_were_registered_i
         a, b = (c.plan(req) for c in cats)
         assert a.plan_hash == b.plan_hash, method
     cat = cats[1]
-    xp = cat.execution_plan(b.plan_id)
-    with cat.duckdb_connection() as con:
-        trims = con.sql(
-            "SELECT checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM plan_thresholds WHERE plan_id = $1 "
-            "ORDER BY checkpoint_id, tensor_idx",
-            params=[b.plan_id],
-        ).to_arrow_table()
-    assert trims.num_rows
-    old = planhash.plan_hash(
-        xp.method,
-        xp.params,
-        xp.seed,
-        xp.budget_bytes,
-        "ranked",
-        (xp.base.fingerprint, xp.base.content_hash),
-        [(e.fingerprint, e.content_hash, e.weight) for e in xp.experts],
-        trims,
-        planhash.mask_digest(xp.mask),
-        None,
-    )
+    args = stored_hash_args(cat, b.plan_id)
+    assert args[7].num_rows  # thresholds, keyed by checkpoint id: the old form
+    old = planhash.plan_hash(*args)
     assert old != b.plan_hash
     with cat.duckdb_connection(write=True) as con:
         con.execute("UPDATE plans SET plan_hash = ? WHERE plan_id = ?", [old, b.plan_id])

@@ -136,30 +136,28 @@ def test_min_coverage_is_refused_for_whole_tensor_plans(fam):
         cat.plan(PlanRequest("base", None, "model_stock", "50%", min_coverage=0.2))
 
 
+def stored_hash_args(cat, plan_id: int) -> tuple:
+    """planhash.plan_hash's arguments (all but the unit) from a stored plan's rows, its thresholds keyed
+    by checkpoint id as plans were hashed before 2026-12-03: older hash forms made again in tests."""
+    xp = cat.execution_plan(plan_id)
+    with cat.duckdb_connection() as con:
+        trims = con.sql(
+            "SELECT checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM plan_thresholds WHERE plan_id = $1 "
+            "ORDER BY checkpoint_id, tensor_idx",
+            params=[plan_id],
+        ).to_arrow_table()
+    experts = [(e.fingerprint, e.content_hash, e.weight) for e in xp.experts]
+    base = (xp.base.fingerprint, xp.base.content_hash)
+    mask = planhash.mask_digest(xp.mask)
+    return (xp.method, xp.params, xp.seed, xp.budget_bytes, "ranked", base, experts, trims, mask, None)
+
+
 def test_a_plan_hashed_per_block_still_verifies(fam):
     """A model_stock plan stored before 2026-12-02 was hashed without a unit; its rows still give its
     hash (refuse_altered tries the per-block description), and a new plan's hash names the unit."""
     _, cat, _, _ = fam
     plan = cat.plan(PlanRequest("base", None, "model_stock", "25%", name="old-style"))
-    xp = cat.execution_plan(plan.plan_id)
-    with cat.duckdb_connection() as con:
-        trims = con.sql(
-            "SELECT checkpoint_id, tensor_idx, t_lo, t_hi, exact FROM plan_thresholds WHERE plan_id = $1 "
-            "ORDER BY checkpoint_id, tensor_idx",
-            params=[plan.plan_id],
-        ).to_arrow_table()
-    args = (
-        xp.method,
-        xp.params,
-        xp.seed,
-        xp.budget_bytes,
-        "ranked",
-        (xp.base.fingerprint, xp.base.content_hash),
-        [(e.fingerprint, e.content_hash, e.weight) for e in xp.experts],
-        trims,
-        planhash.mask_digest(xp.mask),
-        None,
-    )
+    args = stored_hash_args(cat, plan.plan_id)
     assert planhash.plan_hash(*args, "tensor") == plan.plan_hash
     per_block = planhash.plan_hash(*args)
     assert per_block != plan.plan_hash

@@ -27,7 +27,7 @@ Plans that share a mask but differ in a trim or a weight (two TIES densities) ar
 TIES-style groups (magnitude or band trims, sign consensus) over one mask, base, expert order, base
 scales and output dtype form one set (`mask_sets`) and fold each block in one pass: every expert
 block decoded once and added into each group's sums with that group's trims and weights
-(multifold.fold_many, bit-identical to a fold per group). DARE and DELLA groups do not (their keep
+(kernels.fold_many, bit-identical to a fold per group). DARE and DELLA groups do not (their keep
 probabilities enter the draws).
 """
 
@@ -105,7 +105,7 @@ MAX_SET = 4  # fold groups per pass: G sets of sums per chunk must stay in cache
 def mask_sets(xps: Sequence[ExecutionPlan], dtypes: Sequence[str | None], groups: list[list[int]]) -> list[list[int]]:
     """Fold groups (indices into `groups`) whose folds differ only in their trims and weights, grouped:
     TIES-style magnitude or band trims with sign consensus over one mask, base, expert order, base
-    scales and output dtype. Such groups fold each block together (multifold.fold_many): each
+    scales and output dtype. Such groups fold each block together (kernels.fold_many): each
     expert block decoded once for all their trims, at most MAX_SET groups a set. Any other group is
     a set of its own."""
     sets: dict[object, list[int]] = {}

@@ -1,9 +1,15 @@
-"""Merge operators: pure tensor math on float32 numpy arrays (compiled with numba).
+"""Merge operators: pure tensor math on float32 numpy arrays, and the fused block kernels' entry points.
 
 Every operator sees an expert's delta block by block (rows [r0, r1) of a tensor, flattened
 element offset `offset`) and folds it into per-block running sums, so memory does not grow with
 the number of experts. Omitted blocks contribute nothing; coefficients never change. The order of
 operations is fixed (experts in plan order, float32), so results repeat bit for bit.
+
+The fused kernels (fold_group, finish, stock_fold, fold_many, finish_many, dot64, decode_bits)
+run compiled C (native.py: loads in ~1 ms) where a C compiler built it, else numba (jitkernels.py:
+~0.2 s to import and load per process); both give the same bits. The per-step path (`sparsify`,
+`Accumulator`: the fused kernels' oracle in tests, and the path of methods the kernels lack)
+always runs numba's pieces.
 
 Random draws (DARE, DELLA) are counter-based: draw i of stream `key` is word 0 of Threefry-2x32
 with 20 rounds (Random123), keyed by the 64-bit `key` with the 64-bit element index i as counter,
@@ -13,94 +19,61 @@ divided by 2^32; so a block's draws equal the whole tensor's at its offset, what
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from .jitload import numba  # imported with Ctrl-C held
 from .methods import Method
 
-# the random stream below (Threefry-2x32-20) is named by methods.RNG, which plans and manifests record
-_PARITY = 0x1BD11BDA  # Threefry's key-schedule parity constant (Skein)
+CHUNK = 16384  # elements per cache-resident chunk (jitkernels.py, native.c)
+IN_KIND = {"BF16": 0, "F16": 1, "F32": 2}  # raw element bits: uint16, uint16, uint32
+MODE = {"none": 0, "magnitude": 1, "band": 1, "random": 2, "della": 3}  # sparsify modes the fused path handles
+NO_RANKS = np.zeros((0, 1 << 15))  # `fold_group`'s rank tables when the mode is not DELLA
+
+_impl: Any = None  # native.Kernels or the jitkernels module, chosen on the first kernel call
+_choose = threading.Lock()
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _rotl(x, r):  # pragma: no cover - compiled
-    return np.uint32((x << np.uint32(r)) | (x >> np.uint32(32 - r)))
+def _jit() -> ModuleType:
+    """jitkernels.py (imports numba: ~0.15 s on first use)."""
+    from . import jitkernels
+
+    return jitkernels
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _rounds4(x0, x1, r0, r1, r2, r3):  # pragma: no cover - compiled
-    # four Threefry rounds: x0 += x1; x1 = rotl(x1, r) ^ x0
-    x0 = np.uint32(x0 + x1)
-    x1 = _rotl(x1, r0) ^ x0
-    x0 = np.uint32(x0 + x1)
-    x1 = _rotl(x1, r1) ^ x0
-    x0 = np.uint32(x0 + x1)
-    x1 = _rotl(x1, r2) ^ x0
-    x0 = np.uint32(x0 + x1)
-    x1 = _rotl(x1, r3) ^ x0
-    return x0, x1
+def impl() -> Any:
+    """The fused kernels this process runs: the C ones (native.Kernels) or numba's (jitkernels)."""
+    global _impl
+    if _impl is None:
+        with _choose:
+            if _impl is None:
+                from . import native
+
+                _impl = native.load() or _jit()
+    return _impl
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _draw32(k0, k1, i):  # pragma: no cover - compiled
-    """Draw i of stream (k1:k0): word 0 of Threefry-2x32-20 (Salmon et al. 2011, Random123) with
-    key (k0, k1) and counter (low, high 32 bits of i). Only 32-bit adds, xors and rotations, so a
-    loop of draws vectorises (8 lanes on AVX2). Rotations 13, 15, 26, 6 then 17, 29, 16, 24, four
-    rounds each, a key injection between."""
-    k2 = k0 ^ k1 ^ np.uint32(_PARITY)
-    x0 = np.uint32(np.uint32(i & np.uint64(0xFFFFFFFF)) + k0)
-    x1 = np.uint32(np.uint32(i >> np.uint64(32)) + k1)
-    x0, x1 = _rounds4(x0, x1, 13, 15, 26, 6)
-    x0, x1 = np.uint32(x0 + k1), np.uint32(x1 + k2 + np.uint32(1))
-    x0, x1 = _rounds4(x0, x1, 17, 29, 16, 24)
-    x0, x1 = np.uint32(x0 + k2), np.uint32(x1 + k0 + np.uint32(2))
-    x0, x1 = _rounds4(x0, x1, 13, 15, 26, 6)
-    x0, x1 = np.uint32(x0 + k0), np.uint32(x1 + k1 + np.uint32(3))
-    x0, x1 = _rounds4(x0, x1, 17, 29, 16, 24)
-    x0, x1 = np.uint32(x0 + k1), np.uint32(x1 + k2 + np.uint32(4))
-    x0, x1 = _rounds4(x0, x1, 13, 15, 26, 6)
-    return np.uint32(x0 + k2)  # word 1 (x1 + k0 + 5) is not used
+def backend() -> str:
+    """ "native" or "numba": which fused kernels this process runs (chooses them if not yet chosen)."""
+    return "numba" if isinstance(impl(), ModuleType) else "native"
 
 
-@numba.njit(nogil=True, cache=True)
-def _draws(k0, k1, i0, out):  # pragma: no cover - compiled
-    # draws i0 … i0+len(out)−1 of stream (k1:k0) into `out` (uint32)
-    for i in range(out.shape[0]):
-        out[i] = _draw32(k0, k1, i0 + np.uint64(i))
+def reset() -> None:
+    """Choose the kernels again on the next call (tests switch MERGEDB_KERNELS in one process)."""
+    global _impl
+    from . import native
 
-
-@numba.njit(nogil=True, cache=True)
-def _uniform(key, offset, n):  # pragma: no cover - compiled
-    k0, k1 = np.uint32(key & np.uint64(0xFFFFFFFF)), np.uint32(key >> np.uint64(32))
-    out = np.empty(n, np.float64)
-    for i in range(n):
-        out[i] = np.float64(_draw32(k0, k1, offset + np.uint64(i))) * (1.0 / 4294967296.0)
-    return out
-
-
-@numba.njit(nogil=True, cache=True)
-def _keep_band(d, lo, hi):  # pragma: no cover - compiled
-    # magnitude / band trim in place: keep lo ≤ |d| < hi
-    lo32, hi32 = np.float32(lo), np.float32(hi)
-    for i in range(d.shape[0]):
-        a = abs(d[i])
-        if not (a >= lo32 and a < hi32):
-            d[i] = np.float32(0.0)
-
-
-@numba.njit(nogil=True, cache=True)
-def _add_scaled(total, d, c):  # pragma: no cover - compiled
-    c32 = np.float32(c)
-    for i in range(d.shape[0]):
-        total[i] += c32 * d[i]
+    with _choose:
+        _impl = None
+        native._loaded.clear()
 
 
 def uniform(key: int, offset: int, n: int) -> np.ndarray:
     """Uniform [0, 1) draws for elements offset … offset+n−1 of the stream `key` (float64)."""
-    return _uniform(np.uint64(key), np.uint64(offset), n)
+    return impl().uniform(key, offset, n)
 
 
 def rank_table(codes: list[int], counts: list[int]) -> np.ndarray:
@@ -133,7 +106,7 @@ def sparsify(m: Method, params: dict[str, Any], delta: np.ndarray, offset: int, 
     if m.sparsify == "none":
         return delta
     if m.sparsify in ("magnitude", "band"):  # in place
-        _keep_band(delta, trim.t_lo, np.inf if trim.t_hi is None else trim.t_hi)
+        _jit()._keep_band(delta, trim.t_lo, np.inf if trim.t_hi is None else trim.t_hi)
         return delta
     if m.sparsify == "random":  # in place: keep Δ / p where the draw is below p
         u = uniform(trim.key, offset, delta.size)  # (n,) float64
@@ -164,9 +137,9 @@ class Accumulator:
     def add(self, coef: float, weight: float, d: np.ndarray) -> None:
         """Fold one expert's Δ'_k (n,) float32 into the sums: coef for additive, weight for consensus."""
         if not self.m.consensus:
-            _add_scaled(self.total, d, coef)
+            _jit()._add_scaled(self.total, d, coef)
             return
-        _add_consensus(d, np.float32(weight), self.total, self.pos, self.neg, self.pos_w, self.neg_w)
+        _jit()._add_consensus(d, np.float32(weight), self.total, self.pos, self.neg, self.pos_w, self.neg_w)
 
     def merged_delta(self) -> np.ndarray:
         """The merged update added to the base (float32)."""
@@ -181,284 +154,49 @@ class Accumulator:
         return np.float32(self.params.get("lambda", 1.0)) * num
 
 
-# -- fused block kernels ---------------------------------------------------------------------------
-# One pass per group of expert blocks: decode (bf16/f16/f32 bits) → subtract the base → trim or
-# drop → fold into the running sums, chunk by chunk: a chunk's sums (CHUNK elements × 5 float32
-# for TIES-style methods, 320 KiB) stay in cache while every expert of the group is folded in, so
-# the sums go through memory once per group instead of once per expert. Per element the float32
-# operations and their order are exactly those of `sparsify` + `Accumulator` (experts in plan
-# order), so results are bit-identical to them.
-
-CHUNK = 16384  # elements per cache-resident chunk
-IN_KIND = {"BF16": 0, "F16": 1, "F32": 2}  # raw element bits: uint16, uint16, uint32
-MODE = {"none": 0, "magnitude": 1, "band": 1, "random": 2, "della": 3}  # sparsify modes the fused path handles
-NO_RANKS = np.zeros((0, 1 << 15))  # `fold_group`'s rank tables when the mode is not DELLA
+# -- fused block kernels (jitkernels.py documents them; native.c computes the same bits) -------------
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _f32_bits(v, kind):  # pragma: no cover - compiled
-    # raw element bits -> float32 bits (exact: every bf16/f16 value is a float32)
-    x = np.uint32(v)
-    if kind == 0:
-        return x << np.uint32(16)
-    if kind == 2:
-        return x
-    s = (x & np.uint32(0x8000)) << np.uint32(16)
-    e = (x >> np.uint32(10)) & np.uint32(0x1F)
-    m = x & np.uint32(0x3FF)
-    if e == 0:
-        if m == 0:
-            return s
-        e2 = np.uint32(113)  # subnormal half: normalise the mantissa
-        while (m & np.uint32(0x400)) == 0:
-            m = m << np.uint32(1)
-            e2 -= np.uint32(1)
-        return s | (e2 << np.uint32(23)) | ((m & np.uint32(0x3FF)) << np.uint32(13))
-    if e == 31:
-        return s | np.uint32(0x7F800000) | (m << np.uint32(13))
-    return s | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc) -> None:  # noqa: ANN001
+    """Fold experts ex[0..g) (each (n,) raw bits of one block) into the sums `acc` (jitkernels.fold_group)."""
+    impl().fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc)
 
 
-@numba.njit(nogil=True, cache=True)
-def decode_bits(raw, kind, out):  # pragma: no cover - compiled
-    """Raw element bits (uint16 or uint32) of dtype `kind` -> float32 bits in `out` (uint32)."""
-    for i in range(raw.shape[0]):
-        out[i] = _f32_bits(raw[i], kind)
+def finish(base, kind, acc, normalize, lam, res, bf16, scale=1.0) -> None:  # noqa: ANN001
+    """scale·base + merged update from `fold_group`'s sums, into `res` or as bf16 bits (jitkernels.finish)."""
+    impl().finish(base, kind, acc, normalize, lam, res, bf16, scale)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _decode_chunk(raw, kind, out):  # pragma: no cover - compiled
-    # one branch per dtype outside the loop, so each loop vectorises
-    if kind == 0:
-        for i in range(out.shape[0]):
-            out[i] = np.uint32(raw[i]) << np.uint32(16)
-    elif kind == 2:
-        for i in range(out.shape[0]):
-            out[i] = np.uint32(raw[i])
-    else:
-        for i in range(out.shape[0]):
-            out[i] = _f32_bits(raw[i], kind)
+def stock_fold(base, ex, kind, coefs, acc, dots) -> None:  # noqa: ANN001
+    """model_stock's block: Σ c_k Δ_k into `acc` and the pairwise dots (jitkernels.stock_fold)."""
+    impl().stock_fold(base, ex, kind, coefs, acc, dots)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _band(src, dst, lo32, hi32):  # pragma: no cover - compiled
-    # dst = src where lo ≤ |src| < hi, else +0 (src and dst may be one array); fold_group's and fold_many's trim
-    zero = np.float32(0.0)
-    for i in range(src.shape[0]):
-        x = src[i]
-        a = abs(x)
-        dst[i] = x if (a >= lo32) & (a < hi32) else zero
+def fold_many(base, ex, kind, coefs, lo, hi, acc) -> None:  # noqa: ANN001
+    """Fold experts into several TIES-style trims' sums at once (jitkernels.fold_many)."""
+    impl().fold_many(base, ex, kind, coefs, lo, hi, acc)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _add_consensus(t, c, tot, pos, neg, pos_w, neg_w):  # pragma: no cover - compiled
-    # branch-free: a sum that starts at +0 is never -0, so adding +0 leaves it unchanged; three loops
-    # over few arrays each, so each vectorises (fewer aliasing checks)
-    zero = np.float32(0.0)
-    m = t.shape[0]
-    for i in range(m):
-        tot[i] += c * t[i]
-    for i in range(m):
-        x = t[i]
-        wd = c * x
-        pos[i] += wd if x > zero else zero
-        pos_w[i] += c if x > zero else zero
-    for i in range(m):
-        x = t[i]
-        wd = c * x
-        neg[i] += wd if x < zero else zero
-        neg_w[i] += c if x < zero else zero
+def finish_many(base, kind, acc, group, normalize, lam, scale, res, bf16, stride, at) -> None:  # noqa: ANN001
+    """`finish` for several plans of one fold set, the base decoded once (jitkernels.finish_many)."""
+    impl().finish_many(base, kind, acc, group, normalize, lam, scale, res, bf16, stride, at)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _finish_chunk(rf, bf, tot, pos, neg, pos_w, neg_w, consensus, normalize, s32, lam32):  # pragma: no cover
-    # rf = s·base + update from one chunk's sums: the elected sign's sum (+1 on zero, mergekit), divided
-    # by its agreeing weights with normalize (only a zero divisor is 1, as mergekit), times λ
-    one = np.float32(1.0)
-    zero = np.float32(0.0)
-    m = rf.shape[0]
-    if consensus:
-        for i in range(m):
-            a, b = pos[i], neg[i]  # both loaded: a select, not a branch
-            rf[i] = a if tot[i] >= zero else b
-        if normalize:
-            for i in range(m):
-                a, b = pos_w[i], neg_w[i]
-                den = a if tot[i] >= zero else b
-                rf[i] = rf[i] / (one if den == zero else den)
-        for i in range(m):
-            rf[i] = s32 * bf[i] + lam32 * rf[i]
-    else:
-        for i in range(m):
-            rf[i] = s32 * bf[i] + tot[i]
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _round_bf16(bits, out):  # pragma: no cover - compiled
-    # float32 bit patterns to bfloat16, rounded to nearest even; NaN stays NaN (encoding.float32_to_bf16)
-    for i in range(out.shape[0]):
-        x = bits[i]
-        r = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-        out[i] = np.uint16(0x7FC0) if nan else np.uint16(r)
-
-
-@numba.njit(nogil=True, cache=True)
-def fold_group(base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc):  # pragma: no cover - compiled
-    """Fold experts ex[0..g) (each (n,) raw bits of one block) into the sums `acc`.
-
-    base (n,) raw bits; ex (g, n) raw bits in plan order; coefs (g,) float32: c_k for additive
-    sums (acc (1, n)), w_k for sign consensus (acc (5, n): total, pos, neg, pos_w, neg_w);
-    mode 0: Δ as is, 1: keep lo_k ≤ |Δ| < hi_k, 2: DARE keep Δ / p where draw < p, 3: DELLA keep
-    Δ / p_i where draw < p_i, p_i = float32(p − ε + 2ε·ranks[k, bits(|Δ_i|) >> 17]) (draws of
-    stream keys_k at element offset + i, as `uniform`)."""
-    n = base.shape[0]
-    g = ex.shape[0]
-    consensus = acc.shape[0] == 5
-    p32 = np.float32(p)
-    p_lo, two_eps = p - eps, 2.0 * eps  # DELLA: float64, as `sparsify` computes them
-    inv32 = 1.0 / 4294967296.0
-    thr = np.ceil(min(max(p, 0.0), 1.0) * 4294967296.0)  # DARE: keep draws r < thr
-    keep_all = thr >= 4294967296.0
-    thr32 = np.uint32(min(thr, 4294967295.0))
-    bbits = np.empty(CHUNK, np.uint32)
-    dbits = np.empty(CHUNK, np.uint32)
-    rbits = np.empty(CHUNK, np.uint32)  # (m,) the chunk's draws
-    for c0 in range(0, n, CHUNK):
-        m = min(CHUNK, n - c0)
-        bf = bbits[:m].view(np.float32)  # (m,) float32 base
-        df = dbits[:m].view(np.float32)  # (m,) float32 Δ of one expert
-        _decode_chunk(base[c0 : c0 + m], kind, bbits[:m])
-        for k in range(g):
-            _decode_chunk(ex[k, c0 : c0 + m], kind, dbits[:m])
-            for i in range(m):
-                df[i] = df[i] - bf[i]
-            if mode == 1:
-                _band(df, df, np.float32(lo[k]), np.float32(hi[k]))
-            elif mode >= 2:
-                # the draws first (a loop of 32-bit integer ops only, vectorised), then the test
-                k0, k1 = np.uint32(keys[k] & np.uint64(0xFFFFFFFF)), np.uint32(keys[k] >> np.uint64(32))
-                _draws(k0, k1, np.uint64(offset + c0), rbits[:m])
-                # branch-free (a 50% branch mispredicts): divide everything, then clear dropped bits
-                if mode == 2:  # u < p  ⇔  r·2^-32 < p  ⇔  r < ceil(p·2^32): the same test in integers
-                    for i in range(m):
-                        df[i] = df[i] / p32
-                    if not keep_all:
-                        for i in range(m):
-                            dbits[i] = dbits[i] & (np.uint32(0) - np.uint32(rbits[i] < thr32))
-                else:
-                    tab = ranks[k]
-                    for i in range(m):
-                        pi = np.float32(p_lo + two_eps * tab[(dbits[i] & np.uint32(0x7FFFFFFF)) >> np.uint32(17)])
-                        u = np.float64(rbits[i]) * inv32  # exact: `uniform`'s draw
-                        rbits[i] = np.uint32(0) - np.uint32(u < np.float64(pi))  # keep mask
-                        df[i] = df[i] / pi
-                    for i in range(m):
-                        dbits[i] = dbits[i] & rbits[i]
-            c = coefs[k]
-            tot = acc[0, c0 : c0 + m]
-            if consensus:
-                pos, neg = acc[1, c0 : c0 + m], acc[2, c0 : c0 + m]
-                pos_w, neg_w = acc[3, c0 : c0 + m], acc[4, c0 : c0 + m]
-                _add_consensus(df, c, tot, pos, neg, pos_w, neg_w)
-            else:
-                for i in range(m):
-                    tot[i] += c * df[i]
-
-
-@numba.njit(nogil=True, cache=True)
-def finish(base, kind, acc, normalize, lam, res, bf16, scale=1.0):  # pragma: no cover - compiled
-    """scale·base + merged update (Accumulator.merged_delta) from the sums of `fold_group`: into
-    `res` (n,) float32, or, when `bf16` (n,) uint16 is not empty, as bfloat16 bits rounded to nearest
-    even (encoding.float32_to_bf16; NaN stays NaN). scale (SLERP's s0 + s1) is 1.0 for every other
-    method, and x·1.0 == x exactly, so their outputs do not change."""
-    n = base.shape[0]
-    consensus = acc.shape[0] == 5
-    lam32 = np.float32(lam)
-    s32 = np.float32(scale)
-    to_bf16 = bf16.shape[0] > 0
-    bbits = np.empty(CHUNK, np.uint32)
-    rbits = np.empty(CHUNK, np.uint32)
-    for c0 in range(0, n, CHUNK):
-        m = min(CHUNK, n - c0)
-        bf = bbits[:m].view(np.float32)  # (m,) float32 base
-        rf = rbits[:m].view(np.float32) if to_bf16 else res[c0 : c0 + m]  # (m,) float32 result
-        _decode_chunk(base[c0 : c0 + m], kind, bbits[:m])
-        tot = acc[0, c0 : c0 + m]
-        pos = neg = pos_w = neg_w = tot  # (unread without consensus)
-        if consensus:
-            pos, neg = acc[1, c0 : c0 + m], acc[2, c0 : c0 + m]
-            pos_w, neg_w = acc[3, c0 : c0 + m], acc[4, c0 : c0 + m]
-        _finish_chunk(rf, bf, tot, pos, neg, pos_w, neg_w, consensus, normalize, s32, lam32)
-        if to_bf16:
-            _round_bf16(rbits[:m], bf16[c0 : c0 + m])
-
-
-# -- model_stock -------------------------------------------------------------------------------
-# Its scale t needs ⟨Δ_j, Δ_k⟩ over the whole tensor, so each block's unit folds Σ c_k Δ_k and
-# returns the block's exact pairwise dots; the tensor's last unit sums them (blocks in order) and
-# applies t. A dot is summed in float64 in a fixed order whatever the machine (BLAS picks its own
-# order per CPU, which would make a replay elsewhere differ): per CHUNK of the block, 8 lanes by
-# element index mod 8, the lanes added 0..7, the chunks in order.
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _dot_chunk(a, b, m):  # pragma: no cover - compiled
-    lanes = np.zeros(8, np.float64)
-    m8 = m - m % 8
-    for i in range(0, m8, 8):
-        for j in range(8):
-            lanes[j] += np.float64(a[i + j]) * np.float64(b[i + j])
-    for i in range(m8, m):
-        lanes[i - m8] += np.float64(a[i]) * np.float64(b[i])
-    s = 0.0
-    for j in range(8):
-        s += lanes[j]
-    return s
-
-
-@numba.njit(nogil=True, cache=True)
-def dot64(a, b):  # pragma: no cover - compiled
+def dot64(a: np.ndarray, b: np.ndarray) -> float:
     """⟨a, b⟩ of two (n,) float32 arrays in float64, in the fixed order `stock_fold` uses."""
-    s = 0.0
-    for c0 in range(0, a.shape[0], CHUNK):
-        m = min(CHUNK, a.shape[0] - c0)
-        s += _dot_chunk(a[c0 : c0 + m], b[c0 : c0 + m], m)
-    return s
+    return impl().dot64(a, b)
 
 
-@numba.njit(nogil=True, cache=True)
-def stock_fold(base, ex, kind, coefs, acc, dots):  # pragma: no cover - compiled
-    """model_stock's block: acc (1, n) float32 = Σ_k coefs_k Δ_k (experts in plan order, as
-    `fold_group` mode 0) and dots (g, g) float64, upper triangle += ⟨Δ_a, Δ_b⟩ as `dot64`.
-    base (n,) raw bits; ex (g, n) raw bits of every expert of the block."""
-    n = base.shape[0]
-    g = ex.shape[0]
-    bbits = np.empty(CHUNK, np.uint32)
-    dbits = np.empty((g, CHUNK), np.uint32)
-    for c0 in range(0, n, CHUNK):
-        m = min(CHUNK, n - c0)
-        bf = bbits[:m].view(np.float32)  # (m,) float32 base
-        _decode_chunk(base[c0 : c0 + m], kind, bbits[:m])
-        tot = acc[0, c0 : c0 + m]
-        for k in range(g):
-            df = dbits[k, :m].view(np.float32)  # (m,) float32 Δ_k
-            _decode_chunk(ex[k, c0 : c0 + m], kind, dbits[k, :m])
-            c = coefs[k]
-            for i in range(m):
-                df[i] = df[i] - bf[i]
-            for i in range(m):
-                tot[i] += c * df[i]
-        for a in range(g):
-            for b in range(a + 1, g):
-                dots[a, b] += _dot_chunk(dbits[a, :m].view(np.float32), dbits[b, :m].view(np.float32), m)
+def decode_bits(raw: np.ndarray, kind: int, out: np.ndarray) -> None:
+    """Raw element bits (uint16 or uint32) of dtype `kind` -> float32 bits in `out` (uint32)."""
+    impl().decode_bits(raw, kind, out)
 
 
 def warm(bits: Any, stock: bool = False) -> None:
-    """Load (or compile) the fused kernels for raw element bits of dtype `bits` (np.uint16 or
-    np.uint32) on tiny arrays, with the argument types the merger passes. The first call of a
-    cached numba function in a process costs ~0.2 s of CPU (cache index, LLVM object load): the
-    merger runs this on a compute thread while the I/O threads read the first inputs."""
+    """Load (or build, or compile) the fused kernels for raw element bits of dtype `bits` (np.uint16
+    or np.uint32) with tiny arrays of the argument types the merger passes. The merger runs this on a
+    compute thread while the I/O threads read the first inputs: numba's first call of a cached kernel
+    costs ~0.07-0.2 s of CPU, the C kernels' first load ~1 ms (a first build on a machine ~1 s)."""
     base, ex = np.zeros(8, bits), np.zeros((1, 8), bits)
     acc, one, zeros = np.zeros((1, 8), np.float32), np.ones(1, np.float32), np.zeros(1)
     if stock:

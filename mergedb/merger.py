@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import fetchplan, jitload, kernels, methods, multifold, slicefold, stepwise
+from . import fetchplan, kernels, methods, slicefold, stepwise
 from .checkpoint import PlanInputs
 from .errors import ChangedFileError
 from .layout import TensorLayout, block_bytes, output_dtype, row_elems, span_bytes, spans
@@ -57,7 +57,6 @@ IO_THREADS = 4  # threads that only read (pread releases the GIL)
 AHEAD_BYTES = 64 * 2**20  # later tensors in flight while one is written (the reorder buffer)
 SPAN_BYTES = 4 * 2**20  # consecutive blocks with one expert set merged as one unit up to this size
 _NO_F32, _NO_BF16 = np.empty(0, np.float32), np.empty(0, np.uint16)  # `kernels.finish`'s unused output
-jitload.light_cache_loads(vars(kernels))  # first calls load the cached code without numba's full refresh
 
 
 # read_block(tensor_idx, block_idx, position, raw, pread): fill `raw` (uint8, the block's exact size)
@@ -68,7 +67,7 @@ ReadBlock = Callable[[int, int, int, np.ndarray, Callable[[np.ndarray], None]], 
 # running sums, folded here by `fold(buf)` (into `acc` or a buffer of the same shape) or folded by
 # another plan with the same fold (foldshare.py; `finish` only reads them); True when `fold` ran
 # here. `fold(buf, bands)` folds several TIES-style trims at once: buf (G, 5, n), bands = Bands of
-# (G, K) arrays (weight, keep |Δ| ≥ lo, < hi per set and expert position), as multifold.fold_many.
+# (G, K) arrays (weight, keep |Δ| ≥ lo, < hi per set and expert position), as kernels.fold_many.
 # None: fold(acc), finish(acc). Only the fused, non-model_stock path calls it.
 Bands = tuple[np.ndarray, np.ndarray, np.ndarray]
 Fold = Callable[..., None]
@@ -417,7 +416,7 @@ class Merger:
             if bands is not None:  # each expert decoded once, trimmed and added into every set
                 at = [pos for pos, _ in grp]
                 w, t_lo, t_hi = (np.ascontiguousarray(x[:, at]) for x in bands)  # (G, g) each
-                multifold.fold_many(base, ex, kind, w, t_lo, t_hi, acc)
+                kernels.fold_many(base, ex, kind, w, t_lo, t_hi, acc)
                 continue
             self._fold_group(ti, grp, base, ex, lo, acc)
 

@@ -4,7 +4,7 @@ The plans of one fold set (foldshare.mask_sets: one FoldKey group, or TIES-style
 mask that fold in one pass) read the same base and expert blocks and fold them to sums that differ
 only by group. `SetMerger` does that once for the whole set: each base tensor is read once (not
 once per plan), each selected block is folded once (into G sets of sums when the set has G
-groups, multifold.fold_many), and each plan's output block is finished from its group's sums with
+groups, kernels.fold_many), and each plan's output block is finished from its group's sums with
 its own λ, normalize and base scale (`kernels.finish`, exactly as merger.py's `_finish`), into a
 buffer of that plan. A tensor the plans do not merge is the base's bytes, one buffer for all.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kernels, multifold
+from . import kernels
 from .errors import MergeDBError
 from .executor import ShardsWritten, write_shard_files
 from .layout import block_bytes, output_dtype, row_elems
@@ -158,7 +158,7 @@ class SetMerger(Merger):
 
     def _run_set(self, u: Unit, base_f: Future[np.ndarray], outs: np.ndarray) -> None:
         """Fold each block of `u` once, then finish every plan's output block from its group's sums
-        (multifold.finish_many: the base decoded once for all; F16 outputs plan by plan)."""
+        (kernels.finish_many: the base decoded once for all; F16 outputs plan by plan)."""
         base_raw = base_f.result()
         ti = u.tensor_idx
         t = self.xp.tensors[ti]
@@ -183,9 +183,9 @@ class SetMerger(Merger):
                 stride, kind = flat.size // len(outs), kernels.IN_KIND[t.dtype]
                 args = (base, kind, sums, self.group_arr, self.normalize_arr, lam, scale)
                 if out_dtype == "BF16":
-                    multifold.finish_many(*args, _NO_F32, flat, stride, lo)
+                    kernels.finish_many(*args, _NO_F32, flat, stride, lo)
                 else:
-                    multifold.finish_many(*args, flat, _NO_BF16, stride, lo)
+                    kernels.finish_many(*args, flat, _NO_BF16, stride, lo)
             with self._lock:
                 self.folds += 1
                 self.shared += len(outs) - 1

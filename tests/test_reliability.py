@@ -696,7 +696,9 @@ for attempt in range(2):
 def test_ctrl_c_while_numba_imports_leaves_the_process_able_to_merge(registered):
     """A Ctrl-C during a process's first merge can land while numba imports itself; it used to leave
     numba half-initialised, and every later merge in that process (a notebook's kernel) failed with an
-    AttributeError from numba. Held until numba is whole, it interrupts that call only."""
+    AttributeError from numba. Held until numba is whole, it interrupts that call only. (A merge
+    imports numba where the C kernels cannot be built, as MERGEDB_KERNELS=numba here; registration
+    always does.)"""
     fam, cat, tmp = registered
     plan = cat.plan(PlanRequest("base", None, "ties", params={"density": 0.5}))
     res = subprocess.run(
@@ -704,6 +706,7 @@ def test_ctrl_c_while_numba_imports_leaves_the_process_able_to_merge(registered)
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "MERGEDB_KERNELS": "numba"},
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[:2] == ["0 interrupted False", "1 ok"], res.stdout + res.stderr

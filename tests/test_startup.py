@@ -134,8 +134,7 @@ def test_prefetch_stops_when_closed_and_ignores_inputs_it_cannot_open(plan, monk
 KERNEL_RUN = r"""
 import hashlib, sys
 import numpy as np
-from mergedb import merger  # noqa: F401  (installs the light loads)
-from mergedb import kernels
+from mergedb import jitkernels as kernels  # numba's kernels, whatever the C ones; installs the light loads
 rng = np.random.default_rng(7)
 n = 3000
 base = (rng.integers(0, 2**14, n) + 0x3000).astype(np.uint16)
@@ -145,7 +144,7 @@ for mode in (0, 1, 2):
     acc = np.zeros((5, n), np.float32)
     coefs, lo, hi = np.array([1.0, 0.5, 0.25], np.float32), np.zeros(3), np.full(3, np.inf)
     keys = np.array([11, 12, 13], np.uint64)
-    kernels.fold_group(base, ex, 0, mode, 5, coefs, lo, hi, keys, 0.6, 0.0, kernels.NO_RANKS, acc)
+    kernels.fold_group(base, ex, 0, mode, 5, coefs, lo, hi, keys, 0.6, 0.0, np.zeros((0, 1 << 15)), acc)
     out = np.empty(n, np.uint16)
     kernels.finish(base, 0, acc, True, 0.8, np.empty(0, np.float32), out)
     h.update(acc.tobytes() + out.tobytes())
@@ -158,10 +157,12 @@ print(h.hexdigest(), bool(hits), "numba.np.arraymath" in sys.modules)
 def test_kernels_loaded_from_cache_without_numba_refresh_compute_the_same(tmp_path):
     """A fresh process loads the kernels from numba's cache without the lowering registries and
     gets the bytes that a process that compiled them (or loaded them after a full refresh) gets."""
+    line = (
+        "from mergedb import jitkernels as kernels  # numba's kernels, whatever the C ones; installs the light loads\n"
+    )
     full = KERNEL_RUN.replace(
-        "from mergedb import kernels\n",
-        "from mergedb import kernels\n"
-        "from numba.core.registry import cpu_target; cpu_target.target_context.refresh()\n",
+        line,
+        line + "from numba.core.registry import cpu_target; cpu_target.target_context.refresh()\n",
     )
     ref = subprocess.run([sys.executable, "-c", full], capture_output=True, text=True, cwd=tmp_path, check=True)
     light = subprocess.run([sys.executable, "-c", KERNEL_RUN], capture_output=True, text=True, cwd=tmp_path, check=True)

@@ -183,7 +183,7 @@ def test_finish_many_is_the_finish_formula_for_every_plan(rows):
     """5 plans over 3 groups of sums (ties with zeros, tiny weights, a NaN; n not a multiple of the
     chunk), each with its own λ and normalize, into float32 rows and into bfloat16 rows of a flat
     buffer (the block in the middle of each row)."""
-    from mergedb import kernels, multifold
+    from mergedb import kernels
 
     rng = np.random.default_rng(7)
     n = kernels.CHUNK + 517
@@ -205,16 +205,12 @@ def test_finish_many_is_the_finish_formula_for_every_plan(rows):
         stride, at = n + 300, 100  # each plan's row longer than the block, the block inside it
         res = np.full(5 * stride, np.nan, np.float32)
         empty16 = np.empty(0, np.uint16)
-        multifold.finish_many(
-            base, kernels.IN_KIND["BF16"], sums, group, normalize, lam, scale, res, empty16, stride, at
-        )
+        kernels.finish_many(base, kernels.IN_KIND["BF16"], sums, group, normalize, lam, scale, res, empty16, stride, at)
         rows = res.reshape(5, stride)
         np.testing.assert_array_equal(rows[:, at : at + n].view(np.uint32), want.view(np.uint32))
         assert np.isnan(rows[:, :at]).all() and np.isnan(rows[:, at + n :]).all()  # nothing outside the block
         bf = np.zeros(5 * stride, np.uint16)
-        multifold.finish_many(
-            base, kernels.IN_KIND["BF16"], sums, group, normalize, lam, scale, res[:0], bf, stride, at
-        )
+        kernels.finish_many(base, kernels.IN_KIND["BF16"], sums, group, normalize, lam, scale, res[:0], bf, stride, at)
         rows16 = bf.reshape(5, stride)
         np.testing.assert_array_equal(rows16[:, at : at + n], _to_bf16_bits(want))
         assert not rows16[:, :at].any() and not rows16[:, at + n :].any()

@@ -1,0 +1,294 @@
+"""The fused merge kernels compiled from native.c by the system C compiler and loaded with ctypes.
+
+Why: numba's import and the load of its cached machine code cost every `mergedb execute` process
+~0.2 s before its first block is merged (benchmarks/ANALYSIS.md), as much as a budgeted merge of two
+experts takes to read on a fast disk. The shared library loads in about a millisecond. native.c
+performs the operations of jitkernels.py's kernels in the same order, so the outputs are the same
+bits whichever ran (tests/test_native.py).
+
+Built once per machine and source: `cc` (or $CC) compiles native.c into `native-<source>-<where>.so`
+in the package's __pycache__ (or $XDG_CACHE_HOME/mergedb where that is not writable), named by the
+source's hash and by the flags, the compiler and this CPU's model and features (the code is
+compiled for this CPU, -march=native, and must not run on another one sharing the folder). A build
+writes a temporary name and renames it in, so processes starting together never load half a file,
+and removes libraries of earlier sources. Where no compiler works, `load` returns None and
+kernels.py runs numba's kernels instead: slower to start, the same bits. MERGEDB_KERNELS=numba
+chooses numba; =native makes a failed build an error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import MergeDBError
+
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-std=c11", "-shared", "-fPIC"]
+TUNE = [["-march=native", "-mprefer-vector-width=512"], ["-march=native"], []]  # tried in order: this CPU's widest
+# vectors (measured: on par with numba here, 256-bit 10% slower), this CPU, the compiler's default target
+
+_P, _I, _D, _C, _U = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_uint64
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "mdb_decode_bits": (None, [_P, _C, _I, _C, _P]),
+    "mdb_draws": (None, [_U, _U, _I, _P]),
+    "mdb_fold_group": (_C, [_P, _C, _P, _I, _I, _I, _C, _C, _I, _P, _P, _P, _P, _D, _D, _P, _I, _P, _I, _I]),
+    "mdb_finish": (_C, [_P, _C, _I, _C, _P, _I, _I, _C, _D, _P, _P, _C, _D]),
+    "mdb_dot64": (_D, [_P, _P, _I]),
+    "mdb_stock_fold": (_C, [_P, _C, _P, _I, _I, _I, _C, _P, _P, _P, _I]),
+    "mdb_fold_many": (_C, [_P, _C, _P, _I, _I, _I, _C, _P, _P, _P, _I, _P, _I, _I, _I]),
+    "mdb_finish_many": (_C, [_P, _C, _I, _C, _P, _I, _I, _I, _P, _I, _P, _P, _D, _P, _P, _C, _I, _I]),
+}
+
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}  # "kernels": the Kernels of this process, or None; "why": a failed build's reason
+
+
+def _cpu() -> str:
+    """This CPU's model and features, as the kernel reports them (a compiled library's key)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            keys = ("model name", "flags", "Features")
+            lines = [ln for ln in f.read().splitlines() if ln.split(":")[0].strip() in keys]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _folders() -> list[Path]:
+    """Where the compiled library is kept, most preferred first."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mergedb"
+    return [SOURCE.parent / "__pycache__", cache]
+
+
+def _compile(source: bytes, folder: Path, name: str, cc: str) -> Path | str:
+    """Compile `source` (native.c as hashed into the name) into folder/name; the library's path, or
+    why it could not be built."""
+    why = ""
+    for tune in TUNE:
+        fd, tmp = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            cmd = [cc, *FLAGS, *tune, "-x", "c", "-", "-o", tmp, "-lm"]
+            r = subprocess.run(cmd, input=source, capture_output=True, timeout=300)
+            if r.returncode == 0:
+                os.replace(tmp, folder / name)
+                _remove_older(folder, name)
+                return folder / name
+            lines = (r.stderr or r.stdout).decode(errors="replace").strip().splitlines()
+            why = lines[-1] if lines else f"exit status {r.returncode}"
+        except (OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return f"{cc} could not compile {SOURCE.name}: {why}"
+
+
+def _remove_older(folder: Path, name: str) -> None:
+    """Libraries built from an earlier native.c (other CPUs' builds of this one stay: a folder may be
+    shared). A process still running one keeps its mapping (unlinking a loaded library is safe on
+    POSIX)."""
+    src = name.split("-")[1]
+    for p in folder.glob("native-*-*.so"):
+        if p.name.split("-")[1] != src:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+
+def _build() -> Path | str:
+    """The compiled library for this source and CPU, built if missing; or why there is none."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return "no C compiler (cc, gcc or clang) on PATH"
+    source = SOURCE.read_bytes()
+    where = [" ".join(FLAGS + sum(TUNE, [])), cc, _cpu(), platform.machine(), sys.platform]
+    src, env = hashlib.sha256(source).hexdigest()[:12], hashlib.sha256("\0".join(where).encode()).hexdigest()[:12]
+    name = f"native-{src}-{env}.so"
+    why = "no writable folder for the compiled kernels"
+    for folder in _folders():
+        if (folder / name).exists():
+            return folder / name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if not os.access(folder, os.W_OK):
+            continue
+        got = _compile(source, folder, name, cc)
+        if isinstance(got, Path):
+            return got
+        why = got
+    return why
+
+
+def load() -> Kernels | None:
+    """This process's compiled kernels (built on first use), or None where they cannot be built
+    (why_not says why) or MERGEDB_KERNELS=numba asks for numba's."""
+    with _lock:
+        if "kernels" not in _loaded:
+            choice = os.environ.get("MERGEDB_KERNELS", "auto")
+            if choice not in ("auto", "native", "numba"):
+                raise MergeDBError(f"MERGEDB_KERNELS={choice!r}: use auto, native or numba")
+            got: Path | str = "MERGEDB_KERNELS=numba" if choice == "numba" else _build()
+            kernels = None
+            if isinstance(got, Path):
+                try:
+                    kernels = Kernels(ctypes.CDLL(str(got)))
+                except (OSError, AttributeError) as e:
+                    got = f"{got} could not be loaded: {e}"
+            if kernels is None and choice == "native":
+                raise MergeDBError(f"MERGEDB_KERNELS=native, but the C kernels are unavailable: {got}")
+            _loaded["kernels"], _loaded["why"] = kernels, None if kernels else got
+        return _loaded["kernels"]
+
+
+def why_not() -> str | None:
+    """Why this process runs numba's kernels (after `load`), or None when it runs the C ones."""
+    return _loaded.get("why")
+
+
+# -- the calls: numba's signatures (jitkernels.py), arrays checked, then passed as addresses ------
+
+
+def _addr(a: np.ndarray, dtype: Any = None) -> int:
+    """The address of `a`'s data: rows contiguous, of `dtype` when given (the C code reads raw memory)."""
+    if dtype is not None and a.dtype != dtype:
+        raise TypeError(f"a kernel argument of dtype {a.dtype}, where {np.dtype(dtype)} is expected")
+    if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        raise ValueError("a kernel argument whose rows are not contiguous")
+    return a.__array_interface__["data"][0]
+
+
+def _stride(a: np.ndarray, axis: int = 0) -> int:
+    """Axis `axis`'s stride in elements."""
+    return a.strides[axis] // a.itemsize
+
+
+def _raw(a: np.ndarray) -> tuple[int, int]:
+    """(address, wide) of raw element bits: uint16 (BF16, F16) or uint32 (F32, or any dtype's float32 bits)."""
+    if a.dtype not in (np.uint16, np.uint32):
+        raise TypeError(f"raw element bits of dtype {a.dtype}, where uint16 or uint32 is expected")
+    return _addr(a), int(a.dtype == np.uint32)
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise MemoryError("a merge kernel could not allocate its chunk buffers")
+
+
+class Kernels:
+    """jitkernels.py's fused kernels (the same names, arguments and results), run by native.c."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, (res, args) in _SIGNATURES.items():
+            f = getattr(lib, name)
+            f.restype, f.argtypes = res, args
+        self.lib = lib
+
+    def decode_bits(self, raw: np.ndarray, kind: int, out: np.ndarray) -> None:
+        p, wide = _raw(raw)
+        if out.shape[0] < raw.shape[0]:
+            raise ValueError("decode_bits: `out` is shorter than `raw`")
+        self.lib.mdb_decode_bits(p, wide, raw.shape[0], kind, _addr(out, np.uint32))
+
+    def uniform(self, key: int, offset: int, n: int) -> np.ndarray:
+        out = np.empty(n, np.float64)
+        self.lib.mdb_draws(int(key), int(offset), n, _addr(out))
+        return out
+
+    def fold_group(self, base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc) -> None:  # noqa: ANN001
+        g, n = ex.shape
+        pb, wide = _raw(base)
+        if ex.dtype != base.dtype or base.shape[0] != n or acc.shape[1] != n or acc.shape[0] not in (1, 5):
+            raise ValueError("fold_group: base, experts and sums disagree")
+        if len(coefs) < g or len(lo) < g or len(hi) < g or len(keys) < g or (mode == 3 and ranks.shape[0] < g):
+            raise ValueError("fold_group: fewer parameters than experts")
+        _check(
+            self.lib.mdb_fold_group(
+                pb, wide, _addr(ex), _stride(ex), g, n, kind, mode, int(offset), _addr(coefs, np.float32),
+                _addr(lo, np.float64), _addr(hi, np.float64), _addr(keys, np.uint64), float(p), float(eps),
+                _addr(ranks, np.float64), _stride(ranks), _addr(acc, np.float32), acc.shape[0], _stride(acc),
+            )
+        )  # fmt: skip
+
+    def finish(self, base, kind, acc, normalize, lam, res, bf16, scale=1.0) -> None:  # noqa: ANN001
+        n = base.shape[0]
+        pb, wide = _raw(base)
+        to_bf16 = bf16.shape[0] > 0
+        if acc.shape[1] != n or acc.shape[0] not in (1, 5) or (bf16 if to_bf16 else res).shape[0] < n:
+            raise ValueError("finish: base, sums and output disagree")
+        _check(
+            self.lib.mdb_finish(
+                pb, wide, n, kind, _addr(acc, np.float32), acc.shape[0], _stride(acc), bool(normalize), float(lam),
+                _addr(res, np.float32), _addr(bf16, np.uint16), to_bf16, float(scale),
+            )
+        )  # fmt: skip
+
+    def dot64(self, a: np.ndarray, b: np.ndarray) -> float:
+        if a.shape != b.shape:
+            raise ValueError("dot64: arrays of different shapes")
+        return float(self.lib.mdb_dot64(_addr(a, np.float32), _addr(b, np.float32), a.shape[0]))
+
+    def stock_fold(self, base, ex, kind, coefs, acc, dots) -> None:  # noqa: ANN001
+        g, n = ex.shape
+        pb, wide = _raw(base)
+        if ex.dtype != base.dtype or base.shape[0] != n or acc.shape[1] != n or dots.shape[0] < g or len(coefs) < g:
+            raise ValueError("stock_fold: base, experts, sums and dots disagree")
+        _check(
+            self.lib.mdb_stock_fold(
+                pb, wide, _addr(ex), _stride(ex), g, n, kind, _addr(coefs, np.float32), _addr(acc, np.float32),
+                _addr(dots, np.float64), _stride(dots),
+            )
+        )  # fmt: skip
+
+    def fold_many(self, base, ex, kind, coefs, lo, hi, acc) -> None:  # noqa: ANN001
+        g, n = ex.shape
+        pb, wide = _raw(base)
+        sets = acc.shape[0]
+        if ex.dtype != base.dtype or base.shape[0] != n or acc.shape[1:] != (5, n):
+            raise ValueError("fold_many: base, experts and sums disagree")
+        if not coefs.shape == lo.shape == hi.shape or coefs.shape[0] < sets or coefs.shape[1] < g:
+            raise ValueError("fold_many: weights and bands of other shapes")
+        if not _stride(coefs) == _stride(lo) == _stride(hi):
+            raise ValueError("fold_many: weights and bands laid out differently")
+        _check(
+            self.lib.mdb_fold_many(
+                pb, wide, _addr(ex), _stride(ex), g, n, kind, _addr(coefs, np.float32), _addr(lo, np.float64),
+                _addr(hi, np.float64), _stride(coefs), _addr(acc, np.float32), sets, _stride(acc), _stride(acc, 1),
+            )
+        )  # fmt: skip
+
+    def finish_many(self, base, kind, acc, group, normalize, lam, scale, res, bf16, stride, at) -> None:  # noqa: ANN001
+        n = base.shape[0]
+        pb, wide = _raw(base)
+        plans = group.shape[0]
+        group = np.ascontiguousarray(group, np.int64)
+        normalize = np.ascontiguousarray(normalize, np.bool_).view(np.uint8)
+        lam = np.ascontiguousarray(lam, np.float64)
+        to_bf16 = bf16.shape[0] > 0
+        end = (plans - 1) * stride + at + n if plans else 0
+        if acc.shape[2] != n or len(normalize) < plans or len(lam) < plans or (bf16 if to_bf16 else res).shape[0] < end:
+            raise ValueError("finish_many: base, sums, plans and outputs disagree")
+        if plans and (group.min() < 0 or group.max() >= acc.shape[0]):
+            raise ValueError("finish_many: a plan's fold set is out of range")
+        _check(
+            self.lib.mdb_finish_many(
+                pb, wide, n, kind, _addr(acc, np.float32), acc.shape[1], _stride(acc), _stride(acc, 1), _addr(group),
+                plans, _addr(normalize), _addr(lam), float(scale), _addr(res, np.float32), _addr(bf16, np.uint16),
+                to_bf16, int(stride), int(at),
+            )
+        )  # fmt: skip

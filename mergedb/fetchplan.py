@@ -5,7 +5,10 @@ local sources ignore declarations. The merger reads every tensor of the base in 
 order, and each selected (expert, block) once, tensor by tensor and block by block.
 
 A merge of local files starts reading before its engine is ready (Prefetch): the first
-PREFETCH_BYTES of those ranges go into the page cache while numba's kernels import and load.
+PREFETCH_BYTES of those ranges go into the page cache while the merge engine starts (numba's
+kernels import and load in ~0.2 s where the C kernels cannot be built; the C kernels load in ~1 ms,
+and the prefetch's four streams then just read ahead: measured no faster or slower without it,
+benchmarks/ANALYSIS.md, twenty-fifth session).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from .manifest import ExecutionPlan
 
 # What the disk can read while the merge engine starts (numba's import and cache load take ~0.2 s
-# of one core; these disks read 0.5-2 GB/s): more is read by the merger's own threads anyway.
+# of one core where it runs; these disks read 0.5-2 GB/s): more is read by the merger's own threads.
 PREFETCH_BYTES = 512 * 2**20
 PREFETCH_THREADS = 4  # reads in flight (this virtual disk serves 4 streams 1.7-3x faster than one)
 PREFETCH_CHUNK = 8 * 2**20

@@ -68,7 +68,7 @@ def reset() -> None:
 
     with _choose:
         _impl = None
-        native._loaded.clear()
+        native.reset()
 
 
 def uniform(key: int, offset: int, n: int) -> np.ndarray:

@@ -1,22 +1,22 @@
 """The merge engine: produces a plan's merged tensors, in header order, on all cores.
 
-Threads. The work is a plain list of `Unit`s, one per (tensor, block) that an expert touches, or
-per span of consecutive blocks with one expert set (at most SPAN_BYTES: one read per expert and one
-kernel call for an `auto` layout's small vocabulary blocks; layout.spans)
-(model_stock's scale t needs the whole tensor: its block units fold their sums and dots, and the
-tensor's last unit applies t; see stock.py). It is long because the scheduler and every method's fused
-block path share the per-block state kept here. Units write disjoint rows of their
-tensor's output and each element's float32 operations run in the same order on any thread, so
-the output bytes do not depend on the thread count or on the order units run in. `threads`
-compute threads run units (the numba kernels release the GIL); IO_THREADS threads read the base
-and the expert blocks ahead of them; the caller receives tensors in header order from a reorder
-buffer of at most AHEAD_BYTES of later tensors. Memory: per compute thread, the running sums of
-one block (5 float32 per element for TIES-style methods, 1 otherwise) and two groups of
-READ_AHEAD expert blocks (of small blocks, up to SMALL_GROUP_BYTES of them; one being folded in,
-one being read), reused from block to block; a block or span of more than slicefold.SLICE_BYTES is
-merged slice by slice, so these hold one slice's (slicefold.py: the sums stay in cache); plus the
-tensors in the reorder buffer. None of it grows with K, except for model_stock: every expert block
-of one block at once per thread (its pairwise dots), and its tensor's float32 update.
+Threads. The work is a plain list of `Unit`s, one per (tensor, block) that an expert touches, or per
+span of consecutive blocks with one expert set (at most SPAN_BYTES: one read per expert and one
+kernel call for an `auto` layout's small vocabulary blocks; layout.spans) (model_stock's scale t
+needs the whole tensor: its block units fold their sums and dots, and the tensor's last unit applies
+t; see stock.py). It is long because the scheduler and every method's fused block path share the
+per-block state kept here. Units write disjoint rows of their tensor's output and each element's
+float32 operations run in the same order on any thread, so the output bytes do not depend on the
+thread count or on the order units run in. `threads` compute threads run units (the compiled kernels
+release the GIL: ctypes calls, nogil numba); IO_THREADS threads read the base and the expert blocks
+ahead of them; the caller receives tensors in header order from a reorder buffer of at most
+AHEAD_BYTES of later tensors. Memory: per compute thread, the running sums of one block (5 float32
+per element for TIES-style methods, 1 otherwise) and two groups of READ_AHEAD expert blocks (of
+small blocks, up to SMALL_GROUP_BYTES of them; one being folded in, one being read), reused from
+block to block; a block or span of more than slicefold.SLICE_BYTES is merged slice by slice, so
+these hold one slice's (slicefold.py: the sums stay in cache); plus the tensors in the reorder
+buffer. None of it grows with K, except for model_stock: every expert block of one block at once per
+thread (its pairwise dots), and its tensor's float32 update.
 
 A block that a LoRA adapter of the plan contributes to is formed from the adapter's factors and
 folded as float32, one expert at a time (loramerge.py); every other block takes the path above.
@@ -180,7 +180,7 @@ class Merger:
         self._lock = threading.Lock()
         self.compute = ThreadPoolExecutor(self.threads, thread_name_prefix="mergedb-merge")
         self.local = _ThreadBuffers()
-        if self.fused:  # numba's cache load overlaps the first reads (the pools run FIFO)
+        if self.fused:  # loading the kernels overlaps the first reads (the pools run FIFO)
             stock = xp.method == "model_stock"
             kinds = {t.dtype for t in xp.tensors if t.mergeable and t.dtype in kernels.IN_KIND}
             for bits in {np.uint32 if k == "F32" else np.uint16 for k in kinds}:

@@ -77,9 +77,10 @@ def _compile(source: bytes, folder: Path, name: str, cc: str) -> Path | str:
     why it could not be built."""
     why = ""
     for tune in TUNE:
-        fd, tmp = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=folder)
-        os.close(fd)
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(prefix=".native-", suffix=".so", dir=folder)
+            os.close(fd)
             cmd = [cc, *FLAGS, *tune, "-x", "c", "-", "-o", tmp, "-lm"]
             r = subprocess.run(cmd, input=source, capture_output=True, timeout=300)
             if r.returncode == 0:
@@ -91,7 +92,7 @@ def _compile(source: bytes, folder: Path, name: str, cc: str) -> Path | str:
         except (OSError, subprocess.SubprocessError) as e:
             why = str(e)
         finally:
-            if os.path.exists(tmp):
+            if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
     return f"{cc} could not compile {SOURCE.name}: {why}"
 
@@ -154,6 +155,12 @@ def load() -> Kernels | None:
                 raise MergeDBError(f"MERGEDB_KERNELS=native, but the C kernels are unavailable: {got}")
             _loaded["kernels"], _loaded["why"] = kernels, None if kernels else got
         return _loaded["kernels"]
+
+
+def reset() -> None:
+    """Choose again on the next `load` (tests switch MERGEDB_KERNELS within one process)."""
+    with _lock:
+        _loaded.clear()
 
 
 def why_not() -> str | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from mergedb import native
 from mergedb.catalog import Catalog
 from mergedb.cli import app
 
@@ -95,6 +96,8 @@ def test_execute_and_plan_import_only_what_they_use(tmp_path, tiny_family):
     execute = _loaded(tmp_path, "execute", "1", "--out", str(tmp_path / "out"), "-c", db, "-q")
     assert (tmp_path / "out" / "model.safetensors").exists()
     assert "executor" in execute and not set(NOT_FOR_EXECUTE) & execute, sorted(execute)
+    if native.load() is not None:  # the merge kernels in C: numba is neither imported nor loaded
+        assert not {"numba", "jitkernels", "jitload"} & execute, sorted(execute)
 
 
 @pytest.mark.parametrize("name", [c.name or c.callback.__name__.replace("_cmd", "") for c in COMMANDS])

@@ -247,13 +247,13 @@ def test_without_a_compiler_the_kernels_are_numbas(tmp_path):
 
 def test_an_unknown_kernel_choice_is_refused(monkeypatch):
     monkeypatch.setenv("MERGEDB_KERNELS", "fortran")
-    native._loaded.clear()
+    native.reset()
     try:
         with pytest.raises(MergeDBError, match="MERGEDB_KERNELS='fortran'"):
             native.load()
     finally:
         monkeypatch.delenv("MERGEDB_KERNELS")
-        native._loaded.clear()
+        native.reset()
         native.load()
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from . import writeout
 from .errors import FormatError, MergeDBError
 from .jsondoc import DuplicateKey, no_duplicate_keys
 from .plainfile import file_kind, read_exact
@@ -379,12 +380,21 @@ class SafetensorsWriter:
         self._next = 0
         self._file = open(self.path, "wb")
         self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._started = 0  # bytes before this offset were handed to writeout.start
+
+    def _write_behind(self, end: int) -> None:
+        """Start the write-out of what was written up to `end` once WRITE_BEHIND bytes are waiting."""
+        if end - self._started >= writeout.WRITE_BEHIND:
+            self._file.flush()
+            writeout.start(self._file.fileno(), self._started, end - self._started)
+            self._started = end
 
     def write(self, name: str, data: bytes | memoryview | np.ndarray) -> None:
         view = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
         self._check(name, view.nbytes)
         self._file.write(view)
         self._next += 1
+        self._write_behind(self._file.tell())
 
     def _check(self, name: str, nbytes: int) -> None:
         if self._next >= len(self._expected) or self._expected[self._next][0] != name:
@@ -418,6 +428,7 @@ class SafetensorsWriter:
             raise MergeDBError(f"{self.path}: tensor {name!r} was not written whole (disk full?)")
         self._file.seek(at + nbytes)
         self._next += 1
+        self._write_behind(at + nbytes)
 
     def close(self) -> None:
         if self._file.closed:

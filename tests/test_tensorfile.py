@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
+from mergedb import writeout
 from mergedb.encoding import float32_to_bf16
 from mergedb.errors import FormatError, MergeDBError
 from mergedb.tensorfile import DTYPES, FileRange, SafetensorsWriter, read_header
@@ -66,6 +68,38 @@ def test_writer_copies_a_file_range_or_refuses_a_short_one(tmp_path, monkeypatch
         w.abort()
     finally:
         os.close(fd)
+
+
+def test_writer_starts_the_write_out_behind_what_it_wrote(tmp_path, monkeypatch):
+    """Every WRITE_BEHIND bytes written (or copied) have their write-out started, one contiguous range
+    after another from the file's first byte, through libc's sync_file_range (looked up here: a
+    lookup that failed would silently start nothing); the file is the same bytes."""
+    started = []
+    real = writeout.start
+    monkeypatch.setattr(writeout, "WRITE_BEHIND", 1000)
+    monkeypatch.setattr(writeout, "start", lambda fd, off, n: started.append((off, n)) or real(fd, off, n))
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * 20)
+    rng = np.random.default_rng(1)
+    a, c = rng.integers(0, 256, 700, dtype=np.uint8), rng.integers(0, 256, 2500, dtype=np.uint8)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        p = tmp_path / "w.safetensors"
+        with SafetensorsWriter(p, [("a", "U8", (700,)), ("b", "U8", (3000,)), ("c", "U8", (2500,))]) as w:
+            w.write("a", a)  # 8 + header + 700 bytes: under 1000 unless the header is long
+            w.copy("b", FileRange(fd, str(src), 100, 3000))
+            w.write("c", c)
+    finally:
+        os.close(fd)
+    got = load_file(str(p))
+    assert got["a"].tobytes() == a.tobytes() and got["c"].tobytes() == c.tobytes()
+    assert got["b"].tobytes() == src.read_bytes()[100:3100]
+    size = p.stat().st_size
+    assert started and started[0][0] == 0 and all(n >= 1000 for _, n in started)
+    assert all(o1 + n1 == o2 for (o1, n1), (o2, _) in zip(started, started[1:])), started  # contiguous
+    assert size - sum(n for _, n in started) < 1000  # what is left for the fsync at close
+    if sys.platform.startswith("linux"):
+        assert writeout._call, "libc's sync_file_range was not found"
 
 
 def test_chunked_copy_survives_short_writes_across_chunks(tmp_path, monkeypatch):

@@ -57,7 +57,7 @@ def impl() -> Any:
 
 
 def backend() -> str:
-    """ "native" or "numba": which fused kernels this process runs (chooses them if not yet chosen)."""
+    """Which fused kernels this process runs: "native" (C) or "numba" (chosen now if not yet)."""
     return "numba" if isinstance(impl(), ModuleType) else "native"
 
 

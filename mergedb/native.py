@@ -181,6 +181,14 @@ def _addr(a: np.ndarray, dtype: Any = None) -> int:
     return a.__array_interface__["data"][0]
 
 
+def _out(a: np.ndarray, dtype: Any) -> int:
+    """`_addr` of an array the kernel writes: it must be writable (numba refuses to compile a store into
+    a read-only array; C would write into, or fault on, a read-only mapping)."""
+    if a.size and not a.flags.writeable:  # (an empty one is an output not asked for: nothing is written)
+        raise ValueError("a kernel output that is read-only")
+    return _addr(a, dtype)
+
+
 def _stride(a: np.ndarray, axis: int = 0) -> int:
     """Axis `axis`'s stride in elements."""
     return a.strides[axis] // a.itemsize
@@ -211,11 +219,11 @@ class Kernels:
         p, wide = _raw(raw)
         if out.shape[0] < raw.shape[0]:
             raise ValueError("decode_bits: `out` is shorter than `raw`")
-        self.lib.mdb_decode_bits(p, wide, raw.shape[0], kind, _addr(out, np.uint32))
+        self.lib.mdb_decode_bits(p, wide, raw.shape[0], kind, _out(out, np.uint32))
 
     def uniform(self, key: int, offset: int, n: int) -> np.ndarray:
         out = np.empty(n, np.float64)
-        self.lib.mdb_draws(int(key), int(offset), n, _addr(out))
+        self.lib.mdb_draws(int(key), int(offset), n, _out(out, np.float64))
         return out
 
     def fold_group(self, base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc) -> None:  # noqa: ANN001
@@ -229,7 +237,7 @@ class Kernels:
             self.lib.mdb_fold_group(
                 pb, wide, _addr(ex), _stride(ex), g, n, kind, mode, int(offset), _addr(coefs, np.float32),
                 _addr(lo, np.float64), _addr(hi, np.float64), _addr(keys, np.uint64), float(p), float(eps),
-                _addr(ranks, np.float64), _stride(ranks), _addr(acc, np.float32), acc.shape[0], _stride(acc),
+                _addr(ranks, np.float64), _stride(ranks), _out(acc, np.float32), acc.shape[0], _stride(acc),
             )
         )  # fmt: skip
 
@@ -242,7 +250,7 @@ class Kernels:
         _check(
             self.lib.mdb_finish(
                 pb, wide, n, kind, _addr(acc, np.float32), acc.shape[0], _stride(acc), bool(normalize), float(lam),
-                _addr(res, np.float32), _addr(bf16, np.uint16), to_bf16, float(scale),
+                _out(res, np.float32), _out(bf16, np.uint16), to_bf16, float(scale),
             )
         )  # fmt: skip
 
@@ -258,8 +266,8 @@ class Kernels:
             raise ValueError("stock_fold: base, experts, sums and dots disagree")
         _check(
             self.lib.mdb_stock_fold(
-                pb, wide, _addr(ex), _stride(ex), g, n, kind, _addr(coefs, np.float32), _addr(acc, np.float32),
-                _addr(dots, np.float64), _stride(dots),
+                pb, wide, _addr(ex), _stride(ex), g, n, kind, _addr(coefs, np.float32), _out(acc, np.float32),
+                _out(dots, np.float64), _stride(dots),
             )
         )  # fmt: skip
 
@@ -276,7 +284,7 @@ class Kernels:
         _check(
             self.lib.mdb_fold_many(
                 pb, wide, _addr(ex), _stride(ex), g, n, kind, _addr(coefs, np.float32), _addr(lo, np.float64),
-                _addr(hi, np.float64), _stride(coefs), _addr(acc, np.float32), sets, _stride(acc), _stride(acc, 1),
+                _addr(hi, np.float64), _stride(coefs), _out(acc, np.float32), sets, _stride(acc), _stride(acc, 1),
             )
         )  # fmt: skip
 
@@ -296,7 +304,7 @@ class Kernels:
         _check(
             self.lib.mdb_finish_many(
                 pb, wide, n, kind, _addr(acc, np.float32), acc.shape[1], _stride(acc), _stride(acc, 1), _addr(group),
-                plans, _addr(normalize), _addr(lam), float(scale), _addr(res, np.float32), _addr(bf16, np.uint16),
+                plans, _addr(normalize), _addr(lam), float(scale), _out(res, np.float32), _out(bf16, np.uint16),
                 to_bf16, int(stride), int(at),
             )
         )  # fmt: skip

@@ -156,6 +156,10 @@ def test_c_kernels_refuse_arguments_they_would_misread():
         C.finish(
             base, 0, np.zeros((1, 16), np.float32)[:, ::2], True, 1.0, np.zeros(8, np.float32), np.empty(0, np.uint16)
         )
+    ro = np.zeros((1, 8), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):  # C would write into it (or fault on a read-only map)
+        C.fold_group(base, ex, 0, 0, 0, np.ones(2, np.float32), zeros, zeros, keys, 1.0, 0.0, kernels.NO_RANKS, ro)
     with pytest.raises(ValueError):  # DELLA without a rank table per expert
         C.fold_group(base, ex, 0, 3, 0, np.ones(2, np.float32), zeros, zeros, keys, 0.5, 0.1, kernels.NO_RANKS, acc)
 

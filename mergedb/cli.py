@@ -826,7 +826,12 @@ def _hold_collector() -> Callable[[], None]:
 def _held_progress(quiet: bool, label: str) -> Iterator[tuple[Any, Callable[[int], None]]]:
     """render.progress's (advance, on_total) for a merge or a registration, with Python's collector
     held (_hold_collector) until the work reports its total, i.e. until it has started; running
-    again afterwards whatever happens."""
+    again afterwards whatever happens. In the `mergedb` process a merge also has glibc return its large
+    freed buffers (freshmem.map_large: its peak memory then does not grow with the experts)."""
+    if _PROCESS and label in ("merge", "replay", "sweep"):
+        from . import freshmem
+
+        freshmem.map_large()
     started = _hold_collector()
     try:
         with render.progress(quiet, label) as (advance, set_total):

@@ -2,6 +2,7 @@
 
 import os
 import resource
+import subprocess
 import sys
 import time
 
@@ -48,3 +49,48 @@ def test_prefault_stays_a_window_ahead_of_the_fill():
         assert p.mapped_rows == 1 << 18
     else:
         assert p.mapped_rows in (0, 1 << 18)
+
+
+KEPT_AFTER_FREE = r"""
+import ctypes, sys
+from mergedb import freshmem
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+if sys.argv[1] == "map_large":
+    assert freshmem.map_large()
+p = libc.malloc(4 << 20)
+libc.free(p)  # glibc's default: its mmap threshold rises to this size
+before = rss()
+bufs = [libc.malloc(1536 << 10) for _ in range(40)]  # 60 MiB of buffers, each written
+for b in bufs:
+    ctypes.memset(b, 1, 1536 << 10)
+pin = libc.malloc(200 << 10)  # a live allocation after them
+for b in bufs:
+    libc.free(b)
+print((rss() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_map_large_returns_freed_large_buffers_to_the_system():
+    """glibc keeps freed buffers of a size it once mapped in its heap (a merge's process then holds
+    memory that grows with K, benchmarks/ANALYSIS.md); after map_large they are mapped and returned."""
+    kept = {}
+    for mode in ("default", "map_large"):
+        r = subprocess.run([sys.executable, "-c", KEPT_AFTER_FREE, mode], capture_output=True, text=True, check=True)
+        kept[mode] = int(r.stdout)
+    assert kept["default"] >= 50 and kept["map_large"] <= 5, kept
+
+
+def test_only_the_mergedb_process_changes_the_allocator_and_only_for_merges(monkeypatch):
+    from mergedb import cli
+
+    calls = []
+    monkeypatch.setattr(freshmem, "map_large", lambda: calls.append(1) or True)
+    for process, label, want in ((False, "merge", 0), (True, "register", 0), (True, "merge", 1), (True, "sweep", 2)):
+        monkeypatch.setattr(cli, "_PROCESS", process)
+        with cli._held_progress(True, label):
+            pass
+        assert len(calls) == want, (process, label)

@@ -89,6 +89,7 @@ def test_only_the_mergedb_process_changes_the_allocator_and_only_for_merges(monk
 
     calls = []
     monkeypatch.setattr(freshmem, "map_large", lambda: calls.append(1) or True)
+    monkeypatch.setattr(cli, "_hold_collector", lambda: lambda: None)  # no gc.freeze in the test process
     for process, label, want in ((False, "merge", 0), (True, "register", 0), (True, "merge", 1), (True, "sweep", 2)):
         monkeypatch.setattr(cli, "_PROCESS", process)
         with cli._held_progress(True, label):

@@ -67,7 +67,7 @@ def map_large() -> bool:
     system when freed (mallopt M_MMAP_THRESHOLD), instead of raising its threshold after the first
     such free and keeping later freed buffers in its heap. Measured on a 20-expert full-read
     DARE-TIES merge of the bench family: the Python and numpy peak is that of a 2-expert one
-    (tracemalloc), but glibc's kept buffers made the process peak 16-30 MiB higher; with this, +3%
+    (tracemalloc), but glibc's kept buffers made the process peak 15-25 MiB higher; with this, +3%
     (238 -> 245 MiB) and no slower (5.24-5.35 s against 5.34-5.40; below 1 MiB the merge kernels'
     per-call chunk buffers would come back as fresh pages: 7x the page faults, +6% time).
     Process-wide, so only the `mergedb` command calls it, for merges (cli._held_progress); False where

@@ -25,13 +25,14 @@ from pathlib import Path
 from mergedb.catalog import Catalog
 from mergedb.planner import PlanRequest
 
-from .common import CACHE, evict, sequential_read
+from .common import CACHE, compiled, evict, sequential_read
 from .run import METHOD_PARAMS
 
 
 def run_once(tree: Path, catalog: Path, plan_id: int, out: Path, threads: int, files: list[Path]) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     evict(files)
+    compiled(tree)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "mergedb.cli", "execute", str(plan_id), "--out", str(out), "-c", str(catalog), "-q"]
     r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()

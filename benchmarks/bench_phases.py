@@ -26,7 +26,7 @@ from pathlib import Path
 from mergedb.catalog import Catalog
 from mergedb.planner import PlanRequest
 
-from .common import CACHE, evict, save
+from .common import CACHE, compiled, evict, save
 
 DRIVER = r"""
 import json, sys, time
@@ -75,6 +75,7 @@ def main() -> None:
             out = work / "out"
             shutil.rmtree(out, ignore_errors=True)
             evict(files)
+            compiled(Path(tree).resolve())
             t = time.time()
             args = ["execute", str(plan.plan_id), "--out", str(out), "-c", str(catalog), "-q", "--threads", "2"]
             p = subprocess.run(

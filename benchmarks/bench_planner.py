@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import CACHE, save
+from .common import CACHE, compiled, save
 
 SHAPES = {  # rows -> (experts, tensors, blocks per tensor, sketch dim)
     20_000: (4, 5, 1000, None),
@@ -224,6 +224,7 @@ def first_plan(db: Path, method: str) -> dict:
 
 
 def _child(args: list[str], code: Path | None) -> dict:
+    compiled(code)
     cmd = [sys.executable, "-m", "benchmarks.bench_planner", *args] + (["--code", str(code)] if code else [])
     res = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent)
     # the child's stdout may hold DuckDB's progress bar: the result is the line marked RESULT

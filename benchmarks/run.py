@@ -25,7 +25,7 @@ from mergedb.catalog import Catalog
 from mergedb.planner import PlanRequest
 from mergedb.units import DEFAULT_LAYOUT
 
-from .common import CACHE, evict, save, sequential_read
+from .common import CACHE, compiled, evict, save, sequential_read
 
 CLI = [sys.executable, "-m", "mergedb.cli"]
 METHOD_PARAMS = {
@@ -90,6 +90,7 @@ class Suite:
         out = CACHE / "out"
         shutil.rmtree(out, ignore_errors=True)
         evict(list(fam.rglob("*.safetensors")))
+        compiled(tree)
         t0 = time.perf_counter()
         cmd = CLI + ["execute", str(plan_id), "--out", str(out), "-c", str(cat.path), "-q"]
         if dtype:

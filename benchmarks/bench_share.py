@@ -34,6 +34,7 @@ import argparse
 import os
 import statistics
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -114,6 +115,19 @@ def io_floor(xp, out: Path) -> tuple[float, int]:
         out.unlink()
 
 
+LIBRARIES = "import typer, rich.console, numpy, pyarrow, pyarrow.parquet, duckdb"
+
+
+def libraries_start() -> float:
+    """Seconds a fresh interpreter takes to start and import the libraries every `mergedb execute`
+    imports, and nothing of mergedb's: the machine's speed at that moment (the fixed start is CPU
+    work, and these shared machines' CPU time varies from hour to hour as their disks' rate does),
+    to read the fixed start beside. Timed just before each execution."""
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", LIBRARIES], check=True)
+    return time.perf_counter() - t
+
+
 def pair(suite: Suite, cat, plan, files: list[Path], tree: Path | None = None) -> dict:
     """One cold sequential read of `files`, one cold read of them from 4 threads, then one cold
     execution of `plan` (by the mergedb in `tree`, if given); for a budgeted plan, then the I/O
@@ -121,6 +135,7 @@ def pair(suite: Suite, cat, plan, files: list[Path], tree: Path | None = None) -
     n, t = sequential_read(files)
     rate = n / t
     n4, t4 = parallel_read(files)
+    libraries = libraries_start()
     r = suite.execute(cat, plan.plan_id, tree=tree)
     out_bytes = sum(p.stat().st_size for p in (CACHE / "out").glob("*.safetensors"))
     write_seconds = sequential_write(CACHE / "write-probe.bin", out_bytes)  # beside the output, same disk
@@ -142,6 +157,7 @@ def pair(suite: Suite, cat, plan, files: list[Path], tree: Path | None = None) -
         "execute_seconds": r["execute_seconds"],
         "process_seconds": r["process_seconds"],
         "fixed_seconds": r["process_seconds"] - r["execute_seconds"],
+        "libraries_start_seconds": libraries,  # the same machine's start + third-party imports, just before
         "base_bytes": r["base_bytes"],
         "expert_bytes": r["expert_bytes"],
         "output_bytes": out_bytes,
@@ -218,7 +234,8 @@ def run(
                     f"(of 4 threads' read {med['share_of_parallel']:.0%}) "
                     f"over_ideal {med['over_ideal']:.2f} (output at the write rate "
                     f"{med['write_gbps']:.2f} GB/s: {med['over_ideal_rw']:.2f}) "
-                    f"fixed {med['fixed_seconds']:.2f}s rate {med['rate_gbps']:.2f} GB/s"
+                    f"fixed {med['fixed_seconds']:.2f}s (libraries alone {med['libraries_start_seconds']:.2f}s) "
+                    f"rate {med['rate_gbps']:.2f} GB/s"
                     + (
                         f" floor/ideal {med['floor_over_ideal']:.2f} execute/floor {med['execute_over_floor']:.2f}"
                         if "floor_seconds" in med

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,17 +99,23 @@ def _compile(source: bytes, folder: Path, name: str, cc: str) -> Path | str:
     return f"{cc} could not compile {SOURCE.name}: {why}"
 
 
+STALE = 600.0  # seconds after which a temporary library is a killed build's (a build's timeout is 300 s)
+
+
 def _remove_older(folder: Path, name: str) -> None:
     """Libraries built from an earlier native.c (other CPUs' builds of this one stay: a folder may be
-    shared). A process still running one keeps its mapping (unlinking a loaded library is safe on
-    POSIX)."""
+    shared), and temporary files that builds killed midway left (older than STALE; a younger one may be
+    a build running now). A process still running a library keeps its mapping (unlinking a loaded
+    library is safe on POSIX)."""
     src = name.split("-")[1]
-    for p in folder.glob("native-*-*.so"):
-        if p.name.split("-")[1] != src:
-            try:
+    now = time.time()
+    for p in [*folder.glob("native-*-*.so"), *folder.glob(".native-*.so")]:
+        try:
+            stale = now - p.stat().st_mtime > STALE if p.name.startswith(".") else p.name.split("-")[1] != src
+            if stale:
                 p.unlink()
-            except OSError:
-                pass
+        except OSError:
+            pass
 
 
 def _build() -> Path | str:

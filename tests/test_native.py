@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -278,3 +279,18 @@ def test_builds_racing_for_one_folder_each_load_a_whole_library(tmp_path, monkey
     k = native.Kernels(__import__("ctypes").CDLL(str(got[1])))
     a = np.arange(100, dtype=np.float32)
     assert k.dot64(a, a) == jitkernels.dot64(a, a) == float((a.astype(np.float64) ** 2).sum())
+
+
+def test_a_build_removes_what_killed_builds_and_older_sources_left(tmp_path):
+    """A build that was killed leaves its temporary file; the next build removes it once it is older
+    than any build runs (STALE), but not a younger one (a build running now), and removes the
+    libraries of other sources but not this source's builds for other CPUs."""
+    name = "native-aaaaaaaaaaaa-111111111111.so"
+    keep = [tmp_path / name, tmp_path / "native-aaaaaaaaaaaa-222222222222.so", tmp_path / ".native-running.so"]
+    gone = [tmp_path / "native-bbbbbbbbbbbb-111111111111.so", tmp_path / ".native-killed.so"]
+    for p in keep + gone:
+        p.write_bytes(b"x")
+    old = time.time() - native.STALE - 60
+    os.utime(tmp_path / ".native-killed.so", (old, old))
+    native._remove_older(tmp_path, name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in keep)

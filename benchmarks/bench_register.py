@@ -26,7 +26,7 @@ from pathlib import Path
 
 from mergedb import synth
 
-from .common import CACHE, evict, save, sequential_read
+from .common import CACHE, compiled, evict, save, sequential_read
 
 _CHILD = """
 import json, os, sys, time
@@ -111,6 +111,7 @@ def run(
                     db = Path(tmp) / f"{variant}-{n_threads}.duckdb"
                     for p in Path(tmp).glob(db.name + "*"):
                         p.unlink()
+                    compiled(Path(src))
                     evict(files)
                     r = _register(src, fam, db, n_threads)
                     rows.append(

@@ -4,7 +4,7 @@ With 64 KiB vocabulary blocks (`--block-size auto`) a call per block cost more t
 arithmetic: ~10 numpy and numba calls, each an allocation, a dispatch and a GIL release and
 re-acquire that the other threads waited on. A group is a run of blocks of at most GROUP_BYTES
 (a larger block alone); every statistic is still the block's own, the same numbers a call per
-block gives (deltapass.group_pass, stats.base_group_stats).
+block gives (regkernels.group_pass, stats.base_group_stats).
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import xxhash
 
-from . import deltapass, jitload, stats
+from . import regkernels, stats
 from .layout import Block, FamilyTensor, element_offset
 from .tensorfile import DTYPES, as_float32
 
 GROUP_BYTES = 4 << 20
-for _module in (stats, deltapass):  # registration's first kernel calls load cached code without numba's full refresh
-    jitload.light_cache_loads(vars(_module))
 
 Buffer = Callable[[str, int], np.ndarray]  # a reused per-thread buffer: (name, bytes) -> uint8 array
 
@@ -74,7 +72,7 @@ def expert_stats(
     dim: int,
     buffer: Buffer,
 ) -> tuple[np.ndarray, ...]:
-    """deltapass.group_pass over one group of an expert's blocks (eraw) and the base's (braw), both
+    """regkernels.group_pass over one group of an expert's blocks (eraw) and the base's (braw), both
     the group's bytes: its `out` arrays (stats.group_arrays; stats.group_block_stats reads a
     block's row). Writes the group's |Δ| into its part of the tensor's `abs_delta`, adds to the
     tensor's `summary` and `exceptions`. codes: group_codes of the group, when shared."""
@@ -86,14 +84,11 @@ def expert_stats(
     else:
         e = as_float32(eraw.view(raw_dtype), ft.dtype, buffer("ef", n * 4).view(np.float32))
         b = as_float32(braw.view(raw_dtype), ft.dtype, buffer("bf", n * 4).view(np.float32))
-    shift = 16 if e.dtype == np.uint16 else 0
-    if shift == 0:
+    if e.dtype != np.uint16:
         e, b = e.view(np.uint32), b.view(np.uint32)  # float32 patterns
-    n8 = e.nbytes // 8 * 8
-    ew, bw = e.view(np.uint8)[:n8].view(np.uint64), b.view(np.uint8)[:n8].view(np.uint64)
     out = stats.group_arrays(len(group), dim)
-    exceptions.n = deltapass.group_pass(
-        eraw, braw, e, b, ew, bw, shift, deltapass.LANES[shift],
+    exceptions.n = regkernels.group_pass(
+        eraw, braw, e, b,
         np.cumsum([0] + [blk.nbytes for blk in group]), np.cumsum([0] + [blk.numel for blk in group]),
         abs_delta[n0 : n0 + n].view(np.uint32), group_codes(ft, group, dim) if codes is None else codes,
         summary, exceptions.buf, exceptions.n, stats.EDGE, stats.EDGE_SQ, stats.HIST_SHIFT, stats.SUMMARY_SHIFT, out,

@@ -1,18 +1,20 @@
-"""The fused merge kernels compiled from native.c by the system C compiler and loaded with ctypes.
+"""The fused merge kernels (native.c) and registration's statistics kernels (deltapass.c), compiled by
+the system C compiler and loaded with ctypes.
 
 Why: numba's import and the load of its cached machine code cost every `mergedb execute` process
 ~0.2 s before its first block is merged (benchmarks/ANALYSIS.md), as much as a budgeted merge of two
 experts takes to read on a fast disk. The shared library loads in about a millisecond. native.c
-performs the operations of jitkernels.py's kernels in the same order, so the outputs are the same
-bits whichever ran (tests/test_native.py).
+performs the operations of jitkernels.py's kernels in the same order, and deltapass.c those of
+deltapass.py's, so the outputs are the same bits whichever ran (tests/test_native.py).
 
-Built once per machine and source: `cc` (or $CC) compiles native.c into `native-<source>-<where>.so`
-in the package's __pycache__ (or $XDG_CACHE_HOME/mergedb where that is not writable), named by the
-source's hash and by the flags, the compiler and this CPU's model and features (the code is
-compiled for this CPU, -march=native, and must not run on another one sharing the folder). A build
+Built once per machine and source: `cc` (or $CC) compiles native.c and deltapass.c (one unit) into
+`native-<source>-<where>.so` in the package's __pycache__ (or $XDG_CACHE_HOME/mergedb where that is
+not writable), named by the sources' hash and by the flags, the compiler and this CPU's model and
+features (the code is compiled for this CPU, -march=native, and must not run on another one sharing
+the folder). A build
 writes a temporary name and renames it in, so processes starting together never load half a file,
 and removes libraries of earlier sources. Where no compiler works, `load` returns None and
-kernels.py runs numba's kernels instead: slower to start, the same bits. MERGEDB_KERNELS=numba
+kernels.py and regkernels.py run numba's kernels instead: slower to start, the same bits. MERGEDB_KERNELS=numba
 chooses numba; =native makes a failed build an error.
 """
 
@@ -35,7 +37,7 @@ import numpy as np
 
 from .errors import MergeDBError
 
-SOURCE = Path(__file__).with_name("native.c")
+SOURCES = [Path(__file__).with_name("native.c"), Path(__file__).with_name("deltapass.c")]  # one unit, in this order
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-std=c11", "-shared", "-fPIC"]
 # tried in order: this CPU's widest vectors (512-bit: folds on par with numba here, the draws of DARE
 # and DELLA 1.3-1.8x faster; 256-bit: the folds 10% slower), this CPU, the compiler's default target
@@ -51,6 +53,14 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "mdb_stock_fold": (_C, [_P, _C, _P, _I, _I, _I, _C, _P, _P, _P, _I]),
     "mdb_fold_many": (_C, [_P, _C, _P, _I, _I, _I, _C, _P, _P, _P, _I, _P, _I, _I, _I]),
     "mdb_finish_many": (_C, [_P, _C, _I, _C, _P, _I, _I, _I, _P, _I, _P, _P, _D, _P, _P, _C, _I, _I]),
+    "mdb_group_pass": (
+        _I,
+        [_P, _P, _P, _P, _C, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _P, _P, _C, _C] + [_P] * 7 + [_I, _P, _I, _P],
+    ),
+    "mdb_base_group": (None, [_P, _C, _P, _I, _P, _P]),
+    "mdb_bucket_codes": (None, [_U, _I, _I, _P]),
+    "mdb_radix_histogram": (None, [_P, _I, _P, _P, _C, _P]),
+    "mdb_same_bytes": (_C, [_P, _P, _I]),
 }
 
 _lock = threading.Lock()
@@ -71,11 +81,11 @@ def _cpu() -> str:
 def _folders() -> list[Path]:
     """Where the compiled library is kept, most preferred first."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mergedb"
-    return [SOURCE.parent / "__pycache__", cache]
+    return [SOURCES[0].parent / "__pycache__", cache]
 
 
 def _compile(source: bytes, folder: Path, name: str, cc: str) -> Path | str:
-    """Compile `source` (native.c as hashed into the name) into folder/name; the library's path, or
+    """Compile `source` (the SOURCES as hashed into the name) into folder/name; the library's path, or
     why it could not be built."""
     why = ""
     for tune in TUNE:
@@ -96,7 +106,7 @@ def _compile(source: bytes, folder: Path, name: str, cc: str) -> Path | str:
         finally:
             if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
-    return f"{cc} could not compile {SOURCE.name}: {why}"
+    return f"{cc} could not compile {' and '.join(p.name for p in SOURCES)}: {why}"
 
 
 STALE = 600.0  # seconds after which a temporary library is a killed build's (a build's timeout is 300 s)
@@ -123,7 +133,7 @@ def _build() -> Path | str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         return "no C compiler (cc, gcc or clang) on PATH"
-    source = SOURCE.read_bytes()
+    source = b"\n".join(p.read_bytes() for p in SOURCES)
     where = [" ".join(FLAGS + sum(TUNE, [])), cc, _cpu(), platform.machine(), sys.platform]
     src, env = hashlib.sha256(source).hexdigest()[:12], hashlib.sha256("\0".join(where).encode()).hexdigest()[:12]
     name = f"native-{src}-{env}.so"
@@ -315,3 +325,73 @@ class Kernels:
                 to_bf16, int(stride), int(at),
             )
         )  # fmt: skip
+
+    # -- registration's kernels (deltapass.c; numba's twins in deltapass.py, the same arguments) --
+
+    def group_pass(self, e_raw, b_raw, e, b, raw_start, start, abs_bits, codes, summary, exc, n_exc,
+                   edge, edge_sq, hist_shift, summary_shift, out) -> int:  # noqa: ANN001  # fmt: skip
+        ident, nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd = out
+        blocks = raw_start.shape[0] - 1
+        pe, wide = _raw(e)
+        n = int(start[-1]) if blocks >= 0 else 0
+        if b.dtype != e.dtype or b.shape != e.shape or start.shape[0] != blocks + 1 or e.shape[0] < n:
+            raise ValueError("group_pass: expert, base and block starts disagree")
+        if min(e_raw.shape[0], b_raw.shape[0]) < raw_start[-1] or abs_bits.shape[0] < n or codes.shape[0] < n:
+            raise ValueError("group_pass: a buffer is shorter than its blocks")
+        if summary.shape != edge.shape or edge_sq.shape != edge.shape or hist_shift - summary_shift != 5:
+            raise ValueError("group_pass: the summary, its edges and the shifts disagree")
+        if hcount.shape[1] * 32 != summary.shape[0] or any(x.shape[0] != blocks for x in out) or bd.shape[1] != 4:
+            raise ValueError("group_pass: output rows of other shapes")
+        if not exc.size or not e_raw.flags.c_contiguous or not b_raw.flags.c_contiguous or not e.flags.c_contiguous:
+            raise ValueError("group_pass: an empty exception buffer, or patterns not contiguous")
+        got = self.lib.mdb_group_pass(
+            _addr(e_raw, np.uint8), _addr(b_raw, np.uint8), pe, _addr(b), wide, e.nbytes,
+            _addr(np.ascontiguousarray(raw_start, np.int64)), _addr(np.ascontiguousarray(start, np.int64)), blocks,
+            _out(abs_bits, np.uint32), _addr(codes, np.uint16), _out(summary, np.int64), summary.shape[0],
+            _out(exc, np.uint32), exc.shape[0], int(n_exc), _addr(edge, np.float64), _addr(edge_sq, np.float64),
+            int(hist_shift), int(summary_shift), _out(ident, np.bool_), _out(nonfinite, np.int64),
+            _out(zeros, np.int64), _out(mx, np.float64), _out(hcount, np.int64), _out(hsum, np.float64),
+            _out(hsq, np.float64), hcount.shape[1], _out(sk, np.float64), sk.shape[1], _out(bd, np.float64),
+        )  # fmt: skip
+        if got < 0:
+            raise MemoryError("group_pass could not allocate its counts")
+        return int(got)
+
+    def base_group(self, x: np.ndarray, start: np.ndarray, ss: np.ndarray, bad: np.ndarray) -> None:
+        p, wide = _raw(x)
+        blocks = start.shape[0] - 1
+        if x.shape[0] < start[-1] or ss.shape[0] < blocks or bad.shape[0] < blocks:
+            raise ValueError("base_group: values, block starts and outputs disagree")
+        start = np.ascontiguousarray(start, np.int64)
+        self.lib.mdb_base_group(p, wide, _addr(start), blocks, _out(ss, np.float64), _out(bad, np.int64))
+
+    def bucket_codes(self, key: int, dim: int, out: np.ndarray) -> None:
+        self.lib.mdb_bucket_codes(int(key), int(dim), out.shape[0], _out(out, np.uint16))
+
+    def sub_histogram(self, abs_bits: np.ndarray, slot_of: np.ndarray, sub: np.ndarray) -> None:
+        self._radix(abs_bits, slot_of, None, sub, 256)
+
+    def low_histogram(self, abs_bits: np.ndarray, slot_of: np.ndarray, pair_of: np.ndarray, low: np.ndarray) -> None:
+        self._radix(abs_bits, slot_of, pair_of, low, 512)
+
+    def _radix(self, abs_bits, slot_of, pair_of, counts, width) -> None:  # noqa: ANN001
+        if slot_of.shape[0] != 1 << 14 or counts.shape[1] != width or not counts.flags.c_contiguous:
+            raise ValueError("a radix histogram's tables of other shapes")
+        rows = counts.shape[0] if pair_of is None else pair_of.shape[0]
+        if pair_of is not None and (pair_of.shape[1] != 256 or not pair_of.flags.c_contiguous):
+            raise ValueError("a radix histogram's pair table of another shape")
+        tables = [slot_of] if pair_of is None else [slot_of, pair_of]
+        if any(int(t.min(initial=0)) < 0 for t in tables) or int(slot_of.max(initial=0)) >= rows:
+            raise ValueError("a radix histogram's slots out of range")
+        if pair_of is not None and int(pair_of.max(initial=0)) >= counts.shape[0]:
+            raise ValueError("a radix histogram's pairs out of range")
+        self.lib.mdb_radix_histogram(
+            _addr(abs_bits, np.uint32), abs_bits.shape[0], _addr(slot_of, np.int16),
+            None if pair_of is None else _addr(pair_of, np.int16), int(counts.dtype == np.int64),
+            _out(counts, np.int64 if counts.dtype == np.int64 else np.int32),
+        )  # fmt: skip
+
+    def same_bytes(self, a: np.ndarray, b: np.ndarray) -> bool:
+        if a.shape != b.shape or not a.flags.c_contiguous or not b.flags.c_contiguous:
+            raise ValueError("same_bytes: buffers of other shapes, or not contiguous")
+        return bool(self.lib.mdb_same_bytes(_addr(a, np.uint8), _addr(b, np.uint8), a.shape[0]))

@@ -25,7 +25,7 @@ from urllib.parse import unquote
 import duckdb
 import pyarrow as pa
 
-from . import lora, lorascan, scan, staging
+from . import lora, scan, staging
 from .checkpoint import Checkpoint, discover, file_info, fingerprint, gone, open_checkpoint
 from .errors import CatalogError, ChangedFileError, MergeDBError
 from .faults import rollback
@@ -274,6 +274,8 @@ def register(
                 got = scan_experts(b, todo_experts, fam, keyed, dim, threads, tick, sink=to_stage(todo_experts))
                 results += zip(todo_experts, got)
             if todo_adapters:
+                from . import lorascan  # LoRA's reads run numba's kernels (loraread): imported only for adapters
+
                 if on_total:
                     on_total(total + sum(lorascan.bytes_to_read(a, fam) for a in todo_adapters))
                 sink = to_stage(todo_adapters)

@@ -1,6 +1,7 @@
 """Exact statistics of a delta Δ = expert − base, computed block by block in one fused pass.
 
-Pure numeric code (numpy + numba); nothing here knows of files or catalogs.
+Pure numeric code (numpy, and the compiled kernels regkernels.py chooses); nothing here knows of
+files or catalogs.
 
 Definitions (the planner, the executor and the tests all use these):
 - Δ is computed in float32 from the decoded expert and base values; norms and the inner product
@@ -27,10 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .deltapass import abs_pass as _abs_pass
-from .deltapass import block_hist, delta_pass, equal_chunked
-from .deltapass import decode as _decode
-from .jitload import numba  # imported with Ctrl-C held
+from . import regkernels
 from .summary import (  # re-exported: stats.X names what registration computes
     DEFAULT_SKETCH_DIM,
     DENSITY_GRID,
@@ -68,65 +66,21 @@ class BlockStats:
     base_dot: float  # ⟨θ₀, Δ⟩, float64 accumulation (NaN when nonfinite > 0, as norm)
 
 
-@numba.njit(nogil=True, cache=True)
-def _base_pass(x, shift):  # pragma: no cover - compiled
-    # x: (n,) bit patterns (_decode) -> (Σ x² over finite values in float64, in four interleaved
-    # partial sums: element i in lane i % 4, added as (l0 + l1) + (l2 + l3); count of NaN/Inf)
-    s = np.zeros(4)
-    bad = 0
-    for i in range(x.shape[0]):
-        v = np.float64(_decode(x, i, shift))
-        ok = np.isfinite(v)
-        s[i & 3] += v * v if ok else 0.0
-        bad += not ok
-    return (s[0] + s[1]) + (s[2] + s[3]), bad
-
-
-@numba.njit(nogil=True, cache=True)
-def _base_group(x, start, shift, ss, bad):  # pragma: no cover - compiled
-    for k in range(start.shape[0] - 1):
-        ss[k], bad[k] = _base_pass(x[start[k] : start[k + 1]], shift)
-
-
 def base_group_stats(x: np.ndarray, start: np.ndarray) -> list[tuple[float, int]]:
     """(‖θ₀,b‖₂, NaN/Inf count) of each of consecutive base blocks of `x` (block k: elements
     start[k]:start[k + 1]) in one compiled call: the norm of its finite values (float64
     accumulation) and the count of the others. x: (n,) float32, or bf16 bit patterns as uint16. The
     planner's output-rounding bound needs the norm; the count lets it blame a non-finite base
     instead of every expert whose delta inherits the NaN."""
-    shift = 16 if x.dtype == np.uint16 else 0
     ss, bad = np.zeros(len(start) - 1), np.zeros(len(start) - 1, np.int64)
-    _base_group(x if shift else x.view(np.uint32), np.asarray(start, np.int64), shift, ss, bad)
+    regkernels.base_group(x if x.dtype == np.uint16 else x.view(np.uint32), np.asarray(start, np.int64), ss, bad)
     return [(float(np.sqrt(v)), int(c)) for v, c in zip(ss, bad)]
 
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two equal-length uint8 buffers hold the same bytes (np.array_equal without its
     full-size temporary: ~10× faster on 4 MiB blocks)."""
-    if a.shape != b.shape:
-        return False
-    n8 = a.size // 8 * 8
-    if not equal_chunked(a[:n8].view(np.uint64), b[:n8].view(np.uint64), 512):  # 4 KiB at a time
-        return False
-    return bool(np.array_equal(a[n8:], b[n8:]))
-
-
-@numba.njit(nogil=True, cache=True)
-def _hash_bucket(key, i, dim):  # pragma: no cover - compiled
-    z = (key + np.uint64(i)) * np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(32))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = z ^ (z >> np.uint64(29))
-    j = ((z & np.uint64(0xFFFFFFFF)) * np.uint64(dim)) >> np.uint64(32)
-    sign = 1.0 - 2.0 * np.float64(z >> np.uint64(63))
-    return np.int64(j), sign
-
-
-@numba.njit(nogil=True, cache=True)
-def _bucket_codes(key, dim, out):  # pragma: no cover - compiled
-    # out: (n,) uint16 receives 2·bucket + (sign < 0) of every element i under `key`
-    for i in range(out.shape[0]):
-        j, sign = _hash_bucket(key, i, dim)
-        out[i] = np.uint16(2 * j + (sign < 0))
+    return a.shape == b.shape and regkernels.same_bytes(a, b)
 
 
 def sketch_codes(key: np.uint64, n: int, dim: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -140,22 +94,16 @@ def sketch_codes(key: np.uint64, n: int, dim: int, out: np.ndarray | None = None
         out = np.empty(n, np.uint16)
     elif out.shape != (n,) or out.dtype != np.uint16:
         raise ValueError(f"sketch_codes' out must be ({n},) uint16, not {out.shape} {out.dtype}")
-    _bucket_codes(np.uint64(key), dim, out)
+    regkernels.bucket_codes(np.uint64(key), dim, out)
     return out
-
-
-@numba.njit(nogil=True, cache=True)
-def _sketch(x, key, sk):  # pragma: no cover - compiled
-    dim = sk.shape[0]
-    for i in range(x.shape[0]):
-        j, sign = _hash_bucket(key, i, dim)
-        sk[j] += sign * np.float64(x[i])
 
 
 def sketch(x: np.ndarray, key: np.uint64, dim: int = DEFAULT_SKETCH_DIM) -> np.ndarray:
     """CountSketch of the flat float array `x` under `key`: (dim,) float64."""
+    from . import deltapass  # numba's: a reference, not registration's path
+
     out = np.zeros(dim)
-    _sketch(np.ascontiguousarray(x).reshape(-1), np.uint64(key), out)
+    deltapass.sketch(np.ascontiguousarray(x).reshape(-1), np.uint64(key), out)
     return out
 
 
@@ -206,7 +154,10 @@ def block_stats(
     |Δ| that is no exception equals its summary bin's lower edge exactly, so the histogram (counts,
     Σ|Δ|, ΣΔ²), ‖Δ‖, max |Δ| and the non-zeros follow from the counts plus the exceptions, exact up
     to float64 rounding of the sums. A block whose exceptions do not fit gets a second pass over
-    its |Δ| (_abs_pass) instead."""
+    its |Δ| (deltapass.abs_pass) instead. Runs numba's kernels (LoRA registration's per-block path,
+    and the tests' reference for group_pass)."""
+    from .deltapass import abs_pass, block_hist, delta_pass
+
     shift = 16 if e.dtype == np.uint16 else 0
     if shift == 0:
         e, b = e.view(np.uint32), b.view(np.uint32)  # float32 patterns
@@ -231,7 +182,7 @@ def block_stats(
         hcount = counts.reshape(HIST_BINS, -1).sum(axis=1)
         hsum = np.zeros(HIST_BINS)
         hsq = np.zeros(HIST_BINS)
-        mx, zeros = _abs_pass(abs_bits, abs_out, hsum, hsq)
+        mx, zeros = abs_pass(abs_bits, abs_out, hsum, hsq)
     nz = np.flatnonzero(hcount)
     lo = (nz.astype(np.uint32) << np.uint32(HIST_SHIFT)).view(np.float32)
     norm = float(np.sqrt(hsq.sum())) if nonfinite == 0 else float("nan")
@@ -251,7 +202,7 @@ def block_stats(
 
 
 def group_arrays(n_blocks: int, dim: int) -> tuple[np.ndarray, ...]:
-    """deltapass.group_pass' `out`: a zeroed row per block of (identical, NaN/Inf count, zeros,
+    """regkernels.group_pass' `out`: a zeroed row per block of (identical, NaN/Inf count, zeros,
     max |Δ|, histogram counts, Σ|Δ|, ΣΔ², sketch, the four partial sums of θ₀·Δ)."""
     z = np.zeros
     return (
@@ -262,7 +213,7 @@ def group_arrays(n_blocks: int, dim: int) -> tuple[np.ndarray, ...]:
 
 
 def group_block_stats(out: tuple[np.ndarray, ...], k: int, n: int) -> BlockStats:
-    """Block k's statistics from deltapass.group_pass' `out` (n: its elements), exactly as
+    """Block k's statistics from regkernels.group_pass' `out` (n: its elements), exactly as
     block_stats returns them for the same block."""
     _, nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd = out
     nz = np.flatnonzero(hcount[k])
@@ -282,24 +233,6 @@ def group_block_stats(out: tuple[np.ndarray, ...], k: int, n: int) -> BlockStats
 
 
 SUB_SHIFT = SUMMARY_SHIFT - 8  # second radix level: 256 sub-bins per summary bin
-
-
-@numba.njit(nogil=True, cache=True)
-def _sub_histogram(abs_bits, slot_of, sub):  # pragma: no cover - compiled
-    # sub[slot, s]: elements of each wanted summary bin by their next 8 bits. Unwanted bins map to
-    # a dummy last row: no data-dependent branch (mispredictions cost more than the counting).
-    for i in range(abs_bits.shape[0]):
-        bits = abs_bits[i]
-        sub[slot_of[bits >> 17], (bits >> 9) & 255] += 1
-
-
-@numba.njit(nogil=True, cache=True)
-def _low_histogram(abs_bits, slot_of, pair_of, low):  # pragma: no cover - compiled
-    # low[pair, l]: elements of each wanted (bin, sub-bin) pair by their last 9 bits; unwanted
-    # pairs map to a dummy last row, as in _sub_histogram.
-    for i in range(abs_bits.shape[0]):
-        bits = abs_bits[i]
-        low[pair_of[slot_of[bits >> 17], (bits >> 9) & 255], bits & 511] += 1
 
 
 def _locate(counts: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -396,14 +329,14 @@ def grid_thresholds(abs_delta: np.ndarray, summary: np.ndarray, exceptions: Exce
     slot_of = np.full(len(summary), len(wanted_codes), np.int16)  # unwanted: the dummy last row
     slot_of[wanted_codes] = np.arange(len(wanted_codes), dtype=np.int16)
     sub = np.zeros((len(wanted_codes) + 1, 256), count_t)
-    _sub_histogram(bits, slot_of, sub)
+    regkernels.sub_histogram(bits, slot_of, sub)
     s, rank = _locate(sub[slot].astype(np.int64), rank)
     # level 3: wanted (bin, sub-bin) pairs by their last 9 bits
     pairs, pair = np.unique(slot * 256 + s, return_inverse=True)
     pair_of = np.full((len(wanted_codes) + 1, 256), len(pairs), np.int16)  # unwanted: the dummy row
     pair_of[pairs // 256, pairs % 256] = np.arange(len(pairs), dtype=np.int16)
     low = np.zeros((len(pairs) + 1, 512), count_t)
-    _low_histogram(bits, slot_of, pair_of, low)
+    regkernels.low_histogram(bits, slot_of, pair_of, low)
     lowbits, _ = _locate(low[pair].astype(np.int64), rank)
     out[valid] = (codes.astype(np.uint32) << np.uint32(SUMMARY_SHIFT)) | (s.astype(np.uint32) << np.uint32(SUB_SHIFT))
     out[valid] |= lowbits.astype(np.uint32)

@@ -457,7 +457,7 @@ def test_block_hist_equals_the_numpy_formula_bit_for_bit(n, fp32, spread, frozen
     assert repr(float(got[3])) == repr(mx) and got[4] == plain[0]
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 3 * 512 * 16 + 5), min_size=1, max_size=6),  # elements per block
     fp32=st.booleans(),
@@ -466,16 +466,24 @@ def test_block_hist_equals_the_numpy_formula_bit_for_bit(n, fp32, spread, frozen
     cap=st.sampled_from([0, 50, 10**6]),  # exceptions that fit: none, a few, all
     nonfinite=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
+    kernel=st.sampled_from(["numba", "native"]),
 )
-def test_group_pass_equals_block_stats_per_block(sizes, fp32, same, frozen, cap, nonfinite, seed):
-    """deltapass.group_pass (consecutive blocks in one call) gives every block exactly what
-    stats.block_stats gives it alone, in order: the same rows bit for bit, |Δ|, tensor summary and
-    exceptions, whatever the block sizes (word-aligned or not), equal blocks and overflow."""
-    from mergedb import deltapass
+def test_group_pass_equals_block_stats_per_block(sizes, fp32, same, frozen, cap, nonfinite, seed, kernel):
+    """group_pass (consecutive blocks in one call), numba's (deltapass.py) and C's (deltapass.c),
+    gives every block exactly what stats.block_stats gives it alone, in order: the same rows bit for
+    bit, |Δ|, tensor summary and exceptions, whatever the block sizes (word-aligned or not), equal
+    blocks and overflow."""
+    from mergedb import deltapass, native
+
+    impl = deltapass if kernel == "numba" else native.load()
+    if impl is None:
+        pytest.skip(f"no C kernels here: {native.why_not()}")
 
     rng = np.random.default_rng(seed)
     n = sum(sizes)
     base = _bf16(rng.normal(0, 0.02, n))
+    if nonfinite:  # a base value Inf: Δ NaN there, and a chunk around it that is never a zero chunk
+        base[rng.integers(0, n)] = np.inf
     expert = base + rng.normal(0, 1e-3, n).astype(np.float32)
     expert = expert.astype(np.float32) if fp32 else _bf16(expert)
     start = np.cumsum([0, *sizes])
@@ -510,11 +518,8 @@ def test_group_pass_equals_block_stats_per_block(sizes, fp32, same, frozen, cap,
     got_sum = np.zeros(stats.SUMMARY_BINS, np.int64)
     got_exc = stats.Exceptions(cap)
     out = stats.group_arrays(len(sizes), 16)
-    n8 = e.nbytes // 8 * 8
-    ew, bw = (x.view(np.uint8)[:n8].view(np.uint64) for x in (e, b))
-    shift = 0 if fp32 else 16
-    got_exc.n = deltapass.group_pass(
-        e.view(np.uint8), b.view(np.uint8), e, b, ew, bw, shift, deltapass.LANES[shift], start * size, start,
+    got_exc.n = impl.group_pass(
+        e.view(np.uint8), b.view(np.uint8), e, b, start * size, start,
         got_abs.view(np.uint32), np.concatenate(codes), got_sum, got_exc.buf, 0,
         stats.EDGE, stats.EDGE_SQ, stats.HIST_SHIFT, stats.SUMMARY_SHIFT, out,
     )  # fmt: skip

@@ -697,8 +697,8 @@ def test_ctrl_c_while_numba_imports_leaves_the_process_able_to_merge(registered)
     """A Ctrl-C during a process's first merge can land while numba imports itself; it used to leave
     numba half-initialised, and every later merge in that process (a notebook's kernel) failed with an
     AttributeError from numba. Held until numba is whole, it interrupts that call only. (A merge
-    imports numba where the C kernels cannot be built, as MERGEDB_KERNELS=numba here; registration
-    always does.)"""
+    imports numba where the C kernels cannot be built, as MERGEDB_KERNELS=numba here; so does
+    registration then, and a LoRA adapter's always.)"""
     fam, cat, tmp = registered
     plan = cat.plan(PlanRequest("base", None, "ties", params={"density": 0.5}))
     res = subprocess.run(

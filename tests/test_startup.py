@@ -174,7 +174,8 @@ def test_kernels_loaded_from_cache_without_numba_refresh_compute_the_same(tmp_pa
 
 
 REGISTER_RUN = r"""
-import hashlib, sys
+import hashlib, os, sys
+os.environ["MERGEDB_KERNELS"] = "numba"  # numba's kernels, whatever the C ones
 from numba.core import cpu
 refreshed = []
 _refresh = cpu.CPUContext.refresh
@@ -188,15 +189,15 @@ cat.register([sys.argv[1] + "/fam"], base_model="base", threads=2)
 with cat.duckdb_connection() as con:
     rows = [con.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall()
             for t in ("expert_blocks", "expert_tensors", "blocks")]
-hits = bool(deltapass.group_pass.stats.cache_hits)
+hits = bool(deltapass._group_pass.stats.cache_hits)
 print(hashlib.sha256(repr(rows).encode()).hexdigest(), hits, len(refreshed) > (sys.argv[2] == "full"))
 """
 
 
 @pytest.mark.skipif(not jitload.tested_numba(), reason="light cache loads are off on an unchecked numba")
 def test_registration_kernels_loaded_without_numba_refresh_store_the_same_rows(tmp_path):
-    """Registration's kernels (stats.py, deltapass.py) load from numba's cache without the full
-    target refresh too (blockgroups.py): a registration in a fresh process stores the rows a process
+    """Registration's numba kernels (deltapass.py) load from numba's cache without the full target
+    refresh too: a registration in a fresh process stores the rows a process
     that refreshed first stores, and, when its kernels came from the cache, never refreshed."""
     from mergedb.synth import make_family
 

@@ -94,7 +94,7 @@ def test_the_tensor_math_imports_neither_duckdb_nor_the_file_formats():
     """What the README's code map says of the tensor math (the check only followed mergedb's own
     imports, so `import duckdb` in kernels.py would have passed: code-health review)."""
     graph = _imports()
-    math = {"kernels", "jitkernels", "native", "deltapass", "stats", "summary", "lowrank", "methods"}
+    math = {"kernels", "jitkernels", "native", "deltapass", "regkernels", "stats", "summary", "lowrank", "methods"}
     for m in sorted(math):
         assert not _packages(m) & {"duckdb", "pyarrow", "safetensors", "torch", "fsspec", "ray"}, m
         assert graph[m] <= math | {"errors", "jitload"}, (m, graph[m] - math)
@@ -106,6 +106,8 @@ def test_layers_never_reach_upward():
     assert not graph["kernels"] - {"methods", "errors", "jitkernels", "native"}, "kernels are pure tensor math"
     assert not graph["native"] - {"errors"}, "native is C kernels loaded with ctypes"
     assert not graph["jitkernels"] - {"jitload"}, "jitkernels is numba's kernels"
+    assert not graph["deltapass"] - {"jitload"}, "deltapass is numba's registration kernels"
+    assert not graph["regkernels"] - {"native", "deltapass"}, "regkernels only chooses registration's kernels"
     assert not graph["jitload"], "jitload is a leaf: numba, imported with Ctrl-C held"
     assert not graph["plainfile"], "plainfile is a leaf: small files read whole"
     assert not graph["stray"] - {"errors"}, "stray only looks at names in a folder"

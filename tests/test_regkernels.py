@@ -1,0 +1,168 @@
+"""Registration's C kernels (deltapass.c, through native.py) against numba's (deltapass.py), bit for
+bit, kernel by kernel and as whole catalogs; and that a dense registration never imports numba.
+
+group_pass, the statistics pass, is compared with stats.block_stats block by block in
+tests/test_register_speed.py (both kernels); block_stats and the thresholds are checked against
+independent references (sorts, float64 sums of whole tensors) in tests/test_catalog_stats.py and
+tests/test_register_speed.py. Here the two compiled implementations must agree on every input,
+NaN and infinity among them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+
+from mergedb import deltapass, kernels, native, regkernels, stats, synth
+from mergedb.catalog import Catalog
+
+C = native.load()
+needs_c = pytest.mark.skipif(C is None, reason=f"no C kernels here: {native.why_not()}")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _patterns(rng: np.random.Generator, n: int, wide: bool) -> np.ndarray:
+    """Normal-looking values with NaN, ±Inf, -0 and subnormals among them, as bf16 (uint16) or
+    float32 (uint32) patterns."""
+    x = rng.normal(0, 0.02, n).astype(np.float32)
+    x[rng.integers(0, n, 7)] = [np.nan, np.inf, -np.inf, -0.0, 1e-40, -1e-41, 3e38]
+    bits = x.view(np.uint32)
+    return bits.copy() if wide else (bits >> 16).astype(np.uint16)
+
+
+@needs_c
+@pytest.mark.parametrize("wide", [False, True])
+def test_base_norms_equal_numba_and_the_float64_sum(wide):
+    rng = np.random.default_rng(1)
+    x = _patterns(rng, 40_003, wide)
+    start = np.array([0, 1, 5, 64, 1000, 20_000, 40_003], np.int64)
+    got = (np.zeros(6), np.zeros(6, np.int64))
+    want = (np.zeros(6), np.zeros(6, np.int64))
+    C.base_group(x, start, *got)
+    deltapass.base_group(x, start, *want)
+    assert got[0].tobytes() == want[0].tobytes() and np.array_equal(got[1], want[1])
+    values = (x.astype(np.uint32) << (0 if wide else 16)).view(np.float32).astype(np.float64)
+    for k in range(6):
+        v = values[start[k] : start[k + 1]]
+        assert got[1][k] == np.count_nonzero(~np.isfinite(v))
+        assert got[0][k] == pytest.approx(np.sum(v[np.isfinite(v)] ** 2), rel=1e-12)
+
+
+@needs_c
+def test_sketch_codes_and_radix_histograms_equal_numba():
+    rng = np.random.default_rng(2)
+    for key, dim in [(0, 1), (2**64 - 1, 64), (12345, 2**15)]:
+        got, want = np.empty(10_001, np.uint16), np.empty(10_001, np.uint16)
+        C.bucket_codes(np.uint64(key), dim, got)
+        deltapass.bucket_codes(np.uint64(key), dim, want)
+        assert np.array_equal(got, want) and got.max() < 2 * dim
+    bits = rng.integers(0, 2**31, 50_000, dtype=np.uint64) >> rng.integers(0, 12, 50_000).astype(np.uint64)
+    bits = bits.astype(np.uint32)
+    slot_of = rng.integers(0, 5, stats.SUMMARY_BINS).astype(np.int16)
+    pair_of = rng.integers(0, 9, (5, 256)).astype(np.int16)
+    for count_t in (np.int32, np.int64):
+        got, want = np.zeros((5, 256), count_t), np.zeros((5, 256), count_t)
+        C.sub_histogram(bits, slot_of, got)
+        deltapass.sub_histogram(bits, slot_of, want)
+        assert np.array_equal(got, want) and got.sum() == bits.size
+        got, want = np.zeros((9, 512), count_t), np.zeros((9, 512), count_t)
+        C.low_histogram(bits, slot_of, pair_of, got)
+        deltapass.low_histogram(bits, slot_of, pair_of, want)
+        assert np.array_equal(got, want) and got.sum() == bits.size
+
+
+@needs_c
+def test_same_bytes_on_either_kernels():
+    a = np.random.default_rng(3).integers(0, 256, 4 << 20, dtype=np.uint8)
+    for at in (None, 0, 4097, a.size - 1):
+        b = a.copy()
+        if at is not None:
+            b[at] ^= 1
+        assert C.same_bytes(a, b) is deltapass.same_bytes(a, b) is (at is None)
+
+
+@needs_c
+def test_c_kernels_refuse_arguments_they_would_misread():
+    x = np.zeros(100, np.uint16)
+    with pytest.raises(ValueError, match="disagree"):
+        C.base_group(x, np.array([0, 101]), np.zeros(1), np.zeros(1, np.int64))
+    with pytest.raises(TypeError):
+        C.bucket_codes(np.uint64(1), 8, np.zeros(10, np.int16))
+    with pytest.raises(ValueError, match="out of range"):
+        C.sub_histogram(np.zeros(4, np.uint32), np.full(stats.SUMMARY_BINS, 9, np.int16), np.zeros((5, 256), np.int32))
+    e = np.zeros(64, np.uint16)
+    out = stats.group_arrays(1, 8)
+    args = (np.zeros(128, np.uint32), np.zeros(64, np.uint16), np.zeros(stats.SUMMARY_BINS, np.int64))
+    with pytest.raises(ValueError, match="shorter"):  # raw bytes of 2 elements for a block of 64
+        C.group_pass(e.view(np.uint8)[:4], e.view(np.uint8), e, e, np.array([0, 128]), np.array([0, 64]), *args,
+                     np.zeros(9, np.uint32), 0, stats.EDGE, stats.EDGE_SQ, 22, 17, out)  # fmt: skip
+    two_rows = stats.group_arrays(2, 8)
+    with pytest.raises(ValueError, match="output rows"):
+        C.group_pass(e.view(np.uint8), e.view(np.uint8), e, e, np.array([0, 128]), np.array([0, 64]), *args,
+                     np.zeros(9, np.uint32), 0, stats.EDGE, stats.EDGE_SQ, 22, 17, two_rows)  # fmt: skip
+
+
+def _rows(db: Path) -> dict[str, list[tuple]]:
+    """Every table of a catalog, sorted, without the columns that say where or when."""
+    skip = {"path", "root", "mtime_ns", "applied_at", "registered_at", "created", "created_at"}
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        out = {}
+        names = "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE' ORDER BY 1"
+        for (t,) in con.execute(names).fetchall():
+            cols = con.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = ? ORDER BY ordinal_position", [t]
+            ).fetchall()
+            keep = ", ".join(f'"{c}"' for (c,) in cols if c not in skip)
+            out[t] = con.execute(f'SELECT {keep} FROM "{t}" ORDER BY ALL').fetchall()
+        return out
+    finally:
+        con.close()
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_a_registration_stores_the_same_catalog_on_either_kernels(tmp_path, monkeypatch, dtype):
+    """bf16 (exceptions that fit), fp16 (decoded to float32 first) and fp32 (exceptions overflow:
+    the second pass over |Δ| and the radix thresholds): every row, bit for bit."""
+    synth.make_family(tmp_path / "fam", experts=2, size="tiny", dtype=dtype, seed=7)
+    rows = {}
+    try:
+        for choice in ("native", "numba"):
+            monkeypatch.setenv("MERGEDB_KERNELS", choice)
+            kernels.reset()
+            regkernels.reset()
+            assert regkernels.backend() == choice
+            cat = Catalog(tmp_path / f"{choice}.duckdb")
+            cat.register([tmp_path / "fam"], base_model="base", block_size="8KiB", threads=2)
+            rows[choice] = _rows(cat.path)
+    finally:
+        monkeypatch.delenv("MERGEDB_KERNELS")
+        kernels.reset()
+        regkernels.reset()
+    assert len(rows["native"]["expert_blocks"]) > 100
+    assert repr(rows["native"]) == repr(rows["numba"])
+
+
+REGISTER_RUN = r"""
+import sys
+from mergedb import regkernels
+from mergedb.catalog import Catalog
+Catalog(sys.argv[1]).register([sys.argv[2]], base_model="base", threads=2)
+print(regkernels.backend(), "numba" in sys.modules)
+"""
+
+
+@needs_c
+def test_a_registration_process_never_imports_numba(tmp_path):
+    """What deltapass.c is for: numba's import and cache load (~0.2 s) are not paid by a registration."""
+    synth.make_family(tmp_path / "fam", experts=2, size="tiny", seed=8)
+    r = subprocess.run(
+        [sys.executable, "-c", REGISTER_RUN, str(tmp_path / "c.duckdb"), str(tmp_path / "fam")],
+        capture_output=True, text=True, cwd=REPO, check=True,
+    )  # fmt: skip
+    assert r.stdout.split() == ["native", "False"], r.stderr

@@ -166,3 +166,13 @@ def test_a_registration_process_never_imports_numba(tmp_path):
         capture_output=True, text=True, cwd=REPO, check=True,
     )  # fmt: skip
     assert r.stdout.split() == ["native", "False"], r.stderr
+
+
+@needs_c
+def test_the_kernel_benchmark_times_registrations_kernels_on_equal_outputs():
+    """benchmarks/bench_kernels.py's registration rows run (it stops if the two kernels differ)."""
+    from benchmarks import bench_kernels
+
+    rows = bench_kernels.stats_times(70_001, 1)
+    assert [r["kernel"].split()[0] for r in rows] == ["group_pass", "base_group", "bucket_codes"]
+    assert "3 blocks of 64 KiB" in rows[0]["kernel"] and all(r["native_ms"]["min"] > 0 for r in rows)

@@ -1,7 +1,7 @@
 """Consecutive blocks of one tensor scanned in one compiled call (registration's unit of numeric work).
 
 With 64 KiB vocabulary blocks (`--block-size auto`) a call per block cost more than the block's
-arithmetic: ~10 numpy and numba calls, each an allocation, a dispatch and a GIL release and
+arithmetic: ~10 numpy and compiled calls, each an allocation, a dispatch and a GIL release and
 re-acquire that the other threads waited on. A group is a run of blocks of at most GROUP_BYTES
 (a larger block alone); every statistic is still the block's own, the same numbers a call per
 block gives (regkernels.group_pass, stats.base_group_stats).

@@ -3,10 +3,10 @@
 Reads with `os.preadv` (ranged requests for a URL: sources.py) into reused buffers at offsets from
 the headers, asked of the kernel a few units ahead (readahead.py), one (expert, tensor) unit per
 worker thread, units of all experts in one pool, largest first and a tensor's units together; the
-numeric work runs in numba/numpy with the GIL released. Peak memory is a few blocks per worker
-plus, per worker, a float32 |Δ| buffer and a half-size exceptions buffer of the largest tensor
-(exact top-k thresholds), plus the sketch codes (2 bytes per element) and the base bytes of the
-tensors in flight.
+numeric work runs in compiled kernels (regkernels.py) and numpy with the GIL released. Peak memory
+is a few blocks per worker plus, per worker, a float32 |Δ| buffer and a half-size exceptions buffer
+of the largest tensor (exact top-k thresholds), plus the sketch codes (2 bytes per element) and the
+base bytes of the tensors in flight.
 Consecutive blocks of a tensor go through one compiled call (blockgroups.py), and a base registered
 with its experts is hashed by their scan (scan_family: its file is read once, not twice).
 Its rows go to a Sink unit by unit as each ends (register.py stages them on disk: staging.py).

@@ -95,6 +95,8 @@ class _Elsewhere:
 class Catalog:
     """A mergedb catalog file. Cheap to create: nothing is opened until an operation needs it."""
 
+    RECORD_WAIT = 30.0  # seconds a finished merge (execute, sweep) waits for the catalog to record its run
+
     def __init__(
         self,
         path: str | os.PathLike[str] | None = None,
@@ -599,12 +601,12 @@ class Catalog:
                 )
         except MergeDBError as e:
             try:
-                self.record_run(xp.plan_id, out, error=str(e), wait=max(self.wait, RECORD_WAIT), plan_hash=xp.plan_hash)
+                self.record_run(xp.plan_id, out, error=str(e), wait=self.RECORD_WAIT, plan_hash=xp.plan_hash)
             except MergeDBError as rec:  # the merge's error is the one to see
                 e.args = (f"{e} (recording this failed run in the catalog failed too: {rec})",)
             raise
         try:
-            self.record_run(xp.plan_id, out, res, wait=max(self.wait, RECORD_WAIT), plan_hash=xp.plan_hash)
+            self.record_run(xp.plan_id, out, res, wait=self.RECORD_WAIT, plan_hash=xp.plan_hash)
         except (KeyboardInterrupt, SystemExit) as stop:  # waiting for the catalog: the output is whole all the same
             stop.add_note(
                 f"the merge into {out} is complete and good (`mergedb check --output {out}` verifies it), but its "
@@ -675,9 +677,6 @@ def _interrupted(e: BaseException) -> bool:
     RuntimeError, which Catalog connections raise as the KeyboardInterrupt it stands for (the
     transaction is rolled back, or was committed just before; never half of it)."""
     return isinstance(e, RuntimeError) and str(e) == "Query interrupted"
-
-
-RECORD_WAIT = 30.0  # seconds a finished merge waits for the catalog to record its run
 
 
 def connect(path: str | os.PathLike[str] | None = None, *, wait: float = 0.0) -> Catalog:

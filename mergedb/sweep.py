@@ -180,7 +180,8 @@ def sweep(
     def record(i: int, res: ExecuteResult | None, error: str | None = None) -> None:
         if not why:
             try:
-                cat.record_run(xps[i].plan_id, outs[i], res, error=error, wait=RECORD_WAIT, plan_hash=xps[i].plan_hash)
+                run = xps[i]
+                cat.record_run(run.plan_id, outs[i], res, error=error, wait=cat.RECORD_WAIT, plan_hash=run.plan_hash)
                 return
             except MergeDBError as rec:
                 why.append(rec)
@@ -284,9 +285,6 @@ def _refuse_adapters(rows: list[dict[str, Any]], requests: Sequence[planner.Plan
                 raise PlanError(
                     f"{r['name']!r} is a LoRA adapter; sweeps do not take adapters yet: execute each plan alone"
                 )
-
-
-RECORD_WAIT = 30.0  # seconds a finished merge waits for the catalog to record its run
 
 
 def _out(root: Path, name: str) -> Path:

@@ -55,7 +55,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "mdb_finish_many": (_C, [_P, _C, _I, _C, _P, _I, _I, _I, _P, _I, _P, _P, _D, _P, _P, _C, _I, _I]),
     "mdb_group_pass": (
         _I,
-        [_P, _P, _P, _P, _C, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _P, _P, _C, _C] + [_P] * 7 + [_I, _P, _I, _P],
+        [_P, _P, _P, _P, _C, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _P, _P, _C, _C]
+        + [_P] * 7
+        + [_I, _P, _I, _P, _P, _P],
     ),
     "mdb_base_group": (None, [_P, _C, _P, _I, _P, _P]),
     "mdb_bucket_codes": (None, [_U, _I, _I, _P]),
@@ -231,6 +233,7 @@ class Kernels:
             f = getattr(lib, name)
             f.restype, f.argtypes = res, args
         self.lib = lib
+        self._local = threading.local()
 
     def decode_bits(self, raw: np.ndarray, kind: int, out: np.ndarray) -> None:
         p, wide = _raw(raw)
@@ -344,6 +347,7 @@ class Kernels:
             raise ValueError("group_pass: output rows of other shapes")
         if not exc.size or not e_raw.flags.c_contiguous or not b_raw.flags.c_contiguous or not e.flags.c_contiguous:
             raise ValueError("group_pass: an empty exception buffer, or patterns not contiguous")
+        counts, esum = self._scratch(summary.shape[0])
         got = self.lib.mdb_group_pass(
             _addr(e_raw, np.uint8), _addr(b_raw, np.uint8), pe, _addr(b), wide, e.nbytes,
             _addr(np.ascontiguousarray(raw_start, np.int64)), _addr(np.ascontiguousarray(start, np.int64)), blocks,
@@ -352,10 +356,17 @@ class Kernels:
             int(hist_shift), int(summary_shift), _out(ident, np.bool_), _out(nonfinite, np.int64),
             _out(zeros, np.int64), _out(mx, np.float64), _out(hcount, np.int64), _out(hsum, np.float64),
             _out(hsq, np.float64), hcount.shape[1], _out(sk, np.float64), sk.shape[1], _out(bd, np.float64),
+            _addr(counts), _addr(esum),
         )  # fmt: skip
-        if got < 0:
-            raise MemoryError("group_pass could not allocate its counts")
         return int(got)
+
+    def _scratch(self, bins: int) -> tuple[np.ndarray, np.ndarray]:
+        """This thread's group_pass scratch: (bins,) counts that the C code leaves all zero, and the
+        exceptions' per-bin sums (a fresh 128 KiB calloc per call faulted its pages in every time)."""
+        got = getattr(self._local, "scratch", None)
+        if got is None or got[0].shape[0] != bins:
+            got = self._local.scratch = (np.zeros(bins, np.int64), np.empty(2 * bins // 32, np.float64))
+        return got
 
     def base_group(self, x: np.ndarray, start: np.ndarray, ss: np.ndarray, bad: np.ndarray) -> None:
         p, wide = _raw(x)

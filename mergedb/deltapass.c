@@ -1,9 +1,10 @@
 /* Registration's statistics kernels in C (native.py compiles this file after native.c, as one unit).
 
    Every function computes what its namesake in deltapass.py computes, with the same float64
-   operations in the same order, so the two give the same bits (tests/test_native.py compares
-   them on bf16 and float32 blocks with exceptions, NaN/Inf, equal chunks and overflowing
-   exception buffers). Where numba's loop handles one element at a time, `delta_run` takes 64 at a
+   operations in the same order, so the two give the same bits (tests/test_register_speed.py and
+   tests/test_regkernels.py compare them on bf16 and float32 blocks with exceptions, NaN/Inf, equal
+   chunks and overflowing exception buffers). native.py checks every argument before a call: the
+   code below trusts its arrays' extents. Where numba's loop handles one element at a time, `delta_run` takes 64 at a
    time: one pass the compiler vectorises (decode, Δ, |Δ|, the four lanes of θ₀·Δ, the exception
    mask), then the scattered counts and sketch updates in element order. The lanes of θ₀·Δ are
    element i % 4, each summed in element order: a four-wide vector add performs exactly those adds.
@@ -241,7 +242,9 @@ static i64 abs_pass(const uint32_t *abs_bits, i64 n, double *hsum, double *hsq, 
 /* deltapass.group_pass: the statistics of consecutive blocks of one tensor. The out rows (ident,
    nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd) are zero on entry; hcount/hsum/hsq rows are
    hist_bins long, sk rows dim. counts: (bins,) scratch, all zero on entry and left so; esum: scratch of
-   2 * bins / PER doubles. Returns the exceptions in all. */
+   2 * bins / PER doubles. Returns the exceptions in all, or -2 (nothing done) when a sketch code
+   names a bucket past dim. Each block's rows are cleared before they are written, so the rows need
+   not be zero on entry (numba's do). */
 i64 mdb_group_pass(const uint8_t *e_raw, const uint8_t *b_raw, const void *e, const void *b, int wide, i64 n_bytes,
                    const i64 *raw_start, const i64 *start, i64 blocks, uint32_t *abs_bits, const uint16_t *codes,
                    i64 *summary, i64 bins, uint32_t *exc, i64 exc_len, i64 n_exc, const double *edge,
@@ -249,8 +252,19 @@ i64 mdb_group_pass(const uint8_t *e_raw, const uint8_t *b_raw, const void *e, co
                    i64 *zeros, double *mx, i64 *hcount, double *hsum, double *hsq, i64 hist_bins, double *sk,
                    i64 dim, double *bd, i64 *counts, double *esum) {
     i64 size = wide ? 4 : 2, all_words = n_bytes / 8;
+    uint16_t top_code = 0;
+    for (i64 i = 0; i < start[blocks]; i++) top_code = codes[i] > top_code ? codes[i] : top_code;
+    if ((i64)(top_code >> 1) >= dim) return -2;
     for (i64 k = 0; k < blocks; k++) {
         i64 s = start[k], t = start[k + 1], r0 = raw_start[k], r1 = raw_start[k + 1];
+        ident[k] = 0;
+        nonfinite[k] = zeros[k] = 0;
+        mx[k] = 0.0;
+        memset(hcount + k * hist_bins, 0, (size_t)hist_bins * sizeof(i64));
+        memset(hsum + k * hist_bins, 0, (size_t)hist_bins * sizeof(double));
+        memset(hsq + k * hist_bins, 0, (size_t)hist_bins * sizeof(double));
+        memset(sk + k * dim, 0, (size_t)dim * sizeof(double));
+        memset(bd + 4 * k, 0, 4 * sizeof(double));
         if (memcmp(e_raw + r0, b_raw + r0, (size_t)(r1 - r0)) == 0) {
             ident[k] = 1;
             memset(abs_bits + s, 0, (size_t)(t - s) * sizeof(uint32_t));

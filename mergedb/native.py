@@ -330,34 +330,41 @@ class Kernels:
         )  # fmt: skip
 
     # -- registration's kernels (deltapass.c; numba's twins in deltapass.py, the same arguments) --
+    # Every array is checked whole (its dimensions, C order, alignment, dtype and extent), and every
+    # block range: the C code indexes raw memory where numba would clip a slice or refuse a type.
 
     def group_pass(self, e_raw, b_raw, e, b, raw_start, start, abs_bits, codes, summary, exc, n_exc,
                    edge, edge_sq, hist_shift, summary_shift, out) -> int:  # noqa: ANN001  # fmt: skip
         ident, nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd = out
-        blocks = raw_start.shape[0] - 1
         pe, wide = _raw(e)
-        n = int(start[-1]) if blocks >= 0 else 0
-        if b.dtype != e.dtype or b.shape != e.shape or start.shape[0] != blocks + 1 or e.shape[0] < n:
-            raise ValueError("group_pass: expert, base and block starts disagree")
-        if min(e_raw.shape[0], b_raw.shape[0]) < raw_start[-1] or abs_bits.shape[0] < n or codes.shape[0] < n:
-            raise ValueError("group_pass: a buffer is shorter than its blocks")
-        if summary.shape != edge.shape or edge_sq.shape != edge.shape or hist_shift - summary_shift != 5:
-            raise ValueError("group_pass: the summary, its edges and the shifts disagree")
-        if hcount.shape[1] * 32 != summary.shape[0] or any(x.shape[0] != blocks for x in out) or bd.shape[1] != 4:
+        blocks, n = _ranges(start, e.shape[0], "group_pass: block starts")
+        if _ranges(raw_start, min(e_raw.shape[0], b_raw.shape[0]), "group_pass: block bytes")[0] != blocks:
+            raise ValueError("group_pass: block bytes and block starts of other lengths")
+        if b.dtype != e.dtype or b.shape != e.shape:
+            raise ValueError("group_pass: expert and base patterns of other shapes")
+        if abs_bits.shape[0] < n or codes.shape[0] < n:
+            raise ValueError("group_pass: |Δ| or the sketch codes shorter than the blocks")
+        if (hist_shift, summary_shift, summary.shape, edge.shape, edge_sq.shape) != (22, 17, *((1 << 14,),) * 3):
+            raise ValueError("group_pass: the summary, its edges and the shifts are not registration's (22, 17)")
+        dim = sk.shape[1] if sk.ndim == 2 else 0
+        rows = ((blocks,),) * 4 + ((blocks, 512),) * 3 + ((blocks, dim), (blocks, 4))
+        if not 0 < dim <= 1 << 15 or [x.shape for x in out] != list(rows):
             raise ValueError("group_pass: output rows of other shapes")
-        if not exc.size or not e_raw.flags.c_contiguous or not b_raw.flags.c_contiguous or not e.flags.c_contiguous:
-            raise ValueError("group_pass: an empty exception buffer, or patterns not contiguous")
+        if not exc.size or n_exc < 0:
+            raise ValueError("group_pass: an empty exception buffer, or a negative count of exceptions")
         counts, esum = self._scratch(summary.shape[0])
         got = self.lib.mdb_group_pass(
-            _addr(e_raw, np.uint8), _addr(b_raw, np.uint8), pe, _addr(b), wide, e.nbytes,
-            _addr(np.ascontiguousarray(raw_start, np.int64)), _addr(np.ascontiguousarray(start, np.int64)), blocks,
-            _out(abs_bits, np.uint32), _addr(codes, np.uint16), _out(summary, np.int64), summary.shape[0],
-            _out(exc, np.uint32), exc.shape[0], int(n_exc), _addr(edge, np.float64), _addr(edge_sq, np.float64),
-            int(hist_shift), int(summary_shift), _out(ident, np.bool_), _out(nonfinite, np.int64),
-            _out(zeros, np.int64), _out(mx, np.float64), _out(hcount, np.int64), _out(hsum, np.float64),
-            _out(hsq, np.float64), hcount.shape[1], _out(sk, np.float64), sk.shape[1], _out(bd, np.float64),
-            _addr(counts), _addr(esum),
+            _whole(e_raw, np.uint8), _whole(b_raw, np.uint8), _whole(e, e.dtype), _whole(b, e.dtype), wide, e.nbytes,
+            _whole(raw_start, np.int64), _whole(start, np.int64), blocks, _whole(abs_bits, np.uint32, True),
+            _whole(codes, np.uint16), _whole(summary, np.int64, True), summary.shape[0], _whole(exc, np.uint32, True),
+            exc.shape[0], int(n_exc), _whole(edge, np.float64), _whole(edge_sq, np.float64), 22, 17,
+            _whole(ident, np.bool_, True), _whole(nonfinite, np.int64, True), _whole(zeros, np.int64, True),
+            _whole(mx, np.float64, True), _whole(hcount, np.int64, True), _whole(hsum, np.float64, True),
+            _whole(hsq, np.float64, True), 512, _whole(sk, np.float64, True), dim, _whole(bd, np.float64, True),
+            _whole(counts, np.int64, True), _whole(esum, np.float64, True),
         )  # fmt: skip
+        if got == -2:
+            raise ValueError(f"group_pass: a sketch code past the sketch's {dim} buckets (codes for another width?)")
         return int(got)
 
     def _scratch(self, bins: int) -> tuple[np.ndarray, np.ndarray]:
@@ -369,15 +376,19 @@ class Kernels:
         return got
 
     def base_group(self, x: np.ndarray, start: np.ndarray, ss: np.ndarray, bad: np.ndarray) -> None:
-        p, wide = _raw(x)
-        blocks = start.shape[0] - 1
-        if x.shape[0] < start[-1] or ss.shape[0] < blocks or bad.shape[0] < blocks:
-            raise ValueError("base_group: values, block starts and outputs disagree")
-        start = np.ascontiguousarray(start, np.int64)
-        self.lib.mdb_base_group(p, wide, _addr(start), blocks, _out(ss, np.float64), _out(bad, np.int64))
+        _, wide = _raw(x)
+        blocks, _ = _ranges(start, x.shape[0], "base_group: block starts")
+        if ss.shape != (blocks,) or bad.shape != (blocks,):
+            raise ValueError("base_group: outputs of other lengths than the blocks")
+        self.lib.mdb_base_group(
+            _whole(x, x.dtype), wide, _whole(start, np.int64), blocks, _whole(ss, np.float64, True),
+            _whole(bad, np.int64, True),
+        )  # fmt: skip
 
     def bucket_codes(self, key: int, dim: int, out: np.ndarray) -> None:
-        self.lib.mdb_bucket_codes(int(key), int(dim), out.shape[0], _out(out, np.uint16))
+        if not 0 < int(dim) <= 1 << 15:
+            raise ValueError(f"bucket_codes: a sketch of {dim} buckets (1 to 32768)")
+        self.lib.mdb_bucket_codes(int(key), int(dim), out.size, _whole(out, np.uint16, True))
 
     def sub_histogram(self, abs_bits: np.ndarray, slot_of: np.ndarray, sub: np.ndarray) -> None:
         self._radix(abs_bits, slot_of, None, sub, 256)
@@ -386,23 +397,44 @@ class Kernels:
         self._radix(abs_bits, slot_of, pair_of, low, 512)
 
     def _radix(self, abs_bits, slot_of, pair_of, counts, width) -> None:  # noqa: ANN001
-        if slot_of.shape[0] != 1 << 14 or counts.shape[1] != width or not counts.flags.c_contiguous:
+        if slot_of.shape != (1 << 14,) or counts.ndim != 2 or counts.shape[1] != width:
             raise ValueError("a radix histogram's tables of other shapes")
         rows = counts.shape[0] if pair_of is None else pair_of.shape[0]
-        if pair_of is not None and (pair_of.shape[1] != 256 or not pair_of.flags.c_contiguous):
+        if pair_of is not None and (pair_of.ndim != 2 or pair_of.shape[1] != 256):
             raise ValueError("a radix histogram's pair table of another shape")
         tables = [slot_of] if pair_of is None else [slot_of, pair_of]
         if any(int(t.min(initial=0)) < 0 for t in tables) or int(slot_of.max(initial=0)) >= rows:
             raise ValueError("a radix histogram's slots out of range")
         if pair_of is not None and int(pair_of.max(initial=0)) >= counts.shape[0]:
             raise ValueError("a radix histogram's pairs out of range")
+        if counts.dtype not in (np.int32, np.int64):
+            raise TypeError(f"radix counts of dtype {counts.dtype}, where int32 or int64 is expected")
         self.lib.mdb_radix_histogram(
-            _addr(abs_bits, np.uint32), abs_bits.shape[0], _addr(slot_of, np.int16),
-            None if pair_of is None else _addr(pair_of, np.int16), int(counts.dtype == np.int64),
-            _out(counts, np.int64 if counts.dtype == np.int64 else np.int32),
+            _whole(abs_bits, np.uint32), abs_bits.size, _whole(slot_of, np.int16),
+            None if pair_of is None else _whole(pair_of, np.int16), int(counts.dtype == np.int64),
+            _whole(counts, counts.dtype, True),
         )  # fmt: skip
 
     def same_bytes(self, a: np.ndarray, b: np.ndarray) -> bool:
-        if a.shape != b.shape or not a.flags.c_contiguous or not b.flags.c_contiguous:
-            raise ValueError("same_bytes: buffers of other shapes, or not contiguous")
-        return bool(self.lib.mdb_same_bytes(_addr(a, np.uint8), _addr(b, np.uint8), a.shape[0]))
+        if a.shape != b.shape:
+            raise ValueError("same_bytes: buffers of other shapes")
+        return bool(self.lib.mdb_same_bytes(_whole(a, np.uint8), _whole(b, np.uint8), a.size))
+
+
+def _whole(a: np.ndarray, dtype: Any, write: bool = False) -> int:
+    """The address of all of `a` for registration's C kernels: C-ordered (any dimensions: C indexes it
+    as one run of elements), aligned, of `dtype`; writable if `write`."""
+    if a.dtype != dtype:
+        raise TypeError(f"a kernel argument of dtype {a.dtype}, where {np.dtype(dtype)} is expected")
+    if not a.flags.c_contiguous or not a.flags.aligned:
+        raise ValueError("a kernel argument that is not one aligned run of elements in C order")
+    return _out(a, dtype) if write else _addr(a, dtype)
+
+
+def _ranges(start: np.ndarray, length: int, what: str) -> tuple[int, int]:
+    """(blocks, end) of block boundaries `start` (int64, ascending from 0 or more) within `length`."""
+    if start.dtype != np.int64 or start.ndim != 1 or start.shape[0] < 1:
+        raise TypeError(f"{what}: one-dimensional int64 boundaries are expected, not {start.dtype} {start.shape}")
+    if start[0] < 0 or start[-1] > length or (start.shape[0] > 1 and bool((np.diff(start) < 0).any())):
+        raise ValueError(f"{what}: boundaries that are not ascending from 0 or more within {length}")
+    return start.shape[0] - 1, int(start[-1])

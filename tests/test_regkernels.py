@@ -85,25 +85,74 @@ def test_same_bytes_on_either_kernels():
         assert C.same_bytes(a, b) is deltapass.same_bytes(a, b) is (at is None)
 
 
+def _group(n: int = 256, blocks: int = 1, dim: int = 16, seed: int = 0) -> dict:
+    """group_pass' arguments for `blocks` bf16 blocks of n elements (small deltas of a normal base)."""
+    rng = np.random.default_rng(seed)
+    base = rng.normal(0, 0.02, n * blocks).astype(np.float32)
+    expert = base + rng.normal(0, 1e-3, base.size).astype(np.float32)
+    e, b = ((x.view(np.uint32) >> 16).astype(np.uint16) for x in (expert, base))
+    start = np.arange(blocks + 1, dtype=np.int64) * n
+    codes = np.concatenate([stats.sketch_codes(np.uint64(k), n, dim) for k in range(blocks)])
+    return dict(
+        e_raw=e.view(np.uint8), b_raw=b.view(np.uint8), e=e, b=b, raw_start=start * 2, start=start,
+        abs_bits=np.zeros(n * blocks, np.uint32), codes=codes, summary=np.zeros(stats.SUMMARY_BINS, np.int64),
+        exc=np.zeros(n * blocks + 1, np.uint32), n_exc=0, edge=stats.EDGE, edge_sq=stats.EDGE_SQ,
+        hist_shift=stats.HIST_SHIFT, summary_shift=stats.SUMMARY_SHIFT, out=stats.group_arrays(blocks, dim),
+    )  # fmt: skip
+
+
+@needs_c
+def test_c_group_pass_needs_no_zeroed_rows():
+    """numba's group_pass adds into rows that must be zero; C's clears each block's rows first, so rows
+    left from an earlier group give the same results."""
+    want, got = _group(blocks=3), _group(blocks=3)
+    for a in got["out"]:
+        a.view(np.uint8)[:] = 0xA5
+    assert deltapass.group_pass(**want) == C.group_pass(**got)
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(want["out"], got["out"]))
+
+
 @needs_c
 def test_c_kernels_refuse_arguments_they_would_misread():
+    """Where numba clips a slice, wraps an index or refuses a type, the C code would read or write past an
+    array: the wrappers refuse such arguments before the call (a review found each of these accepted)."""
     x = np.zeros(100, np.uint16)
-    with pytest.raises(ValueError, match="disagree"):
+    with pytest.raises(ValueError, match="ascending"):
         C.base_group(x, np.array([0, 101]), np.zeros(1), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match="ascending"):
+        C.base_group(x, np.array([0, 50, 10]), np.zeros(2), np.zeros(2, np.int64))
     with pytest.raises(TypeError):
         C.bucket_codes(np.uint64(1), 8, np.zeros(10, np.int16))
     with pytest.raises(ValueError, match="out of range"):
         C.sub_histogram(np.zeros(4, np.uint32), np.full(stats.SUMMARY_BINS, 9, np.int16), np.zeros((5, 256), np.int32))
-    e = np.zeros(64, np.uint16)
-    out = stats.group_arrays(1, 8)
-    args = (np.zeros(128, np.uint32), np.zeros(64, np.uint16), np.zeros(stats.SUMMARY_BINS, np.int64))
-    with pytest.raises(ValueError, match="shorter"):  # raw bytes of 2 elements for a block of 64
-        C.group_pass(e.view(np.uint8)[:4], e.view(np.uint8), e, e, np.array([0, 128]), np.array([0, 64]), *args,
-                     np.zeros(9, np.uint32), 0, stats.EDGE, stats.EDGE_SQ, 22, 17, out)  # fmt: skip
-    two_rows = stats.group_arrays(2, 8)
+    bad = {
+        "start": dict(start=np.array([0, 300, 256]), raw_start=np.array([0, 2, 512])),  # past the patterns
+        "raw_start": dict(raw_start=np.array([0, 1000])),  # past the 512 bytes of raw patterns
+        "n_exc": dict(n_exc=-20),  # numba wraps the index; C would write before the buffer
+        "shifts": dict(hist_shift=21, summary_shift=16),  # C hard-codes registration's 22 and 17
+        "codes": dict(codes=np.full(256, 2 * 40, np.uint16)),  # bucket 40 of a 16-bucket sketch
+        "abs_bits": dict(abs_bits=np.zeros(512, np.uint32)[::2]),  # not one run of elements
+        "unaligned": dict(abs_bits=np.zeros(1025, np.uint8)[1:].view(np.uint32)),
+    }
+    for what, change in bad.items():
+        args = _group() | change
+        with pytest.raises((ValueError, TypeError)):
+            C.group_pass(**args)
+        assert not args["summary"].any(), what  # refused before anything was written
+    rows = list(_group()["out"])
+    rows[5] = np.zeros((1, 8))  # Σ|Δ| rows of 8 bins, not 512
     with pytest.raises(ValueError, match="output rows"):
-        C.group_pass(e.view(np.uint8), e.view(np.uint8), e, e, np.array([0, 128]), np.array([0, 64]), *args,
-                     np.zeros(9, np.uint32), 0, stats.EDGE, stats.EDGE_SQ, 22, 17, two_rows)  # fmt: skip
+        C.group_pass(**(_group() | {"out": tuple(rows)}))
+    parent = np.zeros((4, 512))
+    two = list(_group(blocks=2)["out"])
+    two[5] = parent[1:3][::-1]  # rows in reverse
+    with pytest.raises(ValueError, match="C order"):
+        C.group_pass(**(_group(blocks=2) | {"out": tuple(two)}))
+    assert not parent.any()
+    ok = _group()  # and the scratch the refused calls never reached is still all zero: a good call matches
+    want = _group()
+    assert C.group_pass(**ok) == deltapass.group_pass(**want)
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(ok["out"], want["out"]))
 
 
 def _rows(db: Path) -> dict[str, list[tuple]]:

@@ -286,7 +286,7 @@ def group_pass(e_raw, b_raw, e, b, raw_start, start, abs_bits, codes, summary, e
 
 @numba.njit(nogil=True, cache=True)
 def _group_pass(e_raw, b_raw, e, b, ew, bw, shift, lanes, raw_start, start, abs_bits, codes, summary, exc, n_exc,
-               edge, edge_sq, hist_shift, summary_shift, out):  # pragma: no cover - compiled  # fmt: skip
+                edge, edge_sq, hist_shift, summary_shift, out):  # pragma: no cover - compiled  # fmt: skip
     # The statistics of consecutive blocks of one tensor in one call (a call per block cost more
     # than a 64 KiB block's arithmetic): per block k, bytes raw_start[k]:raw_start[k + 1] of e_raw
     # and b_raw (the expert's and the base's), elements start[k]:start[k + 1] of the patterns e, b

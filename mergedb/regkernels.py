@@ -49,26 +49,11 @@ def reset() -> None:
 def group_pass(e_raw, b_raw, e, b, raw_start, start, abs_bits, codes, summary, exc, n_exc,
                edge, edge_sq, hist_shift, summary_shift, out) -> int:  # type: ignore[no-untyped-def]  # fmt: skip
     """The statistics of consecutive blocks of one tensor (deltapass._group_pass says what each is)."""
-    return int(
-        impl().group_pass(
-            e_raw,
-            b_raw,
-            e,
-            b,
-            raw_start,
-            start,
-            abs_bits,
-            codes,
-            summary,
-            exc,
-            n_exc,
-            edge,
-            edge_sq,
-            hist_shift,
-            summary_shift,
-            out,
-        )  # fmt: skip
-    )
+    got = impl().group_pass(
+        e_raw, b_raw, e, b, raw_start, start, abs_bits, codes, summary, exc, n_exc,
+        edge, edge_sq, hist_shift, summary_shift, out,
+    )  # fmt: skip
+    return int(got)
 
 
 def base_group(x: np.ndarray, start: np.ndarray, ss: np.ndarray, bad: np.ndarray) -> None:

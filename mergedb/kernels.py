@@ -19,7 +19,6 @@ divided by 2^32; so a block's draws equal the whole tensor's at its offset, what
 from __future__ import annotations
 
 import hashlib
-import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -33,9 +32,6 @@ IN_KIND = {"BF16": 0, "F16": 1, "F32": 2}  # raw element bits: uint16, uint16, u
 MODE = {"none": 0, "magnitude": 1, "band": 1, "random": 2, "della": 3}  # sparsify modes the fused path handles
 NO_RANKS = np.zeros((0, 1 << 15))  # `fold_group`'s rank tables when the mode is not DELLA
 
-_impl: Any = None  # native.Kernels or the jitkernels module, chosen on the first kernel call
-_choose = threading.Lock()
-
 
 def _jit() -> ModuleType:
     """jitkernels.py (imports numba: ~0.15 s on first use)."""
@@ -45,15 +41,11 @@ def _jit() -> ModuleType:
 
 
 def impl() -> Any:
-    """The fused kernels this process runs: the C ones (native.Kernels) or numba's (jitkernels)."""
-    global _impl
-    if _impl is None:
-        with _choose:
-            if _impl is None:
-                from . import native
+    """The fused kernels this process runs: the C ones (native.Kernels, loaded once and kept by
+    native.load) or numba's (jitkernels)."""
+    from . import native
 
-                _impl = native.load() or _jit()
-    return _impl
+    return native.load() or _jit()
 
 
 def backend() -> str:
@@ -62,13 +54,11 @@ def backend() -> str:
 
 
 def reset() -> None:
-    """Choose the kernels again on the next call (tests switch MERGEDB_KERNELS in one process)."""
-    global _impl
+    """Choose the kernels again on the next call (tests switch MERGEDB_KERNELS in one process); the
+    registration kernels (regkernels.py) follow the same choice."""
     from . import native
 
-    with _choose:
-        _impl = None
-        native.reset()
+    native.reset()
 
 
 def uniform(key: int, offset: int, n: int) -> np.ndarray:

@@ -9,41 +9,26 @@ counts), and a registering process no longer imports numba at all.
 
 from __future__ import annotations
 
-import threading
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-_impl: Any = None  # native.Kernels or the deltapass module, chosen on the first call
-_choose = threading.Lock()
-
 
 def impl() -> Any:
-    """The kernels this process runs: the C ones (native.Kernels) or numba's (deltapass)."""
-    global _impl
-    if _impl is None:
-        with _choose:
-            if _impl is None:
-                from . import native
+    """The kernels this process runs: the C ones (native.Kernels, the library kernels.py loads too) or
+    numba's (deltapass)."""
+    from . import native
 
-                got = native.load()
-                if got is None:
-                    from . import deltapass as got  # type: ignore[no-redef]
-                _impl = got
-    return _impl
+    got = native.load()
+    if got is None:
+        from . import deltapass as got  # type: ignore[no-redef]
+    return got
 
 
 def backend() -> str:
     """Which kernels this process runs: "native" (C) or "numba" (chosen now if not yet)."""
     return "numba" if isinstance(impl(), ModuleType) else "native"
-
-
-def reset() -> None:
-    """Choose again on the next call (tests switch MERGEDB_KERNELS in one process)."""
-    global _impl
-    with _choose:
-        _impl = None
 
 
 def group_pass(e_raw, b_raw, e, b, raw_start, start, abs_bits, codes, summary, exc, n_exc,

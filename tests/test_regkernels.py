@@ -13,10 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import duckdb
 import numpy as np
 import pytest
 
+from benchmarks.bench_register import catalog_rows
 from mergedb import deltapass, kernels, native, regkernels, stats, synth
 from mergedb.catalog import Catalog
 
@@ -155,24 +155,6 @@ def test_c_kernels_refuse_arguments_they_would_misread():
     assert all(x.tobytes() == y.tobytes() for x, y in zip(ok["out"], want["out"]))
 
 
-def _rows(db: Path) -> dict[str, list[tuple]]:
-    """Every table of a catalog, sorted, without the columns that say where or when."""
-    skip = {"path", "root", "mtime_ns", "applied_at", "registered_at", "created", "created_at"}
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        out = {}
-        names = "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE' ORDER BY 1"
-        for (t,) in con.execute(names).fetchall():
-            cols = con.execute(
-                "SELECT column_name FROM information_schema.columns WHERE table_name = ? ORDER BY ordinal_position", [t]
-            ).fetchall()
-            keep = ", ".join(f'"{c}"' for (c,) in cols if c not in skip)
-            out[t] = con.execute(f'SELECT {keep} FROM "{t}" ORDER BY ALL').fetchall()
-        return out
-    finally:
-        con.close()
-
-
 @needs_c
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_a_registration_stores_the_same_catalog_on_either_kernels(tmp_path, monkeypatch, dtype):
@@ -183,16 +165,14 @@ def test_a_registration_stores_the_same_catalog_on_either_kernels(tmp_path, monk
     try:
         for choice in ("native", "numba"):
             monkeypatch.setenv("MERGEDB_KERNELS", choice)
-            kernels.reset()
-            regkernels.reset()
+            kernels.reset()  # the registration kernels follow the same choice
             assert regkernels.backend() == choice
             cat = Catalog(tmp_path / f"{choice}.duckdb")
             cat.register([tmp_path / "fam"], base_model="base", block_size="8KiB", threads=2)
-            rows[choice] = _rows(cat.path)
+            rows[choice] = catalog_rows(cat.path)  # every table, without the columns of where and when
     finally:
         monkeypatch.delenv("MERGEDB_KERNELS")
         kernels.reset()
-        regkernels.reset()
     assert len(rows["native"]["expert_blocks"]) > 100
     assert repr(rows["native"]) == repr(rows["numba"])
 

@@ -4,10 +4,11 @@
    operations in the same order, so the two give the same bits (tests/test_register_speed.py and
    tests/test_regkernels.py compare them on bf16 and float32 blocks with exceptions, NaN/Inf, equal
    chunks and overflowing exception buffers). native.py checks every argument before a call: the
-   code below trusts its arrays' extents. Where numba's loop handles one element at a time, `delta_run` takes 64 at a
-   time: one pass the compiler vectorises (decode, Δ, |Δ|, the four lanes of θ₀·Δ, the exception
-   mask), then the scattered counts and sketch updates in element order. The lanes of θ₀·Δ are
-   element i % 4, each summed in element order: a four-wide vector add performs exactly those adds.
+   code below trusts its arrays' extents. Where numba's loop handles one element at a time,
+   `delta_run` takes 64 at a time: one pass the compiler vectorises (decode, Δ, |Δ|, the four lanes
+   of θ₀·Δ, ±Δ), then the exception mask, and the scattered counts and sketch updates in element
+   order. The lanes of θ₀·Δ are element i % 4, each summed in element order: a four-wide vector add
+   performs exactly those adds.
 
    Arrays: raw element patterns are bf16 (uint16, shifted left 16 bits to float32) or float32
    (uint32) as `wide` says. Block k of a group spans raw bytes raw_start[k]..raw_start[k + 1] and
@@ -239,12 +240,11 @@ static i64 abs_pass(const uint32_t *abs_bits, i64 n, double *hsum, double *hsq, 
     return zeros;
 }
 
-/* deltapass.group_pass: the statistics of consecutive blocks of one tensor. The out rows (ident,
-   nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd) are zero on entry; hcount/hsum/hsq rows are
-   hist_bins long, sk rows dim. counts: (bins,) scratch, all zero on entry and left so; esum: scratch of
-   2 * bins / PER doubles. Returns the exceptions in all, or -2 (nothing done) when a sketch code
-   names a bucket past dim. Each block's rows are cleared before they are written, so the rows need
-   not be zero on entry (numba's do). */
+/* deltapass.group_pass: the statistics of consecutive blocks of one tensor into the out rows (ident,
+   nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd; hcount/hsum/hsq rows hist_bins long, sk rows
+   dim), each block's cleared before it is written (numba's must be zero on entry). counts: (bins,)
+   scratch, all zero on entry and left so; esum: scratch of 2 * bins / PER doubles. Returns the
+   exceptions in all, or -2 (nothing done) when a sketch code names a bucket past dim. */
 i64 mdb_group_pass(const uint8_t *e_raw, const uint8_t *b_raw, const void *e, const void *b, int wide, i64 n_bytes,
                    const i64 *raw_start, const i64 *start, i64 blocks, uint32_t *abs_bits, const uint16_t *codes,
                    i64 *summary, i64 bins, uint32_t *exc, i64 exc_len, i64 n_exc, const double *edge,
@@ -299,7 +299,7 @@ i64 mdb_group_pass(const uint8_t *e_raw, const uint8_t *b_raw, const void *e, co
     return n_exc;
 }
 
-/* stats._base_group: per block, Σ x² over its finite values (float64, element i in lane i % 4, added
+/* deltapass.base_group: per block, Σ x² over its finite values (float64, element i in lane i % 4, added
    as (l0 + l1) + (l2 + l3)) and its NaN/Inf count. A non-finite value adds +0.0 to its lane, as in
    numba's loop. 64 elements at a time: the squares in one pass the compiler vectorises, then the
    four lanes' adds. */
@@ -330,7 +330,7 @@ void mdb_base_group(const void *x, int wide, const i64 *start, i64 blocks, doubl
     }
 }
 
-/* stats._bucket_codes: out[i] = 2 * bucket + (sign < 0) of element i under `key` (stats._hash_bucket) */
+/* deltapass.bucket_codes: out[i] = 2 * bucket + (sign < 0) of element i under `key` (deltapass._hash_bucket) */
 void mdb_bucket_codes(uint64_t key, i64 dim, i64 n, uint16_t *out) {
     for (i64 i = 0; i < n; i++) {
         uint64_t z = (key + (uint64_t)i) * 0x9E3779B97F4A7C15ull;
@@ -341,7 +341,7 @@ void mdb_bucket_codes(uint64_t key, i64 dim, i64 n, uint16_t *out) {
     }
 }
 
-/* stats._sub_histogram (slot_rows: 0) and stats._low_histogram: counts of |Δ| patterns by their
+/* deltapass.sub_histogram (pair_of NULL) and deltapass.low_histogram: counts of |Δ| patterns by their
    next 8 bits (sub[slot_of[bits >> 17], (bits >> 9) & 255]) or by their last 9 bits
    (low[pair_of[slot, sub-bin], bits & 511]); counts int32 or int64 as `c64` says */
 void mdb_radix_histogram(const uint32_t *abs_bits, i64 n, const int16_t *slot_of, const int16_t *pair_of,
@@ -356,5 +356,5 @@ void mdb_radix_histogram(const uint32_t *abs_bits, i64 n, const int16_t *slot_of
     }
 }
 
-/* stats.same_bytes: whether n bytes at a and b are equal */
+/* deltapass.same_bytes: whether n bytes at a and b are equal */
 int mdb_same_bytes(const void *a, const void *b, i64 n) { return memcmp(a, b, (size_t)n) == 0; }

@@ -5,17 +5,17 @@ Why: numba's import and the load of its cached machine code cost every `mergedb 
 ~0.2 s before its first block is merged (benchmarks/ANALYSIS.md), as much as a budgeted merge of two
 experts takes to read on a fast disk. The shared library loads in about a millisecond. native.c
 performs the operations of jitkernels.py's kernels in the same order, and deltapass.c those of
-deltapass.py's, so the outputs are the same bits whichever ran (tests/test_native.py).
+deltapass.py's, so the outputs are the same bits whichever ran (tests/test_native.py,
+tests/test_regkernels.py).
 
 Built once per machine and source: `cc` (or $CC) compiles native.c and deltapass.c (one unit) into
 `native-<source>-<where>.so` in the package's __pycache__ (or $XDG_CACHE_HOME/mergedb where that is
 not writable), named by the sources' hash and by the flags, the compiler and this CPU's model and
 features (the code is compiled for this CPU, -march=native, and must not run on another one sharing
-the folder). A build
-writes a temporary name and renames it in, so processes starting together never load half a file,
-and removes libraries of earlier sources. Where no compiler works, `load` returns None and
-kernels.py and regkernels.py run numba's kernels instead: slower to start, the same bits. MERGEDB_KERNELS=numba
-chooses numba; =native makes a failed build an error.
+the folder). A build writes a temporary name and renames it in, so processes starting together never
+load half a file, and removes libraries of earlier sources. Where no compiler works, `load` returns
+None and kernels.py and regkernels.py run numba's kernels instead: slower to start, the same bits.
+MERGEDB_KERNELS=numba chooses numba; =native makes a failed build an error.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ STALE = 600.0  # seconds after which a temporary library is a killed build's (a 
 
 
 def _remove_older(folder: Path, name: str) -> None:
-    """Libraries built from an earlier native.c (other CPUs' builds of this one stay: a folder may be
+    """Libraries built from earlier sources (other CPUs' builds of this one stay: a folder may be
     shared), and temporary files that builds killed midway left (older than STALE; a younger one may be
     a build running now). A process still running a library keeps its mapping (unlinking a loaded
     library is safe on POSIX)."""
@@ -336,13 +336,13 @@ class Kernels:
     def group_pass(self, e_raw, b_raw, e, b, raw_start, start, abs_bits, codes, summary, exc, n_exc,
                    edge, edge_sq, hist_shift, summary_shift, out) -> int:  # noqa: ANN001  # fmt: skip
         ident, nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd = out
-        pe, wide = _raw(e)
-        blocks, n = _ranges(start, e.shape[0], "group_pass: block starts")
-        if _ranges(raw_start, min(e_raw.shape[0], b_raw.shape[0]), "group_pass: block bytes")[0] != blocks:
+        _, wide = _raw(e)
+        blocks, n = _ranges(start, e.size, "group_pass: block starts")
+        if _ranges(raw_start, min(e_raw.size, b_raw.size), "group_pass: block bytes")[0] != blocks:
             raise ValueError("group_pass: block bytes and block starts of other lengths")
         if b.dtype != e.dtype or b.shape != e.shape:
             raise ValueError("group_pass: expert and base patterns of other shapes")
-        if abs_bits.shape[0] < n or codes.shape[0] < n:
+        if abs_bits.size < n or codes.size < n:
             raise ValueError("group_pass: |Δ| or the sketch codes shorter than the blocks")
         if (hist_shift, summary_shift, summary.shape, edge.shape, edge_sq.shape) != (22, 17, *((1 << 14,),) * 3):
             raise ValueError("group_pass: the summary, its edges and the shifts are not registration's (22, 17)")
@@ -377,7 +377,7 @@ class Kernels:
 
     def base_group(self, x: np.ndarray, start: np.ndarray, ss: np.ndarray, bad: np.ndarray) -> None:
         _, wide = _raw(x)
-        blocks, _ = _ranges(start, x.shape[0], "base_group: block starts")
+        blocks, _ = _ranges(start, x.size, "base_group: block starts")
         if ss.shape != (blocks,) or bad.shape != (blocks,):
             raise ValueError("base_group: outputs of other lengths than the blocks")
         self.lib.mdb_base_group(
@@ -435,6 +435,6 @@ def _ranges(start: np.ndarray, length: int, what: str) -> tuple[int, int]:
     """(blocks, end) of block boundaries `start` (int64, ascending from 0 or more) within `length`."""
     if start.dtype != np.int64 or start.ndim != 1 or start.shape[0] < 1:
         raise TypeError(f"{what}: one-dimensional int64 boundaries are expected, not {start.dtype} {start.shape}")
-    if start[0] < 0 or start[-1] > length or (start.shape[0] > 1 and bool((np.diff(start) < 0).any())):
+    if start[0] < 0 or start[-1] > length or bool((np.diff(start) < 0).any()):
         raise ValueError(f"{what}: boundaries that are not ascending from 0 or more within {length}")
     return start.shape[0] - 1, int(start[-1])

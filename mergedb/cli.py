@@ -17,18 +17,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from typer.core import TyperArgument, TyperGroup
 
 from . import cliparse, render
 from .errors import MergeDBError, PlanExistsError
+from .render import escape
 from .units import block_sizes, check_threads, format_size
 
 if TYPE_CHECKING:
     from .catalog import Catalog
 
-# Only typer and rich load at import: the catalog (DuckDB, pyarrow) and the kernels (numba) are
+# Only typer loads at import (rich when a command first prints): the catalog (DuckDB, pyarrow) and the kernels are
 # imported inside the commands that need them, so `mergedb --help` answers at once.
 
 
@@ -52,7 +51,7 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except MergeDBError as e:
             # escaped: a message's own brackets (pip install 'mergedb[ray]') are text, not rich markup
-            Console(stderr=True).print(f"[bold red]Error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            render.out(stderr=True).print(f"[bold red]Error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             ctx.exit(1)
         except KeyboardInterrupt as e:  # also SIGTERM's SystemExit when DuckDB caught it (catalog._interrupted)
             _notes(e)
@@ -151,13 +150,13 @@ def _catalog(path: Path | None, wait: float = 0.0) -> Catalog:
 
 def _waiting(message: str) -> None:
     """Said once when a command waits for a catalog another process holds (--wait; execute's record)."""
-    Console(stderr=True).print(escape(message), highlight=False, soft_wrap=True)
+    render.out(stderr=True).print(escape(message), highlight=False, soft_wrap=True)
 
 
 def _notes(e: BaseException) -> None:
     """An interrupt's notes (what was complete when it came: catalog.Catalog.execute) on stderr."""
     for note in getattr(e, "__notes__", ()):
-        Console(stderr=True).print(escape(note), highlight=False, soft_wrap=True)
+        render.out(stderr=True).print(escape(note), highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -4,7 +4,8 @@ Only the CLI imports this module (it prints, through rich); the library returns 
 made to be read in 80 columns and in a pipe: short headers with a legend below, numbers with three
 significant digits, long paths shortened from the middle, and — when a row still cannot fit — one
 record per block of `name  value` lines instead of columns folded letter by letter. Nothing heavy
-is imported at module level, so `mergedb --help` stays fast.
+is imported at module level, so `mergedb --help` stays fast; rich itself (~20 ms) is imported when a
+command first prints, so a quiet one (`execute -q`) never pays it.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
-
 from .formats import write_csv, write_json
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    from rich.console import Console
 
     from .plans import PlanSummary
 
@@ -29,8 +28,17 @@ DASH = "–"  # a value that does not apply
 TABLE_ROWS = 1000  # rows a table prints (csv and json print all): rich takes ~0.2-0.7 ms a row
 
 
-def out() -> Console:
-    return Console()  # built per call so COLUMNS and redirections are honoured
+def out(stderr: bool = False) -> Console:
+    from rich.console import Console
+
+    return Console(stderr=stderr)  # built per call so COLUMNS and redirections are honoured
+
+
+def escape(text: str) -> str:
+    """`text` as rich markup that prints as it is (rich's escape, imported on first use)."""
+    from rich.markup import escape
+
+    return escape(text)
 
 
 def line(text: str, lead: str = "") -> None:
@@ -51,16 +59,15 @@ def check_format(fmt: str, *extra: str) -> str:
 @contextmanager
 def status(quiet: bool) -> Iterator[Any]:
     """A callback showing the step a command is at (a spinner and its text on stderr), as progress's."""
-    console = Console(stderr=True)
-    with console.status("starting") if not quiet and console.is_terminal else nullcontext() as spinner:
+    console = None if quiet else out(stderr=True)
+    with console.status("starting") if console and console.is_terminal else nullcontext() as spinner:
         yield spinner and (lambda step: spinner.update(escape(step)))
 
 
 @contextmanager
 def progress(quiet: bool, label: str) -> Iterator[tuple[Any, Any]]:
     """(advance, set_total) callbacks driving a rich bar in bytes with rate (MB/s) and ETA."""
-    console = Console(stderr=True)
-    if quiet or not console.is_terminal:  # not drawn into a pipe or a file (rich left an empty line there)
+    if quiet or not (console := out(stderr=True)).is_terminal:  # nor into a pipe or a file (rich left an empty line)
         yield None, None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn

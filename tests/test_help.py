@@ -45,7 +45,8 @@ def test_library_names_still_import_lazily():
 # (planning, registration and the statistics kernels for execute; the merge engine, and numba (~0.17 s
 # to import) below planpass's 4M candidates, for plan).
 # Neither loads pydantic (typer's coercion: cliparse.py) nor pyarrow.compute (~0.03-0.06 s each); plan
-# not numpy.ma either (np.unique and pa.array(ndarray) import it: ~9 ms of a first plan).
+# not numpy.ma either (np.unique and pa.array(ndarray) import it: ~9 ms of a first plan). A quiet
+# execute prints nothing, so it does not load rich (~20 ms) either.
 LIGHT = ("pydantic", "pyarrow.compute")
 NOT_FOR_EXECUTE = (
     "planner",
@@ -57,6 +58,7 @@ NOT_FOR_EXECUTE = (
     "frontier",
     "mkplan",
     "sweep",
+    "rich",
     *LIGHT,
 )
 NOT_FOR_PLAN = (
@@ -75,7 +77,7 @@ NOT_FOR_PLAN = (
 # runs the CLI as `mergedb` does and prints the mergedb modules loaded when the process ends
 RUN_CLI = (
     "import atexit, runpy, sys\n"
-    "mine = lambda m: m.startswith('mergedb.') or m in ('numba', 'pydantic', 'pyarrow.compute', 'numpy.ma')\n"
+    "mine = lambda m: m.startswith('mergedb.') or m in ('numba', 'pydantic', 'pyarrow.compute', 'numpy.ma', 'rich')\n"
     "atexit.register(lambda: print('LOADED', *sorted(filter(mine, sys.modules))))\n"
     "sys.argv = ['mergedb', *sys.argv[1:]]\n"
     "runpy.run_module('mergedb.cli', run_name='__main__')\n"

@@ -63,10 +63,11 @@ def main() -> None:
     ap.add_argument("--budget", default="all")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--catalog", default="catalog-bench-20-4MiB.duckdb", help="a bench-family catalog in the cache")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="mergedb-ab-"))
     catalog = work / "catalog.duckdb"
-    shutil.copyfile(CACHE / "catalog-bench-20-4MiB.duckdb", catalog)
+    shutil.copyfile(CACHE / a.catalog, catalog)
     fam = CACHE / "family-bench-20"
     experts = tuple(f"expert_{i:02d}" for i in range(a.k))
     files = sorted(p for d in ("base", *experts) for p in (fam / d).glob("*.safetensors"))

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from .errors import MergeDBError
+from .kernelargs import array, ranges, raw, stride, whole, whole_number
 
 SOURCES = [Path(__file__).with_name("native.c"), Path(__file__).with_name("deltapass.c")]  # one unit, in this order
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-std=c11", "-shared", "-fPIC"]
@@ -188,41 +189,16 @@ def why_not() -> str | None:
     return _loaded.get("why")
 
 
-# -- the calls: numba's signatures (jitkernels.py), arrays checked, then passed as addresses ------
-
-
-def _addr(a: np.ndarray, dtype: Any = None) -> int:
-    """The address of `a`'s data: rows contiguous, of `dtype` when given (the C code reads raw memory)."""
-    if dtype is not None and a.dtype != dtype:
-        raise TypeError(f"a kernel argument of dtype {a.dtype}, where {np.dtype(dtype)} is expected")
-    if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
-        raise ValueError("a kernel argument whose rows are not contiguous")
-    return a.__array_interface__["data"][0]
-
-
-def _out(a: np.ndarray, dtype: Any) -> int:
-    """`_addr` of an array the kernel writes: it must be writable (numba refuses to compile a store into
-    a read-only array; C would write into, or fault on, a read-only mapping)."""
-    if a.size and not a.flags.writeable:  # (an empty one is an output not asked for: nothing is written)
-        raise ValueError("a kernel output that is read-only")
-    return _addr(a, dtype)
-
-
-def _stride(a: np.ndarray, axis: int = 0) -> int:
-    """Axis `axis`'s stride in elements."""
-    return a.strides[axis] // a.itemsize
-
-
-def _raw(a: np.ndarray) -> tuple[int, int]:
-    """(address, wide) of raw element bits: uint16 (BF16, F16) or uint32 (F32, or any dtype's float32 bits)."""
-    if a.dtype not in (np.uint16, np.uint32):
-        raise TypeError(f"raw element bits of dtype {a.dtype}, where uint16 or uint32 is expected")
-    return _addr(a), int(a.dtype == np.uint32)
+# -- the calls: numba's signatures (jitkernels.py), every argument checked (kernelargs.py) ----------
 
 
 def _check(rc: int) -> None:
     if rc != 0:
         raise MemoryError("a merge kernel could not allocate its chunk buffers")
+
+
+def _kind(kind: Any) -> int:
+    return whole_number(kind, 0, 3, "the raw bits' dtype (kernels.IN_KIND)")
 
 
 class Kernels:
@@ -235,97 +211,117 @@ class Kernels:
         self.lib = lib
         self._local = threading.local()
 
-    def decode_bits(self, raw: np.ndarray, kind: int, out: np.ndarray) -> None:
-        p, wide = _raw(raw)
-        if out.shape[0] < raw.shape[0]:
-            raise ValueError("decode_bits: `out` is shorter than `raw`")
-        self.lib.mdb_decode_bits(p, wide, raw.shape[0], kind, _out(out, np.uint32))
+    def decode_bits(self, raw_bits: np.ndarray, kind: int, out: np.ndarray) -> None:
+        p, wide = raw(raw_bits, (None,), "decode_bits: raw")
+        n = raw_bits.shape[0]
+        self.lib.mdb_decode_bits(p, wide, n, _kind(kind), array(out, np.uint32, (n,), "decode_bits: out", True))
 
     def uniform(self, key: int, offset: int, n: int) -> np.ndarray:
-        out = np.empty(n, np.float64)
-        self.lib.mdb_draws(int(key), int(offset), n, _out(out, np.float64))
+        out = np.empty(whole_number(n, 0, 1 << 62, "uniform: n"), np.float64)
+        key, offset = whole_number(key, 0, 1 << 64, "uniform: key"), whole_number(offset, 0, 1 << 64, "uniform: offset")
+        self.lib.mdb_draws(key, offset, n, array(out, np.float64, (n,), "uniform: out", True))
         return out
 
-    def fold_group(self, base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc) -> None:  # noqa: ANN001
+    def _experts(self, base: np.ndarray, ex: np.ndarray, what: str) -> tuple[int, int, int, int, int, int]:
+        """(g, n, base address, wide, experts' address, their row stride) of `base` (n,) and `ex` (g, n)."""
+        pe, wide = raw(ex, (None, None), f"{what}: experts")
         g, n = ex.shape
-        pb, wide = _raw(base)
-        if ex.dtype != base.dtype or base.shape[0] != n or acc.shape[1] != n or acc.shape[0] not in (1, 5):
-            raise ValueError("fold_group: base, experts and sums disagree")
-        if len(coefs) < g or len(lo) < g or len(hi) < g or len(keys) < g or (mode == 3 and ranks.shape[0] < g):
-            raise ValueError("fold_group: fewer parameters than experts")
+        if getattr(base, "dtype", None) != ex.dtype:
+            raise TypeError(f"{what}: base bits of dtype {getattr(base, 'dtype', None)} and experts' of {ex.dtype}")
+        return g, n, raw(base, (n,), f"{what}: base")[0], wide, pe, stride(ex)
+
+    def fold_group(self, base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc) -> None:  # noqa: ANN001
+        g, n, pb, wide, pe, se = self._experts(base, ex, "fold_group")
+        mode = whole_number(mode, 0, 4, "fold_group: the sparsify mode (kernels.MODE)")
+        p, eps = float(p), float(eps)  # DARE divides by p, DELLA by p - eps + 2·eps·rank: as methods.py allows them
+        if mode == 2 and not 0 < p <= 1 or mode == 3 and not (eps >= 0 and 0 < p - eps and p + eps <= 1):
+            raise ValueError(f"fold_group: density {p} (epsilon {eps}) outside (0, 1]")
+        if getattr(acc, "ndim", 0) != 2 or acc.shape[0] not in (1, 5) or acc.shape[1] != n:
+            raise ValueError("fold_group: the sums are not 1 or 5 rows of the block")
+        table = (g, 1 << 14) if mode == 3 else (None, None)  # DELLA reads ranks[k, bits(|Δ|) >> 17]
         _check(
             self.lib.mdb_fold_group(
-                pb, wide, _addr(ex), _stride(ex), g, n, kind, mode, int(offset), _addr(coefs, np.float32),
-                _addr(lo, np.float64), _addr(hi, np.float64), _addr(keys, np.uint64), float(p), float(eps),
-                _addr(ranks, np.float64), _stride(ranks), _out(acc, np.float32), acc.shape[0], _stride(acc),
+                pb, wide, pe, se, g, n, _kind(kind), mode, whole_number(offset, 0, 1 << 62, "fold_group: offset"),
+                array(coefs, np.float32, (g,), "fold_group: coefs"), array(lo, np.float64, (g,), "fold_group: lo"),
+                array(hi, np.float64, (g,), "fold_group: hi"), array(keys, np.uint64, (g,), "fold_group: keys"), p, eps,
+                array(ranks, np.float64, table, "fold_group: ranks"), stride(ranks),
+                array(acc, np.float32, (acc.shape[0], n), "fold_group: sums", True), acc.shape[0], stride(acc),
             )
         )  # fmt: skip
 
     def finish(self, base, kind, acc, normalize, lam, res, bf16, scale=1.0) -> None:  # noqa: ANN001
+        pb, wide = raw(base, (None,), "finish: base")
         n = base.shape[0]
-        pb, wide = _raw(base)
-        to_bf16 = bf16.shape[0] > 0
-        if acc.shape[1] != n or acc.shape[0] not in (1, 5) or (bf16 if to_bf16 else res).shape[0] < n:
-            raise ValueError("finish: base, sums and output disagree")
+        if getattr(acc, "ndim", 0) != 2 or acc.shape[0] not in (1, 5) or acc.shape[1] != n:
+            raise ValueError("finish: the sums are not 1 or 5 rows of the block")
+        to_bf16 = getattr(bf16, "ndim", 0) == 1 and bf16.shape[0] > 0  # else float32 into `res`
         _check(
             self.lib.mdb_finish(
-                pb, wide, n, kind, _addr(acc, np.float32), acc.shape[0], _stride(acc), bool(normalize), float(lam),
-                _out(res, np.float32), _out(bf16, np.uint16), to_bf16, float(scale),
+                pb, wide, n, _kind(kind), array(acc, np.float32, (acc.shape[0], n), "finish: sums"), acc.shape[0],
+                stride(acc), bool(normalize), float(lam), array(res, np.float32, (0 if to_bf16 else n,), "finish: res",
+                True), array(bf16, np.uint16, (n if to_bf16 else 0,), "finish: bf16", True), to_bf16, float(scale),
             )
         )  # fmt: skip
 
     def dot64(self, a: np.ndarray, b: np.ndarray) -> float:
-        if a.shape != b.shape:
+        if getattr(a, "shape", None) != getattr(b, "shape", ()):
             raise ValueError("dot64: arrays of different shapes")
-        return float(self.lib.mdb_dot64(_addr(a, np.float32), _addr(b, np.float32), a.shape[0]))
+        pa, pb = array(a, np.float32, (None,), "dot64: a"), array(b, np.float32, (None,), "dot64: b")
+        return float(self.lib.mdb_dot64(pa, pb, a.shape[0]))
 
     def stock_fold(self, base, ex, kind, coefs, acc, dots) -> None:  # noqa: ANN001
-        g, n = ex.shape
-        pb, wide = _raw(base)
-        if ex.dtype != base.dtype or base.shape[0] != n or acc.shape[1] != n or dots.shape[0] < g or len(coefs) < g:
-            raise ValueError("stock_fold: base, experts, sums and dots disagree")
+        g, n, pb, wide, pe, se = self._experts(base, ex, "stock_fold")
+        if getattr(acc, "shape", None) != (1, n):
+            raise ValueError("stock_fold: the sums are not one row of the block")
         _check(
             self.lib.mdb_stock_fold(
-                pb, wide, _addr(ex), _stride(ex), g, n, kind, _addr(coefs, np.float32), _out(acc, np.float32),
-                _out(dots, np.float64), _stride(dots),
+                pb, wide, pe, se, g, n, _kind(kind), array(coefs, np.float32, (g,), "stock_fold: coefs"),
+                array(acc, np.float32, (1, n), "stock_fold: sums", True),
+                array(dots, np.float64, (g, g), "stock_fold: dots", True), stride(dots),
             )
         )  # fmt: skip
 
     def fold_many(self, base, ex, kind, coefs, lo, hi, acc) -> None:  # noqa: ANN001
-        g, n = ex.shape
-        pb, wide = _raw(base)
+        g, n, pb, wide, pe, se = self._experts(base, ex, "fold_many")
+        if getattr(acc, "ndim", 0) != 3 or acc.shape[1:] != (5, n):
+            raise ValueError("fold_many: the sums are not sets of 5 rows of the block")
         sets = acc.shape[0]
-        if ex.dtype != base.dtype or base.shape[0] != n or acc.shape[1:] != (5, n):
-            raise ValueError("fold_many: base, experts and sums disagree")
-        if not coefs.shape == lo.shape == hi.shape or coefs.shape[0] < sets or coefs.shape[1] < g:
-            raise ValueError("fold_many: weights and bands of other shapes")
-        if not _stride(coefs) == _stride(lo) == _stride(hi):
+        par = (sets, g)
+        pc = array(coefs, np.float32, par, "fold_many: coefs")
+        pl, ph = array(lo, np.float64, par, "fold_many: lo"), array(hi, np.float64, par, "fold_many: hi")
+        if not stride(coefs) == stride(lo) == stride(hi):
             raise ValueError("fold_many: weights and bands laid out differently")
         _check(
             self.lib.mdb_fold_many(
-                pb, wide, _addr(ex), _stride(ex), g, n, kind, _addr(coefs, np.float32), _addr(lo, np.float64),
-                _addr(hi, np.float64), _stride(coefs), _out(acc, np.float32), sets, _stride(acc), _stride(acc, 1),
+                pb, wide, pe, se, g, n, _kind(kind), pc, pl, ph, stride(coefs),
+                array(acc, np.float32, (sets, 5, n), "fold_many: sums", True), sets, stride(acc), stride(acc, 1),
             )
         )  # fmt: skip
 
-    def finish_many(self, base, kind, acc, group, normalize, lam, scale, res, bf16, stride, at) -> None:  # noqa: ANN001
+    def finish_many(self, base, kind, acc, group, normalize, lam, scale, res, bf16, stride_, at) -> None:  # noqa: ANN001
+        pb, wide = raw(base, (None,), "finish_many: base")
         n = base.shape[0]
-        pb, wide = _raw(base)
-        plans = group.shape[0]
         group = np.ascontiguousarray(group, np.int64)
         normalize = np.ascontiguousarray(normalize, np.bool_).view(np.uint8)
         lam = np.ascontiguousarray(lam, np.float64)
-        to_bf16 = bf16.shape[0] > 0
-        end = (plans - 1) * stride + at + n if plans else 0
-        if acc.shape[2] != n or len(normalize) < plans or len(lam) < plans or (bf16 if to_bf16 else res).shape[0] < end:
-            raise ValueError("finish_many: base, sums, plans and outputs disagree")
-        if plans and (group.min() < 0 or group.max() >= acc.shape[0]):
+        plans = group.shape[0] if group.ndim == 1 else -1
+        sets = acc.shape[0] if getattr(acc, "ndim", 0) == 3 else 0
+        if plans < 0 or sets and (acc.shape[1] not in (1, 5) or acc.shape[2] != n):
+            raise ValueError("finish_many: fold sets not one row, or sums not 1 or 5 rows of the block")
+        if plans and (group.min() < 0 or group.max() >= sets):
             raise ValueError("finish_many: a plan's fold set is out of range")
+        stride_ = whole_number(stride_, 0, 1 << 62, "finish_many: the plans' output stride")
+        at = whole_number(at, 0, 1 << 62, "finish_many: the block's first output element")
+        end = (plans - 1) * stride_ + at + n if plans else 0  # past plan p's elements [p·stride + at, … + n)
+        to_bf16 = getattr(bf16, "ndim", 0) == 1 and bf16.shape[0] > 0
         _check(
             self.lib.mdb_finish_many(
-                pb, wide, n, kind, _addr(acc, np.float32), acc.shape[1], _stride(acc), _stride(acc, 1), _addr(group),
-                plans, _addr(normalize), _addr(lam), float(scale), _out(res, np.float32), _out(bf16, np.uint16),
-                to_bf16, int(stride), int(at),
+                pb, wide, n, _kind(kind), array(acc, np.float32, (sets, None, n), "finish_many: sums"),
+                acc.shape[1] if sets else 1, stride(acc), stride(acc, 1) if sets else 0, array(group, np.int64,
+                (plans,), "finish_many: group"), plans, array(normalize, np.uint8, (plans,), "finish_many: normalize"),
+                array(lam, np.float64, (plans,), "finish_many: lam"), float(scale),
+                array(res, np.float32, (0 if to_bf16 else end,), "finish_many: res", True),
+                array(bf16, np.uint16, (end if to_bf16 else 0,), "finish_many: bf16", True), to_bf16, stride_, at,
             )
         )  # fmt: skip
 
@@ -336,9 +332,9 @@ class Kernels:
     def group_pass(self, e_raw, b_raw, e, b, raw_start, start, abs_bits, codes, summary, exc, n_exc,
                    edge, edge_sq, hist_shift, summary_shift, out) -> int:  # noqa: ANN001  # fmt: skip
         ident, nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd = out
-        _, wide = _raw(e)
-        blocks, n = _ranges(start, e.size, "group_pass: block starts")
-        if _ranges(raw_start, min(e_raw.size, b_raw.size), "group_pass: block bytes")[0] != blocks:
+        wide = raw(e, (None,) * getattr(e, "ndim", 1), "group_pass: expert bits")[1]
+        blocks, n = ranges(start, e.size, "group_pass: block starts")
+        if ranges(raw_start, min(e_raw.size, b_raw.size), "group_pass: block bytes")[0] != blocks:
             raise ValueError("group_pass: block bytes and block starts of other lengths")
         if b.dtype != e.dtype or b.shape != e.shape:
             raise ValueError("group_pass: expert and base patterns of other shapes")
@@ -354,14 +350,14 @@ class Kernels:
             raise ValueError("group_pass: an empty exception buffer, or a negative count of exceptions")
         counts, esum = self._scratch(summary.shape[0])
         got = self.lib.mdb_group_pass(
-            _whole(e_raw, np.uint8), _whole(b_raw, np.uint8), _whole(e, e.dtype), _whole(b, e.dtype), wide, e.nbytes,
-            _whole(raw_start, np.int64), _whole(start, np.int64), blocks, _whole(abs_bits, np.uint32, True),
-            _whole(codes, np.uint16), _whole(summary, np.int64, True), summary.shape[0], _whole(exc, np.uint32, True),
-            exc.shape[0], int(n_exc), _whole(edge, np.float64), _whole(edge_sq, np.float64), 22, 17,
-            _whole(ident, np.bool_, True), _whole(nonfinite, np.int64, True), _whole(zeros, np.int64, True),
-            _whole(mx, np.float64, True), _whole(hcount, np.int64, True), _whole(hsum, np.float64, True),
-            _whole(hsq, np.float64, True), 512, _whole(sk, np.float64, True), dim, _whole(bd, np.float64, True),
-            _whole(counts, np.int64, True), _whole(esum, np.float64, True),
+            whole(e_raw, np.uint8), whole(b_raw, np.uint8), whole(e, e.dtype), whole(b, e.dtype), wide, e.nbytes,
+            whole(raw_start, np.int64), whole(start, np.int64), blocks, whole(abs_bits, np.uint32, True),
+            whole(codes, np.uint16), whole(summary, np.int64, True), summary.shape[0], whole(exc, np.uint32, True),
+            exc.shape[0], int(n_exc), whole(edge, np.float64), whole(edge_sq, np.float64), 22, 17,
+            whole(ident, np.bool_, True), whole(nonfinite, np.int64, True), whole(zeros, np.int64, True),
+            whole(mx, np.float64, True), whole(hcount, np.int64, True), whole(hsum, np.float64, True),
+            whole(hsq, np.float64, True), 512, whole(sk, np.float64, True), dim, whole(bd, np.float64, True),
+            whole(counts, np.int64, True), whole(esum, np.float64, True),
         )  # fmt: skip
         if got == -2:
             raise ValueError(f"group_pass: a sketch code past the sketch's {dim} buckets (codes for another width?)")
@@ -376,19 +372,19 @@ class Kernels:
         return got
 
     def base_group(self, x: np.ndarray, start: np.ndarray, ss: np.ndarray, bad: np.ndarray) -> None:
-        _, wide = _raw(x)
-        blocks, _ = _ranges(start, x.size, "base_group: block starts")
+        wide = raw(x, (None,) * getattr(x, "ndim", 1), "base_group: bits")[1]
+        blocks, _ = ranges(start, x.size, "base_group: block starts")
         if ss.shape != (blocks,) or bad.shape != (blocks,):
             raise ValueError("base_group: outputs of other lengths than the blocks")
         self.lib.mdb_base_group(
-            _whole(x, x.dtype), wide, _whole(start, np.int64), blocks, _whole(ss, np.float64, True),
-            _whole(bad, np.int64, True),
+            whole(x, x.dtype), wide, whole(start, np.int64), blocks, whole(ss, np.float64, True),
+            whole(bad, np.int64, True),
         )  # fmt: skip
 
     def bucket_codes(self, key: int, dim: int, out: np.ndarray) -> None:
         if not 0 < int(dim) <= 1 << 15:
             raise ValueError(f"bucket_codes: a sketch of {dim} buckets (1 to 32768)")
-        self.lib.mdb_bucket_codes(int(key), int(dim), out.size, _whole(out, np.uint16, True))
+        self.lib.mdb_bucket_codes(int(key), int(dim), out.size, whole(out, np.uint16, True))
 
     def sub_histogram(self, abs_bits: np.ndarray, slot_of: np.ndarray, sub: np.ndarray) -> None:
         self._radix(abs_bits, slot_of, None, sub, 256)
@@ -410,31 +406,12 @@ class Kernels:
         if counts.dtype not in (np.int32, np.int64):
             raise TypeError(f"radix counts of dtype {counts.dtype}, where int32 or int64 is expected")
         self.lib.mdb_radix_histogram(
-            _whole(abs_bits, np.uint32), abs_bits.size, _whole(slot_of, np.int16),
-            None if pair_of is None else _whole(pair_of, np.int16), int(counts.dtype == np.int64),
-            _whole(counts, counts.dtype, True),
+            whole(abs_bits, np.uint32), abs_bits.size, whole(slot_of, np.int16),
+            None if pair_of is None else whole(pair_of, np.int16), int(counts.dtype == np.int64),
+            whole(counts, counts.dtype, True),
         )  # fmt: skip
 
     def same_bytes(self, a: np.ndarray, b: np.ndarray) -> bool:
         if a.shape != b.shape:
             raise ValueError("same_bytes: buffers of other shapes")
-        return bool(self.lib.mdb_same_bytes(_whole(a, np.uint8), _whole(b, np.uint8), a.size))
-
-
-def _whole(a: np.ndarray, dtype: Any, write: bool = False) -> int:
-    """The address of all of `a` for registration's C kernels: C-ordered (any dimensions: C indexes it
-    as one run of elements), aligned, of `dtype`; writable if `write`."""
-    if a.dtype != dtype:
-        raise TypeError(f"a kernel argument of dtype {a.dtype}, where {np.dtype(dtype)} is expected")
-    if not a.flags.c_contiguous or not a.flags.aligned:
-        raise ValueError("a kernel argument that is not one aligned run of elements in C order")
-    return _out(a, dtype) if write else _addr(a, dtype)
-
-
-def _ranges(start: np.ndarray, length: int, what: str) -> tuple[int, int]:
-    """(blocks, end) of block boundaries `start` (int64, ascending from 0 or more) within `length`."""
-    if start.dtype != np.int64 or start.ndim != 1 or start.shape[0] < 1:
-        raise TypeError(f"{what}: one-dimensional int64 boundaries are expected, not {start.dtype} {start.shape}")
-    if start[0] < 0 or start[-1] > length or bool((np.diff(start) < 0).any()):
-        raise ValueError(f"{what}: boundaries that are not ascending from 0 or more within {length}")
-    return start.shape[0] - 1, int(start[-1])
+        return bool(self.lib.mdb_same_bytes(whole(a, np.uint8), whole(b, np.uint8), a.size))

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -20,6 +21,23 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 # A suite started in the background (nohup, `&` without job control) inherits SIGINT ignored, and
 # so would every `mergedb` process a test starts: the Ctrl-C tests need it delivered.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The suite writes its checkpoints under pytest's temporary folder: ~1.5 GB at its peak, the demo's
+# tests ~0.8 GB at once. On a fuller disk hundreds of tests would fail with errors that do not say
+# why (a CI run did, at 2.3 GB free with old runs' folders kept), so the run stops first, saying so.
+NEEDS_FREE = 2 * 10**9
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    where = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    free = shutil.disk_usage(where).free
+    if free < NEEDS_FREE:
+        pytest.exit(
+            f"only {free / 1e9:.1f} GB free under {where}; the tests need ~{NEEDS_FREE / 1e9:.0f} GB there: "
+            "free some space (old /tmp/pytest-of-* folders?) or point --basetemp at a roomier disk",
+            returncode=1,
+        )
+
 
 # (dtype, shard_size): bf16 single file, fp16 sharded, fp32 single file with small blocks
 FAMILIES = {

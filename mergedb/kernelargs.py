@@ -4,8 +4,8 @@ code will touch, then passed as raw addresses; numbers checked against the C typ
 C indexes raw memory where numba clips a slice, wraps an index or refuses a type, and ctypes silently
 truncates an int to a C int. So every array is checked for its dtype, its exact number of dimensions,
 the extents the kernel indexes, its layout (the last axis contiguous, the others whole elements apart,
-aligned) and, for an output, that it is writable; every int for its range (tests/test_native.py and
-tests/test_regkernels.py try each refusal).
+aligned) and, for an output, that it is writable; every int for its range (tests/test_kernelargs.py
+tries the merge kernels' refusals, tests/test_regkernels.py registration's).
 """
 
 from __future__ import annotations

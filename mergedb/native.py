@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from . import kernelargs as ka
 from .errors import MergeDBError
-from .kernelargs import array, ranges, raw, stride, whole, whole_number
 
 SOURCES = [Path(__file__).with_name("native.c"), Path(__file__).with_name("deltapass.c")]  # one unit, in this order
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing", "-std=c11", "-shared", "-fPIC"]
@@ -198,7 +198,7 @@ def _check(rc: int) -> None:
 
 
 def _kind(kind: Any) -> int:
-    return whole_number(kind, 0, 3, "the raw bits' dtype (kernels.IN_KIND)")
+    return ka.whole_number(kind, 0, 3, "the raw bits' dtype (kernels.IN_KIND)")
 
 
 class Kernels:
@@ -211,28 +211,29 @@ class Kernels:
         self.lib = lib
         self._local = threading.local()
 
-    def decode_bits(self, raw_bits: np.ndarray, kind: int, out: np.ndarray) -> None:
-        p, wide = raw(raw_bits, (None,), "decode_bits: raw")
-        n = raw_bits.shape[0]
-        self.lib.mdb_decode_bits(p, wide, n, _kind(kind), array(out, np.uint32, (n,), "decode_bits: out", True))
+    def decode_bits(self, raw: np.ndarray, kind: int, out: np.ndarray) -> None:
+        p, wide = ka.raw(raw, (None,), "decode_bits: raw")
+        n = raw.shape[0]
+        self.lib.mdb_decode_bits(p, wide, n, _kind(kind), ka.array(out, np.uint32, (n,), "decode_bits: out", True))
 
     def uniform(self, key: int, offset: int, n: int) -> np.ndarray:
-        out = np.empty(whole_number(n, 0, 1 << 62, "uniform: n"), np.float64)
-        key, offset = whole_number(key, 0, 1 << 64, "uniform: key"), whole_number(offset, 0, 1 << 64, "uniform: offset")
-        self.lib.mdb_draws(key, offset, n, array(out, np.float64, (n,), "uniform: out", True))
+        out = np.empty(ka.whole_number(n, 0, 1 << 62, "uniform: n"), np.float64)
+        key = ka.whole_number(key, 0, 1 << 64, "uniform: key")
+        offset = ka.whole_number(offset, 0, 1 << 64, "uniform: offset")
+        self.lib.mdb_draws(key, offset, n, ka.array(out, np.float64, (n,), "uniform: out", True))
         return out
 
     def _experts(self, base: np.ndarray, ex: np.ndarray, what: str) -> tuple[int, int, int, int, int, int]:
         """(g, n, base address, wide, experts' address, their row stride) of `base` (n,) and `ex` (g, n)."""
-        pe, wide = raw(ex, (None, None), f"{what}: experts")
+        pe, wide = ka.raw(ex, (None, None), f"{what}: experts")
         g, n = ex.shape
         if getattr(base, "dtype", None) != ex.dtype:
             raise TypeError(f"{what}: base bits of dtype {getattr(base, 'dtype', None)} and experts' of {ex.dtype}")
-        return g, n, raw(base, (n,), f"{what}: base")[0], wide, pe, stride(ex)
+        return g, n, ka.raw(base, (n,), f"{what}: base")[0], wide, pe, ka.stride(ex)
 
     def fold_group(self, base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc) -> None:  # noqa: ANN001
         g, n, pb, wide, pe, se = self._experts(base, ex, "fold_group")
-        mode = whole_number(mode, 0, 4, "fold_group: the sparsify mode (kernels.MODE)")
+        mode = ka.whole_number(mode, 0, 4, "fold_group: the sparsify mode (kernels.MODE)")
         p, eps = float(p), float(eps)  # DARE divides by p, DELLA by p - eps + 2·eps·rank: as methods.py allows them
         if mode == 2 and not 0 < p <= 1 or mode == 3 and not (eps >= 0 and 0 < p - eps and p + eps <= 1):
             raise ValueError(f"fold_group: density {p} (epsilon {eps}) outside (0, 1]")
@@ -241,32 +242,34 @@ class Kernels:
         table = (g, 1 << 14) if mode == 3 else (None, None)  # DELLA reads ranks[k, bits(|Δ|) >> 17]
         _check(
             self.lib.mdb_fold_group(
-                pb, wide, pe, se, g, n, _kind(kind), mode, whole_number(offset, 0, 1 << 62, "fold_group: offset"),
-                array(coefs, np.float32, (g,), "fold_group: coefs"), array(lo, np.float64, (g,), "fold_group: lo"),
-                array(hi, np.float64, (g,), "fold_group: hi"), array(keys, np.uint64, (g,), "fold_group: keys"), p, eps,
-                array(ranks, np.float64, table, "fold_group: ranks"), stride(ranks),
-                array(acc, np.float32, (acc.shape[0], n), "fold_group: sums", True), acc.shape[0], stride(acc),
+                pb, wide, pe, se, g, n, _kind(kind), mode, ka.whole_number(offset, 0, 1 << 62, "fold_group: offset"),
+                ka.array(coefs, np.float32, (g,), "fold_group: coefs"),
+                ka.array(lo, np.float64, (g,), "fold_group: lo"), ka.array(hi, np.float64, (g,), "fold_group: hi"),
+                ka.array(keys, np.uint64, (g,), "fold_group: keys"), p, eps,
+                ka.array(ranks, np.float64, table, "fold_group: ranks"), ka.stride(ranks),
+                ka.array(acc, np.float32, (acc.shape[0], n), "fold_group: sums", True), acc.shape[0], ka.stride(acc),
             )
         )  # fmt: skip
 
     def finish(self, base, kind, acc, normalize, lam, res, bf16, scale=1.0) -> None:  # noqa: ANN001
-        pb, wide = raw(base, (None,), "finish: base")
+        pb, wide = ka.raw(base, (None,), "finish: base")
         n = base.shape[0]
         if getattr(acc, "ndim", 0) != 2 or acc.shape[0] not in (1, 5) or acc.shape[1] != n:
             raise ValueError("finish: the sums are not 1 or 5 rows of the block")
         to_bf16 = getattr(bf16, "ndim", 0) == 1 and bf16.shape[0] > 0  # else float32 into `res`
         _check(
             self.lib.mdb_finish(
-                pb, wide, n, _kind(kind), array(acc, np.float32, (acc.shape[0], n), "finish: sums"), acc.shape[0],
-                stride(acc), bool(normalize), float(lam), array(res, np.float32, (0 if to_bf16 else n,), "finish: res",
-                True), array(bf16, np.uint16, (n if to_bf16 else 0,), "finish: bf16", True), to_bf16, float(scale),
+                pb, wide, n, _kind(kind), ka.array(acc, np.float32, (acc.shape[0], n), "finish: sums"), acc.shape[0],
+                ka.stride(acc), bool(normalize), float(lam),
+                ka.array(res, np.float32, (0 if to_bf16 else n,), "finish: res", True),
+                ka.array(bf16, np.uint16, (n if to_bf16 else 0,), "finish: bf16", True), to_bf16, float(scale),
             )
         )  # fmt: skip
 
     def dot64(self, a: np.ndarray, b: np.ndarray) -> float:
         if getattr(a, "shape", None) != getattr(b, "shape", ()):
             raise ValueError("dot64: arrays of different shapes")
-        pa, pb = array(a, np.float32, (None,), "dot64: a"), array(b, np.float32, (None,), "dot64: b")
+        pa, pb = ka.array(a, np.float32, (None,), "dot64: a"), ka.array(b, np.float32, (None,), "dot64: b")
         return float(self.lib.mdb_dot64(pa, pb, a.shape[0]))
 
     def stock_fold(self, base, ex, kind, coefs, acc, dots) -> None:  # noqa: ANN001
@@ -275,9 +278,9 @@ class Kernels:
             raise ValueError("stock_fold: the sums are not one row of the block")
         _check(
             self.lib.mdb_stock_fold(
-                pb, wide, pe, se, g, n, _kind(kind), array(coefs, np.float32, (g,), "stock_fold: coefs"),
-                array(acc, np.float32, (1, n), "stock_fold: sums", True),
-                array(dots, np.float64, (g, g), "stock_fold: dots", True), stride(dots),
+                pb, wide, pe, se, g, n, _kind(kind), ka.array(coefs, np.float32, (g,), "stock_fold: coefs"),
+                ka.array(acc, np.float32, (1, n), "stock_fold: sums", True),
+                ka.array(dots, np.float64, (g, g), "stock_fold: dots", True), ka.stride(dots),
             )
         )  # fmt: skip
 
@@ -287,20 +290,23 @@ class Kernels:
             raise ValueError("fold_many: the sums are not sets of 5 rows of the block")
         sets = acc.shape[0]
         par = (sets, g)
-        pc = array(coefs, np.float32, par, "fold_many: coefs")
-        pl, ph = array(lo, np.float64, par, "fold_many: lo"), array(hi, np.float64, par, "fold_many: hi")
-        if not stride(coefs) == stride(lo) == stride(hi):
+        pc = ka.array(coefs, np.float32, par, "fold_many: coefs")
+        pl, ph = ka.array(lo, np.float64, par, "fold_many: lo"), ka.array(hi, np.float64, par, "fold_many: hi")
+        if not ka.stride(coefs) == ka.stride(lo) == ka.stride(hi):
             raise ValueError("fold_many: weights and bands laid out differently")
         _check(
             self.lib.mdb_fold_many(
-                pb, wide, pe, se, g, n, _kind(kind), pc, pl, ph, stride(coefs),
-                array(acc, np.float32, (sets, 5, n), "fold_many: sums", True), sets, stride(acc), stride(acc, 1),
+                pb, wide, pe, se, g, n, _kind(kind), pc, pl, ph, ka.stride(coefs),
+                ka.array(acc, np.float32, (sets, 5, n), "fold_many: sums", True), sets, ka.stride(acc),
+                ka.stride(acc, 1),
             )
         )  # fmt: skip
 
-    def finish_many(self, base, kind, acc, group, normalize, lam, scale, res, bf16, stride_, at) -> None:  # noqa: ANN001
-        pb, wide = raw(base, (None,), "finish_many: base")
+    def finish_many(self, base, kind, acc, group, normalize, lam, scale, res, bf16, stride, at) -> None:  # noqa: ANN001
+        pb, wide = ka.raw(base, (None,), "finish_many: base")
         n = base.shape[0]
+        if np.asarray(group).dtype.kind not in "iu":  # a float index would be truncated here; numba refuses it
+            raise TypeError(f"finish_many: fold set indices of dtype {np.asarray(group).dtype}")
         group = np.ascontiguousarray(group, np.int64)
         normalize = np.ascontiguousarray(normalize, np.bool_).view(np.uint8)
         lam = np.ascontiguousarray(lam, np.float64)
@@ -310,18 +316,19 @@ class Kernels:
             raise ValueError("finish_many: fold sets not one row, or sums not 1 or 5 rows of the block")
         if plans and (group.min() < 0 or group.max() >= sets):
             raise ValueError("finish_many: a plan's fold set is out of range")
-        stride_ = whole_number(stride_, 0, 1 << 62, "finish_many: the plans' output stride")
-        at = whole_number(at, 0, 1 << 62, "finish_many: the block's first output element")
-        end = (plans - 1) * stride_ + at + n if plans else 0  # past plan p's elements [p·stride + at, … + n)
+        stride = ka.whole_number(stride, 0, 1 << 62, "finish_many: the plans' output stride")
+        at = ka.whole_number(at, 0, 1 << 62, "finish_many: the block's first output element")
+        end = (plans - 1) * stride + at + n if plans else 0  # past plan p's elements [p·stride + at, … + n)
         to_bf16 = getattr(bf16, "ndim", 0) == 1 and bf16.shape[0] > 0
         _check(
             self.lib.mdb_finish_many(
-                pb, wide, n, _kind(kind), array(acc, np.float32, (sets, None, n), "finish_many: sums"),
-                acc.shape[1] if sets else 1, stride(acc), stride(acc, 1) if sets else 0, array(group, np.int64,
-                (plans,), "finish_many: group"), plans, array(normalize, np.uint8, (plans,), "finish_many: normalize"),
-                array(lam, np.float64, (plans,), "finish_many: lam"), float(scale),
-                array(res, np.float32, (0 if to_bf16 else end,), "finish_many: res", True),
-                array(bf16, np.uint16, (end if to_bf16 else 0,), "finish_many: bf16", True), to_bf16, stride_, at,
+                pb, wide, n, _kind(kind), ka.array(acc, np.float32, (sets, None, n), "finish_many: sums"),
+                acc.shape[1] if sets else 1, ka.stride(acc), ka.stride(acc, 1) if sets else 0,
+                ka.array(group, np.int64, (plans,), "finish_many: group"), plans,
+                ka.array(normalize, np.uint8, (plans,), "finish_many: normalize"),
+                ka.array(lam, np.float64, (plans,), "finish_many: lam"), float(scale),
+                ka.array(res, np.float32, (0 if to_bf16 else end,), "finish_many: res", True),
+                ka.array(bf16, np.uint16, (end if to_bf16 else 0,), "finish_many: bf16", True), to_bf16, stride, at,
             )
         )  # fmt: skip
 
@@ -332,9 +339,9 @@ class Kernels:
     def group_pass(self, e_raw, b_raw, e, b, raw_start, start, abs_bits, codes, summary, exc, n_exc,
                    edge, edge_sq, hist_shift, summary_shift, out) -> int:  # noqa: ANN001  # fmt: skip
         ident, nonfinite, zeros, mx, hcount, hsum, hsq, sk, bd = out
-        wide = raw(e, (None,) * getattr(e, "ndim", 1), "group_pass: expert bits")[1]
-        blocks, n = ranges(start, e.size, "group_pass: block starts")
-        if ranges(raw_start, min(e_raw.size, b_raw.size), "group_pass: block bytes")[0] != blocks:
+        wide = ka.raw(e, (None,) * getattr(e, "ndim", 1), "group_pass: expert bits")[1]
+        blocks, n = ka.ranges(start, e.size, "group_pass: block starts")
+        if ka.ranges(raw_start, min(e_raw.size, b_raw.size), "group_pass: block bytes")[0] != blocks:
             raise ValueError("group_pass: block bytes and block starts of other lengths")
         if b.dtype != e.dtype or b.shape != e.shape:
             raise ValueError("group_pass: expert and base patterns of other shapes")
@@ -350,14 +357,16 @@ class Kernels:
             raise ValueError("group_pass: an empty exception buffer, or a negative count of exceptions")
         counts, esum = self._scratch(summary.shape[0])
         got = self.lib.mdb_group_pass(
-            whole(e_raw, np.uint8), whole(b_raw, np.uint8), whole(e, e.dtype), whole(b, e.dtype), wide, e.nbytes,
-            whole(raw_start, np.int64), whole(start, np.int64), blocks, whole(abs_bits, np.uint32, True),
-            whole(codes, np.uint16), whole(summary, np.int64, True), summary.shape[0], whole(exc, np.uint32, True),
-            exc.shape[0], int(n_exc), whole(edge, np.float64), whole(edge_sq, np.float64), 22, 17,
-            whole(ident, np.bool_, True), whole(nonfinite, np.int64, True), whole(zeros, np.int64, True),
-            whole(mx, np.float64, True), whole(hcount, np.int64, True), whole(hsum, np.float64, True),
-            whole(hsq, np.float64, True), 512, whole(sk, np.float64, True), dim, whole(bd, np.float64, True),
-            whole(counts, np.int64, True), whole(esum, np.float64, True),
+            ka.whole(e_raw, np.uint8), ka.whole(b_raw, np.uint8), ka.whole(e, e.dtype), ka.whole(b, e.dtype), wide,
+            e.nbytes,
+            ka.whole(raw_start, np.int64), ka.whole(start, np.int64), blocks, ka.whole(abs_bits, np.uint32, True),
+            ka.whole(codes, np.uint16), ka.whole(summary, np.int64, True), summary.shape[0],
+            ka.whole(exc, np.uint32, True),
+            exc.shape[0], int(n_exc), ka.whole(edge, np.float64), ka.whole(edge_sq, np.float64), 22, 17,
+            ka.whole(ident, np.bool_, True), ka.whole(nonfinite, np.int64, True), ka.whole(zeros, np.int64, True),
+            ka.whole(mx, np.float64, True), ka.whole(hcount, np.int64, True), ka.whole(hsum, np.float64, True),
+            ka.whole(hsq, np.float64, True), 512, ka.whole(sk, np.float64, True), dim, ka.whole(bd, np.float64, True),
+            ka.whole(counts, np.int64, True), ka.whole(esum, np.float64, True),
         )  # fmt: skip
         if got == -2:
             raise ValueError(f"group_pass: a sketch code past the sketch's {dim} buckets (codes for another width?)")
@@ -372,19 +381,20 @@ class Kernels:
         return got
 
     def base_group(self, x: np.ndarray, start: np.ndarray, ss: np.ndarray, bad: np.ndarray) -> None:
-        wide = raw(x, (None,) * getattr(x, "ndim", 1), "base_group: bits")[1]
-        blocks, _ = ranges(start, x.size, "base_group: block starts")
+        wide = ka.raw(x, (None,) * getattr(x, "ndim", 1), "base_group: bits")[1]
+        blocks, _ = ka.ranges(start, x.size, "base_group: block starts")
         if ss.shape != (blocks,) or bad.shape != (blocks,):
             raise ValueError("base_group: outputs of other lengths than the blocks")
         self.lib.mdb_base_group(
-            whole(x, x.dtype), wide, whole(start, np.int64), blocks, whole(ss, np.float64, True),
-            whole(bad, np.int64, True),
+            ka.whole(x, x.dtype), wide, ka.whole(start, np.int64), blocks, ka.whole(ss, np.float64, True),
+            ka.whole(bad, np.int64, True),
         )  # fmt: skip
 
     def bucket_codes(self, key: int, dim: int, out: np.ndarray) -> None:
         if not 0 < int(dim) <= 1 << 15:
             raise ValueError(f"bucket_codes: a sketch of {dim} buckets (1 to 32768)")
-        self.lib.mdb_bucket_codes(int(key), int(dim), out.size, whole(out, np.uint16, True))
+        key = ka.whole_number(key, 0, 1 << 64, "bucket_codes: key")
+        self.lib.mdb_bucket_codes(key, int(dim), out.size, ka.whole(out, np.uint16, True))
 
     def sub_histogram(self, abs_bits: np.ndarray, slot_of: np.ndarray, sub: np.ndarray) -> None:
         self._radix(abs_bits, slot_of, None, sub, 256)
@@ -406,12 +416,12 @@ class Kernels:
         if counts.dtype not in (np.int32, np.int64):
             raise TypeError(f"radix counts of dtype {counts.dtype}, where int32 or int64 is expected")
         self.lib.mdb_radix_histogram(
-            whole(abs_bits, np.uint32), abs_bits.size, whole(slot_of, np.int16),
-            None if pair_of is None else whole(pair_of, np.int16), int(counts.dtype == np.int64),
-            whole(counts, counts.dtype, True),
+            ka.whole(abs_bits, np.uint32), abs_bits.size, ka.whole(slot_of, np.int16),
+            None if pair_of is None else ka.whole(pair_of, np.int16), int(counts.dtype == np.int64),
+            ka.whole(counts, counts.dtype, True),
         )  # fmt: skip
 
     def same_bytes(self, a: np.ndarray, b: np.ndarray) -> bool:
         if a.shape != b.shape:
             raise ValueError("same_bytes: buffers of other shapes")
-        return bool(self.lib.mdb_same_bytes(whole(a, np.uint8), whole(b, np.uint8), a.size))
+        return bool(self.lib.mdb_same_bytes(ka.whole(a, np.uint8), ka.whole(b, np.uint8), a.size))

@@ -46,10 +46,10 @@ def _good() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
     many = dict(base=base, ex=ex, kind=0, acc=np.zeros((SETS, 5, N), np.float32)) | bands
     plans = dict(base=base, kind=0, acc=np.ones((SETS, 5, N), np.float32), group=np.array([0, 2]))
     plans |= dict(normalize=np.array([True, False]), lam=np.ones(2), scale=1.0, res=np.zeros(2 * N, np.float32))
-    plans |= dict(bf16=np.empty(0, np.uint16), stride_=N, at=0)
+    plans |= dict(bf16=np.empty(0, np.uint16), stride=N, at=0)
     stock = dict(base=base, ex=ex, kind=0, coefs=f32, acc=sums * 0, dots=np.zeros((G, G)))
     return {
-        "decode_bits": (C.decode_bits, dict(raw_bits=base, kind=0, out=np.zeros(N, np.uint32))),
+        "decode_bits": (C.decode_bits, dict(raw=base, kind=0, out=np.zeros(N, np.uint32))),
         "uniform": (C.uniform, dict(key=5, offset=0, n=N)),
         "fold_group": (C.fold_group, fold),
         "fold_group della": (C.fold_group, della),
@@ -65,7 +65,7 @@ def _good() -> dict[str, tuple[Callable[..., Any], dict[str, Any]]]:
 BAD = [  # (call, its argument(s), the value, what C did with it)
     ("decode_bits", "out", lambda: np.zeros((N, 0), np.uint32), "wrote N values into an empty array"),
     ("decode_bits", "out", lambda: np.zeros((N, 2), np.uint32)[:, 1:2], "wrote a column's rows contiguously"),
-    ("decode_bits", "raw_bits", lambda: np.broadcast_to(np.zeros(1, np.uint16), (N, 1)), "read past one element"),
+    ("decode_bits", "raw", lambda: np.broadcast_to(np.zeros(1, np.uint16), (N, 1)), "read past one element"),
     ("decode_bits", "kind", lambda: 2**32, "took 2^32 as BF16 (ctypes keeps the low 32 bits)"),
     ("uniform", "key", lambda: 2**64 + 5, "drew stream 5"),
     ("uniform", "n", lambda: -1, "a negative count"),
@@ -96,11 +96,12 @@ BAD = [  # (call, its argument(s), the value, what C did with it)
     ("fold_many", "coefs", lambda: np.ones((SETS, G, 0), np.float32), "read weights from an empty array"),
     ("fold_many", "lo", lambda: np.zeros((SETS, 1)), "read bands past the array"),
     ("finish_many", "at", lambda: -N, "wrote plan 0 before the output"),
-    ("finish_many", "stride_", lambda: -N, "wrote plan 0 past the output's end"),
+    ("finish_many", "stride", lambda: -N, "wrote plan 0 past the output's end"),
     ("finish_many", "lam", lambda: np.ones((2, 0)), "read λ from an empty array"),
     ("finish_many", "normalize", lambda: np.ones((2, 0), bool), "read flags from an empty array"),
     ("finish_many", "acc", lambda: np.ones((SETS, 0, N), np.float32), "read sums of no rows"),
     ("finish_many", "group", lambda: np.array([0, SETS]), "read a fold set past the sums"),
+    ("finish_many", "group", lambda: np.array([0.9, 1.5]), "truncated float indices (numba refuses them)"),
     ("finish_many", "res", lambda: np.zeros(2 * N - 1, np.float32), "wrote past the output's end"),
 ]
 

@@ -123,6 +123,8 @@ def test_c_kernels_refuse_arguments_they_would_misread():
         C.base_group(x, np.array([0, 50, 10]), np.zeros(2), np.zeros(2, np.int64))
     with pytest.raises(TypeError):
         C.bucket_codes(np.uint64(1), 8, np.zeros(10, np.int16))
+    with pytest.raises(ValueError, match="key"):  # ctypes would keep the low 64 bits of -1; numba drew other bits
+        C.bucket_codes(-1, 8, np.zeros(10, np.uint16))
     with pytest.raises(ValueError, match="out of range"):
         C.sub_histogram(np.zeros(4, np.uint32), np.full(stats.SUMMARY_BINS, 9, np.int16), np.zeros((5, 256), np.int32))
     bad = {

@@ -95,7 +95,7 @@ class _Elsewhere:
 class Catalog:
     """A mergedb catalog file. Cheap to create: nothing is opened until an operation needs it."""
 
-    RECORD_WAIT = 30.0  # seconds a finished merge (execute, sweep) waits for the catalog to record its run
+    RECORD_WAIT = 30.0  # seconds a finished merge (execute, sweep) waits at least for the catalog to record its run
 
     def __init__(
         self,
@@ -601,12 +601,13 @@ class Catalog:
                 )
         except MergeDBError as e:
             try:
-                self.record_run(xp.plan_id, out, error=str(e), wait=self.RECORD_WAIT, plan_hash=xp.plan_hash)
+                wait = max(self.wait, self.RECORD_WAIT)
+                self.record_run(xp.plan_id, out, error=str(e), wait=wait, plan_hash=xp.plan_hash)
             except MergeDBError as rec:  # the merge's error is the one to see
                 e.args = (f"{e} (recording this failed run in the catalog failed too: {rec})",)
             raise
         try:
-            self.record_run(xp.plan_id, out, res, wait=self.RECORD_WAIT, plan_hash=xp.plan_hash)
+            self.record_run(xp.plan_id, out, res, wait=max(self.wait, self.RECORD_WAIT), plan_hash=xp.plan_hash)
         except (KeyboardInterrupt, SystemExit) as stop:  # waiting for the catalog: the output is whole all the same
             stop.add_note(
                 f"the merge into {out} is complete and good (`mergedb check --output {out}` verifies it), but its "

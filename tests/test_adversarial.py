@@ -357,6 +357,23 @@ def test_run_record_failure_says_the_output_is_good(setup, tmp_path, monkeypatch
     assert not (tmp_path / "out2").exists()
 
 
+def test_a_finished_merge_waits_for_its_record_at_least_as_long_as_the_catalog_was_told(setup, tmp_path, monkeypatch):
+    """A merge's run record waits Catalog.RECORD_WAIT for a held catalog, or the catalog's own longer
+    --wait (a review found the longer wait dropped when RECORD_WAIT became a class attribute)."""
+    _, db, plan = setup
+    waits = []
+    real = Catalog.record_run
+
+    def noting(self, *a, **k):
+        waits.append(k["wait"])
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Catalog, "record_run", noting)
+    Catalog(db).execute(plan["all"], tmp_path / "a")
+    Catalog(db, wait=Catalog.RECORD_WAIT + 90).execute(plan["all"], tmp_path / "b")
+    assert waits == [Catalog.RECORD_WAIT, Catalog.RECORD_WAIT + 90]
+
+
 def test_unwritable_and_non_utf8_out_fail_clearly(setup, tmp_path):
     fam, db, plan = setup
     (tmp_path / "afile").write_text("x")

@@ -229,7 +229,10 @@ class Kernels:
         g, n = ex.shape
         if getattr(base, "dtype", None) != ex.dtype:
             raise TypeError(f"{what}: base bits of dtype {getattr(base, 'dtype', None)} and experts' of {ex.dtype}")
-        return g, n, ka.raw(base, (n,), f"{what}: base")[0], wide, pe, ka.stride(ex)
+        pb = ka.raw(base, (n,), f"{what}: base")[0]
+        if base.shape != (n,):  # numba takes n from the base: a longer one would read past the experts' rows
+            raise ValueError(f"{what}: a base of {base.shape[0]} elements and experts' rows of {n}")
+        return g, n, pb, wide, pe, ka.stride(ex)
 
     def fold_group(self, base, ex, kind, mode, offset, coefs, lo, hi, keys, p, eps, ranks, acc) -> None:  # noqa: ANN001
         g, n, pb, wide, pe, se = self._experts(base, ex, "fold_group")
@@ -357,12 +360,11 @@ class Kernels:
             raise ValueError("group_pass: an empty exception buffer, or a negative count of exceptions")
         counts, esum = self._scratch(summary.shape[0])
         got = self.lib.mdb_group_pass(
-            ka.whole(e_raw, np.uint8), ka.whole(b_raw, np.uint8), ka.whole(e, e.dtype), ka.whole(b, e.dtype), wide,
-            e.nbytes,
-            ka.whole(raw_start, np.int64), ka.whole(start, np.int64), blocks, ka.whole(abs_bits, np.uint32, True),
-            ka.whole(codes, np.uint16), ka.whole(summary, np.int64, True), summary.shape[0],
-            ka.whole(exc, np.uint32, True),
-            exc.shape[0], int(n_exc), ka.whole(edge, np.float64), ka.whole(edge_sq, np.float64), 22, 17,
+            ka.whole(e_raw, np.uint8), ka.whole(b_raw, np.uint8), ka.whole(e, e.dtype), ka.whole(b, e.dtype),
+            wide, e.nbytes, ka.whole(raw_start, np.int64), ka.whole(start, np.int64), blocks,
+            ka.whole(abs_bits, np.uint32, True), ka.whole(codes, np.uint16), ka.whole(summary, np.int64, True),
+            summary.shape[0], ka.whole(exc, np.uint32, True), exc.shape[0], int(n_exc),
+            ka.whole(edge, np.float64), ka.whole(edge_sq, np.float64), 22, 17,
             ka.whole(ident, np.bool_, True), ka.whole(nonfinite, np.int64, True), ka.whole(zeros, np.int64, True),
             ka.whole(mx, np.float64, True), ka.whole(hcount, np.int64, True), ka.whole(hsum, np.float64, True),
             ka.whole(hsq, np.float64, True), 512, ka.whole(sk, np.float64, True), dim, ka.whole(bd, np.float64, True),

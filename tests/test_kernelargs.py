@@ -77,6 +77,7 @@ BAD = [  # (call, its argument(s), the value, what C did with it)
     ("fold_group", "keys", lambda: np.zeros(G - 1, np.uint64), "read a key past the array"),
     ("fold_group", "coefs", lambda: _odd(G, np.float32), "read misaligned floats"),
     ("fold_group", "base", lambda: np.broadcast_to(np.zeros(1, np.uint16), (N, 1)), "read past one element"),
+    ("stock_fold", "base", lambda: np.zeros(N + 1, np.uint16), "numba's n from the base: read past the rows"),
     ("fold_group", "acc", lambda: np.zeros((1, N, 0), np.float32), "wrote N sums into an empty array"),
     ("fold_group", "ex", _uneven_rows, "rounded the row stride down (numba read the rows where they are)"),
     ("fold_group", "offset", lambda: -1, "a negative stream offset"),

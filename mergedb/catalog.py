@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import duckdb
 import pyarrow as pa
 
-from . import faults, plans, schemaversion, scores, usersql
+from . import attach, faults, plans, schemaversion, scores, usersql
 from .errors import CatalogError, MergeDBError, PlanError, RunNotRecordedError
 from .resources import migrations
 from .units import BlockSizes
@@ -137,29 +137,32 @@ class Catalog:
 
     @contextmanager
     def duckdb_connection(
-        self, write: bool = False, *, create: bool = False, sandbox: bool = False
+        self, write: bool = False, *, create: bool = False, sandbox: bool = False, alone: bool = False
     ) -> Iterator[duckdb.DuckDBPyConnection]:
         """A short-lived DuckDB connection to a mergedb catalog, one at a time per file in this
         process (`_one_at_a_time`).
 
         write=True migrates an older catalog; create=True (registration only) also opens a new file or
         an empty DuckDB file, which the caller makes a catalog in its first rows' transaction
-        (`make_if_blank`). sandbox=True opens it with `usersql.SANDBOX` (for user SQL). A file
+        (`make_if_blank`). sandbox=True opens it with `usersql.SANDBOX` (for user SQL). The file is
+        attached to the process's one DuckDB database (attach.py) unless sandbox, create or alone=True
+        ask for a database of its own, whose settings are the operation's alone (a registration's
+        memory limit and its spill folder CATALOG.tmp/, user SQL's locked configuration). A file
         that is not a mergedb catalog is never changed; DuckDB errors that mean the file is damaged,
         or its folder read-only or full, become CatalogErrors saying so.
         """
-        with _one_at_a_time(self.path), self._connection(write, create, sandbox) as con:
+        with _one_at_a_time(self.path), self._connection(write, create, sandbox, alone or create) as con:
             yield con
 
     @contextmanager
-    def _connection(self, write: bool, create: bool, sandbox: bool) -> Iterator[duckdb.DuckDBPyConnection]:
+    def _connection(self, write: bool, create: bool, sandbox: bool, alone: bool) -> Iterator[duckdb.DuckDBPyConnection]:
         _created_meanwhile(self.path)
         if write and create and self.path.is_file() and self.path.stat().st_size == 0:
             self.path.unlink()  # a creation cut before DuckDB wrote its header (or a `touch`): nothing to keep
         new = write and create and not self.path.exists()
         self._check_path(create=write and create)
         try:
-            con = self._open(read_only=not write, sandbox=sandbox)
+            con = self._open(read_only=not write, sandbox=sandbox, alone=alone)
         except BaseException as e:  # an interrupt, or DuckDB could not even write the new file's header
             if new and (not isinstance(e, Exception) or "disk is full" in str(e)):
                 self._remove_new()
@@ -171,12 +174,12 @@ class Catalog:
                 if not (create and version == 0):  # a blank one is made in its first rows' transaction
                     self._migrate(con, version, dim, missing)
             elif version < migrations()[-1][0] or missing:
-                con.close()  # an older catalog: upgrade it once, briefly read-write, then read
+                attach.close(con)  # an older catalog: upgrade it once, briefly read-write, then read
                 with self.duckdb_connection(write=True):
                     pass
-                con = self._open(read_only=True, sandbox=sandbox)
+                con = self._open(read_only=True, sandbox=sandbox, alone=alone)
         except BaseException as e:
-            con.close()
+            attach.close(con)
             if new and version <= 0:  # creating the catalog failed (-1: while reading it): no half-made file
                 self._remove_new()
             if _interrupted(e):
@@ -201,7 +204,7 @@ class Catalog:
                 raise KeyboardInterrupt from None
             raise
         finally:
-            con.close()
+            attach.close(con)
 
     def wait_while_created(self) -> None:
         """Wait while another process is making this catalog's file right now (`_created_meanwhile`)."""
@@ -265,14 +268,14 @@ class Catalog:
         """`faults.diagnose`'s CatalogError for a damaged file or unwritable folder; else `e`."""
         return faults.diagnose(self.path, e) or e
 
-    def _open(self, read_only: bool, sandbox: bool = False) -> duckdb.DuckDBPyConnection:
+    def _open(self, read_only: bool, sandbox: bool = False, alone: bool = False) -> duckdb.DuckDBPyConnection:
         deadline = time.monotonic() + self.wait
         delay = 0.05
         config = dict(usersql.SANDBOX) if sandbox else {}
         told = self._on_wait is None
         while True:
             try:
-                return duckdb.connect(str(self.path), read_only=read_only, config=config)
+                return attach.connect(str(self.path), read_only, config if sandbox or alone else None)
             except duckdb.IOException as e:
                 if not _LOCK.search(str(e)) or faults.DAMAGED.search(str(e)):
                     raise self._not_opened(e) from None
@@ -563,7 +566,7 @@ class Catalog:
                 "--as-lora adapter is written on one thread from the adapters' factors, which are not re-hashed; "
                 "drop it, or write a model"
             )
-        with self.duckdb_connection() as con:  # one connection (~30 ms each) for the plan and the paths
+        with self.duckdb_connection() as con:  # one opening for the plan and the paths
             xp = plans.execution_plan(con, plans.resolve_plan(con, plan))
             registered = con.execute("SELECT path, root FROM checkpoints").fetchall()
         plans.refuse_gone(xp)

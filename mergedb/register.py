@@ -449,7 +449,7 @@ def _transaction(
     connection's own limit, which is put back afterwards in any case (a process's connections to one
     file share it)."""
     # every file is read by now: a reader holding the catalog for a moment must not throw that away
-    with cat.waiting(COMMIT_WAIT).duckdb_connection(write=True, create=blank) as con:
+    with cat.waiting(COMMIT_WAIT).duckdb_connection(write=True, create=blank, alone=True) as con:
         own, threads = con.execute("SELECT current_setting('memory_limit'), current_setting('threads')").fetchall()[0]
         keyed = 0
         if not cat.is_blank(con):

@@ -116,6 +116,7 @@ def test_layers_never_reach_upward():
     assert not graph["jsondoc"] - {"errors"}, "jsondoc is JSON text read and written, nothing of mergedb's"
     assert not graph["tensorfile"] - {"errors", "plainfile", "jsondoc", "writeout"}
     assert not graph["writeout"], "writeout is a leaf: one libc call"
+    assert not graph["attach"], "attach is a leaf: DuckDB's ATTACH and DETACH on the process's database"
     for m in ("executor", "manifest", "layout", "kernels"):
         assert "catalog" not in graph[m] and "planner" not in graph[m], m
 

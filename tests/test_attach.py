@@ -1,0 +1,151 @@
+"""The process's one DuckDB database (attach.py): a catalog is attached only while an operation runs.
+
+What a user relies on, each checked from another process or against the file itself: the catalog's
+lock is released and its WAL checkpointed when an operation returns or fails, a nested opening of
+the same file shares its attachment, a mode clash is refused, and a child started by fork, or a
+thread on another catalog, opens its catalog without touching the others.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from mergedb import attach
+from mergedb.catalog import Catalog
+from mergedb.errors import CatalogError
+from mergedb.planner import PlanRequest
+from mergedb.synth import simulate
+
+# another process opens the file read-write, as a second `mergedb` would, and counts the plans
+_OTHER = (
+    "import duckdb, sys; c = duckdb.connect(sys.argv[1]); "
+    "print(c.execute('SELECT count(*) FROM plans').fetchall()[0][0]); c.close()"
+)
+
+
+def _other_process_count(path: Path) -> int:
+    res = subprocess.run([sys.executable, "-c", _OTHER, str(path)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return int(res.stdout)
+
+
+@pytest.fixture
+def cat(tmp_path) -> Catalog:
+    c = Catalog(tmp_path / "c.duckdb")
+    simulate(c, 2, 1, 2)
+    return c
+
+
+def _plan(cat: Catalog) -> int:
+    base = cat.checkpoints()[0].name
+    return cat.plan(PlanRequest(base, None, "task_arithmetic", "all")).plan_id
+
+
+def test_an_operation_releases_the_file_and_leaves_no_wal(cat):
+    before = _other_process_count(cat.path)
+    _plan(cat)
+    assert not Path(f"{cat.path}.wal").exists()  # the plan is in the file itself: a copy of it holds it
+    assert _other_process_count(cat.path) == before + 1
+    _plan(cat)  # and this process opens it again after the other one
+    assert _other_process_count(cat.path) == before + 2
+
+
+def test_a_failed_operation_releases_the_file(cat):
+    with pytest.raises(CatalogError), cat.duckdb_connection(write=True) as con:
+        con.execute("BEGIN")
+        con.execute("DELETE FROM plans")
+        raise CatalogError("the operation failed")  # rolled back by the connection's close
+    assert _other_process_count(cat.path) == 0  # opened read-write by another process: not held here
+    with cat.duckdb_connection() as con:
+        assert con.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 3
+
+
+def test_nested_openings_share_one_attachment_and_a_mode_clash_is_refused(cat):
+    with cat.duckdb_connection(write=True) as outer:
+        outer.execute("CREATE TEMP TABLE t AS SELECT 1 AS a")
+        with cat.duckdb_connection(write=True) as inner:  # the same thread, the same file
+            assert inner.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 3
+        # the inner one's end did not detach the outer one's file
+        assert outer.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 3
+        with pytest.raises(CatalogError, match="different configuration"), cat.duckdb_connection():
+            pass
+        assert outer.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 3
+    assert _other_process_count(cat.path) == 0
+
+
+def test_two_threads_on_two_catalogs_at_once(tmp_path):
+    cats = [Catalog(tmp_path / f"c{i}.duckdb") for i in range(2)]
+    for c in cats:
+        simulate(c, 2, 1, 2)
+    errors: list[BaseException] = []
+
+    def work(c: Catalog) -> None:
+        try:
+            for _ in range(5):
+                _plan(c)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in cats]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [_other_process_count(c.path) for c in cats] == [5, 5]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_opens_its_own_database(cat):
+    _plan(cat)  # the parent's database exists before the fork
+    pid = os.fork()
+    if pid == 0:  # the child: plans in the same catalog, then leaves without cleanup
+        code = 0
+        try:
+            _plan(cat)
+        except BaseException:  # noqa: BLE001
+            code = 3
+        os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    _plan(cat)  # the parent's database still works
+    assert _other_process_count(cat.path) == 3
+
+
+def test_a_file_replaced_between_operations_is_read_anew(cat, tmp_path):
+    other = Catalog(tmp_path / "other.duckdb")
+    simulate(other, 3, 1, 2)
+    assert len(cat.checkpoints()) == 3
+    os.replace(other.path, cat.path)  # between operations nothing holds the file: it may change
+    assert len(cat.checkpoints()) == 4
+
+
+def test_closing_a_connection_twice_is_harmless(cat):
+    con = attach.connect(str(cat.path), read_only=True)
+    attach.close(con)
+    attach.close(con)
+    assert _other_process_count(cat.path) == 0
+    with pytest.raises(duckdb.ConnectionException):
+        con.execute("SELECT 1")
+
+
+def test_an_opening_nested_in_a_database_of_its_own_shares_that_database(cat):
+    """A registration's transaction has a database of its own (its memory limit); an opening nested in
+    it must not attach the same file to the shared database too (two databases writing one file)."""
+    with cat.duckdb_connection(write=True, alone=True) as outer:
+        outer.execute("BEGIN")
+        outer.execute("DELETE FROM plans")
+        with cat.duckdb_connection(write=True) as inner:  # DuckDB's cache: the outer one's database
+            assert inner.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 3
+            assert not attach._attached
+        outer.execute("ROLLBACK")
+    assert not attach._own and not attach._attached
+    with cat.duckdb_connection(write=True), pytest.raises(CatalogError, match="different configuration"):
+        with cat.duckdb_connection(write=True, alone=True):
+            pass

@@ -466,12 +466,11 @@ class Catalog:
         with self.duckdb_connection(write=True) as con:
             con.execute("BEGIN")
             try:
-                plan_id, steps = planner.make_plan(con, request)
+                summary, steps = planner.make_plan(con, request)
                 con.execute("COMMIT")
             except BaseException:
                 faults.rollback(con)
                 raise
-            summary = plans.load_plan(con, plan_id)
         return replace(summary, explain=tuple(steps) if explain else ())
 
     def plan_from_config(self, cfg: Any, budget: str = "all", name: str | None = None, **kw: Any) -> plans.PlanSummary:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from . import faults, planner, plans
+from . import faults, planner
 from .errors import MergeDBError, PlanError
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def make_plans(
     with cat.duckdb_connection(write=True) as con:
         con.execute("BEGIN")
         try:
-            out = [plans.load_plan(con, planner.make_plan(con, r)[0]) for r in reqs]
+            out = [planner.make_plan(con, r)[0] for r in reqs]
             con.execute("COMMIT" if keep else "ROLLBACK")
         except BaseException:
             faults.rollback(con)

@@ -176,11 +176,13 @@ def plan_and_load(
     with cat.duckdb_connection(write=True) as con:
         con.execute("BEGIN")
         try:
-            ids = [
-                planner.make_plan(con, it)[0] if isinstance(it, planner.PlanRequest) else plans.resolve_plan(con, it)
+            summaries = [
+                planner.make_plan(con, it)[0]
+                if isinstance(it, planner.PlanRequest)
+                else plans.load_plan(con, plans.resolve_plan(con, it))
                 for it in items
             ]
-            summaries = [plans.load_plan(con, i) for i in ids]
+            ids = [s.plan_id for s in summaries]
             xps = [plans.execution_plan(con, i) for i in ids] if load else []
             if check is not None:
                 check(summaries, xps)

@@ -209,3 +209,36 @@ def test_nonfinite_refusal_names_the_first_expert_and_tensor_by_name(tmp_path):
         cat.plan(PlanRequest(base, (e0, e1), "task_arithmetic"))
     p = cat.plan(PlanRequest(base, None, "task_arithmetic", allow_nonfinite=True))
     assert p.n_candidates == 3 * 3 * 2 - 4  # the blocks with NaN/Inf are left out
+
+
+SUMMARY_REQUESTS = [
+    *REQUESTS,
+    PlanRequest("base", None, "linear", "all", name="named"),
+    PlanRequest("base", None, "task_arithmetic", 0, params={"lambda": 1}),  # ints where DOUBLE is stored
+    PlanRequest("base", None, "dare_ties", "10%", strategy="random", seed=3),
+    PlanRequest("base", None, "ties", "40%", params={"density": 0.2}, value_model="consensus", min_coverage=0),
+    PlanRequest("base", None, "della_linear", "20%", weights=(1, 0.5, 2)),
+    PlanRequest("base", None, "model_stock", "all"),
+    PlanRequest("base", None, "task_arithmetic", "15%", estimate=True),
+    PlanRequest("base", None, "task_arithmetic", "15%", estimate=False),
+]
+
+
+@pytest.mark.parametrize("req", SUMMARY_REQUESTS, ids=lambda r: f"{r.method}-{r.budget}")
+def test_the_summary_a_plan_returns_is_the_one_read_back(catalog_file, tmp_path, req):
+    """Catalog.plan, frontier and sweeps' grids return the summary built from the values the planner
+    wrote, not read back (two statements, ~5 ms of a small plan): it must equal what load_plan reads
+    from the rows, field by field and type by type (an int where DuckDB gives a float, or numpy's
+    scalars, would print or serialise otherwise)."""
+    cat = _copy(catalog_file, tmp_path)
+    made = cat.plan(req)
+    read = cat.get_plan(made.plan_id)
+    assert made == read
+
+    def typed(s) -> list:
+        flat = [(f, type(v)) for f, v in vars(s).items() if f != "experts"]
+        return flat + [[(f, type(v)) for f, v in vars(e).items()] for e in s.experts]
+
+    assert typed(made) == typed(read)
+    (kept,) = cat.frontier(req, [req.budget], keep=True)
+    assert kept == cat.get_plan(kept.plan_id) and typed(kept) == typed(cat.get_plan(kept.plan_id))

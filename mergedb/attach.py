@@ -3,22 +3,28 @@
 `duckdb.connect(file)` builds a new database instance each time, and most of its ~13 ms goes to
 DuckDB's catalog of built-in functions, whatever the file. ATTACH and DETACH on an instance kept
 for the process take ~1.5 ms, and DETACH, like closing a connection, checkpoints the file and
-releases its lock, so the catalog is still held only while an operation runs. The caller
-(`Catalog.duckdb_connection`) lets one thread at a time hold a file; that thread may open the file
-again while it holds it, and the inner opening shares what the outer one opened, in the same mode.
+releases its lock, so the catalog is still held only while an operation runs.
 
-An operation whose settings must be its own (a registration's memory limit and spill folder, user
-SQL's locked configuration) gets a database of its own (`config`), as `duckdb.connect` gives; an
-opening nested in one of those shares it through DuckDB's own cache, as before, so that one file is
-never open in two databases of the process. A child started by fork does not touch the database it
-inherited (DuckDB's worker threads are not in the child): it makes its own. What a query on the
-shared database spills goes to a folder of the process's own under the system's temporary folder
-(an in-memory database would spill into `.tmp` in the working directory), removed at exit.
+The caller (`Catalog.duckdb_connection`) lets one thread at a time open a given file; that thread
+may open it again while it holds it, and the inner opening shares what the outer one opened, in
+the same mode. ATTACH and DETACH run outside this module's lock, so one thread's checkpoint does
+not hold up another thread's catalog. Settings a caller SETs on a shared connection stay for the
+process's later operations: an operation whose settings must be its own (a registration's memory
+limit and spill folder, user SQL's locked configuration) gets a database of its own (`config`), as
+`duckdb.connect` gives; an opening nested in one of those shares it through DuckDB's own cache, so
+that one file is never open in two databases of the process.
+
+A child started by fork never uses or frees the database it inherited (DuckDB's worker threads
+exist only in the parent: freeing it at the child's exit crashed the child); it makes its own on
+its first opening. What a query on the shared database spills goes to a private folder the
+process makes under the system's temporary folder (an in-memory database would spill into `.tmp`
+in the working directory), removed when the process that made it exits.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import itertools
 import os
 import shutil
@@ -28,29 +34,52 @@ from typing import Any
 
 import duckdb
 
-_GUARD = threading.Lock()
-_inherited: list[duckdb.DuckDBPyConnection] = []  # databases inherited through fork: never used or closed
+_GUARD = threading.Lock()  # this module's state; never held across a DuckDB statement
+_inherited: list[duckdb.DuckDBPyConnection] = []  # databases inherited through fork: never used or freed
 _host: duckdb.DuckDBPyConnection | None = None
-_pid = -1
 _names = itertools.count()
 _attached: dict[str, list] = {}  # realpath -> [alias, read_only, openings] in the shared database
+_stale: dict[str, str] = {}  # realpath -> alias of a DETACH that failed with the file still attached
 _own: dict[str, int] = {}  # realpath -> openings in databases of their own
 _open: dict[int, tuple[str, bool]] = {}  # id of each open connection -> (realpath, attached)
 
 
 def _database() -> duckdb.DuckDBPyConnection:
-    global _host, _pid
-    if _pid != os.getpid():
-        if _host is not None:
-            _inherited.append(_host)  # closing it here could wait on threads that exist only in the parent
-        spill = os.path.join(tempfile.gettempdir(), f"mergedb-duckdb-{os.getpid()}")
-        _host, _pid = duckdb.connect(":memory:", config={"temp_directory": spill}), os.getpid()
-        atexit.register(shutil.rmtree, spill, ignore_errors=True)
-        _attached.clear()
-        _own.clear()
-        _open.clear()
-    assert _host is not None
+    """The shared database (made on first use; the caller holds _GUARD)."""
+    global _host
+    if _host is None:
+        spill = tempfile.mkdtemp(prefix="mergedb-duckdb-")
+        atexit.register(_remove_spill, spill, os.getpid())
+        _host = duckdb.connect(":memory:", config={"temp_directory": spill})
     return _host
+
+
+def _remove_spill(folder: str, pid: int) -> None:
+    if os.getpid() == pid:  # not a forked child's exit: the folder is its parent's
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _forked() -> None:
+    """In a child started by fork: forget the parent's database and state (another thread may have
+    held _GUARD at the fork), and keep the inherited database from ever being freed."""
+    global _GUARD, _host
+    _GUARD = threading.Lock()
+    if _host is not None:
+        _inherited.append(_host)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_host))  # not freed even at the interpreter's exit
+    _host = None
+    for d in (_attached, _stale, _own, _open):
+        d.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def holds(path: str) -> bool:
+    """Whether this process has catalog file `path` open (attached, or in a database of its own)."""
+    key = os.path.realpath(path)
+    with _GUARD:
+        return key in _attached or key in _own
 
 
 def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
@@ -60,35 +89,51 @@ def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) ->
     with _GUARD:
         host = _database()
         held = _attached.get(key)
-        if config is not None or key in _own:
-            if held is not None:
-                raise duckdb.ConnectionException(
-                    f"Can't open a connection to same database file with a different configuration: {path} is "
-                    "open in this thread already"
-                )
-            con = duckdb.connect(path, read_only=read_only, config=config or {})
-            _own[key] = _own.get(key, 0) + 1
-            _open[id(con)] = (key, False)
-            return con
-        if held is None:
-            alias = f"mergedb_catalog_{next(_names)}"
-            quoted = str(path).replace("'", "''")
-            host.execute(f"ATTACH '{quoted}' AS {alias}" + (" (READ_ONLY)" if read_only else ""))
-            held = _attached[key] = [alias, read_only, 0]
-        elif held[1] != read_only:
+        own = config is not None or key in _own
+        if held is not None and (own or held[1] != read_only):
             raise duckdb.ConnectionException(
                 f"Can't open a connection to same database file with a different configuration: {path} is "
-                f"open {'read-only' if held[1] else 'read-write'} in this thread"
+                f"open {'read-only' if held[1] else 'read-write'} in this thread already"
             )
-        held[2] += 1
+        if own:
+            _own[key] = _own.get(key, 0) + 1
+        elif held is not None:
+            held[2] += 1
+        stale = _stale.pop(key, None)
+    if stale is not None:  # a failed DETACH left the file attached: detach it before opening it again
         try:
-            con = host.cursor()
-            con.execute(f"USE {held[0]}")
+            _run(host, f"DETACH {stale}")
         except BaseException:
-            _release(key, True)
+            with _GUARD:
+                _stale[key] = stale
+            if own:  # (a stale file is in no attachment: nothing else was counted)
+                _release(key, False)
             raise
-        _open[id(con)] = (key, True)
+    if own:
+        try:
+            con = duckdb.connect(path, read_only=read_only, config=config or {})
+        except BaseException:
+            _release(key, False)
+            raise
+        with _GUARD:
+            _open[id(con)] = (key, False)
         return con
+    if held is None:  # the first opening: attach (outside the lock; the caller serialises this file)
+        alias = f"mergedb_catalog_{next(_names)}"
+        quoted = str(path).replace("'", "''")
+        _run(host, f"ATTACH '{quoted}' AS {alias}" + (" (READ_ONLY)" if read_only else ""))
+        held = [alias, read_only, 1]
+        with _GUARD:
+            _attached[key] = held
+    try:
+        con = host.cursor()
+        con.execute(f"USE {held[0]}")
+    except BaseException:
+        _release(key, True)
+        raise
+    with _GUARD:
+        _open[id(con)] = (key, True)
+    return con
 
 
 def close(con: duckdb.DuckDBPyConnection) -> None:
@@ -99,40 +144,47 @@ def close(con: duckdb.DuckDBPyConnection) -> None:
     finally:
         with _GUARD:
             key, attached = _open.pop(id(con), (None, False))
-            if key is not None:
-                _release(key, attached)
+        if key is not None:
+            _release(key, attached)
 
 
 def _release(key: str, attached: bool) -> None:
-    if _pid != os.getpid():
-        return
-    if not attached:
-        _own[key] -= 1
-        if not _own[key]:
-            del _own[key]
-        return
-    held = _attached[key]
-    held[2] -= 1
-    if held[2] == 0:
+    with _GUARD:
+        if not attached:
+            _own[key] -= 1
+            if not _own[key]:
+                del _own[key]
+            return
+        held = _attached[key]
+        held[2] -= 1
+        if held[2]:
+            return
         del _attached[key]
-        assert _host is not None
+        host = _host
+    assert host is not None
+    try:
+        _run(host, f"DETACH {held[0]}")
+    except BaseException as e:
+        # DuckDB detaches before it checkpoints: when the checkpoint fails (a full disk) the file is
+        # detached with its committed rows in its WAL, as when a close's checkpoint failed, and the
+        # operation stands. An interrupt is the caller's to handle; if it left the file attached,
+        # the file's next opening detaches it first.
         try:
-            _host.execute(f"DETACH {held[0]}")
+            still = held[0] in {r[0] for r in _run(host, "SELECT database_name FROM duckdb_databases()")}
         except BaseException:
-            _drop()
+            still = True
+        if still:
+            with _GUARD:
+                _stale[key] = held[0]
+        if still or not isinstance(e, duckdb.Error):
             raise
 
 
-def _drop() -> None:
-    """Give up the shared database (a DETACH failed: its file may still be attached); the next
-    opening makes a new one."""
-    global _host, _pid
-    host, _host, _pid = _host, None, -1
-    _attached.clear()
-    for k in [k for k, (_, attached) in _open.items() if attached]:
-        del _open[k]
-    if host is not None:
-        try:
-            host.close()
-        except duckdb.Error:
-            pass
+def _run(host: duckdb.DuckDBPyConnection, sql: str) -> list[tuple]:
+    """`sql` on a connection of its own to the shared database: DuckDB refuses a second statement on
+    a connection another thread is using."""
+    con = host.cursor()
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()

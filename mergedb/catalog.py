@@ -147,7 +147,9 @@ class Catalog:
         (`make_if_blank`). sandbox=True opens it with `usersql.SANDBOX` (for user SQL). The file is
         attached to the process's one DuckDB database (attach.py) unless sandbox, create or alone=True
         ask for a database of its own, whose settings are the operation's alone (a registration's
-        memory limit and its spill folder CATALOG.tmp/, user SQL's locked configuration). A file
+        memory limit and its spill folder CATALOG.tmp/, user SQL's locked configuration): a setting
+        SET on a shared connection stays for the process's later operations, so an embedding program
+        that changes one passes alone=True. A file
         that is not a mergedb catalog is never changed; DuckDB errors that mean the file is damaged,
         or its folder read-only or full, become CatalogErrors saying so.
         """
@@ -156,16 +158,23 @@ class Catalog:
 
     @contextmanager
     def _connection(self, write: bool, create: bool, sandbox: bool, alone: bool) -> Iterator[duckdb.DuckDBPyConnection]:
-        _created_meanwhile(self.path)
+        # a nested opening leaves the file alone: closing any descriptor of it drops this process's
+        # lock on it (POSIX locks), and another process could then open it while it is written
+        nested = attach.holds(str(self.path))
+        if not nested:
+            _created_meanwhile(self.path)
         if write and create and self.path.is_file() and self.path.stat().st_size == 0:
             self.path.unlink()  # a creation cut before DuckDB wrote its header (or a `touch`): nothing to keep
         new = write and create and not self.path.exists()
-        self._check_path(create=write and create)
+        if not nested:
+            self._check_path(create=write and create)
         try:
             con = self._open(read_only=not write, sandbox=sandbox, alone=alone)
         except BaseException as e:  # an interrupt, or DuckDB could not even write the new file's header
             if new and (not isinstance(e, Exception) or "disk is full" in str(e)):
                 self._remove_new()
+            if _interrupted(e):  # Ctrl-C during ATTACH (attach.py)
+                raise KeyboardInterrupt from None
             raise
         version = -1
         try:
@@ -204,7 +213,12 @@ class Catalog:
                 raise KeyboardInterrupt from None
             raise
         finally:
-            attach.close(con)
+            try:
+                attach.close(con)
+            except RuntimeError as e:  # Ctrl-C during DETACH's checkpoint
+                if _interrupted(e):
+                    raise KeyboardInterrupt from None
+                raise
 
     def wait_while_created(self) -> None:
         """Wait while another process is making this catalog's file right now (`_created_meanwhile`)."""

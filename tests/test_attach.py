@@ -77,6 +77,9 @@ def test_nested_openings_share_one_attachment_and_a_mode_clash_is_refused(cat):
         with pytest.raises(CatalogError, match="different configuration"), cat.duckdb_connection():
             pass
         assert outer.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 3
+        # and the nested openings did not drop the lock (closing any descriptor of the file does)
+        res = subprocess.run([sys.executable, "-c", _OTHER, str(cat.path)], capture_output=True, text=True, timeout=60)
+        assert res.returncode != 0 and "lock" in res.stderr, res.stdout + res.stderr
     assert _other_process_count(cat.path) == 0
 
 
@@ -100,6 +103,82 @@ def test_two_threads_on_two_catalogs_at_once(tmp_path):
         t.join()
     assert not errors, errors
     assert [_other_process_count(c.path) for c in cats] == [5, 5]
+
+
+_FORKS = r"""
+import os, signal, sys
+from mergedb import attach
+from mergedb.catalog import Catalog
+cat = Catalog(sys.argv[1])
+cat.checkpoints()  # the parent's database exists, nothing attached
+codes = []
+for how in ("exits", "plans then exits", "forked while the lock was held"):
+    if how == "forked while the lock was held":  # as if another thread were inside attach.connect
+        attach._GUARD.acquire()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)  # a hang shows as SIGALRM
+        if how != "exits":
+            cat.checkpoints()
+        sys.exit(0)  # a normal exit: the interpreter's teardown runs
+    if how == "forked while the lock was held":
+        attach._GUARD.release()
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+cat.checkpoints()
+print(codes)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_forked_children_exit_cleanly(cat):
+    """A child started by fork after the parent made its database must not free it (it crashed with
+    SIGSEGV at a normal exit), nor wait on a lock another thread of the parent held at the fork."""
+    res = subprocess.run([sys.executable, "-c", _FORKS, str(cat.path)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[-2] == "[0, 0, 0]", res.stdout + res.stderr
+
+
+_FULL = r"""
+import os, resource, signal, sys, threading
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from mergedb.catalog import Catalog
+from mergedb.planner import PlanRequest
+full, other = Catalog(sys.argv[1]), Catalog(sys.argv[2])
+base = full.checkpoints()[0].name
+ready, go, seen = threading.Event(), threading.Event(), []
+def reader():  # another thread, another catalog, a connection open across the failed checkpoint
+    with other.duckdb_connection() as con:
+        ready.set()
+        go.wait()
+        seen.append(con.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0])
+t = threading.Thread(target=reader)
+t.start()
+ready.wait()
+size = os.path.getsize(full.path)
+resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.RLIM_INFINITY))  # the file cannot grow
+try:
+    plan = full.plan(PlanRequest(base, None, "task_arithmetic", "all"))
+finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    go.set()
+    t.join()
+print(plan.plan_id, seen, os.path.exists(f"{full.path}.wal"), full.get_plan(plan.plan_id).plan_hash == plan.plan_hash)
+"""
+
+
+def test_a_checkpoint_that_fails_at_release_keeps_the_committed_plan(tmp_path):
+    """The file cannot grow when the operation ends (a full disk): the plan was committed (its rows
+    are in the WAL), so the call returns it, as closing a connection did; another thread's connection
+    to another catalog is untouched; the next opening replays the WAL."""
+    full, other = Catalog(tmp_path / "full.duckdb"), Catalog(tmp_path / "other.duckdb")
+    simulate(full, 2, 1, 2)
+    simulate(other, 2, 1, 2)
+    res = subprocess.run(
+        [sys.executable, "-c", _FULL, str(full.path), str(other.path)], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["1", "[3]", "True", "True"], res.stdout + res.stderr
+    assert full.get_plan(1).method == "task_arithmetic"  # and here, another process
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")

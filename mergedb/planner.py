@@ -454,39 +454,7 @@ def _store(
             "rng": methods.RNG,  # schema/014: the stream a DARE/DELLA merge of this plan draws from
         },
     )
-    return plans.PlanSummary(
-        **{c: _stored(c, row[c]) for c in _SUMMARISED},
-        params=json.loads(row["params"]),
-        base=req.base,
-        experts=tuple(
-            plans.ExpertSummary(n, *(_stored(c, v) for c, v in zip(_EXPERT_SUMMARISED, vs)))
-            for n, *vs in zip(inp.names, *(experts[c][1] for c in _EXPERT_SUMMARISED))
-        ),
-    )
-
-
-# the plans and plan_experts columns a summary holds as stored (ExpertSummary's after its name), and
-# those of them that are DOUBLE (the others are integers or text)
-_SUMMARISED = (
-    "plan_id", "plan_hash", "name", "method", "seed", "budget_spec", "budget_bytes", "full_bytes", "selected_bytes",
-    "base_bytes", "n_candidates", "n_selected", "free_blocks", "bound_sum", "bound_blockwise", "est_error",
-    "planning_seconds", "bound_rounded", "bound_note", "value_model", "min_coverage", "est_kind", "strategy",
-)  # fmt: skip
-_EXPERT_SUMMARISED = ("weight", "coef", "full_bytes", "selected_bytes", "bound_sum", "bound_blockwise")
-_DOUBLE = frozenset(
-    ("weight", "coef", "bound_sum", "bound_blockwise", "est_error", "planning_seconds", "bound_rounded", "min_coverage")
-)
-_TEXT = frozenset(("plan_hash", "name", "method", "budget_spec", "bound_note", "value_model", "est_kind", "strategy"))
-
-
-def _stored(col: str, v: Any) -> Any:
-    """Column `col`'s value `v` as DuckDB reads it back: a Python float, int or str, or None (numpy's
-    scalars, which the planner's arithmetic gives, are no JSON)."""
-    if v is None:
-        return None
-    if col in _TEXT:
-        return str(v)
-    return float(v) if col in _DOUBLE else int(v)
+    return plans.summary_of(row, {c: v for c, (_, v) in experts.items()}, req.base, inp.names)
 
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, row: dict[str, Any]) -> dict[str, Any]:

@@ -188,6 +188,45 @@ def _summary(p: tuple, experts: tuple[ExpertSummary, ...]) -> PlanSummary:
     )
 
 
+def summary_of(row: dict[str, Any], experts: dict[str, list], base: str, names: tuple[str, ...]) -> PlanSummary:
+    """The summary `load_plan` would read back from a plan's rows just written: its `plans` row
+    (`row`, by column), its plan_experts columns (`experts`, a list of values by column, in position
+    order), its base's and experts' names. Values are given the types DuckDB gives back."""
+    return PlanSummary(
+        **{c: _stored(c, row[c]) for c in _SUMMARISED},
+        params=json.loads(row["params"]),
+        base=base,
+        experts=tuple(
+            ExpertSummary(n, *(_stored(c, v) for c, v in zip(_EXPERT_SUMMARISED, vs)))
+            for n, *vs in zip(names, *(experts[c] for c in _EXPERT_SUMMARISED))
+        ),
+    )
+
+
+# the plans and plan_experts columns a summary holds as stored (ExpertSummary's after its name), and
+# those of them that are DOUBLE or text (the others are integers)
+_SUMMARISED = (
+    "plan_id", "plan_hash", "name", "method", "seed", "budget_spec", "budget_bytes", "full_bytes", "selected_bytes",
+    "base_bytes", "n_candidates", "n_selected", "free_blocks", "bound_sum", "bound_blockwise", "est_error",
+    "planning_seconds", "bound_rounded", "bound_note", "value_model", "min_coverage", "est_kind", "strategy",
+)  # fmt: skip
+_EXPERT_SUMMARISED = ("weight", "coef", "full_bytes", "selected_bytes", "bound_sum", "bound_blockwise")
+_DOUBLE = frozenset(
+    ("weight", "coef", "bound_sum", "bound_blockwise", "est_error", "planning_seconds", "bound_rounded", "min_coverage")
+)
+_TEXT = frozenset(("plan_hash", "name", "method", "budget_spec", "bound_note", "value_model", "est_kind", "strategy"))
+
+
+def _stored(col: str, v: Any) -> Any:
+    """Column `col`'s value `v` as DuckDB reads it back: a Python float, int or str, or None (numpy's
+    scalars, which the planner's arithmetic gives, are no JSON)."""
+    if v is None:
+        return None
+    if col in _TEXT:
+        return str(v)
+    return float(v) if col in _DOUBLE else int(v)
+
+
 def _refuse_other_stream(pid: int, method: str, rng: str | None, name: str | None) -> None:
     """Refuse a DARE/DELLA plan made for another random stream than the one this mergedb draws from
     (schema/014): its merge would write other bytes than the plan's, under the plan's hash."""

@@ -79,7 +79,7 @@ def holds(path: str) -> bool:
     """Whether this process has catalog file `path` open (attached, or in a database of its own)."""
     key = os.path.realpath(path)
     with _GUARD:
-        return key in _attached or key in _own
+        return key in _attached or key in _own or key in _stale
 
 
 def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
@@ -102,10 +102,8 @@ def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) ->
         stale = _stale.pop(key, None)
     if stale is not None:  # a failed DETACH left the file attached: detach it before opening it again
         try:
-            _run(host, f"DETACH {stale}")
+            _detach(host, key, stale)
         except BaseException:
-            with _GUARD:
-                _stale[key] = stale
             if own:  # (a stale file is in no attachment: nothing else was counted)
                 _release(key, False)
             raise
@@ -121,7 +119,13 @@ def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) ->
     if held is None:  # the first opening: attach (outside the lock; the caller serialises this file)
         alias = f"mergedb_catalog_{next(_names)}"
         quoted = str(path).replace("'", "''")
-        _run(host, f"ATTACH '{quoted}' AS {alias}" + (" (READ_ONLY)" if read_only else ""))
+        try:
+            _run(host, f"ATTACH '{quoted}' AS {alias}" + (" (READ_ONLY)" if read_only else ""))
+        except BaseException:
+            if _still_attached(host, alias):  # interrupted after DuckDB attached it: detached next time
+                with _GUARD:
+                    _stale[key] = alias
+            raise
         held = [alias, read_only, 1]
         with _GUARD:
             _attached[key] = held
@@ -162,22 +166,30 @@ def _release(key: str, attached: bool) -> None:
         del _attached[key]
         host = _host
     assert host is not None
+    _detach(host, key, held[0])
+
+
+def _detach(host: duckdb.DuckDBPyConnection, key: str, alias: str) -> None:
+    """DETACH `alias` (file `key`). DuckDB detaches before it checkpoints: when the checkpoint fails
+    (a full disk) the file is detached with its committed rows in its WAL, as when a close's
+    checkpoint failed, and the operation stands. An interrupt is the caller's to handle; if the file
+    is still attached then, its next opening (or `holds`) sees it in _stale and detaches it first."""
     try:
-        _run(host, f"DETACH {held[0]}")
+        _run(host, f"DETACH DATABASE IF EXISTS {alias}")
     except BaseException as e:
-        # DuckDB detaches before it checkpoints: when the checkpoint fails (a full disk) the file is
-        # detached with its committed rows in its WAL, as when a close's checkpoint failed, and the
-        # operation stands. An interrupt is the caller's to handle; if it left the file attached,
-        # the file's next opening detaches it first.
-        try:
-            still = held[0] in {r[0] for r in _run(host, "SELECT database_name FROM duckdb_databases()")}
-        except BaseException:
-            still = True
+        still = _still_attached(host, alias)
         if still:
             with _GUARD:
-                _stale[key] = held[0]
+                _stale[key] = alias
         if still or not isinstance(e, duckdb.Error):
             raise
+
+
+def _still_attached(host: duckdb.DuckDBPyConnection, alias: str) -> bool:
+    try:
+        return alias in {r[0] for r in _run(host, "SELECT database_name FROM duckdb_databases()")}
+    except BaseException:  # cannot tell: assume so (detaching it again is harmless: IF EXISTS)
+        return True
 
 
 def _run(host: duckdb.DuckDBPyConnection, sql: str) -> list[tuple]:

@@ -18,6 +18,7 @@ import numbers
 import os
 import re
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -65,6 +66,16 @@ _LOCK = re.compile(r"lock", re.IGNORECASE)
 _PID = re.compile(r"PID (\d+)")
 _IN_PROCESS: dict[str, threading.RLock] = {}  # per catalog file: one connection at a time in this process
 _IN_PROCESS_GUARD = threading.Lock()
+
+
+def _forked() -> None:
+    """In a child started by fork: the parent's threads that held these locks are not in the child."""
+    global _IN_PROCESS_GUARD
+    _IN_PROCESS_GUARD = threading.Lock()
+    _IN_PROCESS.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 @contextmanager
@@ -213,12 +224,14 @@ class Catalog:
                 raise KeyboardInterrupt from None
             raise
         finally:
+            pending = sys.exc_info()[1] is not None
             try:
                 attach.close(con)
-            except RuntimeError as e:  # Ctrl-C during DETACH's checkpoint
-                if _interrupted(e):
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt) or _interrupted(e):  # Ctrl-C during DETACH's checkpoint
                     raise KeyboardInterrupt from None
-                raise
+                if not pending:  # else the operation's own error, which says more, goes on
+                    raise
 
     def wait_while_created(self) -> None:
         """Wait while another process is making this catalog's file right now (`_created_meanwhile`)."""

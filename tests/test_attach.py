@@ -106,23 +106,35 @@ def test_two_threads_on_two_catalogs_at_once(tmp_path):
 
 
 _FORKS = r"""
-import os, signal, sys
-from mergedb import attach
+import os, signal, sys, threading
+from mergedb import attach, catalog
 from mergedb.catalog import Catalog
 cat = Catalog(sys.argv[1])
 cat.checkpoints()  # the parent's database exists, nothing attached
 codes = []
-for how in ("exits", "plans then exits", "forked while the lock was held"):
-    if how == "forked while the lock was held":  # as if another thread were inside attach.connect
-        attach._GUARD.acquire()
+held = {
+    "forked while attach's lock was held": lambda: attach._GUARD,
+    "forked while another thread held the file": lambda: catalog._IN_PROCESS[os.path.realpath(cat.path)],
+}
+for how in ("exits", "plans then exits", *held):
+    if how in held:  # another thread inside attach.connect, or inside an operation on the file
+        taken, done = threading.Event(), threading.Event()
+        def hold(lock):
+            with lock:
+                taken.set()
+                done.wait()
+        other = threading.Thread(target=hold, args=(held[how](),))
+        other.start()
+        taken.wait()
     pid = os.fork()
     if pid == 0:
         signal.alarm(20)  # a hang shows as SIGALRM
         if how != "exits":
             cat.checkpoints()
         sys.exit(0)  # a normal exit: the interpreter's teardown runs
-    if how == "forked while the lock was held":
-        attach._GUARD.release()
+    if how in held:
+        done.set()
+        other.join()
     codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 cat.checkpoints()
 print(codes)
@@ -135,7 +147,7 @@ def test_forked_children_exit_cleanly(cat):
     SIGSEGV at a normal exit), nor wait on a lock another thread of the parent held at the fork."""
     res = subprocess.run([sys.executable, "-c", _FORKS, str(cat.path)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split("\n")[-2] == "[0, 0, 0]", res.stdout + res.stderr
+    assert res.stdout.split("\n")[-2] == "[0, 0, 0, 0]", res.stdout + res.stderr
 
 
 _FULL = r"""
@@ -228,3 +240,38 @@ def test_an_opening_nested_in_a_database_of_its_own_shares_that_database(cat):
     with cat.duckdb_connection(write=True), pytest.raises(CatalogError, match="different configuration"):
         with cat.duckdb_connection(write=True, alone=True):
             pass
+
+
+def _interrupting(monkeypatch, word: str, after: bool) -> None:
+    """attach's next statement starting with `word` is interrupted (Ctrl-C) before DuckDB runs it,
+    or after it ran (`after`)."""
+    run = attach._run
+    left = [1]
+
+    def interrupted(host, sql):
+        if sql.startswith(word) and left[0]:
+            left[0] = 0
+            if after:
+                run(host, sql)
+            raise KeyboardInterrupt
+        return run(host, sql)
+
+    monkeypatch.setattr(attach, "_run", interrupted)
+
+
+@pytest.mark.parametrize("word,after", [("DETACH", False), ("ATTACH", True)])
+def test_an_interrupted_attach_or_detach_is_detached_by_the_next_opening(cat, monkeypatch, word, after):
+    """Ctrl-C during a DETACH (or after an ATTACH ran, before it was recorded) leaves the file attached:
+    the next opening detaches it first (before: every later opening failed, "database not found" or
+    "Unique file handle conflict"), and meanwhile `holds` says so, so the next opening does not read
+    the file's header and drop the lock that DuckDB holds."""
+    request = PlanRequest(cat.checkpoints()[0].name, None, "task_arithmetic", "all")
+    _interrupting(monkeypatch, word, after)
+    with pytest.raises(KeyboardInterrupt):  # at the plan's ATTACH, or at its DETACH after the COMMIT
+        cat.plan(request)
+    assert attach.holds(str(cat.path))  # still attached: another process is kept out
+    res = subprocess.run([sys.executable, "-c", _OTHER, str(cat.path)], capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "lock" in res.stderr, res.stdout + res.stderr
+    _plan(cat)  # the next opening detaches it, then works as usual
+    assert not attach.holds(str(cat.path))
+    assert _other_process_count(cat.path) == (1 if word == "ATTACH" else 2)

@@ -242,9 +242,9 @@ def test_an_opening_nested_in_a_database_of_its_own_shares_that_database(cat):
             pass
 
 
-def _interrupting(monkeypatch, word: str, after: bool) -> None:
-    """attach's next statement starting with `word` is interrupted (Ctrl-C) before DuckDB runs it,
-    or after it ran (`after`)."""
+def _interrupting(monkeypatch, word: str, after: bool, how: BaseException) -> None:
+    """attach's next statement starting with `word` is interrupted (Ctrl-C: `how`, as Python or as
+    DuckDB raise it) before DuckDB runs it, or after it ran (`after`)."""
     run = attach._run
     left = [1]
 
@@ -253,20 +253,22 @@ def _interrupting(monkeypatch, word: str, after: bool) -> None:
             left[0] = 0
             if after:
                 run(host, sql)
-            raise KeyboardInterrupt
+            raise how
         return run(host, sql)
 
     monkeypatch.setattr(attach, "_run", interrupted)
 
 
+@pytest.mark.parametrize("how", [KeyboardInterrupt(), RuntimeError("Query interrupted")], ids=["python", "duckdb"])
 @pytest.mark.parametrize("word,after", [("DETACH", False), ("ATTACH", True)])
-def test_an_interrupted_attach_or_detach_is_detached_by_the_next_opening(cat, monkeypatch, word, after):
+def test_an_interrupted_attach_or_detach_is_detached_by_the_next_opening(cat, monkeypatch, word, after, how):
     """Ctrl-C during a DETACH (or after an ATTACH ran, before it was recorded) leaves the file attached:
     the next opening detaches it first (before: every later opening failed, "database not found" or
     "Unique file handle conflict"), and meanwhile `holds` says so, so the next opening does not read
-    the file's header and drop the lock that DuckDB holds."""
+    the file's header and drop the lock that DuckDB holds. DuckDB's form of Ctrl-C (a RuntimeError)
+    ends as the KeyboardInterrupt it stands for."""
     request = PlanRequest(cat.checkpoints()[0].name, None, "task_arithmetic", "all")
-    _interrupting(monkeypatch, word, after)
+    _interrupting(monkeypatch, word, after, how)
     with pytest.raises(KeyboardInterrupt):  # at the plan's ATTACH, or at its DETACH after the COMMIT
         cat.plan(request)
     assert attach.holds(str(cat.path))  # still attached: another process is kept out

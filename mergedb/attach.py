@@ -16,9 +16,9 @@ that one file is never open in two databases of the process.
 
 A child started by fork never uses or frees the database it inherited (DuckDB's worker threads
 exist only in the parent: freeing it at the child's exit crashed the child); it makes its own on
-its first opening. What a query on the shared database spills goes to a private folder the
-process makes under the system's temporary folder (an in-memory database would spill into `.tmp`
-in the working directory), removed when the process that made it exits.
+its first opening. What a query on the shared database spills goes to a folder of the process's
+own under the system's temporary folder (an in-memory database would spill into `.tmp` in the
+working directory), made by DuckDB only if a query spills and removed when the process exits.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import atexit
 import ctypes
 import itertools
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -48,7 +49,10 @@ def _database() -> duckdb.DuckDBPyConnection:
     """The shared database (made on first use; the caller holds _GUARD)."""
     global _host
     if _host is None:
-        spill = tempfile.mkdtemp(prefix="mergedb-duckdb-")
+        # named, not made: DuckDB makes it only if a query spills (a folder made here was left behind
+        # by every process that ended without its exit handlers: os._exit, a kill); the random part
+        # keeps another user of a shared /tmp from placing something at that name first
+        spill = os.path.join(tempfile.gettempdir(), f"mergedb-duckdb-{os.getpid()}-{secrets.token_hex(8)}")
         atexit.register(_remove_spill, spill, os.getpid())
         _host = duckdb.connect(":memory:", config={"temp_directory": spill})
     return _host

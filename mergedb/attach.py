@@ -31,6 +31,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import duckdb
@@ -112,14 +113,7 @@ def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) ->
                 _release(key, False)
             raise
     if own:
-        try:
-            con = duckdb.connect(path, read_only=read_only, config=config or {})
-        except BaseException:
-            _release(key, False)
-            raise
-        with _GUARD:
-            _open[id(con)] = (key, False)
-        return con
+        return _counted(key, False, lambda: duckdb.connect(path, read_only=read_only, config=config or {}))
     if held is None:  # the first opening: attach (outside the lock; the caller serialises this file)
         alias = f"mergedb_catalog_{next(_names)}"
         quoted = str(path).replace("'", "''")
@@ -133,14 +127,19 @@ def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) ->
         held = [alias, read_only, 1]
         with _GUARD:
             _attached[key] = held
+    alias = held[0]
+    return _counted(key, True, lambda: host.cursor().execute(f"USE {alias}"))
+
+
+def _counted(key: str, attached: bool, make: Callable[[], duckdb.DuckDBPyConnection]) -> duckdb.DuckDBPyConnection:
+    """make()'s connection, recorded for `close`; the opening counted for `key` is given back if it fails."""
     try:
-        con = host.cursor()
-        con.execute(f"USE {held[0]}")
+        con = make()
     except BaseException:
-        _release(key, True)
+        _release(key, attached)
         raise
     with _GUARD:
-        _open[id(con)] = (key, True)
+        _open[id(con)] = (key, attached)
     return con
 
 

@@ -139,68 +139,38 @@ def load_plans(con: duckdb.DuckDBPyConnection, plan_id: int | None = None) -> li
     one = plan_id is not None
     params = [plan_id] if one else []
     rows = con.execute(
-        "SELECT p.plan_id, p.plan_hash, p.name, p.method, p.params, p.seed, p.budget_spec, p.budget_bytes, "
-        "p.full_bytes, p.selected_bytes, p.base_bytes, p.n_candidates, p.n_selected, p.free_blocks, p.bound_sum, "
-        "p.bound_blockwise, p.est_error, p.planning_seconds, b.name, p.bound_rounded, p.bound_note, "
-        "p.value_model, p.min_coverage, p.est_kind, p.strategy FROM plans p "
+        f"SELECT {', '.join(f'p.{c}' for c in _SUMMARISED)}, p.params, b.name FROM plans p "
         f"JOIN checkpoints b ON b.checkpoint_id = p.base_id {'WHERE p.plan_id = ?' if one else ''} ORDER BY p.plan_id",
         params,
     ).fetchall()
     experts: dict[int, list[ExpertSummary]] = {}
     for pid, *r in con.execute(
-        "SELECT pe.plan_id, c.name, pe.weight, pe.coef, pe.full_bytes, pe.selected_bytes, pe.bound_sum, "
-        "pe.bound_blockwise FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) "
+        f"SELECT pe.plan_id, c.name, {', '.join(f'pe.{c}' for c in _EXPERT_SUMMARISED)} "
+        "FROM plan_experts pe JOIN checkpoints c USING (checkpoint_id) "
         f"{'WHERE pe.plan_id = ?' if one else ''} ORDER BY pe.plan_id, pe.position",
         params,
     ).fetchall():
         experts.setdefault(pid, []).append(ExpertSummary(*r))
-    return [_summary(p, tuple(experts.get(p[0], ()))) for p in rows]
-
-
-def _summary(p: tuple, experts: tuple[ExpertSummary, ...]) -> PlanSummary:
-    return PlanSummary(
-        plan_id=p[0],
-        plan_hash=p[1],
-        name=p[2],
-        method=p[3],
-        params=json.loads(p[4]),
-        seed=p[5],
-        budget_spec=p[6],
-        budget_bytes=p[7],
-        full_bytes=p[8],
-        selected_bytes=p[9],
-        base_bytes=p[10],
-        n_candidates=p[11],
-        n_selected=p[12],
-        free_blocks=p[13],
-        bound_sum=p[14],
-        bound_blockwise=p[15],
-        est_error=p[16],
-        planning_seconds=p[17],
-        base=p[18],
-        experts=experts,
-        bound_rounded=p[19],
-        bound_note=p[20],
-        value_model=p[21],
-        min_coverage=p[22],
-        est_kind=p[23],
-        strategy=p[24],
-    )
+    return [_summary(dict(zip(_SUMMARISED, p)), p[-2], p[-1], tuple(experts.get(p[0], ()))) for p in rows]
 
 
 def summary_of(row: dict[str, Any], experts: dict[str, list], base: str, names: tuple[str, ...]) -> PlanSummary:
-    """The summary `load_plan` would read back from a plan's rows just written: its `plans` row
+    """The summary `load_plans` would read back from a plan's rows just written: its `plans` row
     (`row`, by column), its plan_experts columns (`experts`, a list of values by column, in position
     order), its base's and experts' names. Values are given the types DuckDB gives back."""
-    return PlanSummary(
-        **{c: _stored(c, row[c]) for c in _SUMMARISED},
-        params=json.loads(row["params"]),
-        base=base,
-        experts=tuple(
+    return _summary(
+        {c: _stored(c, row[c]) for c in _SUMMARISED},
+        row["params"],
+        base,
+        tuple(
             ExpertSummary(n, *(_stored(c, v) for c, v in zip(_EXPERT_SUMMARISED, vs)))
             for n, *vs in zip(names, *(experts[c] for c in _EXPERT_SUMMARISED))
         ),
     )
+
+
+def _summary(values: dict[str, Any], params: str, base: str, experts: tuple[ExpertSummary, ...]) -> PlanSummary:
+    return PlanSummary(**values, params=json.loads(params), base=base, experts=experts)
 
 
 # the plans and plan_experts columns a summary holds as stored (ExpertSummary's after its name), and

@@ -297,3 +297,31 @@ def test_a_process_leaves_nothing_in_the_temporary_folder(cat, tmp_path):
     res = subprocess.run([sys.executable, "-c", _LEAVES, str(cat.path)], env=env, capture_output=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert list(tmp.iterdir()) == []
+
+
+def _threads(con: duckdb.DuckDBPyConnection) -> int:
+    return int(con.execute("SELECT current_setting('threads')").fetchall()[0][0])
+
+
+def test_a_small_catalog_runs_on_the_callers_thread_and_a_large_one_on_every_core(cat, monkeypatch):
+    default = _threads(duckdb.connect())  # DuckDB's own default: one per core
+    with cat.duckdb_connection() as con:  # ~1 MiB: attached to the shared database
+        assert con.execute("SELECT current_database()").fetchall()[0][0].startswith("mergedb_catalog_")
+        assert _threads(con) == 1
+    monkeypatch.setattr(attach, "LARGE", cat.path.stat().st_size - 1)  # now larger than LARGE
+    with cat.duckdb_connection(write=True) as con:
+        assert con.execute("SELECT current_database()").fetchall()[0][0] == "c"  # a database of its own
+        assert _threads(con) == default
+        with cat.duckdb_connection(write=True) as inner:  # nested: shares it
+            assert inner.execute("SELECT current_database()").fetchall()[0][0] == "c"
+    assert _plan(cat) == 1 and _other_process_count(cat.path) == 1  # released: another process opens it
+
+
+def test_a_held_file_is_opened_where_it_is_held_whatever_its_size(cat, monkeypatch):
+    with cat.duckdb_connection(write=True) as outer:
+        monkeypatch.setattr(attach, "LARGE", 0)  # the file "grew" past LARGE while held
+        with cat.duckdb_connection(write=True) as inner:
+            name = inner.execute("SELECT current_database()").fetchall()[0][0]
+            assert name == outer.execute("SELECT current_database()").fetchall()[0][0]
+            assert name.startswith("mergedb_catalog_")
+    assert _other_process_count(cat.path) == 0

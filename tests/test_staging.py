@@ -345,7 +345,7 @@ def test_the_transaction_runs_under_a_memory_limit_and_again_where_duckdb_cannot
     ref = Catalog(tmp_path / "ref.duckdb")
     ref.register([fam], base_model="base")
     base_limit = 32 * 2**20
-    with ref.duckdb_connection() as con:
+    with ref.duckdb_connection(alone=True) as con:  # a database of its own, as the registration's
         threads = con.execute("SELECT current_setting('threads')").fetchall()[0][0]
     # 2 experts × (a block and a tensor row) × 8000 tensors
     limit = base_limit + register.THREAD_MEMORY * threads + register.SKETCH_MEMORY * ref.sketch_dim()

@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from . import methods
+from .arrowcols import column
 from .errors import CatalogError
 from .manifest import ExecutionPlan, mask_digest
 
@@ -59,7 +61,20 @@ def plan_hash(
 
 
 def _canonical_table(t: pa.Table) -> bytes:
-    return json.dumps(t.to_pylist(), sort_keys=True, default=str).encode()
+    """The bytes a table is hashed by: `json.dumps(t.to_pylist(), sort_keys=True, default=str)`. A table of
+    numbers and booleans (thresholds, per-tensor values) is written a column at a time by json's C encoder
+    and joined row by row in that form: the same bytes in ~1/5 of the time (1.3 ms of a TIES plan's
+    528 thresholds before)."""
+    if not t.num_rows or not all(_numeric(f.type) for f in t.schema):
+        return json.dumps(t.to_pylist(), sort_keys=True, default=str).encode()
+    names = sorted(t.column_names)  # sort_keys; a number's text never holds ", ", so it splits back
+    columns = [json.dumps(t.column(n).to_pylist())[1:-1].split(", ") for n in names]
+    row = "{" + ", ".join(f"{json.dumps(n)}: %s" for n in names) + "}"
+    return ("[" + ", ".join([row % v for v in zip(*columns)]) + "]").encode()
+
+
+def _numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
 
 
 def trims_by_position(trims: pa.Table, ids: Sequence[int]) -> pa.Table | None:
@@ -69,14 +84,19 @@ def trims_by_position(trims: pa.Table, ids: Sequence[int]) -> pa.Table | None:
     follow that order). `ids`: the plan's expert checkpoint ids, by position. None when a row names
     a checkpoint that is not one of them (a catalog edited since: its hash cannot match)."""
     at = {int(c): p for p, c in enumerate(ids)}
-    if not set(trims.column("checkpoint_id").to_pylist()) <= set(at):  # an edited catalog's rows: no such form
+    checkpoint = trims.column("checkpoint_id").to_pylist()
+    if not set(checkpoint) <= set(at):  # an edited catalog's rows: no such form
         return None
-    rows = sorted(
-        ({"position": at[r["checkpoint_id"]], **{k: v for k, v in r.items() if k != "checkpoint_id"}}
-         for r in trims.to_pylist()),
-        key=lambda r: (r["position"], r["tensor_idx"]),
-    )  # fmt: skip
-    return pa.Table.from_pylist(rows) if rows else pa.table({})
+    if not trims.num_rows:
+        return pa.table({})
+    position = np.array([at[c] for c in checkpoint], np.int64)
+    order = np.lexsort((trims.column("tensor_idx").to_numpy(), position)).tolist()  # stable, as sorted() was
+    keyed = {"position": column(position[order])}
+    for f in trims.schema:  # reordered as lists: Table.take would import pyarrow.compute (~35 ms of a first plan)
+        if f.name != "checkpoint_id":
+            values = trims.column(f.name).to_pylist()
+            keyed[f.name] = pa.array([values[i] for i in order], f.type)
+    return pa.table(keyed)
 
 
 def refuse_altered(con: duckdb.DuckDBPyConnection, xp: ExecutionPlan) -> None:

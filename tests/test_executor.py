@@ -321,6 +321,30 @@ def test_interrupted_or_terminated_execute_leaves_nothing(tmp_path, sig, code):
     assert subprocess.run(cmd, capture_output=True).returncode == 0 and check_output(out) == []
 
 
+# the signal lands while Python runs a weakref callback (as an import's module lock's is), where the
+# exception it raises is printed and dropped; the `mergedb` process (cli.entry's signal set-up) sends it
+# again, to end the command
+_DROPPED = (
+    "import os, signal, sys, time, weakref\n"
+    "from mergedb import cli\n"
+    "cli._take_signals()\n"
+    "class X: pass\n"
+    "x = X()\n"
+    "ref = weakref.ref(x, lambda _: (os.kill(os.getpid(), int(sys.argv[1])), time.sleep(0.2)))\n"
+    "del x\n"
+    "for _ in range(200): time.sleep(0.01)\n"
+    "print('went on as if never signalled')\n"
+)
+
+
+# an uncaught KeyboardInterrupt ends Python by SIGINT (-2 here, 130 in a shell); commands catch it first
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, -signal.SIGINT), (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_a_signal_dropped_in_a_callback_still_ends_the_command(sig, code):
+    res = subprocess.run([sys.executable, "-c", _DROPPED, str(int(sig))], capture_output=True, text=True, timeout=60)
+    assert res.returncode == code and "went on" not in res.stdout, res.stdout + res.stderr
+    assert "Exception ignored" not in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
 def test_an_interrupted_execute_does_not_wait_for_a_stuck_worker(tmp_path, sig, code):
     """A merge worker that never finishes (as one loading numba's cache does when Ctrl-C left the

@@ -342,6 +342,25 @@ def test_newer_schema_refused(setup):
         cat.register([fam / "expert_00"], base_model="base")
 
 
+def test_a_schema_version_table_of_someone_elses_is_refused_and_left_alone(tmp_path):
+    """A DuckDB file whose schema_version table does not start with mergedb's first migration is
+    another tool's file: refused, never migrated, even when its versions are all below mergedb's."""
+    import duckdb
+
+    path = tmp_path / "theirs.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, name VARCHAR NOT NULL)")
+    con.execute("INSERT INTO schema_version VALUES (1, '001_their_tables'), (2, '002_more')")
+    con.execute("CREATE TABLE settings (key VARCHAR, value VARCHAR)")  # as a catalog has
+    con.execute("INSERT INTO settings VALUES ('sketch_dim', '64')")
+    con.close()
+    before = path.read_bytes()
+    for call in (lambda c: c.checkpoints(), lambda c: c.plans()):
+        with pytest.raises(CatalogError, match="does not start with mergedb's"):
+            call(Catalog(path))
+    assert path.read_bytes() == before
+
+
 def test_bad_block_size_and_names(setup):
     fam, cat, tmp = setup
     with pytest.raises(MergeDBError, match="--base registers PATHS as bases; --base-model names"):

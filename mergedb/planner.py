@@ -163,10 +163,10 @@ def make_plan(con: duckdb.DuckDBPyConnection, req: PlanRequest) -> tuple[plans.P
     """
     t0 = time.perf_counter()
     check_request(req)
-    # the next plan id, and whether the name is taken: one statement (bool_or of no rows, or of
-    # `name = NULL` for an unnamed plan, is NULL)
-    plan_id, taken = _rows(con, "SELECT coalesce(max(plan_id), 0) + 1, bool_or(name = ?) FROM plans", [req.name])[0]
-    if taken:
+    # the next plan id, and whether the name is taken (asked only for a named plan: a statement costs
+    # ~0.2 ms, and each aggregate or projection in it ~0.1 ms more)
+    plan_id = (_rows(con, "SELECT max(plan_id) FROM plans")[0][0] or 0) + 1
+    if req.name is not None and _rows(con, "SELECT plan_id FROM plans WHERE name = ?", [req.name]):
         raise PlanExistsError(f"a plan named {req.name!r} exists already; choose another --name")
     req = replace(req, value_model=accessrules.value_model(req.value_model, req.strategy))
     inputs = _resolve(con, req)

@@ -714,3 +714,17 @@ def test_a_plans_hash_does_not_depend_on_the_order_its_experts_were_registered_i
     with cat.duckdb_connection(write=True) as con:
         con.execute("UPDATE plans SET plan_hash = ? WHERE plan_id = ?", [old, b.plan_id])
     assert cat.execution_plan(b.plan_id).plan_hash == old
+
+
+def test_a_taken_name_is_refused_and_unnamed_plans_take_the_next_ids(tmp_path):
+    from mergedb.errors import PlanExistsError
+
+    cat = Catalog(tmp_path / "c.duckdb")
+    simulate(cat, 2, 1, 2)
+    base = cat.checkpoints()[0].name
+    first = cat.plan(PlanRequest(base, None, "task_arithmetic", "all", name="ta"))
+    with pytest.raises(PlanExistsError, match="a plan named 'ta' exists already; choose another --name"):
+        cat.plan(PlanRequest(base, None, "task_arithmetic", "10%", name="ta"))
+    unnamed = [cat.plan(PlanRequest(base, None, "task_arithmetic", "all")).plan_id for _ in range(2)]
+    assert (first.plan_id, *unnamed) == (1, 2, 3)
+    assert [(p.plan_id, p.name) for p in cat.plans()] == [(1, "ta"), (2, None), (3, None)]

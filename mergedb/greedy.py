@@ -101,7 +101,9 @@ def select(c: Candidates, budget: int, max_passes: int, *, sort_max: int = SORT_
     nonfree = ~c.free
     sel = np.zeros(c.score.size, bool)
     pool = None
-    if np.count_nonzero(nonfree) <= sort_max:
+    if int(c.nbytes.sum()) - int(c.nbytes[c.free].sum()) <= budget:  # all fit (a full budget): no order needed
+        sel, pool = nonfree, np.zeros(0, np.int64)  # (sorting 17k candidates cost a small plan ~0.6 ms)
+    elif np.count_nonzero(nonfree) <= sort_max:
         pool = _plan_order(c, np.flatnonzero(nonfree))
         sel[pool[np.cumsum(c.nbytes[pool]) <= budget]] = True  # nbytes ≥ 0: the cumsum is monotone
     elif c.score.size >= COMPILED_MIN_ROWS:

@@ -85,6 +85,19 @@ def test_sort_and_bucket_paths_are_the_walk(seed, k, t, b, budget_frac, fixed_co
     assert int(c.nbytes[by_sort].sum()) <= budget
 
 
+@pytest.mark.parametrize("fixed_costs", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_budget_of_every_byte_takes_every_block_and_one_byte_less_is_the_walk(seed, fixed_costs):
+    c, carrier_of, pair = random_candidates(seed, 3, 4, 30, fixed_costs=fixed_costs, random_scores=False)
+    total = int(c.nbytes[~c.free].sum())
+    for budget in (total, total + 1, 2**62):
+        sel, _ = greedy.select(c, budget, 256)
+        assert np.array_equal(sel, ~c.free)
+    for sort_max in (c.score.size, 0):
+        sel, _ = greedy.select(c, total - 1, 256, sort_max=sort_max)
+        assert set(np.flatnonzero(sel).tolist()) == walk(c, total - 1, carrier_of, pair)
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), k=st.integers(2, 4), t=st.integers(1, 4), budget_frac=st.floats(0.0, 1.1))
 def test_dropping_whole_pairs_keeps_every_carrier_with_its_rows(seed, k, t, budget_frac):

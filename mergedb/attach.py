@@ -52,6 +52,7 @@ _attached: dict[str, list] = {}  # realpath -> [alias, read_only, openings] in t
 _stale: dict[str, str] = {}  # realpath -> alias of a DETACH that failed with the file still attached
 _own: dict[str, int] = {}  # realpath -> openings in databases of their own
 _open: dict[int, tuple[str, bool]] = {}  # id of each open connection -> (realpath, attached)
+_parents: set[str] = set()  # files open in the process this one was forked from, at the fork
 
 
 def _database() -> duckdb.DuckDBPyConnection:
@@ -81,6 +82,10 @@ def _forked() -> None:
         _inherited.append(_host)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(_host))  # not freed even at the interpreter's exit
     _host = None
+    # a file the parent had open stays open in this process's copy of its memory, for good: DuckDB would
+    # hand a database of its own back from its cache (the parent's, whose writes would be lost) or refuse
+    # an attachment with "Unique file handle conflict"; refused here, saying why (`connect`)
+    _parents.update(_attached, _stale, _own)
     for d in (_attached, _stale, _own, _open):
         d.clear()
 
@@ -100,6 +105,12 @@ def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) ->
     process's database (its default database), or with `config`, or when the file is larger than
     LARGE, a database of its own."""
     key = os.path.realpath(path)
+    if key in _parents:
+        raise duckdb.ConnectionException(
+            "it was open in the process this one was forked from when it forked, and DuckDB's state for it here "
+            "is a copy of that process's; open it in a process started after that operation ended, or with the "
+            "'spawn' start method (multiprocessing.get_context('spawn'))"
+        )
     large = config is None and _size(path) > LARGE
     with _GUARD:
         host = _database()

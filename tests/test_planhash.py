@@ -63,6 +63,9 @@ def test_tables_of_other_kinds_and_no_rows_hash_as_their_json():
         pa.table({"a": pa.array([], pa.int32()), "b": pa.array([], pa.float32())}),
         pa.table({"name": ["x, y", 'q"'], "n": [1, 2]}),  # a text column: json's own path
         pa.table({"z": [math.nan, math.inf, -math.inf], "a": [1, 2, 3]}),
+        pa.table({"a%%b": [1], "%s": [2.5], "é": [True]}),  # names that are format codes, or not ASCII
+        pa.Table.from_arrays([pa.array([1, 2]), pa.array([3, 4])], names=["a", "a"]),  # a repeated name
+        pa.table({"a": [1, 2]}).drop_columns(["a"]),  # rows but no column
     ):
         assert planhash._canonical_table(t) == textbook(t)
 

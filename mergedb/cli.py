@@ -913,7 +913,9 @@ def _unraisable(u: Any) -> None:
     exited 0 after a SIGTERM. The signal is sent again 50 ms later from another thread: raised in this
     hook, it would be dropped too."""
     sig = 0
-    if isinstance(u.exc_value, KeyboardInterrupt) and callable(signal.getsignal(signal.SIGINT)):
+    if threading.current_thread() is not threading.main_thread():  # signals are raised in the main thread only
+        pass
+    elif isinstance(u.exc_value, KeyboardInterrupt) and callable(signal.getsignal(signal.SIGINT)):
         sig = signal.SIGINT
     elif isinstance(u.exc_value, SystemExit) and _TERMINATED and u.exc_value.code == 128 + _TERMINATED:
         sig = _TERMINATED

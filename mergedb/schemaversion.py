@@ -28,15 +28,17 @@ def read(con: duckdb.DuckDBPyConnection, path: Path, create: bool) -> tuple[int,
     latest, first = migrations()[-1][0], migrations()[0][1]
     try:  # one statement for the usual case, with no aggregate or subquery: each cost DuckDB ~0.15 ms
         rows = con.execute(
-            "SELECT version, name FROM schema_version "
-            "UNION ALL SELECT NULL, value FROM settings WHERE key = 'sketch_dim'"
+            "SELECT true, version, name FROM schema_version "
+            "UNION ALL SELECT false, NULL, value FROM settings WHERE key = 'sketch_dim'"
         ).fetchall()
     except duckdb.Error:
         rows = []
-    applied = {v: name for v, name in rows if v is not None}  # version is schema_version's primary key
-    if applied and min(applied) == 1 and applied[1] == first and max(applied) <= latest:
+    versions = [(v, name) for is_version, v, name in rows if is_version]
+    applied = dict(versions)  # mergedb's version column is an INTEGER PRIMARY KEY; a table edited by hand
+    ours = all(type(v) is int for v in applied) and len(applied) == len(versions)  # takes the slow path
+    if ours and applied and min(applied) == 1 and applied[1] == first and max(applied) <= latest:
         current = max(applied)
-        dims = [value for v, value in rows if v is None]
+        dims = [value for is_version, _, value in rows if not is_version and value is not None]
         missing = tuple(v for v in range(1, current) if v not in applied)
         return current, int(max(dims)) if dims else None, missing
     return _checked(con, path, create, latest, first), None, ()

@@ -25,7 +25,8 @@ statements take well under a millisecond, and DuckDB's hand-off to a worker thre
 ~10% of a small plan's call (bench catalog: 30 → 27 ms for TIES). A catalog file larger than
 `LARGE` gets a database of its own with DuckDB's default threads (one per core), where a plan's
 statements scan hundreds of thousands of rows or more: on simulated catalogs here (2 cores), one
-thread planned a 100k-row catalog (30 MiB) 2–3% faster and a 300k-row one (84 MiB) 5–15% slower.
+thread planned 20k- and 100k-row catalogs (9 and 30 MiB) 3–12% faster and a 300k-row one (84 MiB) 12%
+slower at a 10% budget.
 """
 
 from __future__ import annotations

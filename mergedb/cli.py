@@ -912,14 +912,13 @@ def _unraisable(u: Any) -> None:
     dropped there, and the command went on as if never signalled: the merge finished and the process
     exited 0 after a SIGTERM. The signal is sent again 50 ms later from another thread: raised in this
     hook, it would be dropped too."""
-    sig = 0
-    if threading.current_thread() is not threading.main_thread():  # signals are raised in the main thread only
-        pass
-    elif isinstance(u.exc_value, KeyboardInterrupt) and callable(signal.getsignal(signal.SIGINT)):
-        sig = signal.SIGINT
-    elif isinstance(u.exc_value, SystemExit) and _TERMINATED and u.exc_value.code == 128 + _TERMINATED:
-        sig = _TERMINATED
-        signal.signal(sig, _terminated)
+    sig, e = 0, u.exc_value
+    if threading.current_thread() is threading.main_thread():  # the only thread signals are raised in
+        if isinstance(e, KeyboardInterrupt) and callable(signal.getsignal(signal.SIGINT)):
+            sig = signal.SIGINT
+        elif isinstance(e, SystemExit) and _TERMINATED and e.code == 128 + _TERMINATED:
+            sig = _TERMINATED
+            signal.signal(sig, _terminated)
     if not sig:
         sys.__unraisablehook__(u)
         return

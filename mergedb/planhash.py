@@ -63,8 +63,8 @@ def plan_hash(
 def _canonical_table(t: pa.Table) -> bytes:
     """The bytes a table is hashed by: `json.dumps(t.to_pylist(), sort_keys=True, default=str)`. A table of
     numbers and booleans under distinct names (thresholds, per-tensor values) is written a column at a
-    time by json's C encoder and joined row by row in that form: the same bytes in ~1/5 of the time
-    (1.3 ms of a TIES plan's 528 thresholds before)."""
+    time by json's C encoder and joined row by row in that form: the same bytes in under half the time
+    (a TIES plan's 528 thresholds, keyed and written: 1.3 -> 0.6 ms)."""
     names = sorted(t.column_names)  # sort_keys; a number's text never holds ", ", so it splits back
     if not t.num_rows or not names or len(set(names)) < len(names) or not all(_numeric(f.type) for f in t.schema):
         return json.dumps(t.to_pylist(), sort_keys=True, default=str).encode()

@@ -6,8 +6,10 @@ for the process take ~1.5 ms, and DETACH, like closing a connection, checkpoints
 releases its lock, so the catalog is still held only while an operation runs.
 
 The caller (`Catalog.duckdb_connection`) lets one thread at a time open a given file; that thread
-may open it again while it holds it, and the inner opening shares what the outer one opened, in
-the same mode. ATTACH and DETACH run outside this module's lock, so one thread's checkpoint does
+may open it again while it holds it, and the inner opening shares what the outer one opened: a
+read-only opening inside a read-write one reads through it (`Catalog.hold` keeps a file open
+read-write across a program's operations), a read-write one inside a read-only one is refused.
+ATTACH and DETACH run outside this module's lock, so one thread's checkpoint does
 not hold up another thread's catalog. Settings a caller SETs on a shared connection stay for the
 process's later operations: an operation whose settings must be its own (a registration's memory
 limit and spill folder, user SQL's locked configuration) gets a database of its own (`config`), as
@@ -51,7 +53,7 @@ _host: duckdb.DuckDBPyConnection | None = None
 _names = itertools.count()
 _attached: dict[str, list] = {}  # realpath -> [alias, read_only, openings] in the shared database
 _stale: dict[str, str] = {}  # realpath -> alias of a DETACH that failed with the file still attached
-_own: dict[str, int] = {}  # realpath -> openings in databases of their own
+_own: dict[str, list] = {}  # realpath -> [openings, read_only] in databases of their own
 _open: dict[int, tuple[str, bool]] = {}  # id of each open connection -> (realpath, attached)
 _parents: set[str] = set()  # files open in the process this one was forked from, at the fork
 
@@ -116,15 +118,20 @@ def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) ->
     with _GUARD:
         host = _database()
         held = _attached.get(key)
-        # a file this thread holds already is opened where it is held, whatever its size now
-        own = config is not None or key in _own or (large and held is None)
-        if held is not None and (own or held[1] != read_only):
+        mine = _own.get(key)
+        # a file this thread holds already is opened where it is held, whatever its size now, and in
+        # the mode it is held in: a reader inside a read-write opening reads through it
+        own = config is not None or mine is not None or (large and held is None)
+        mode = held[1] if held is not None else mine[1] if mine is not None else None
+        if (held is not None and own) or (mode and not read_only):
             raise duckdb.ConnectionException(
                 f"Can't open a connection to same database file with a different configuration: {path} is "
-                f"open {'read-only' if held[1] else 'read-write'} in this thread already"
+                f"open {'read-only' if mode else 'read-write'} in this thread already"
+                + (": an operation that writes cannot run inside a read-only one" if mode and not read_only else "")
             )
+        read_only = read_only if mode is None else mode
         if own:
-            _own[key] = _own.get(key, 0) + 1
+            _own[key] = [mine[0] + 1, mine[1]] if mine is not None else [1, read_only]
         elif held is not None:
             held[2] += 1
         stale = _stale.pop(key, None)
@@ -188,8 +195,8 @@ def close(con: duckdb.DuckDBPyConnection) -> None:
 def _release(key: str, attached: bool) -> None:
     with _GUARD:
         if not attached:
-            _own[key] -= 1
-            if not _own[key]:
+            _own[key][0] -= 1
+            if not _own[key][0]:
                 del _own[key]
             return
         held = _attached[key]

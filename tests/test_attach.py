@@ -68,13 +68,18 @@ def test_a_failed_operation_releases_the_file(cat):
 
 
 def test_nested_openings_share_one_attachment_and_a_mode_clash_is_refused(cat):
+    with cat.duckdb_connection() as outer, pytest.raises(CatalogError, match="cannot run inside a read-only one"):
+        with cat.duckdb_connection(write=True):  # a writer inside a reader
+            pass
     with cat.duckdb_connection(write=True) as outer:
         outer.execute("CREATE TEMP TABLE t AS SELECT 1 AS a")
         with cat.duckdb_connection(write=True) as inner:  # the same thread, the same file
             assert inner.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 3
         # the inner one's end did not detach the outer one's file
         assert outer.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 3
-        with pytest.raises(CatalogError, match="different configuration"), cat.duckdb_connection():
+        with cat.duckdb_connection() as reader:  # a reader inside a writer reads through it
+            assert reader.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 3
+        with pytest.raises(CatalogError, match="different configuration"), cat.duckdb_connection(sandbox=True):
             pass
         assert outer.execute("SELECT count(*) FROM checkpoints").fetchall()[0][0] == 3
         # and the nested openings did not drop the lock (closing any descriptor of the file does)
@@ -365,3 +370,83 @@ def test_a_held_file_is_opened_where_it_is_held_whatever_its_size(cat, monkeypat
             assert name == outer.execute("SELECT current_database()").fetchall()[0][0]
             assert name.startswith("mergedb_catalog_")
     assert _other_process_count(cat.path) == 0
+
+
+def _statements(monkeypatch) -> list[str]:
+    """The ATTACH and DETACH statements attach.py runs from now on."""
+    seen: list[str] = []
+    run = attach._run
+
+    def counted(host, sql):
+        seen.append(sql.split()[0])
+        return run(host, sql)
+
+    monkeypatch.setattr(attach, "_run", counted)
+    return seen
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_a_held_catalog_stays_open_across_operations_and_each_plan_is_stored(cat, monkeypatch, large):
+    """Catalog.hold: plans and reads inside share one opening (one ATTACH and one DETACH, or one
+    database of its own for a large file); other processes are kept out meanwhile; every plan is
+    stored, and the file is checkpointed (no WAL) when the block ends."""
+    if large:
+        monkeypatch.setattr(attach, "LARGE", 0)
+    seen = _statements(monkeypatch)
+    with cat.hold() as held:
+        assert held is cat
+        first = _plan(cat)
+        assert (os.path.realpath(cat.path) in attach._own) == large  # a database of its own, or attached
+        res = subprocess.run([sys.executable, "-c", _OTHER, str(cat.path)], capture_output=True, text=True, timeout=60)
+        assert res.returncode != 0 and "lock" in res.stderr, res.stdout + res.stderr
+        second = _plan(cat)
+        assert [p.plan_id for p in cat.plans()] == [first, second]  # a read inside the hold
+        assert cat.get_plan(first).plan_id == first and len(cat.checkpoints()) == 3
+    assert seen == ([] if large else ["ATTACH", "DETACH"])
+    assert not attach._own and not attach._attached
+    assert not Path(f"{cat.path}.wal").exists()
+    assert _other_process_count(cat.path) == 2
+
+
+_DIE_HOLDING = r"""
+import os, sys
+from mergedb.catalog import Catalog
+from mergedb.planner import PlanRequest
+cat = Catalog(sys.argv[1])
+with cat.hold():
+    base = cat.checkpoints()[0].name
+    cat.plan(PlanRequest(base, None, "task_arithmetic", "all"))
+    os._exit(0)  # killed inside the hold: no DETACH, no checkpoint
+"""
+
+
+def test_a_plan_made_in_a_hold_is_kept_when_the_process_dies_inside_it(cat):
+    cmd = [sys.executable, "-c", _DIE_HOLDING, str(cat.path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert Path(f"{cat.path}.wal").exists()  # committed to the WAL, never checkpointed
+    assert _other_process_count(cat.path) == 1
+
+
+def test_inside_a_hold_what_needs_its_own_settings_or_writes_to_a_read_only_hold_is_refused(cat):
+    with cat.hold():
+        with pytest.raises(CatalogError, match="open read-write in this thread already"):
+            cat.sql("SELECT count(*) AS n FROM plans")
+        with pytest.raises(CatalogError, match="open read-write in this thread already"):
+            with cat.duckdb_connection(write=True, alone=True):  # as a registration's transaction opens it
+                pass
+        assert _plan(cat) == 1  # the refusals left the hold as it was
+    with cat.hold(write=False):
+        with pytest.raises(CatalogError, match="cannot run inside a read-only one"):
+            _plan(cat)
+        assert len(cat.checkpoints()) == 3
+        # held read-only: another process may read it meanwhile, not write it
+        read = (
+            "import duckdb, sys; "
+            "print(duckdb.connect(sys.argv[1], read_only=True).execute('SELECT count(*) FROM plans').fetchall()[0][0])"
+        )
+        res = subprocess.run([sys.executable, "-c", read, str(cat.path)], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and res.stdout.strip() == "1", res.stdout + res.stderr
+        res = subprocess.run([sys.executable, "-c", _OTHER, str(cat.path)], capture_output=True, text=True, timeout=60)
+        assert res.returncode != 0 and "lock" in res.stderr, res.stdout + res.stderr
+    assert [p.plan_id for p in cat.plans()] == [1]

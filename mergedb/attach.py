@@ -53,7 +53,7 @@ _host: duckdb.DuckDBPyConnection | None = None
 _names = itertools.count()
 _attached: dict[str, list] = {}  # realpath -> [alias, read_only, openings] in the shared database
 _stale: dict[str, str] = {}  # realpath -> alias of a DETACH that failed with the file still attached
-_own: dict[str, list] = {}  # realpath -> [openings, read_only] in databases of their own
+_own: dict[str, list] = {}  # realpath -> [openings, read_only, configured] in databases of their own
 _open: dict[int, tuple[str, bool]] = {}  # id of each open connection -> (realpath, attached)
 _parents: set[str] = set()  # files open in the process this one was forked from, at the fork
 
@@ -103,6 +103,14 @@ def holds(path: str) -> bool:
         return key in _attached or key in _own or key in _stale
 
 
+def mode(path: str) -> bool | None:
+    """How this process has catalog file `path` open: read-only (True), read-write (False), or not (None)."""
+    key = os.path.realpath(path)
+    with _GUARD:
+        held = _attached.get(key) or _own.get(key)
+        return None if held is None else held[1]
+
+
 def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
     """A connection to catalog file `path`, read-only or read-write: the file attached to the
     process's database (its default database), or with `config`, or when the file is larger than
@@ -123,15 +131,22 @@ def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) ->
         # the mode it is held in: a reader inside a read-write opening reads through it
         own = config is not None or mine is not None or (large and held is None)
         mode = held[1] if held is not None else mine[1] if mine is not None else None
-        if (held is not None and own) or (mode and not read_only):
+        # settings of its own (a registration's, user SQL's) are not had inside an opening without them
+        unset = config is not None and (held is not None or (mine is not None and not mine[2]))
+        if unset or (mode and not read_only):
             raise duckdb.ConnectionException(
                 f"Can't open a connection to same database file with a different configuration: {path} is "
                 f"open {'read-only' if mode else 'read-write'} in this thread already"
-                + (": an operation that writes cannot run inside a read-only one" if mode and not read_only else "")
+                + (
+                    ": registration and user SQL open it with settings of their own, so they cannot run inside "
+                    "another operation on it or a Catalog.hold block; run them outside it"
+                    if unset
+                    else ": an operation that writes cannot run inside a read-only one"
+                )
             )
         read_only = read_only if mode is None else mode
-        if own:
-            _own[key] = [mine[0] + 1, mine[1]] if mine is not None else [1, read_only]
+        if own:  # [openings, read_only, opened with settings of its own]
+            _own[key] = [mine[0] + 1, mine[1], mine[2]] if mine is not None else [1, read_only, config is not None]
         elif held is not None:
             held[2] += 1
         stale = _stale.pop(key, None)

@@ -1,7 +1,8 @@
 """The catalog: a DuckDB file holding checkpoints, block layouts, delta statistics, plans and runs.
 
-This module owns the connection (opened briefly around each operation: DuckDB's file lock keeps
-every other process out while one holds it read-write), the schema migrations, and the `Catalog`
+This module owns the connection (opened briefly around each operation, or for a program's block
+of them with `Catalog.hold`: DuckDB's file lock keeps every other process out while one holds it
+read-write), the schema migrations, and the `Catalog`
 façade that the CLI and library users call. The work behind each operation lives in its own
 module: register.py (registration), planner.py (plans), plans.py (stored plans read back),
 check.py (integrity), executor.py (merges).
@@ -170,20 +171,31 @@ class Catalog:
     @contextmanager
     def hold(self, write: bool = True) -> Iterator[Catalog]:
         """Keep the catalog open, in this thread, for the operations of a `with` block: for a program
-        that plans or reads in a loop (a search, a sweep's driver). Each operation inside skips opening
-        the file and DuckDB's checkpoint at its end (a repeated TIES plan of the bench family: ~28 ms
-        alone, ~19 ms held); the file is checkpointed once, when the block ends. Each operation still
-        commits on its own: a plan made inside is stored when `plan` returns, whatever the block does
-        next.
+        that plans or reads in a loop (a search choosing its next plans). Each operation inside skips
+        opening the file and DuckDB's checkpoint at its end (a repeated TIES plan of the bench family:
+        ~28 ms alone, ~19 ms held); the file is checkpointed once, when the block ends. Each operation
+        still commits on its own: a plan made inside is stored when `plan` returns, whatever the block
+        does next (a process killed inside leaves it in the catalog's `.wal`, which the next opening reads).
 
-        While it is held, other processes wait for the catalog (their `--wait`) or are refused, and this
-        process's other threads wait until the block ends: hold it for a burst of work, not across a long
-        merge. write=False holds it read-only (other processes may read it too; an operation that writes,
-        such as `plan`, is refused inside). Registration and user SQL (`sql`), which open the file with
-        settings of their own, are refused inside a hold, saying so.
+        While it is held, other processes wait for the catalog (their `wait`) or are refused, and this
+        process's other threads wait until the block ends, whatever their `wait`: hold it for a burst of
+        work, not across a long merge. write=False holds it read-only: other processes may read it too,
+        and what writes (`plan`, `execute`, which records its run) is refused inside, before it starts.
+        What opens the file with settings of its own is refused inside a hold too: registration, and user
+        SQL (`sql`, and `tensor_summary` and `sweep`, which run it). An error raised inside the block
+        reaches the caller as it was raised.
         """
-        with self.duckdb_connection(write=write):
+        opened = self.duckdb_connection(write=write)
+        opened.__enter__()
+        try:
             yield self
+        except BaseException:  # the block's own error, not one of the catalog's to explain: closed, then raised
+            try:
+                opened.__exit__(None, None, None)
+            except BaseException:  # (closing failed too: the block's error says more, and is raised)
+                pass
+            raise
+        opened.__exit__(None, None, None)
 
     @contextmanager
     def _connection(self, write: bool, create: bool, sandbox: bool, alone: bool) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -626,6 +638,11 @@ class Catalog:
             raise CatalogError(
                 f"catalog {self.path} is read-only, so this run could not be recorded; make it writable "
                 "(chmod u+w) and retry"
+            )
+        if attach.mode(str(self.path)):  # read-only, around this call (Catalog.hold(write=False))
+            raise CatalogError(
+                f"catalog {self.path} is open read-only in this thread (Catalog.hold(write=False)), so this run "
+                "could not be recorded; execute outside that block, or hold it read-write (nothing was merged)"
             )
         try:
             if as_lora:

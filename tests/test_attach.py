@@ -17,7 +17,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from mergedb import attach
+from mergedb import attach, synth
 from mergedb.catalog import Catalog
 from mergedb.errors import CatalogError
 from mergedb.planner import PlanRequest
@@ -216,7 +216,7 @@ def test_a_forked_child_opens_its_own_database(cat):
 
 _FORK_WHILE_OPEN = r"""
 import os, subprocess, sys
-from mergedb import attach
+from mergedb import attach, synth
 from mergedb.catalog import Catalog
 attach.LARGE = int(sys.argv[2])  # -1: every file opened in a database of its own
 cat = Catalog(sys.argv[1])
@@ -397,6 +397,7 @@ def test_a_held_catalog_stays_open_across_operations_and_each_plan_is_stored(cat
         assert held is cat
         first = _plan(cat)
         assert (os.path.realpath(cat.path) in attach._own) == large  # a database of its own, or attached
+        assert Path(f"{cat.path}.wal").exists()  # committed, and not checkpointed: the file is still open
         res = subprocess.run([sys.executable, "-c", _OTHER, str(cat.path)], capture_output=True, text=True, timeout=60)
         assert res.returncode != 0 and "lock" in res.stderr, res.stdout + res.stderr
         second = _plan(cat)
@@ -428,14 +429,18 @@ def test_a_plan_made_in_a_hold_is_kept_when_the_process_dies_inside_it(cat):
     assert _other_process_count(cat.path) == 1
 
 
-def test_inside_a_hold_what_needs_its_own_settings_or_writes_to_a_read_only_hold_is_refused(cat):
+@pytest.mark.parametrize("large", [False, True])
+def test_inside_a_hold_what_needs_its_own_settings_or_writes_to_a_read_only_hold_is_refused(cat, monkeypatch, large):
+    if large:  # held in a database of its own: DuckDB's cache would hand it to a registration, settings and all
+        monkeypatch.setattr(attach, "LARGE", 0)
     with cat.hold():
-        with pytest.raises(CatalogError, match="open read-write in this thread already"):
+        with pytest.raises(CatalogError, match="open read-write in this thread already: registration and user SQL"):
             cat.sql("SELECT count(*) AS n FROM plans")
-        with pytest.raises(CatalogError, match="open read-write in this thread already"):
+        with pytest.raises(CatalogError, match="open read-write in this thread already: registration and user SQL"):
             with cat.duckdb_connection(write=True, alone=True):  # as a registration's transaction opens it
                 pass
         assert _plan(cat) == 1  # the refusals left the hold as it was
+    assert not attach._own and not attach._attached
     with cat.hold(write=False):
         with pytest.raises(CatalogError, match="cannot run inside a read-only one"):
             _plan(cat)
@@ -450,3 +455,28 @@ def test_inside_a_hold_what_needs_its_own_settings_or_writes_to_a_read_only_hold
         res = subprocess.run([sys.executable, "-c", _OTHER, str(cat.path)], capture_output=True, text=True, timeout=60)
         assert res.returncode != 0 and "lock" in res.stderr, res.stdout + res.stderr
     assert [p.plan_id for p in cat.plans()] == [1]
+
+
+def test_an_error_raised_inside_a_hold_reaches_the_caller_as_it_was(cat):
+    """A DuckDB error of the program's own (its own database, say) inside a hold is not the catalog's:
+    it is not explained as a damaged or unwritable catalog, and the catalog is released."""
+    mine = duckdb.connect()
+    with pytest.raises(duckdb.InvalidInputException, match="checksum mismatch in my eval file"), cat.hold():
+        mine.execute("SELECT error('checksum mismatch in my eval file')")
+    with pytest.raises(RuntimeError, match="Query interrupted"), cat.hold():
+        raise RuntimeError("Query interrupted")  # the program's, not a Ctrl-C DuckDB turned into one
+    assert _other_process_count(cat.path) == 0
+
+
+def test_execute_inside_a_read_only_hold_is_refused_before_it_merges(tmp_path):
+    fam = synth.make_family(tmp_path / "family", experts=2, size="tiny", seed=3)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic", "all")).plan_id
+    with cat.hold(write=False), pytest.raises(CatalogError, match="open read-only in this thread.*nothing was merged"):
+        cat.execute(plan, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with cat.hold():  # held read-write, it merges and records the run
+        cat.execute(plan, tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").exists()
+    assert cat.sql("SELECT count(*) AS n FROM runs").to_pylist() == [{"n": 1}]

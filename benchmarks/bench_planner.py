@@ -19,8 +19,9 @@ Run: python -m benchmarks.bench_planner [--quick] [--catalog-dir DIR] [--rows 10
      [--budgets 10% 25% 50%] [--save NAME]
      python -m benchmarks.bench_planner --small benchmarks/cache/catalog-bench-20-auto.duckdb [--baseline DIR]
      [--execute 3]
-(--execute N: the small plans' full-read executions, N cold processes each, in the same run: the
-report then takes "planning ≤ 1% of execution" against those rather than execute_targets.json.)
+(--execute N: the small plans' full-read executions, N cold processes each, in the same run, one of
+each after each round of plans: the report then takes "planning ≤ 1% of execution" against those
+rather than execute_targets.json.)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .common import CACHE, compiled, save
@@ -168,9 +170,15 @@ def _time_make_plan(planner) -> list[float]:
     return cpu
 
 
+HASHES = ("plan_hash", "plan_hash_held")  # a small run's plan hashes: plans alone, and in a hold
+
+
 def small(db: Path, repeats: int) -> dict:
     """Small plans in this process (the bench family, K = 8, full read): per plan, the planner's own
-    planning_seconds (wall) and CPU seconds, the whole Catalog.plan call (connection included) and its CPU."""
+    planning_seconds (wall) and CPU seconds, the whole Catalog.plan call (connection included) and its CPU;
+    then, where the code has Catalog.hold, the whole call of as many plans made inside one hold
+    (held_call_seconds: no attach or checkpoint per plan; the hold's own opening and closing, once
+    for them all, are held_open_close_seconds)."""
     from mergedb import planner
     from mergedb.catalog import Catalog
     from mergedb.planner import PlanRequest
@@ -199,7 +207,19 @@ def small(db: Path, repeats: int) -> dict:
     for method, params, budget, k, options in COVERAGE:
         names = tuple(f"expert_{i:02d}" for i in range(k))
         hashes.append(cat.plan(PlanRequest("base", names, method, budget, params=params, **options)).plan_hash)
-    return {"timed": out, "coverage_hashes": hashes, "stored": stored_tables(cat)}
+    stored = stored_tables(cat)  # compared with the baseline's, which may predate Catalog.hold: before it
+    for method, params in SMALL.items() if hasattr(cat, "hold") else ():
+        req = PlanRequest("base", experts, method, "all", params=params)
+        held, t0 = [], time.perf_counter()
+        with cat.hold():
+            for _ in range(repeats):
+                t = time.perf_counter()
+                p = cat.plan(req)
+                held.append(time.perf_counter() - t)
+        out[method]["held_call_seconds"] = held
+        out[method]["held_open_close_seconds"] = time.perf_counter() - t0 - sum(held)
+        out[method]["plan_hash_held"] = p.plan_hash
+    return {"timed": out, "coverage_hashes": hashes, "stored": stored}
 
 
 def first_plan(db: Path, method: str) -> dict:
@@ -231,27 +251,30 @@ def _child(args: list[str], code: Path | None) -> dict:
     return json.loads(res.stdout.rsplit("RESULT ", 1)[1].splitlines()[0])
 
 
-def executions(catalog_path: Path, runs: int) -> dict[str, list[dict]]:
+def executions(catalog_path: Path, folder: Path) -> Callable[[], dict[str, dict]]:
     """The executions the planning share is taken of, in the same run and on the same catalog: each
-    SMALL request's plan (K = 8, full read) executed `runs` times, cold, a `mergedb execute` process
-    each (benchmarks/run.py's Suite.execute; the catalog's family must be the bench family)."""
+    SMALL request's plan (K = 8, full read), made once on a copy of the catalog in `folder`; the
+    function returned executes each of them once, cold, a `mergedb execute` process each
+    (benchmarks/run.py's Suite.execute; the catalog's family must be the bench family). run_small
+    calls it between its rounds of plans, so that a slow spell of the machine weighs on both."""
     from mergedb.catalog import Catalog
     from mergedb.planner import PlanRequest
 
     from .run import Suite
 
     suite = Suite(False, 1)
-    out: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        db = Path(tmp) / "executions.duckdb"
-        shutil.copy(catalog_path, db)
-        cat = Catalog(db)
-        for method, params in SMALL.items():
-            experts = tuple(f"expert_{i:02d}" for i in range(8))
-            plan = cat.plan(PlanRequest("base", experts, method, "all", params=params))
-            out[method] = [suite.execute(cat, plan.plan_id) for _ in range(runs)]
-            print(method, "execute", [round(r["execute_seconds"], 2) for r in out[method]], flush=True)
-    return out
+    db = folder / "executions.duckdb"
+    shutil.copy(catalog_path, db)
+    cat = Catalog(db)
+    experts = tuple(f"expert_{i:02d}" for i in range(8))
+    plan_ids = {m: cat.plan(PlanRequest("base", experts, m, "all", params=p)).plan_id for m, p in SMALL.items()}
+
+    def once() -> dict[str, dict]:
+        runs = {m: suite.execute(cat, plan_id) for m, plan_id in plan_ids.items()}
+        print("execute", {m: round(r["execute_seconds"], 2) for m, r in runs.items()}, flush=True)
+        return runs
+
+    return once
 
 
 def run_small(
@@ -260,12 +283,21 @@ def run_small(
     """Small plans, new (and baseline) code alternating, `rounds` processes each, on copies of the
     catalog; then the first plan of a fresh process, `rounds` × 2 per method and side. With a
     baseline, every stored plan table (and plan hash) of the two sides must be equal. With
-    `execute_runs`, the plans' executions follow (`executions`), so the planning share is of
-    executions measured in the same run on the same catalog."""
+    `execute_runs`, the plans' executions (`executions`), one of each plan after each round of plans
+    while `execute_runs` are not done (the rest after the rounds), so the planning share is of
+    executions measured in the same run, in alternation with the plans, on the same catalog."""
     sides = [("baseline", baseline), ("new", None)] if baseline is not None else [("new", None)]
     out: dict[str, list] = {label: [] for label, _ in sides}
     first: dict[str, dict[str, list]] = {label: {m: [] for m in SMALL} for label, _ in sides}
+    executed: dict[str, list[dict]] = {m: [] for m in SMALL}
     with tempfile.TemporaryDirectory() as tmp:
+        execute_once = executions(catalog_path, Path(tmp)) if execute_runs else None
+
+        def execute() -> None:
+            assert execute_once is not None
+            for m, r in execute_once().items():
+                executed[m].append(r)
+
         master = {}  # each side's copy of the catalog, upgraded by its code once, outside the timings
         for label, code in sides:
             master[label] = Path(tmp) / f"master-{label}.duckdb"
@@ -278,6 +310,10 @@ def run_small(
                 out[label].append(_child(["--small-one", str(db), str(repeats)], code))
                 timed = out[label][-1]["timed"]
                 print(label, {m: round(min(r["planning_seconds"]) * 1e3, 1) for m, r in timed.items()}, flush=True)
+            if i < execute_runs:
+                execute()
+        for _ in range(rounds, execute_runs):
+            execute()
         for i in range(2 * rounds):
             for method in SMALL:
                 for label, code in sides if i % 2 == 0 else sides[::-1]:
@@ -299,22 +335,33 @@ def run_small(
     summary = {}
     for label, runs in out.items():
         for method in SMALL:
-            keys = ("planning_seconds", "call_seconds", "cpu_seconds", "planning_cpu_seconds")
-            pooled = {k: [x for r in runs for x in r["timed"][method][k]] for k in keys}
+            keys = ("planning_seconds", "call_seconds", "cpu_seconds", "planning_cpu_seconds", "held_call_seconds")
+            pooled = {k: [x for r in runs for x in r["timed"][method].get(k, [])] for k in keys}
+            pooled = {k: v for k, v in pooled.items() if v}
             f = first[label][method]
+            # per plan in a hold, its opening and closing shared out: (plans' calls + the hold's own) / plans
+            held = [
+                (sum(t["held_call_seconds"]) + t["held_open_close_seconds"]) / len(t["held_call_seconds"])
+                for t in (r["timed"][method] for r in runs)
+                if "held_call_seconds" in t
+            ]
             summary[f"{label}/{method}"] = {
+                **({"held_per_plan_seconds_median": statistics.median(held)} if held else {}),
                 **{f"{k}_min": min(v) for k, v in pooled.items()},
                 **{f"{k}_median": statistics.median(v) for k, v in pooled.items()},
                 "first_planning_seconds_median": statistics.median(r["planning_seconds"] for r in f),
                 "first_call_seconds_median": statistics.median(r["call_seconds"] for r in f),
                 "first_planning_cpu_median": statistics.median(r.get("planning_cpu", float("nan")) for r in f),
-                "plan_hashes": sorted({r["timed"][method]["plan_hash"] for r in runs} | {r["plan_hash"] for r in f}),
+                "plan_hashes": sorted(
+                    {t[k] for t in (r["timed"][method] for r in runs) for k in HASHES if k in t}
+                    | {r["plan_hash"] for r in f}
+                ),
             }
     stored = {label: runs[0]["stored"] for label, runs in out.items()}
     hashes = {label: runs[0]["coverage_hashes"] for label, runs in out.items()}
     return {
         "catalog": catalog_path.name,
-        "executions": executions(catalog_path, execute_runs) if execute_runs else None,
+        "executions": executed if execute_runs else None,
         "small": out,
         "first_plan": first,
         "small_summary": summary,

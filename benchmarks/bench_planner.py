@@ -411,6 +411,8 @@ if __name__ == "__main__":
     ap.add_argument("--prepare", type=Path, metavar="CATALOG", help=argparse.SUPPRESS)
     ap.add_argument("--code", type=Path, help=argparse.SUPPRESS)  # a child: import mergedb from there
     a = ap.parse_args()
+    if a.execute < 0 or a.rounds < 1:
+        ap.error("--execute takes 0 or more executions per method, --rounds 1 or more rounds")
     if a.code:
         sys.path.insert(0, str(a.code.resolve()))
     if a.one:

@@ -639,7 +639,9 @@ class Catalog:
                 f"catalog {self.path} is read-only, so this run could not be recorded; make it writable "
                 "(chmod u+w) and retry"
             )
-        if attach.mode(str(self.path)):  # read-only, around this call (Catalog.hold(write=False))
+        with _one_at_a_time(self.path):  # (so that the mode is this thread's: another thread's opening waits)
+            held_read_only = attach.mode(str(self.path))
+        if held_read_only:  # read-only, around this call (Catalog.hold(write=False))
             raise CatalogError(
                 f"catalog {self.path} is open read-only in this thread (Catalog.hold(write=False)), so this run "
                 "could not be recorded; execute outside that block, or hold it read-write (nothing was merged)"

@@ -480,3 +480,29 @@ def test_execute_inside_a_read_only_hold_is_refused_before_it_merges(tmp_path):
         cat.execute(plan, tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").exists()
     assert cat.sql("SELECT count(*) AS n FROM runs").to_pylist() == [{"n": 1}]
+
+
+def test_execute_is_not_refused_for_another_threads_read_only_opening(tmp_path):
+    """The read-only refusal is for this thread's own hold: while another thread keeps reading the
+    catalog (each read a read-only opening), every execute waits its turn and records its run."""
+    fam = synth.make_family(tmp_path / "family", experts=2, size="tiny", seed=3)
+    cat = Catalog(tmp_path / "c.duckdb")
+    cat.register([fam], base_model="base")
+    plan = cat.plan(PlanRequest("base", None, "task_arithmetic", "all")).plan_id
+    stop, reads = threading.Event(), [0]
+
+    def reader() -> None:
+        while not stop.is_set():
+            Catalog(cat.path).checkpoints()
+            reads[0] += 1
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(6):
+            cat.execute(plan, tmp_path / f"out{i}")
+    finally:
+        stop.set()
+        t.join()
+    assert reads[0] > 0
+    assert cat.sql("SELECT count(*) AS n FROM runs").to_pylist() == [{"n": 6}]

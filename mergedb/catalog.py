@@ -19,7 +19,6 @@ import numbers
 import os
 import re
 import stat
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -240,9 +239,11 @@ class Catalog:
             if err is e:
                 raise
             raise err from None
+        failed = False  # the operation's own error (sys.exc_info() would also see one a caller is handling)
         try:
             yield con
         except BaseException as e:
+            failed = True
             if new:  # the registration that made it failed or was interrupted before writing a checkpoint
                 self.discard_if_empty(con)
             if isinstance(e, duckdb.Error):
@@ -254,13 +255,12 @@ class Catalog:
                 raise KeyboardInterrupt from None
             raise
         finally:
-            pending = sys.exc_info()[1] is not None
             try:
                 attach.close(con)
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt) or _interrupted(e):  # Ctrl-C during DETACH's checkpoint
                     raise KeyboardInterrupt from None
-                if not pending:  # else the operation's own error, which says more, goes on
+                if not failed:  # else the operation's own error, which says more, goes on
                     raise
 
     def wait_while_created(self) -> None:

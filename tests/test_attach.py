@@ -506,3 +506,25 @@ def test_execute_is_not_refused_for_another_threads_read_only_opening(tmp_path):
         t.join()
     assert reads[0] > 0
     assert cat.sql("SELECT count(*) AS n FROM runs").to_pylist() == [{"n": 6}]
+
+
+def test_a_failed_close_is_raised_even_inside_a_callers_except_block(cat, monkeypatch):
+    """Whether an operation's own error is in flight was read from sys.exc_info(), which inside the
+    connection's generator also sees an exception the caller is handling: a catalog operation (or a
+    hold) run in an `except` block lost its closing checkpoint's failure without a word."""
+    close = attach.close
+
+    def failing(con):
+        close(con)
+        raise duckdb.IOException("closing failed")
+
+    monkeypatch.setattr(attach, "close", failing)
+    try:
+        raise LookupError("the program's own, handled")
+    except LookupError:
+        with pytest.raises(duckdb.IOException, match="closing failed"), cat.hold():
+            pass
+        with pytest.raises(duckdb.IOException, match="closing failed"):
+            cat.checkpoints()
+    monkeypatch.setattr(attach, "close", close)
+    assert _other_process_count(cat.path) == 0

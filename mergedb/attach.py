@@ -130,13 +130,13 @@ def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) ->
         # a file this thread holds already is opened where it is held, whatever its size now, and in
         # the mode it is held in: a reader inside a read-write opening reads through it
         own = config is not None or mine is not None or (large and held is None)
-        mode = held[1] if held is not None else mine[1] if mine is not None else None
+        was = held[1] if held is not None else mine[1] if mine is not None else None  # read_only, if open
         # settings of its own (a registration's, user SQL's) are not had inside an opening without them
         unset = config is not None and (held is not None or (mine is not None and not mine[2]))
-        if unset or (mode and not read_only):
+        if unset or (was and not read_only):
             raise duckdb.ConnectionException(
                 f"Can't open a connection to same database file with a different configuration: {path} is "
-                f"open {'read-only' if mode else 'read-write'} in this thread already"
+                f"open {'read-only' if was else 'read-write'} in this thread already"
                 + (
                     ": registration and user SQL open it with settings of their own, so they cannot run inside "
                     "another operation on it or a Catalog.hold block; run them outside it"
@@ -144,9 +144,11 @@ def connect(path: str, read_only: bool, config: dict[str, Any] | None = None) ->
                     else ": an operation that writes cannot run inside a read-only one"
                 )
             )
-        read_only = read_only if mode is None else mode
-        if own:  # [openings, read_only, opened with settings of its own]
-            _own[key] = [mine[0] + 1, mine[1], mine[2]] if mine is not None else [1, read_only, config is not None]
+        read_only = read_only if was is None else was
+        if mine is not None:
+            mine[0] += 1
+        elif own:  # [openings, read_only, opened with settings of its own]
+            _own[key] = [1, read_only, config is not None]
         elif held is not None:
             held[2] += 1
         stale = _stale.pop(key, None)
